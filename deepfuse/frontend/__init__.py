@@ -1,0 +1,5 @@
+"""Capture: trace(fn, *specs) -> ir.Graph, and the `ops` namespace models use."""
+from . import ops
+from .tracer import Spec, Tracer, trace, trace_into
+
+__all__ = ["ops", "Spec", "Tracer", "trace", "trace_into"]

@@ -1,0 +1,80 @@
+"""The op namespace models are written against. Eager on tensors, recorded under trace.
+
+Shape contracts are those of the IR ops (see deepfuse/ir/opdefs_*.py).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from .tracer import apply
+
+
+def add(a: Any, b: Any) -> Any:
+    return apply("add", a, b)
+
+
+def mul(a: Any, b: Any) -> Any:
+    return apply("mul", a, b)
+
+
+def silu(x: Any) -> Any:
+    return apply("silu", x)
+
+
+def linear(x: Any, w: Any) -> Any:
+    """x[T,K], w[N,K] -> [T,N]."""
+    return apply("linear", x, w)
+
+
+def embedding(table: Any, ids: Any) -> Any:
+    """table[V,D], ids[T] -> [T,D]."""
+    return apply("embedding", table, ids)
+
+
+def split(x: Any, *, sizes: list[int], axis: int = -1) -> Any:
+    return apply("split", x, sizes=list(sizes), axis=axis)
+
+
+def concat(*xs: Any, axis: int = -1) -> Any:
+    return apply("concat", *xs, axis=axis)
+
+
+def cast(x: Any, *, dtype: str) -> Any:
+    return apply("cast", x, dtype=dtype)
+
+
+def swiglu(x: Any) -> Any:
+    """x[T,2I] = [gate | up] -> silu(gate) * up."""
+    return apply("swiglu", x)
+
+
+def rms_norm(x: Any, w: Any, *, eps: float) -> Any:
+    return apply("rms_norm", x, w, eps=float(eps))
+
+
+def rope(x: Any, positions: Any, *, head_dim: int, theta: float) -> Any:
+    """Rotate-half rotary embedding on each head of x[T,H*hd]."""
+    return apply("rope", x, positions, head_dim=head_dim, theta=float(theta))
+
+
+def attention(q: Any, k: Any, v: Any, kv_cache: Any, slot_mapping: Any, block_tables: Any,
+              seq_lens: Any, query_lens: Any, *, num_heads: int, num_kv_heads: int,
+              head_dim: int, scale: float, window: int = 0) -> Any:
+    """Paged-KV causal GQA attention; writes k/v into kv_cache[2,N,BS,Hkv,hd] first."""
+    return apply("attention", q, k, v, kv_cache, slot_mapping, block_tables, seq_lens,
+                 query_lens, num_heads=num_heads, num_kv_heads=num_kv_heads,
+                 head_dim=head_dim, scale=float(scale), window=window)
+
+
+def last_token(x: Any, query_lens: Any) -> Any:
+    return apply("last_token", x, query_lens)
+
+
+def logits(x: Any, w: Any, query_lens: Any) -> Any:
+    """fp32 [S,V] logits of each sequence's last token."""
+    return apply("logits", x, w, query_lens)
+
+
+def sample(logits: Any, temperature: Any, top_k: Any, top_p: Any, seeds: Any) -> Any:
+    """[S] i64 next tokens; greedy where temperature == 0."""
+    return apply("sample", logits, temperature, top_k, top_p, seeds)

@@ -1,0 +1,11 @@
+"""The typed IR: types, graphs, op registry, text format, verifier, interpreter."""
+from . import opdefs_basic, opdefs_llm  # noqa: F401  (registers the ops)
+from .graph import Graph, Node, Value
+from .interpret import interpret
+from .ops import OPS, OpDef, get_op
+from .text import parse_graph, print_graph
+from .types import DTYPES, TensorType, parse_type
+from .verify import VerifyError, verify
+
+__all__ = ["Graph", "Node", "Value", "interpret", "OPS", "OpDef", "get_op", "parse_graph",
+           "print_graph", "DTYPES", "TensorType", "parse_type", "VerifyError", "verify"]

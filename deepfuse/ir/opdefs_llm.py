@@ -1,0 +1,181 @@
+"""LLM semantic ops: rms_norm, rope, paged attention, last_token, logits, sample.
+
+Shapes: T tokens in the step, S sequences, H/Hkv query/kv heads, hd head dim,
+N cache blocks, BS block size, B max blocks per sequence, V vocab.
+The step's tokens are grouped by sequence: sequence s owns rows
+query_lens[s] consecutive rows after those of earlier sequences, and those rows are its *last* tokens, so
+their positions are seq_lens[s]-n .. seq_lens[s]-1.
+"""
+from __future__ import annotations
+
+import torch
+
+from .ops import decomposition, expect, register
+from .types import TensorType
+
+
+def _rms_norm_type(types: list[TensorType], attrs: dict) -> list[TensorType]:
+    x, w = types
+    expect(w.rank == 1 and x.shape[-1] == w.shape[0], f"rms_norm weight {w} does not fit {x}")
+    return [x]
+
+
+@register("rms_norm", _rms_norm_type)
+def rms_norm(x: torch.Tensor, w: torch.Tensor, *, eps: float) -> torch.Tensor:
+    """x[T,D] / rms(x) * w[D], computed in fp32."""
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return w * h.to(x.dtype)
+
+
+def _rope_type(types: list[TensorType], attrs: dict) -> list[TensorType]:
+    x, pos = types
+    expect(x.rank == 2 and x.shape[1] % attrs["head_dim"] == 0, f"rope wants x[T,H*hd]; got {x}")
+    expect(pos.rank == 1 and pos.dtype in ("i32", "i64"), f"rope positions must be integer [T]: {pos}")
+    return [x]
+
+
+def rope_cos_sin(pos: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin: [T, hd] fp32 for the rotate-half convention."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    freqs = pos.float()[:, None] * inv_freq[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos(), emb.sin()
+
+
+@register("rope", _rope_type)
+def rope(x: torch.Tensor, pos: torch.Tensor, *, head_dim: int, theta: float) -> torch.Tensor:
+    """Rotary embedding (rotate-half convention) on every head of x[T,H*hd]."""
+    t = x.shape[0]
+    cos, sin = rope_cos_sin(pos, head_dim, theta)
+    cos, sin = cos.to(x.dtype)[:, None, :], sin.to(x.dtype)[:, None, :]
+    h = x.view(t, -1, head_dim)
+    x1, x2 = h[..., : head_dim // 2], h[..., head_dim // 2:]
+    rotated = torch.cat((-x2, x1), dim=-1)
+    return (h * cos + rotated * sin).reshape(t, -1)
+
+
+def _attention_type(types: list[TensorType], attrs: dict) -> list[TensorType]:
+    q, k, v, cache, slots, tables, lens, qlens = types
+    h, hkv, hd = attrs["num_heads"], attrs["num_kv_heads"], attrs["head_dim"]
+    expect(q.shape[1:] == (h * hd,), f"attention q {q} does not match {h} heads of {hd}")
+    expect(k.shape[1:] == (hkv * hd,) and v.shape[1:] == (hkv * hd,), f"attention k/v {k}, {v} do not match {hkv} kv heads")
+    expect(h % hkv == 0, f"num_heads {h} not a multiple of num_kv_heads {hkv}")
+    expect(cache.rank == 5 and cache.shape[0] == 2 and cache.shape[3:] == (hkv, hd),
+           f"kv cache must be [2,N,BS,{hkv},{hd}], got {cache}")
+    expect(cache.dtype == k.dtype, f"kv cache dtype {cache.dtype} differs from k {k.dtype}")
+    expect(tables.rank == 2 and lens.rank == 1 and qlens.rank == 1, "block_tables[S,B], seq_lens[S], query_lens[S] expected")
+    return [q]
+
+
+def write_kv(cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
+    """Writes k/v rows [T, Hkv*hd] into cache[2,N,BS,Hkv,hd] at flat slots; slot < 0 skips."""
+    flat = cache.view(2, -1, cache.shape[3], cache.shape[4])
+    keep = slots >= 0
+    idx = slots[keep].long()
+    flat[0].index_copy_(0, idx, k[keep].view(-1, cache.shape[3], cache.shape[4]))
+    flat[1].index_copy_(0, idx, v[keep].view(-1, cache.shape[3], cache.shape[4]))
+
+
+def gather_kv(cache: torch.Tensor, table: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first `length` cached k and v of one sequence: each [length, Hkv, hd]."""
+    bs = cache.shape[2]
+    blocks = table[: (length + bs - 1) // bs].long()
+    kv = cache[:, blocks].reshape(2, -1, cache.shape[3], cache.shape[4])
+    return kv[0, :length], kv[1, :length]
+
+
+def causal_mask(n_query: int, length: int, window: int) -> torch.Tensor:
+    """[n_query, length] bool: query i (position length-n_query+i) may see key j."""
+    qpos = torch.arange(length - n_query, length)[:, None]
+    kpos = torch.arange(length)[None, :]
+    mask = kpos <= qpos
+    if window > 0:
+        mask &= kpos > qpos - window
+    return mask
+
+
+@register("attention", _attention_type, side_effect=True)
+def attention(q, k, v, kv_cache, slot_mapping, block_tables, seq_lens, query_lens, *,
+              num_heads: int, num_kv_heads: int, head_dim: int, scale: float, window: int = 0):
+    """Writes k/v into the paged cache, then causal (optionally sliding-window) GQA
+    attention of each sequence's new queries over its cached keys. q[T,H*hd] -> [T,H*hd]."""
+    write_kv(kv_cache, k, v, slot_mapping)
+    out = torch.zeros_like(q)
+    group = num_heads // num_kv_heads
+    ends = query_lens.cumsum(0).tolist()
+    for s, length in enumerate(seq_lens.tolist()):
+        a, b = ends[s] - int(query_lens[s]), ends[s]
+        if b == a:
+            continue
+        keys, vals = gather_kv(kv_cache, block_tables[s], length)
+        keys = keys.float().repeat_interleave(group, dim=1)
+        vals = vals.float().repeat_interleave(group, dim=1)
+        qs = q[a:b].float().view(b - a, num_heads, head_dim)
+        scores = torch.einsum("qhd,khd->hqk", qs, keys) * scale
+        scores.masked_fill_(~causal_mask(b - a, length, window), float("-inf"))
+        o = torch.einsum("hqk,khd->qhd", scores.softmax(-1), vals)
+        out[a:b] = o.reshape(b - a, -1).to(q.dtype)
+    return out
+
+
+def _last_token_type(types: list[TensorType], attrs: dict) -> list[TensorType]:
+    x, qlens = types
+    return [x.with_shape(qlens.shape[0], x.shape[1])]
+
+
+@register("last_token", _last_token_type)
+def last_token(x: torch.Tensor, query_lens: torch.Tensor) -> torch.Tensor:
+    """x[T,D] -> [S,D]: the last row of each sequence."""
+    return x.index_select(0, query_lens.cumsum(0) - 1)
+
+
+def _logits_type(types: list[TensorType], attrs: dict) -> list[TensorType]:
+    x, w, qlens = types
+    expect(x.shape[1] == w.shape[1], f"logits: hidden {x} does not fit head {w}")
+    return [TensorType("f32", (qlens.shape[0], w.shape[0]))]
+
+
+@register("logits", _logits_type)
+def logits(x: torch.Tensor, w: torch.Tensor, query_lens: torch.Tensor) -> torch.Tensor:
+    """fp32 logits [S,V] of each sequence's last token: last_token(x) @ w[V,D]^T."""
+    return torch.nn.functional.linear(last_token(x, query_lens), w).float()
+
+
+@decomposition("logits")
+def _logits_decomp(x, w, query_lens):
+    from ..frontend import ops
+
+    return ops.cast(ops.linear(ops.last_token(x, query_lens), w), dtype="f32")
+
+
+def _sample_type(types: list[TensorType], attrs: dict) -> list[TensorType]:
+    lg = types[0]
+    expect(lg.rank == 2 and lg.dtype == "f32", f"sample wants f32 logits[S,V], got {lg}")
+    return [TensorType("i64", (lg.shape[0],))]
+
+
+def filter_top_k_top_p(probs: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """Zeroes tokens outside the top-k and outside the smallest set with mass >= top_p. probs: [V]."""
+    if 0 < top_k < probs.numel():
+        kth = torch.topk(probs, top_k).values[-1]
+        probs = torch.where(probs >= kth, probs, torch.zeros_like(probs))
+    if top_p < 1.0:
+        sorted_p, order = probs.sort(descending=True)
+        before = sorted_p.cumsum(0) - sorted_p
+        sorted_p = torch.where(before < top_p * sorted_p.sum(), sorted_p, torch.zeros_like(sorted_p))
+        probs = torch.zeros_like(probs).scatter(0, order, sorted_p)
+    return probs
+
+
+@register("sample", _sample_type)
+def sample(logits, temperature, top_k, top_p, seeds):
+    """Next token per row of logits[S,V]: argmax where temperature == 0, else a draw
+    from softmax(logits/temperature) after top-k/top-p, keyed by seeds[S] alone."""
+    out = logits.argmax(-1)
+    for s in torch.nonzero(temperature > 0).flatten().tolist():
+        probs = (logits[s] / temperature[s]).softmax(-1)
+        probs = filter_top_k_top_p(probs, int(top_k[s]), float(top_p[s]))
+        gen = torch.Generator().manual_seed(int(seeds[s]))
+        out[s] = torch.multinomial(probs, 1, generator=gen)[0]
+    return out

@@ -1,0 +1,107 @@
+"""GGUF -> (LlamaConfig, HF-named fp32 weights), with the `gguf` package.
+
+Dequantizes every tensor and undoes llama.cpp's Q/K row permutation (its converter
+interleaves the two rotary halves of each head; we use the rotate-half layout).
+"""
+from __future__ import annotations
+
+import os
+import re
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from ..errors import DeepfuseError
+from .llama import LlamaConfig
+
+_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_LAYER = {
+    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+
+
+def open_gguf(path: str):
+    """A gguf.GGUFReader, or a DeepfuseError naming a missing, truncated or foreign file."""
+    import gguf
+
+    if not os.path.isfile(path):
+        raise DeepfuseError(f"GGUF file not found: {path}")
+    with open(path, "rb") as f:
+        if f.read(4) != b"GGUF":
+            raise DeepfuseError(f"{path} is not a GGUF file (bad magic); pass a .gguf model file")
+    try:
+        return gguf.GGUFReader(path)
+    except Exception as e:  # gguf raises assorted errors on short files
+        raise DeepfuseError(f"GGUF file {path} is truncated or corrupt ({type(e).__name__}: {e}); "
+                            "download it again") from None
+
+
+def field(reader, key: str, default=None):
+    f = reader.fields.get(key)
+    return default if f is None else f.contents()
+
+
+def config_from_gguf(reader) -> LlamaConfig:
+    arch = field(reader, "general.architecture")
+    if arch != "llama":
+        raise DeepfuseError(f"GGUF architecture {arch!r} is not supported yet (supported: llama)")
+    heads = int(field(reader, "llama.attention.head_count"))
+    hidden = int(field(reader, "llama.embedding_length"))
+    names = {t.name for t in reader.tensors}
+    vocab = field(reader, "llama.vocab_size") or len(reader.fields["tokenizer.ggml.tokens"].data)
+    return LlamaConfig(
+        vocab_size=int(vocab), hidden_size=hidden,
+        intermediate_size=int(field(reader, "llama.feed_forward_length")),
+        num_layers=int(field(reader, "llama.block_count")), num_heads=heads,
+        num_kv_heads=int(field(reader, "llama.attention.head_count_kv", heads)),
+        head_dim=int(field(reader, "llama.rope.dimension_count", hidden // heads)),
+        rope_theta=float(field(reader, "llama.rope.freq_base", 10000.0)),
+        rms_norm_eps=float(field(reader, "llama.attention.layer_norm_rms_epsilon")),
+        max_position=int(field(reader, "llama.context_length")),
+        tie_embeddings="output.weight" not in names,
+    )
+
+
+def unpermute_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """Inverse of llama.cpp's permute: interleaved rotary pairs -> rotate-half halves. w: [H*hd, K]."""
+    return w.reshape(n_heads, w.shape[0] // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def hf_name(name: str) -> str | None:
+    if name in _NAMES:
+        return _NAMES[name]
+    m = re.match(r"blk\.(\d+)\.(\w+)\.weight$", name)
+    if m and m.group(2) in _LAYER:
+        return f"model.layers.{m.group(1)}.{_LAYER[m.group(2)]}.weight"
+    return None
+
+
+def load_gguf(path: str) -> tuple[LlamaConfig, dict[str, torch.Tensor]]:
+    """Reads, dequantizes and renames every tensor. Returns fp32 weights."""
+    import gguf
+
+    reader = open_gguf(path)
+    config = config_from_gguf(reader)
+    weights: dict[str, torch.Tensor] = {}
+    for t in tqdm(reader.tensors, desc="loading GGUF weights", unit="tensor", leave=False):
+        name = hf_name(t.name)
+        if name is None:
+            continue
+        try:
+            data = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
+        except Exception as e:
+            raise DeepfuseError(f"GGUF tensor {t.name} in {path} cannot be read ({e}); the file is corrupt") from None
+        if name.endswith("q_proj.weight"):
+            data = unpermute_rows(data, config.num_heads)
+        elif name.endswith("k_proj.weight"):
+            data = unpermute_rows(data, config.num_kv_heads)
+        weights[name] = torch.from_numpy(np.array(data, dtype=np.float32, order="C"))
+    return config, weights

@@ -1,0 +1,97 @@
+"""Llama-family decoder (SmolLM2, Llama 2/3, Mistral-style), written once over frontend ops.
+
+`Llama(config, weights).step(...)` runs eagerly on torch tensors and records IR under
+`deepfuse.trace`. Weight names follow Hugging Face (`model.layers.{i}.self_attn.q_proj.weight`).
+This file owns the model's math only: no loading, no timing, no cache management.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+import torch
+
+from ..frontend import Spec, ops
+
+
+@dataclass(frozen=True)
+class LlamaConfig:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rope_theta: float
+    rms_norm_eps: float
+    max_position: int
+    tie_embeddings: bool
+    sliding_window: int = 0  # 0: full causal attention
+    family: str = "llama"
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @staticmethod
+    def from_dict(d: dict) -> LlamaConfig:
+        return LlamaConfig(**d)
+
+
+def step_specs(config: LlamaConfig, dtype: str) -> list[Spec]:
+    """Inputs of one engine step. T tokens, S sequences, B blocks per table, N blocks of BS slots."""
+    seq = [Spec(n, "i64", ("S",)) for n in ("seq_lens", "query_lens")]
+    sampling = [Spec("temperature", "f32", ("S",)), Spec("top_k", "i64", ("S",)),
+                Spec("top_p", "f32", ("S",)), Spec("seeds", "i64", ("S",))]
+    caches = [Spec(f"kv_cache.{i}", dtype, (2, "N", "BS", config.num_kv_heads, config.head_dim))
+              for i in range(config.num_layers)]
+    return [Spec("tokens", "i64", ("T",)), Spec("positions", "i64", ("T",)),
+            Spec("slot_mapping", "i64", ("T",)), Spec("block_tables", "i64", ("S", "B")),
+            *seq, *sampling, *caches]
+
+
+class Llama:
+    """weights: HF-named tensors, all of one float dtype."""
+
+    def __init__(self, config: LlamaConfig, weights: dict[str, torch.Tensor]):
+        self.config, self.weights = config, weights
+        missing = [n for n in self.weight_names() if n not in weights]
+        if missing:
+            raise ValueError(f"checkpoint lacks {len(missing)} weights, e.g. {missing[0]}")
+
+    def weight_names(self) -> list[str]:
+        c = self.config
+        names = ["model.embed_tokens.weight", "model.norm.weight"]
+        if not c.tie_embeddings:
+            names.append("lm_head.weight")
+        for i in range(c.num_layers):
+            p = f"model.layers.{i}."
+            names += [p + s + ".weight" for s in (
+                "input_layernorm", "post_attention_layernorm", "self_attn.q_proj", "self_attn.k_proj",
+                "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")]
+        return names
+
+    def step(self, tokens, positions, slot_mapping, block_tables, seq_lens, query_lens,
+             temperature, top_k, top_p, seeds, *kv_caches):
+        """tokens[T] -> (logits[S,V] f32, next_tokens[S] i64); writes k/v into kv_caches."""
+        c, w = self.config, self.weights
+        rope = dict(head_dim=c.head_dim, theta=c.rope_theta)
+        h = ops.embedding(w["model.embed_tokens.weight"], tokens)
+        for i in range(c.num_layers):
+            p = f"model.layers.{i}."
+            x = ops.rms_norm(h, w[p + "input_layernorm.weight"], eps=c.rms_norm_eps)
+            q = ops.rope(ops.linear(x, w[p + "self_attn.q_proj.weight"]), positions, **rope)
+            k = ops.rope(ops.linear(x, w[p + "self_attn.k_proj.weight"]), positions, **rope)
+            v = ops.linear(x, w[p + "self_attn.v_proj.weight"])
+            a = ops.attention(q, k, v, kv_caches[i], slot_mapping, block_tables, seq_lens, query_lens,
+                              num_heads=c.num_heads, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim,
+                              scale=1.0 / math.sqrt(c.head_dim), window=c.sliding_window)
+            h = ops.add(h, ops.linear(a, w[p + "self_attn.o_proj.weight"]))
+            x = ops.rms_norm(h, w[p + "post_attention_layernorm.weight"], eps=c.rms_norm_eps)
+            gate = ops.silu(ops.linear(x, w[p + "mlp.gate_proj.weight"]))
+            up = ops.linear(x, w[p + "mlp.up_proj.weight"])
+            h = ops.add(h, ops.linear(ops.mul(gate, up), w[p + "mlp.down_proj.weight"]))
+        h = ops.rms_norm(h, w["model.norm.weight"], eps=c.rms_norm_eps)
+        head = w["model.embed_tokens.weight"] if c.tie_embeddings else w["lm_head.weight"]
+        logits = ops.logits(h, head, query_lens)
+        return logits, ops.sample(logits, temperature, top_k, top_p, seeds)

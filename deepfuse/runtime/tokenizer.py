@@ -1,0 +1,84 @@
+"""Tokenizer: a `tokenizers.Tokenizer` plus special ids and the chat template.
+
+Built once from GGUF metadata or a HF directory (through transformers' converter),
+then stored in artifacts as tokenizer.json + tokenizer_config.json, which load fast.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+
+from tokenizers import Tokenizer as HFTokenizer
+
+from ..errors import DeepfuseError
+
+
+@dataclass
+class Tokenizer:
+    backend: HFTokenizer
+    bos_id: int | None
+    eos_ids: list[int]
+    add_bos: bool = False
+    chat_template: str | None = None
+    special: dict[str, str] = field(default_factory=dict)  # bos_token/eos_token strings for templates
+
+    def encode(self, text: str) -> list[int]:
+        ids = self.backend.encode(text, add_special_tokens=False).ids
+        if self.add_bos and self.bos_id is not None:
+            ids = [self.bos_id] + ids
+        return ids
+
+    def decode(self, ids: list[int]) -> str:
+        return self.backend.decode(ids, skip_special_tokens=True)
+
+    def render_chat(self, messages: list[dict[str, str]]) -> str:
+        """Applies the model's chat template with a generation prompt."""
+        if not self.chat_template:
+            raise DeepfuseError("this model has no chat template; use --no-chat")
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        return env.from_string(self.chat_template).render(
+            messages=messages, add_generation_prompt=True, **self.special)
+
+    def save(self, directory: str) -> list[str]:
+        self.backend.save(os.path.join(directory, "tokenizer.json"))
+        cfg = {"bos_id": self.bos_id, "eos_ids": self.eos_ids, "add_bos": self.add_bos,
+               "chat_template": self.chat_template, "special": self.special}
+        with open(os.path.join(directory, "tokenizer_config.json"), "w") as f:
+            json.dump(cfg, f, indent=1)
+        return ["tokenizer.json", "tokenizer_config.json"]
+
+    @staticmethod
+    def load(directory: str) -> Tokenizer:
+        with open(os.path.join(directory, "tokenizer_config.json")) as f:
+            cfg = json.load(f)
+        return Tokenizer(HFTokenizer.from_file(os.path.join(directory, "tokenizer.json")), **cfg)
+
+    @staticmethod
+    def from_transformers(tok, chat_template: str | None) -> Tokenizer:
+        """From a transformers fast tokenizer (as AutoTokenizer builds from GGUF or a directory)."""
+        eos = tok.eos_token_id
+        special = {k: getattr(tok, k) for k in ("bos_token", "eos_token") if getattr(tok, k, None)}
+        return Tokenizer(tok.backend_tokenizer, tok.bos_token_id, [eos] if eos is not None else [],
+                         add_bos=bool(getattr(tok, "add_bos_token", False)),
+                         chat_template=chat_template, special=special)
+
+
+def tokenizer_from_gguf(path: str, reader) -> Tokenizer:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(os.path.dirname(os.path.abspath(path)), gguf_file=os.path.basename(path))
+    f = reader.fields.get("tokenizer.chat_template")
+    out = Tokenizer.from_transformers(tok, f.contents() if f is not None else None)
+    add_bos = reader.fields.get("tokenizer.ggml.add_bos_token")
+    out.add_bos = bool(add_bos.contents()) if add_bos is not None else out.add_bos
+    return out
+
+
+def tokenizer_from_hf_dir(path: str) -> Tokenizer:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(path)
+    return Tokenizer.from_transformers(tok, getattr(tok, "chat_template", None))

@@ -1,0 +1,74 @@
+"""CompiledModel (an artifact in memory) and its writer.
+
+Directory layout:
+    manifest.json        format/deepfuse version, target, dtype, model config, pass ids, sha256 of every file
+    graph.ir             the final IR as text
+    plan.json            the target's launch plan
+    weights.safetensors  params of the final graph
+    tokenizer.json, tokenizer_config.json
+Data only: no pickle, no code.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass, field
+
+from safetensors.torch import save_file
+
+from .. import __version__
+from ..ir import Graph, print_graph
+from ..models.llama import LlamaConfig
+from ..runtime.tokenizer import Tokenizer
+from .targets import Runner
+
+FORMAT_VERSION = 1
+
+
+def sha256_file(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 22), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+@dataclass
+class CompiledModel:
+    graph: Graph
+    plan: dict
+    target: str
+    dtype: str
+    config: LlamaConfig
+    tokenizer: Tokenizer | None
+    runner: Runner
+    passes: list[dict] = field(default_factory=list)  # [{name, id, seconds, nodes_before, nodes_after}]
+
+    def __call__(self, inputs: dict) -> list:
+        return self.runner(inputs)
+
+    def save(self, directory: str) -> str:
+        """Writes the artifact directory; returns its path."""
+        os.makedirs(directory, exist_ok=True)
+        files = ["graph.ir", "plan.json", "weights.safetensors"]
+        with open(os.path.join(directory, "graph.ir"), "w") as f:
+            f.write(print_graph(self.graph))
+        with open(os.path.join(directory, "plan.json"), "w") as f:
+            json.dump(self.plan, f)
+        weights = {k: v.contiguous() for k, v in self.graph.weights.items()}
+        save_file(weights, os.path.join(directory, "weights.safetensors"))
+        if self.tokenizer is not None:
+            files += self.tokenizer.save(directory)
+        manifest = {
+            "format_version": FORMAT_VERSION,
+            "deepfuse_version": __version__,
+            "target": self.target,
+            "dtype": self.dtype,
+            "model": {"family": self.config.family, "config": self.config.to_dict()},
+            "passes": [{"name": p["name"], "id": p["id"]} for p in self.passes],
+            "files": {name: sha256_file(os.path.join(directory, name)) for name in files},
+        }
+        with open(os.path.join(directory, "manifest.json"), "w") as f:
+            json.dump(manifest, f, indent=1)
+        return directory

@@ -1,0 +1,55 @@
+"""CPU executor: binds a launch plan to kernels and weights; runs one step per call.
+
+Loading runs no compiler: kernels are looked up by op name. The executor holds no
+per-request state; the kv cache tensors arrive as step inputs.
+"""
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from .kernels import make_kernel
+
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
+
+
+def keep_freed_memory() -> bool:
+    """Tells glibc malloc to keep freed activations for reuse instead of returning them
+    to the OS (which costs page faults every step). Returns False off glibc."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        return bool(libc.mallopt(M_MMAP_THRESHOLD, 1 << 30)) and bool(libc.mallopt(M_TRIM_THRESHOLD, (1 << 31) - 1))
+    except (OSError, AttributeError):
+        return False
+
+
+ALLOCATOR_TUNED = keep_freed_memory()
+
+
+class CpuExecutor:
+    def __init__(self, plan: dict, weights: dict[str, torch.Tensor]):
+        self.num_slots = plan["num_slots"]
+        self.inputs = plan["inputs"]
+        self.outputs = plan["outputs"]
+        self.base: list = [None] * self.num_slots
+        for name, s in plan["params"].items():
+            self.base[s] = weights[name]
+        self.launches = [(make_kernel(p["op"], p["attrs"]), p["in"], p["out"], p["free"])
+                         for p in plan["launches"]]
+
+    @torch.inference_mode()
+    def __call__(self, inputs: dict[str, torch.Tensor]) -> list[torch.Tensor]:
+        env = list(self.base)
+        for name, s in self.inputs.items():
+            env[s] = inputs[name]
+        for kernel, ins, outs, frees in self.launches:
+            res = kernel(*[env[i] for i in ins])
+            if len(outs) == 1:
+                env[outs[0]] = res
+            else:
+                for s, t in zip(outs, res):
+                    env[s] = t
+            for s in frees:
+                env[s] = None
+        return [env[s] for s in self.outputs]

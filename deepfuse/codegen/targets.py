@@ -1,0 +1,47 @@
+"""Target registry. A target names its lowering passes, the ops it has kernels for,
+how it turns a final graph into launch data, and how it runs that data.
+
+Adding a target touches only its own folder plus one line here.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from ..errors import DeepfuseError
+from ..ir import Graph
+from ..passes import Pass, cleanup_passes, fusion_passes
+from ..passes.decompose import decompose_unsupported
+
+Runner = Callable[[dict[str, torch.Tensor]], list[torch.Tensor]]
+
+
+@dataclass(frozen=True)
+class Target:
+    name: str
+    description: str
+    kernels: frozenset[str]
+    build: Callable[[Graph], dict]  # final graph -> launch plan (JSON-able)
+    runner: Callable[[dict, dict[str, torch.Tensor]], Runner]  # (plan, weights) -> step function
+
+    def pipeline(self, fuse: bool = True) -> list[Pass]:
+        passes = cleanup_passes() + (fusion_passes() if fuse else [])
+        return passes + [Pass("decompose_unsupported", decompose_unsupported(set(self.kernels)))]
+
+
+def _cpu() -> Target:
+    from ..ir import OPS
+    from .cpu import CpuExecutor, build_plan
+
+    return Target("cpu", "this machine's CPU, torch kernels", frozenset(OPS), build_plan, CpuExecutor)
+
+
+TARGETS: dict[str, Callable[[], Target]] = {"cpu": _cpu}
+
+
+def get_target(name: str) -> Target:
+    if name not in TARGETS:
+        raise DeepfuseError(f"unknown target {name!r} (available: {', '.join(sorted(TARGETS))})")
+    return TARGETS[name]()

@@ -1,0 +1,39 @@
+"""compile(): model -> traced graph -> passes -> target launch data -> CompiledModel."""
+from __future__ import annotations
+
+from tqdm import tqdm
+
+from .codegen import get_target
+from .codegen.artifact import CompiledModel
+from .errors import DeepfuseError
+from .frontend import trace
+from .ir import DTYPES
+from .models import Llama, load_model, step_specs
+from .passes import PassManager
+from .runtime.tokenizer import Tokenizer
+
+
+def trace_model(model: Llama, dtype: str = "f32"):
+    """The model's step graph with weights cast to `dtype`."""
+    if dtype not in ("f32", "bf16", "f16"):
+        raise DeepfuseError(f"unsupported dtype {dtype!r} (use f32, bf16 or f16)")
+    weights = {k: v.to(DTYPES[dtype]) for k, v in model.weights.items()}
+    cast = Llama(model.config, weights)
+    return trace(cast.step, *step_specs(model.config, dtype), weights=weights, name=model.config.family)
+
+
+def compile(model: str | Llama, target: str = "cpu", dtype: str = "f32", fuse: bool = True,
+            dump_dir: str | None = None, tokenizer: Tokenizer | None = None) -> CompiledModel:
+    """Compiles `model` (a name/path that load_model accepts, or a Llama) for `target`."""
+    tgt = get_target(target)
+    if isinstance(model, str):
+        model, tokenizer = load_model(model)
+    with tqdm(total=3, desc=f"compiling for {target}", leave=False) as bar:
+        graph = trace_model(model, dtype)
+        bar.update()
+        graph, reports = PassManager(tgt.pipeline(fuse)).run(graph, dump_dir)
+        bar.update()
+        plan = tgt.build(graph)
+        bar.update()
+    passes = [vars(r) for r in reports]
+    return CompiledModel(graph, plan, target, dtype, model.config, tokenizer, tgt.runner(plan, graph.weights), passes)

@@ -1,0 +1,41 @@
+"""LLM: the offline-inference face. `LLM("smollm2").generate(["Hi"], SamplingParams(...))`."""
+from __future__ import annotations
+
+import os
+
+from ..errors import DeepfuseError
+from .engine import Engine, RequestOutput, SamplingParams
+from .kv_cache import CacheConfig
+
+
+class LLM:
+    """model: a model name/path (compiled now) or an artifact directory (loaded, not recompiled)."""
+
+    def __init__(self, model: str = "smollm2", target: str = "cpu", dtype: str = "f32",
+                 block_size: int = 16, num_blocks: int = 1024, max_num_tokens: int = 2048):
+        from ..compiler import compile
+        from .loader import load
+
+        if os.path.isfile(os.path.join(model, "manifest.json")):
+            self.model = load(model)
+        else:
+            self.model = compile(model, target=target, dtype=dtype)
+        if self.model.tokenizer is None:
+            raise DeepfuseError("this model has no tokenizer; pass token ids to Engine.generate instead")
+        self.tokenizer = self.model.tokenizer
+        self.engine = Engine(self.model, CacheConfig(block_size, num_blocks), max_num_tokens)
+
+    def generate(self, prompts: str | list[str] | list[list[int]],
+                 params: SamplingParams | list[SamplingParams] | None = None, on_token=None) -> list[RequestOutput]:
+        if isinstance(prompts, str):
+            prompts = [prompts]
+        ids = [self.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts]
+        params = params or SamplingParams()
+        plist = params if isinstance(params, list) else [params] * len(ids)
+        if len(plist) != len(ids):
+            raise DeepfuseError(f"{len(plist)} SamplingParams for {len(ids)} prompts")
+        return self.engine.generate(ids, plist, on_token)
+
+    def chat(self, message: str, params: SamplingParams | None = None, on_token=None) -> RequestOutput:
+        prompt = self.tokenizer.render_chat([{"role": "user", "content": message}])
+        return self.generate([prompt], params, on_token)[0]

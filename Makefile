@@ -23,7 +23,7 @@ run: setup
 	$(BIN)/deepfuse generate --no-chat --max-tokens 24 --temperature 0 "The three primary colors are"
 
 test: setup-dev
-	$(BIN)/python -m pytest -q -ra tests; rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; exit 1; fi; exit $$rc
+	$(BIN)/python -m pytest -q -ra tests; rc=$$?; if [ $$rc -eq 5 ]; then echo "pytest collected no tests (exit 5)"; rc=0; fi; exit $$rc
 
 lint: setup-dev
 	$(BIN)/ruff check deepfuse tests benchmarks

@@ -1,0 +1,27 @@
+"""Test helpers: run a step function greedily over a fresh paged cache."""
+from __future__ import annotations
+
+import torch
+
+from deepfuse.models import step_specs
+from deepfuse.runtime.batch import SeqChunk, build_step
+from deepfuse.runtime.kv_cache import CacheConfig, KVCache
+
+
+def greedy_with(step, config, prompt: list[int], n: int, dtype=torch.float32, block_size: int = 4):
+    """step(inputs: dict) -> (logits, next). Returns (tokens, first-step logits)."""
+    cache = KVCache(config.num_layers, config.num_kv_heads, config.head_dim, dtype,
+                    CacheConfig(block_size=block_size, num_blocks=256))
+    seq, blocks, start, out, first = list(prompt), [], 0, [], None
+    for _ in range(n):
+        logits, nxt = step(build_step([SeqChunk(seq[start:], start, blocks)], cache))
+        first = logits if first is None else first
+        start = len(seq)
+        seq.append(int(nxt[0]))
+        out.append(int(nxt[0]))
+    return out, first
+
+
+def eager_step(model):
+    names = [s.name for s in step_specs(model.config, "f32")]
+    return lambda inputs: model.step(*[inputs[k] for k in names])

@@ -43,7 +43,7 @@ def _generate(args: argparse.Namespace) -> None:
     from .runtime.engine import SamplingParams
     from .runtime.llm import LLM
 
-    llm = LLM(args.artifact) if args.artifact else LLM(args.model, dtype=args.dtype)
+    llm = LLM(artifact=args.artifact) if args.artifact else LLM(args.model, dtype=args.dtype)
     tok = llm.tokenizer
     prompt = args.prompt if args.no_chat else tok.render_chat([{"role": "user", "content": args.prompt}])
     params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,

@@ -25,3 +25,19 @@ def greedy_with(step, config, prompt: list[int], n: int, dtype=torch.float32, bl
 def eager_step(model):
     names = [s.name for s in step_specs(model.config, "f32")]
     return lambda inputs: model.step(*[inputs[k] for k in names])
+
+
+def hf_greedy(hf_model, prompt: list[int], n: int):
+    """transformers' own forward, greedy, EOS not special. Returns (tokens, first-step logits [V])."""
+    ids = torch.tensor([prompt])
+    out, first, past = [], None, None
+    with torch.no_grad():
+        for _ in range(n):
+            res = hf_model(ids, past_key_values=past, use_cache=True)
+            past = res.past_key_values
+            logits = res.logits[0, -1]
+            first = logits if first is None else first
+            nxt = int(logits.argmax())
+            out.append(nxt)
+            ids = torch.tensor([[nxt]])
+    return out, first

@@ -9,15 +9,17 @@ from .kv_cache import CacheConfig
 
 
 class LLM:
-    """model: a model name/path (compiled now) or an artifact directory (loaded, not recompiled)."""
+    """model: a model name/path (compiled now) or an artifact directory; artifact: an
+    artifact directory (loaded and verified, never recompiled)."""
 
     def __init__(self, model: str = "smollm2", target: str = "cpu", dtype: str = "f32",
-                 block_size: int = 16, num_blocks: int = 1024, max_num_tokens: int = 2048):
+                 block_size: int = 16, num_blocks: int = 1024, max_num_tokens: int = 2048,
+                 artifact: str | None = None):
         from ..compiler import compile
         from .loader import load
 
-        if os.path.isfile(os.path.join(model, "manifest.json")):
-            self.model = load(model)
+        if artifact is not None or os.path.isfile(os.path.join(model, "manifest.json")):
+            self.model = load(artifact or model)
         else:
             self.model = compile(model, target=target, dtype=dtype)
         if self.model.tokenizer is None:

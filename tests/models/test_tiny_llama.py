@@ -5,6 +5,7 @@ import deepfuse
 from deepfuse.compiler import trace_model
 from deepfuse.ir import interpret
 from tests.helpers import eager_step, greedy_with
+from tests.helpers import hf_greedy as hf_greedy_loop
 
 PROMPT = [3, 14, 15, 92, 65, 35, 89, 79]
 
@@ -12,12 +13,7 @@ PROMPT = [3, 14, 15, 92, 65, 35, 89, 79]
 def hf_greedy(tiny_dir, n):
     from transformers import LlamaForCausalLM
 
-    hf = LlamaForCausalLM.from_pretrained(tiny_dir).eval()
-    ids = torch.tensor([PROMPT])
-    with torch.no_grad():
-        first = hf(ids).logits[0, -1]
-        out = hf.generate(ids, max_new_tokens=n, do_sample=False, min_new_tokens=n)
-    return out[0, len(PROMPT):].tolist(), first
+    return hf_greedy_loop(LlamaForCausalLM.from_pretrained(tiny_dir).eval(), PROMPT, n)
 
 
 def test_parity_with_transformers_through_compiled_path(tiny_dir, tiny_model):

@@ -1,0 +1,111 @@
+"""The CLI: bad input gets one line on stderr and exit code 2; good input streams text."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from deepfuse.cli import main
+from deepfuse.models import smollm2_gguf_path
+
+
+def run_main(capsys, *argv):
+    rc = main(list(argv))
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def last_line(err: str) -> str:
+    return [ln for ln in err.splitlines() if ln.strip()][-1]
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["generate", "--model", "nope", "hi"], "error: unknown model 'nope'"),
+    (["generate", "--model", "/no/such/model.gguf", "hi"], "error: GGUF file not found: /no/such/model.gguf"),
+    (["compile", "--target", "tpu9", "-o", "/tmp/x"], "error: unknown target 'tpu9' (available: cpu)"),
+    (["generate", "--artifact", "/no/such/dir", "hi"], "error: artifact directory not found"),
+])
+def test_bad_input_one_line_exit_2(capsys, argv, message):
+    rc, out, err = run_main(capsys, *argv)
+    assert rc == 2 and out == ""
+    assert last_line(err).startswith(message)
+    assert "Traceback" not in err
+
+
+def test_truncated_gguf(capsys, tmp_path):
+    data = open(smollm2_gguf_path(), "rb").read()
+    bad = tmp_path / "trunc.gguf"
+    bad.write_bytes(data[: len(data) // 3])
+    rc, _, err = run_main(capsys, "generate", "--model", str(bad), "hi")
+    assert rc == 2 and "is truncated or corrupt" in last_line(err)
+    notgguf = tmp_path / "x.gguf"
+    notgguf.write_bytes(b"hello world")
+    rc, _, err = run_main(capsys, "generate", "--model", str(notgguf), "hi")
+    assert rc == 2 and "is not a GGUF file" in last_line(err)
+
+
+@pytest.fixture(scope="module")
+def artifact_dir(tmp_path_factory):
+    out = tmp_path_factory.mktemp("art") / "smollm2-cpu"
+    assert main(["compile", "--model", "smollm2", "--target", "cpu", "-o", str(out)]) == 0
+    return out
+
+
+def test_generate_from_artifact_and_prompt_too_long(capsys, artifact_dir):
+    rc, out, err = run_main(capsys, "generate", "--artifact", str(artifact_dir), "--no-chat", "--max-tokens", "8",
+                            "The three primary colors are")
+    assert rc == 0 and out == " the primary colors of the RGB color model\n"
+    assert "compiling" not in err  # loaded, not recompiled
+    rc, out, err = run_main(capsys, "generate", "--artifact", str(artifact_dir), "--no-chat", "word " * 9000)
+    assert rc == 2 and out == "" and "exceeds the context of 8192 tokens" in last_line(err)
+    rc, _, err = run_main(capsys, "generate", "--artifact", str(artifact_dir), "--temperature", "-1", "hi")
+    assert rc == 2 and "temperature must be >= 0" in last_line(err)
+
+
+def test_tampered_and_foreign_artifacts_refused(capsys, artifact_dir, tmp_path):
+    import shutil
+
+    import deepfuse
+    from deepfuse.errors import DeepfuseError
+
+    def copy(name):
+        d = tmp_path / name
+        shutil.copytree(artifact_dir, d)
+        return d
+
+    d = copy("tampered")
+    with open(d / "plan.json", "a") as f:
+        f.write(" ")
+    with pytest.raises(DeepfuseError, match="plan.json does not match its sha256"):
+        deepfuse.load(str(d))
+    d = copy("missing")
+    os.remove(d / "weights.safetensors")
+    with pytest.raises(DeepfuseError, match="missing weights.safetensors"):
+        deepfuse.load(str(d))
+    for key, value, msg in [("deepfuse_version", "0.0.1", "built by deepfuse 0.0.1"),
+                            ("format_version", 99, "format version 99"),
+                            ("target", "sm100", "is for target 'sm100', not 'cpu'")]:
+        d = copy(key)
+        m = json.loads((d / "manifest.json").read_text())
+        m[key] = value
+        (d / "manifest.json").write_text(json.dumps(m))
+        with pytest.raises(DeepfuseError, match=msg):
+            deepfuse.load(str(d), target="cpu")
+    m = json.loads((artifact_dir / "manifest.json").read_text())
+    assert m["target"] == "cpu" and len(m["passes"]) >= 6 and set(m["files"]) >= {"graph.ir", "weights.safetensors"}
+
+
+def test_subprocess_error_has_no_traceback():
+    r = subprocess.run([sys.executable, "-m", "deepfuse.cli", "compile", "--target", "nope", "-o", "/tmp/x"],
+                       capture_output=True, text=True)
+    assert r.returncode == 2 and r.stderr.strip() == "error: unknown target 'nope' (available: cpu)"
+
+
+def test_ir_dump_dir(capsys, tmp_path):
+    rc, out, err = run_main(capsys, "ir", "--dump-dir", str(tmp_path / "ir"))
+    assert rc == 0
+    files = os.listdir(tmp_path / "ir")
+    assert "03-fuse_sibling_linears.after.ir" in files
+    after = (tmp_path / "ir" / "05-fuse_swiglu.after.ir").read_text()
+    assert after.count("= swiglu(") == 30

@@ -69,12 +69,10 @@ def _attention_type(types: list[TensorType], attrs: dict) -> list[TensorType]:
 
 
 def write_kv(cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
-    """Writes k/v rows [T, Hkv*hd] into cache[2,N,BS,Hkv,hd] at flat slots; slot < 0 skips."""
+    """Writes k/v rows [T, Hkv*hd] into cache[2,N,BS,Hkv,hd] at flat slots[T] (each in [0, N*BS))."""
     flat = cache.view(2, -1, cache.shape[3], cache.shape[4])
-    keep = slots >= 0
-    idx = slots[keep].long()
-    flat[0].index_copy_(0, idx, k[keep].view(-1, cache.shape[3], cache.shape[4]))
-    flat[1].index_copy_(0, idx, v[keep].view(-1, cache.shape[3], cache.shape[4]))
+    flat[0].index_copy_(0, slots, k.reshape(-1, cache.shape[3], cache.shape[4]))
+    flat[1].index_copy_(0, slots, v.reshape(-1, cache.shape[3], cache.shape[4]))
 
 
 def gather_kv(cache: torch.Tensor, table: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -9,7 +9,7 @@ import ctypes
 
 import torch
 
-from .kernels import make_kernel
+from .kernels import PACKED_KERNELS, can_prepack, make_kernel, prepack_linear_weight
 
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
 
@@ -28,15 +28,32 @@ ALLOCATOR_TUNED = keep_freed_memory()
 
 
 class CpuExecutor:
-    def __init__(self, plan: dict, weights: dict[str, torch.Tensor]):
+    """plan: see plan.py; weights: the final graph's params by name. prepack: give
+    projection weights oneDNN's blocked layout once at load (about 2x faster GEMV)."""
+
+    def __init__(self, plan: dict, weights: dict[str, torch.Tensor], prepack: bool = True):
         self.num_slots = plan["num_slots"]
         self.inputs = plan["inputs"]
         self.outputs = plan["outputs"]
         self.base: list = [None] * self.num_slots
         for name, s in plan["params"].items():
             self.base[s] = weights[name]
-        self.launches = [(make_kernel(p["op"], p["attrs"]), p["in"], p["out"], p["free"])
-                         for p in plan["launches"]]
+        packed: dict[int, int] = {}  # param slot -> slot of its packed copy
+        self.launches = []
+        for p in plan["launches"]:
+            ins = list(p["in"])
+            kernel = make_kernel(p["op"], p["attrs"])
+            if prepack and p["op"] in PACKED_KERNELS and ins[1] in self.base_params(plan) and can_prepack():
+                if ins[1] not in packed:
+                    packed[ins[1]] = len(self.base)
+                    self.base.append(prepack_linear_weight(self.base[ins[1]]))
+                ins[1] = packed[ins[1]]
+                kernel = PACKED_KERNELS[p["op"]]
+            self.launches.append((kernel, ins, p["out"], p["free"]))
+
+    @staticmethod
+    def base_params(plan: dict) -> set[int]:
+        return set(plan["params"].values())
 
     @torch.inference_mode()
     def __call__(self, inputs: dict[str, torch.Tensor]) -> list[torch.Tensor]:

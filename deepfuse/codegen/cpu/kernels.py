@@ -39,6 +39,28 @@ def _linear(attrs: dict) -> Kernel:
     return F.linear
 
 
+def can_prepack() -> bool:
+    return torch.backends.mkldnn.is_available()
+
+
+def prepack_linear_weight(w: torch.Tensor) -> torch.Tensor:
+    """w[N,K] in oneDNN's blocked layout, for packed_linear."""
+    return torch.ops.mkldnn._reorder_linear_weight(w, 1)
+
+
+def packed_linear(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+    """x[T,K] @ w^T with w prepacked by prepack_linear_weight -> [T,N]."""
+    return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+
+
+def packed_logits(x: torch.Tensor, packed: torch.Tensor, query_lens: torch.Tensor) -> torch.Tensor:
+    last = x if x.shape[0] == query_lens.shape[0] else x.index_select(0, query_lens.cumsum(0) - 1)
+    return packed_linear(last, packed).float()
+
+
+PACKED_KERNELS = {"linear": packed_linear, "logits": packed_logits}
+
+
 @factory("embedding")
 def _embedding(attrs: dict) -> Kernel:
     return lambda table, ids: F.embedding(ids, table)
@@ -67,31 +89,44 @@ def _swiglu(attrs: dict) -> Kernel:
 @factory("rms_norm")
 def _rms_norm(attrs: dict) -> Kernel:
     eps = attrs["eps"]
+    return lambda x, w: F.rms_norm(x, (x.shape[-1],), w, eps)  # accumulates in fp32 for bf16/f16
 
-    def rms_norm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.float32:
-            return F.rms_norm(x, (x.shape[-1],), w, eps)
-        h = x.float()
-        return w * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
-    return rms_norm
+class RopeTables:
+    """cos and sign-folded sin rows for the step's positions, shared by every rope launch
+    of one step (all layers see the same positions tensor)."""
+
+    def __init__(self, head_dim: int, theta: float):
+        self.hd, self.theta = head_dim, theta
+        self.full: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.last: tuple[torch.Tensor, torch.dtype, tuple[torch.Tensor, torch.Tensor]] | None = None
+
+    def rows(self, pos: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.last is not None and self.last[0] is pos and self.last[1] == dtype:
+            return self.last[2]
+        full = self.full.get(dtype)
+        top = int(pos.max())
+        if full is None or full[0].shape[0] <= top:
+            cos, sin = rope_cos_sin(torch.arange(max(4096, 2 * top + 1)), self.hd, self.theta)
+            # rotate_half(x) * sin == swap_halves(x) * [-sin | sin]
+            sin = torch.cat((-sin[:, : self.hd // 2], sin[:, self.hd // 2:]), dim=-1)
+            full = self.full[dtype] = (cos.to(dtype), sin.to(dtype))
+        rows = (full[0][pos][:, None, :], full[1][pos][:, None, :])
+        self.last = (pos, dtype, rows)
+        return rows
+
+
+_ROPE_TABLES: dict[tuple[int, float], RopeTables] = {}
 
 
 @factory("rope")
 def _rope(attrs: dict) -> Kernel:
-    hd, theta = attrs["head_dim"], attrs["theta"]
-    table: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}
+    hd = attrs["head_dim"]
+    tables = _ROPE_TABLES.setdefault((hd, attrs["theta"]), RopeTables(hd, attrs["theta"]))
 
     def rope(x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-        cached = table.get(x.dtype)
-        if cached is None or cached[0].shape[0] <= int(pos.max()):
-            n = max(4096, 2 * int(pos.max()) + 1)
-            cos, sin = rope_cos_sin(torch.arange(n), hd, theta)
-            # sign-folded sin: rotate_half(x) * sin == x_swapped * [-sin | sin]
-            sin = torch.cat((-sin[:, : hd // 2], sin[:, hd // 2:]), dim=-1)
-            cached = table[x.dtype] = (cos.to(x.dtype), sin.to(x.dtype))
+        cos, sin = tables.rows(pos, x.dtype)
         t = x.shape[0]
-        cos, sin = cached[0][pos][:, None, :], cached[1][pos][:, None, :]
         h = x.reshape(t, -1, hd)
         swapped = torch.cat((h[..., hd // 2:], h[..., : hd // 2]), dim=-1)
         return torch.addcmul(h * cos, swapped, sin).reshape(t, -1)
@@ -102,7 +137,14 @@ def _rope(attrs: dict) -> Kernel:
 @factory("attention")
 def _attention(attrs: dict) -> Kernel:
     h, hkv, hd = attrs["num_heads"], attrs["num_kv_heads"], attrs["head_dim"]
-    scale, window = attrs["scale"], attrs.get("window", 0)
+    scale, window, group = attrs["scale"], attrs.get("window", 0), attrs["num_heads"] // attrs["num_kv_heads"]
+
+    def decode_one(q1: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor) -> torch.Tensor:
+        """One query row [H*hd] over keys/vals [L,Hkv,hd]: grouped bmm in fp32 (CPU bf16
+        bmm at these sizes is ~4x slower than converting and using fp32)."""
+        qg = q1.view(hkv, group, hd).float()
+        scores = torch.bmm(qg, keys.float().permute(1, 2, 0)).mul_(scale)
+        return torch.bmm(scores.softmax(-1), vals.float().transpose(0, 1)).reshape(h * hd)
 
     def attention(q, k, v, cache, slots, tables, seq_lens, query_lens):
         write_kv(cache, k, v, slots)
@@ -112,12 +154,16 @@ def _attention(attrs: dict) -> Kernel:
         for s, (length, n) in enumerate(zip(lens, qlens)):
             if n == 0:
                 continue
+            first = max(0, length - window) if (n == 1 and window) else 0
             keys, vals = gather_kv(cache, tables[s], length)
-            qs = q[a:a + n].reshape(n, h, hd).transpose(0, 1)
-            mask = None if (n == 1 and (window == 0 or length <= window)) else causal_mask(n, length, window)
-            o = F.scaled_dot_product_attention(qs, keys.transpose(0, 1), vals.transpose(0, 1),
-                                               attn_mask=mask, scale=scale, enable_gqa=h != hkv)
-            out[a:a + n] = o.transpose(0, 1).reshape(n, h * hd)
+            if n == 1:
+                out[a] = decode_one(q[a], keys[first:], vals[first:])
+            else:
+                qs = q[a:a + n].reshape(n, h, hd).transpose(0, 1)
+                o = F.scaled_dot_product_attention(qs, keys.transpose(0, 1), vals.transpose(0, 1),
+                                                   attn_mask=causal_mask(n, length, window), scale=scale,
+                                                   enable_gqa=h != hkv)
+                out[a:a + n] = o.transpose(0, 1).reshape(n, h * hd)
             a += n
         return out
 

@@ -7,11 +7,11 @@
 """
 __version__ = "0.1.0"
 
-from .compiler import compile  # noqa: E402
-from .errors import DeepfuseError  # noqa: E402
-from .frontend import Spec, trace  # noqa: E402
-from .runtime.engine import RequestOutput, SamplingParams  # noqa: E402
-from .runtime.llm import LLM  # noqa: E402
-from .runtime.loader import load  # noqa: E402
+from .compiler import compile
+from .errors import DeepfuseError
+from .frontend import Spec, trace
+from .runtime.engine import RequestOutput, SamplingParams
+from .runtime.llm import LLM
+from .runtime.loader import load
 
-__all__ = ["compile", "load", "trace", "Spec", "LLM", "SamplingParams", "RequestOutput", "DeepfuseError"]
+__all__ = ["LLM", "DeepfuseError", "RequestOutput", "SamplingParams", "Spec", "compile", "load", "trace"]

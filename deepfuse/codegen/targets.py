@@ -5,8 +5,8 @@ Adding a target touches only its own folder plus one line here.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 

@@ -2,4 +2,4 @@
 from . import ops
 from .tracer import Spec, Tracer, trace, trace_into
 
-__all__ = ["ops", "Spec", "Tracer", "trace", "trace_into"]
+__all__ = ["Spec", "Tracer", "ops", "trace", "trace_into"]

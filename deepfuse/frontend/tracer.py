@@ -7,8 +7,9 @@ reference eagerly, so one model definition serves both modes.
 """
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import torch
 

@@ -7,5 +7,19 @@ from .text import parse_graph, print_graph
 from .types import DTYPES, TensorType, parse_type
 from .verify import VerifyError, verify
 
-__all__ = ["Graph", "Node", "Value", "interpret", "OPS", "OpDef", "get_op", "parse_graph",
-           "print_graph", "DTYPES", "TensorType", "parse_type", "VerifyError", "verify"]
+__all__ = [
+           "DTYPES",
+           "OPS",
+           "Graph",
+           "Node",
+           "OpDef",
+           "TensorType",
+           "Value",
+           "VerifyError",
+           "get_op",
+           "interpret",
+           "parse_graph",
+           "parse_type",
+           "print_graph",
+           "verify",
+]

@@ -20,7 +20,7 @@ def check_inputs(g: Graph, inputs: dict[str, torch.Tensor]) -> dict[str, int]:
             raise ValueError(f"missing graph input %{v.name}: {v.type}")
         t = inputs[v.name]
         if not v.type.matches(t, bindings):
-            raise ValueError(f"graph input %{v.name} wants {v.type}, got {str(t.dtype)}{list(t.shape)} "
+            raise ValueError(f"graph input %{v.name} wants {v.type}, got {t.dtype!s}{list(t.shape)} "
                              f"(bindings so far {bindings})")
     return bindings
 

@@ -8,8 +8,9 @@ kernel for the op gets instead.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 from .types import TensorType
 

@@ -54,4 +54,4 @@ def load_model(spec: str, with_tokenizer: bool = True):
         raise DeepfuseError(f"{path}: {e}") from None
 
 
-__all__ = ["Llama", "LlamaConfig", "step_specs", "load_model", "resolve_model_path", "DEFAULT_MODEL"]
+__all__ = ["DEFAULT_MODEL", "Llama", "LlamaConfig", "load_model", "resolve_model_path", "step_specs"]

@@ -14,5 +14,15 @@ def fusion_passes() -> list[Pass]:
             Pass("fuse_swiglu", fuse_swiglu), Pass("dce", dce)]
 
 
-__all__ = ["Pass", "PassManager", "PassReport", "cse", "dce", "fold_constants",
-           "fuse_sibling_linears", "fuse_swiglu", "cleanup_passes", "fusion_passes"]
+__all__ = [
+    "Pass",
+    "PassManager",
+    "PassReport",
+    "cleanup_passes",
+    "cse",
+    "dce",
+    "fold_constants",
+    "fuse_sibling_linears",
+    "fuse_swiglu",
+    "fusion_passes",
+]

@@ -1,7 +1,7 @@
 """Decomposition: replaces ops a target has no kernel for by their registered decomposition."""
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 from ..ir import OPS, Graph
 

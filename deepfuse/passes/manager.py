@@ -9,8 +9,8 @@ import hashlib
 import inspect
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from ..ir import Graph, print_graph, verify
 

@@ -45,7 +45,7 @@ def build_step(chunks: list[SeqChunk], cache: KVCache) -> dict[str, torch.Tensor
     tables = torch.zeros(len(chunks), width, dtype=torch.int64)
     for i, c in enumerate(chunks):
         tables[i, : len(c.blocks)] = torch.tensor(c.blocks, dtype=torch.int64)
-    i64 = lambda xs: torch.tensor(xs, dtype=torch.int64)  # noqa: E731
+    i64 = lambda xs: torch.tensor(xs, dtype=torch.int64)
     inputs = {
         "tokens": i64(tokens), "positions": i64(positions), "slot_mapping": i64(slots),
         "block_tables": tables,

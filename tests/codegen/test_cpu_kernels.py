@@ -26,7 +26,10 @@ def test_attention_kernel(window, h, hkv):
         inp, inp2 = build_step(chunks, cache), build_step(chunks2, cache2)
         T = inp["tokens"].shape[0]
         q, k, v = torch.randn(T, h * hd), torch.randn(T, hkv * hd), torch.randn(T, hkv * hd)
-        args = lambda i: (q, k, v, i["kv_cache.0"], i["slot_mapping"], i["block_tables"], i["seq_lens"], i["query_lens"])  # noqa: E731
+
+        def args(i, q=q, k=k, v=v):
+            return q, k, v, i["kv_cache.0"], i["slot_mapping"], i["block_tables"], i["seq_lens"], i["query_lens"]
+
         want = OPS["attention"].reference(*args(inp), **attrs)
         got = make_kernel("attention", attrs)(*args(inp2))
         torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-5)

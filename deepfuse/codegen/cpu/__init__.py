@@ -3,4 +3,4 @@ from .executor import CpuExecutor
 from .kernels import FACTORIES
 from .plan import build_plan
 
-__all__ = ["CpuExecutor", "FACTORIES", "build_plan"]
+__all__ = ["FACTORIES", "CpuExecutor", "build_plan"]

@@ -6,7 +6,8 @@ paged attention. Factories run once at load; the callables run every step.
 """
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F

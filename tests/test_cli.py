@@ -33,6 +33,11 @@ def test_bad_input_one_line_exit_2(capsys, argv, message):
     assert "Traceback" not in err
 
 
+def test_hf_dir_without_tokenizer(capsys, tiny_dir):
+    rc, out, err = run_main(capsys, "generate", "--model", tiny_dir, "hi")
+    assert rc == 2 and out == "" and "has no usable tokenizer" in last_line(err)
+
+
 def test_truncated_gguf(capsys, tmp_path):
     data = open(smollm2_gguf_path(), "rb").read()
     bad = tmp_path / "trunc.gguf"

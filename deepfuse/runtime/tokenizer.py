@@ -80,5 +80,9 @@ def tokenizer_from_gguf(path: str, reader) -> Tokenizer:
 def tokenizer_from_hf_dir(path: str) -> Tokenizer:
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(path)
+    try:
+        tok = AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError) as e:
+        raise DeepfuseError(f"{path} has no usable tokenizer ({str(e).splitlines()[0]}); "
+                            "add tokenizer.json / tokenizer_config.json to the checkpoint") from None
     return Tokenizer.from_transformers(tok, getattr(tok, "chat_template", None))

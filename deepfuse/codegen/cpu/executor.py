@@ -39,21 +39,18 @@ class CpuExecutor:
         for name, s in plan["params"].items():
             self.base[s] = weights[name]
         packed: dict[int, int] = {}  # param slot -> slot of its packed copy
+        param_slots = set(plan["params"].values())
         self.launches = []
         for p in plan["launches"]:
             ins = list(p["in"])
             kernel = make_kernel(p["op"], p["attrs"])
-            if prepack and p["op"] in PACKED_KERNELS and ins[1] in self.base_params(plan) and can_prepack():
+            if prepack and p["op"] in PACKED_KERNELS and ins[1] in param_slots and can_prepack():
                 if ins[1] not in packed:
                     packed[ins[1]] = len(self.base)
                     self.base.append(prepack_linear_weight(self.base[ins[1]]))
                 ins[1] = packed[ins[1]]
                 kernel = PACKED_KERNELS[p["op"]]
             self.launches.append((kernel, ins, p["out"], p["free"]))
-
-    @staticmethod
-    def base_params(plan: dict) -> set[int]:
-        return set(plan["params"].values())
 
     @torch.inference_mode()
     def __call__(self, inputs: dict[str, torch.Tensor]) -> list[torch.Tensor]:

@@ -54,9 +54,13 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
 
 
+def last_rows(x: torch.Tensor, query_lens: torch.Tensor) -> torch.Tensor:
+    """x[T,D] -> [S,D], each sequence's last row; no copy when every sequence has one row."""
+    return x if x.shape[0] == query_lens.shape[0] else x.index_select(0, query_lens.cumsum(0) - 1)
+
+
 def packed_logits(x: torch.Tensor, packed: torch.Tensor, query_lens: torch.Tensor) -> torch.Tensor:
-    last = x if x.shape[0] == query_lens.shape[0] else x.index_select(0, query_lens.cumsum(0) - 1)
-    return packed_linear(last, packed).float()
+    return packed_linear(last_rows(x, query_lens), packed).float()
 
 
 PACKED_KERNELS = {"linear": packed_linear, "logits": packed_logits}
@@ -174,8 +178,7 @@ def _attention(attrs: dict) -> Kernel:
 @factory("logits")
 def _logits(attrs: dict) -> Kernel:
     def logits(x: torch.Tensor, w: torch.Tensor, query_lens: torch.Tensor) -> torch.Tensor:
-        last = x if x.shape[0] == query_lens.shape[0] else x.index_select(0, query_lens.cumsum(0) - 1)
-        return F.linear(last, w).float()
+        return F.linear(last_rows(x, query_lens), w).float()
 
     return logits
 

@@ -1,6 +1,7 @@
 """Batch-1 prefill and decode tokens/s: deepfuse vs HF transformers eager, same weights, one run.
 
-Both load SmolLM2-135M-Instruct from the same Q4_1 GGUF (dequantized). Each config runs
+Both load SmolLM2-135M-Instruct from the same Q4_1 GGUF (dequantized; "bf16+int4" keeps
+the projections in 4-bit groups, which reproduce Q4_1 up to bf16 rounding). Each config runs
 `--runs` times; the table shows medians. Writes benchmarks/results/decode.json.
 
     python benchmarks/decode.py [--runs 3] [--new-tokens 64]
@@ -20,11 +21,11 @@ PROMPT = ("Write a short story about a lighthouse keeper who finds a message in 
           "The story should be warm, a little mysterious, and end with a surprise. ") * 3
 
 
-def bench_deepfuse(dtype: str, ids: list[int], n: int, runs: int, model) -> list[dict]:
+def bench_deepfuse(dtype: str, ids: list[int], n: int, runs: int, model, quant: str | None = None) -> list[dict]:
     import deepfuse
     from deepfuse.runtime.engine import Engine, SamplingParams
 
-    art = deepfuse.compile(model, dtype=dtype)
+    art = deepfuse.compile(model, dtype=dtype, quant=quant)
     eng = Engine(art)
     p = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
     eng.generate([ids], [SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)])  # warm-up
@@ -75,6 +76,7 @@ def main() -> None:
     results = {}
     for name, fn in [("deepfuse f32", lambda: bench_deepfuse("f32", ids, args.new_tokens, args.runs, model)),
                      ("deepfuse bf16", lambda: bench_deepfuse("bf16", ids, args.new_tokens, args.runs, model)),
+                     ("deepfuse bf16+int4", lambda: bench_deepfuse("bf16", ids, args.new_tokens, args.runs, model, "int4")),
                      ("HF eager f32", lambda: bench_hf(torch.float32, ids, args.new_tokens, args.runs)),
                      ("HF eager bf16", lambda: bench_hf(torch.bfloat16, ids, args.new_tokens, args.runs))]:
         runs = fn()
@@ -82,9 +84,9 @@ def main() -> None:
     base = results["HF eager bf16"]["decode_tps"]
     print(f"\nSmolLM2-135M, batch 1, prompt {len(ids)} tokens, {args.new_tokens} new tokens, "
           f"median of {args.runs} runs, {torch.get_num_threads()} threads")
-    print(f"{'engine':16s} {'prefill tok/s':>14s} {'decode tok/s':>13s} {'decode vs HF bf16':>18s}")
+    print(f"{'engine':20s} {'prefill tok/s':>14s} {'decode tok/s':>13s} {'decode vs HF bf16':>18s}")
     for name, r in results.items():
-        print(f"{name:16s} {r['prefill_tps']:14.1f} {r['decode_tps']:13.1f} {r['decode_tps'] / base:17.2f}x")
+        print(f"{name:20s} {r['prefill_tps']:14.1f} {r['decode_tps']:13.1f} {r['decode_tps'] / base:17.2f}x")
     meta = {"prompt_tokens": len(ids), "new_tokens": args.new_tokens, "runs": args.runs,
             "threads": torch.get_num_threads(), "torch": torch.__version__, "machine": platform.machine(),
             "allocator": "glibc mallopt(M_MMAP_THRESHOLD=1GiB, M_TRIM_THRESHOLD=2GiB) in-process, for both engines"

@@ -13,6 +13,7 @@ import sys
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2", help="smollm2 (default), a .gguf file or a HF checkpoint dir")
     p.add_argument("--dtype", default="f32", choices=["f32", "bf16", "f16"])
+    p.add_argument("--quant", default=None, choices=["int4"], help="weight-only quantization (4-bit, groups of 32)")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -43,7 +44,7 @@ def _generate(args: argparse.Namespace) -> None:
     from .runtime.engine import SamplingParams
     from .runtime.llm import LLM
 
-    llm = LLM(artifact=args.artifact) if args.artifact else LLM(args.model, dtype=args.dtype)
+    llm = LLM(artifact=args.artifact) if args.artifact else LLM(args.model, dtype=args.dtype, quant=args.quant)
     tok = llm.tokenizer
     prompt = args.prompt if args.no_chat else tok.render_chat([{"role": "user", "content": args.prompt}])
     params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
@@ -70,7 +71,7 @@ def _generate(args: argparse.Namespace) -> None:
 def _compile(args: argparse.Namespace) -> None:
     from .compiler import compile
 
-    art = compile(args.model, target=args.target, dtype=args.dtype)
+    art = compile(args.model, target=args.target, dtype=args.dtype, quant=args.quant)
     art.save(args.output)
     print(f"wrote {args.output} ({len(art.graph.nodes)} ops, {len(art.graph.params)} weights, "
           f"target {art.target})", file=sys.stderr)
@@ -85,7 +86,7 @@ def _ir(args: argparse.Namespace) -> None:
 
     target = get_target(args.target)
     model, _ = load_model(args.model, with_tokenizer=False)
-    graph, reports = PassManager(target.pipeline()).run(trace_model(model, args.dtype), args.dump_dir)
+    graph, reports = PassManager(target.pipeline(quant=args.quant)).run(trace_model(model, args.dtype), args.dump_dir)
     for r in reports:
         print(f"{r.name:24s} {r.nodes_before:5d} -> {r.nodes_after:5d} nodes  {r.seconds * 1000:7.1f} ms  id {r.id}",
               file=sys.stderr)

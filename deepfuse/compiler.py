@@ -23,17 +23,20 @@ def trace_model(model: Llama, dtype: str = "f32"):
 
 
 def compile(model: str | Llama, target: str = "cpu", dtype: str = "f32", fuse: bool = True,
-            dump_dir: str | None = None, tokenizer: Tokenizer | None = None) -> CompiledModel:
-    """Compiles `model` (a name/path that load_model accepts, or a Llama) for `target`."""
+            dump_dir: str | None = None, tokenizer: Tokenizer | None = None, quant: str | None = None) -> CompiledModel:
+    """Compiles `model` (a name/path that load_model accepts, or a Llama) for `target`.
+    quant: None, or "int4" (weight-only, 4-bit groups of 32; see passes/quantize.py)."""
     tgt = get_target(target)
+    pipeline = tgt.pipeline(fuse, quant)
     if isinstance(model, str):
         model, tokenizer = load_model(model)
     with tqdm(total=3, desc=f"compiling for {target}", leave=False) as bar:
         graph = trace_model(model, dtype)
         bar.update()
-        graph, reports = PassManager(tgt.pipeline(fuse)).run(graph, dump_dir)
+        graph, reports = PassManager(pipeline).run(graph, dump_dir)
         bar.update()
         plan = tgt.build(graph)
         bar.update()
     passes = [vars(r) for r in reports]
-    return CompiledModel(graph, plan, target, dtype, model.config, tokenizer, tgt.runner(plan, graph.weights), passes)
+    return CompiledModel(graph, plan, target, dtype, model.config, tokenizer, tgt.runner(plan, graph.weights), passes,
+                         quant)

@@ -1,7 +1,7 @@
 """CompiledModel (an artifact in memory) and its writer.
 
 Directory layout:
-    manifest.json        format/deepfuse version, target, dtype, model config, pass ids, sha256 of every file
+    manifest.json        format/deepfuse version, target, dtype, quant, model config, pass ids, sha256 of every file
     graph.ir             the final IR as text
     plan.json            the target's launch plan
     weights.safetensors  params of the final graph
@@ -44,6 +44,7 @@ class CompiledModel:
     tokenizer: Tokenizer | None
     runner: Runner
     passes: list[dict] = field(default_factory=list)  # [{name, id, seconds, nodes_before, nodes_after}]
+    quant: str | None = None
 
     def __call__(self, inputs: dict) -> list:
         return self.runner(inputs)
@@ -65,6 +66,7 @@ class CompiledModel:
             "deepfuse_version": __version__,
             "target": self.target,
             "dtype": self.dtype,
+            "quant": self.quant,
             "model": {"family": self.config.family, "config": self.config.to_dict()},
             "passes": [{"name": p["name"], "id": p["id"]} for p in self.passes],
             "files": {name: sha256_file(os.path.join(directory, name)) for name in files},

@@ -12,7 +12,7 @@ import torch
 
 from ..errors import DeepfuseError
 from ..ir import Graph
-from ..passes import Pass, cleanup_passes, fusion_passes
+from ..passes import Pass, cleanup_passes, fusion_passes, quant_passes
 from ..passes.decompose import decompose_unsupported
 
 Runner = Callable[[dict[str, torch.Tensor]], list[torch.Tensor]]
@@ -26,8 +26,8 @@ class Target:
     build: Callable[[Graph], dict]  # final graph -> launch plan (JSON-able)
     runner: Callable[[dict, dict[str, torch.Tensor]], Runner]  # (plan, weights) -> step function
 
-    def pipeline(self, fuse: bool = True) -> list[Pass]:
-        passes = cleanup_passes() + (fusion_passes() if fuse else [])
+    def pipeline(self, fuse: bool = True, quant: str | None = None) -> list[Pass]:
+        passes = cleanup_passes() + (fusion_passes() if fuse else []) + quant_passes(quant)
         return passes + [Pass("decompose_unsupported", decompose_unsupported(set(self.kernels)))]
 
 

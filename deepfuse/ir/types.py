@@ -16,6 +16,7 @@ DTYPES: dict[str, torch.dtype] = {
     "f16": torch.float16,
     "i32": torch.int32,
     "i64": torch.int64,
+    "u8": torch.uint8,
     "bool": torch.bool,
 }
 TORCH_TO_DTYPE = {v: k for k, v in DTYPES.items()}

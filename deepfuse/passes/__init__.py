@@ -1,8 +1,12 @@
 """Passes: cleanup, fusion, lowering; PassManager and the standard pipelines."""
+from ..errors import DeepfuseError
 from .cleanup import cse, dce, fold_constants
 from .fuse_linears import fuse_sibling_linears
 from .fuse_swiglu import fuse_swiglu
 from .manager import Pass, PassManager, PassReport
+from .quantize import quantize_int4
+
+QUANT_MODES = ("int4",)
 
 
 def cleanup_passes() -> list[Pass]:
@@ -14,10 +18,20 @@ def fusion_passes() -> list[Pass]:
             Pass("fuse_swiglu", fuse_swiglu), Pass("dce", dce)]
 
 
+def quant_passes(quant: str | None) -> list[Pass]:
+    """Weight quantization: None (weights stay in the compile dtype) or "int4"."""
+    if quant is None:
+        return []
+    if quant not in QUANT_MODES:
+        raise DeepfuseError(f"unknown quantization {quant!r} (available: {', '.join(QUANT_MODES)})")
+    return [Pass("quantize_int4", quantize_int4(32))]
+
+
 __all__ = [
     "Pass",
     "PassManager",
     "PassReport",
+    "QUANT_MODES",
     "cleanup_passes",
     "cse",
     "dce",
@@ -25,4 +39,6 @@ __all__ = [
     "fuse_sibling_linears",
     "fuse_swiglu",
     "fusion_passes",
+    "quant_passes",
+    "quantize_int4",
 ]

@@ -10,18 +10,19 @@ from .kv_cache import CacheConfig
 
 class LLM:
     """model: a model name/path (compiled now) or an artifact directory; artifact: an
-    artifact directory (loaded and verified, never recompiled)."""
+    artifact directory (loaded and verified, never recompiled); quant: None or "int4"
+    (4-bit weights; with dtype="bf16" the fastest decode on CPU)."""
 
     def __init__(self, model: str = "smollm2", target: str = "cpu", dtype: str = "f32",
                  block_size: int = 16, num_blocks: int = 1024, max_num_tokens: int = 2048,
-                 artifact: str | None = None):
+                 artifact: str | None = None, quant: str | None = None):
         from ..compiler import compile
         from .loader import load
 
         if artifact is not None or os.path.isfile(os.path.join(model, "manifest.json")):
             self.model = load(artifact or model)
         else:
-            self.model = compile(model, target=target, dtype=dtype)
+            self.model = compile(model, target=target, dtype=dtype, quant=quant)
         if self.model.tokenizer is None:
             raise DeepfuseError("this model has no tokenizer; pass token ids to Engine.generate instead")
         self.tokenizer = self.model.tokenizer

@@ -63,4 +63,4 @@ def load(directory: str, target: str | None = None) -> CompiledModel:
         plan = json.load(f)
     tok = Tokenizer.load(directory) if "tokenizer.json" in m["files"] else None
     return CompiledModel(graph, plan, m["target"], m["dtype"], LlamaConfig.from_dict(m["model"]["config"]),
-                         tok, tgt.runner(plan, graph.weights), m["passes"])
+                         tok, tgt.runner(plan, graph.weights), m["passes"], m.get("quant"))

@@ -9,7 +9,8 @@ import ctypes
 
 import torch
 
-from .kernels import PACKED_KERNELS, can_prepack, make_kernel, prepack_linear_weight
+from ...ir import DTYPES
+from .kernels import PREPACKED, can_prepack, make_kernel
 
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
 
@@ -28,8 +29,9 @@ ALLOCATOR_TUNED = keep_freed_memory()
 
 
 class CpuExecutor:
-    """plan: see plan.py; weights: the final graph's params by name. prepack: give
-    projection weights oneDNN's blocked layout once at load (about 2x faster GEMV)."""
+    """plan: see plan.py; weights: the final graph's params by name. prepack: pack
+    projection weights once at load (oneDNN's blocked layout: about 2x faster GEMV;
+    int4 weights: torch's int4 layout plus a dense copy, see kernels.Q4Weights)."""
 
     def __init__(self, plan: dict, weights: dict[str, torch.Tensor], prepack: bool = True):
         self.num_slots = plan["num_slots"]
@@ -38,18 +40,20 @@ class CpuExecutor:
         self.base: list = [None] * self.num_slots
         for name, s in plan["params"].items():
             self.base[s] = weights[name]
-        packed: dict[int, int] = {}  # param slot -> slot of its packed copy
+        packed: dict[tuple[int, ...], int] = {}  # param slots -> slot of their packed object
         param_slots = set(plan["params"].values())
         self.launches = []
         for p in plan["launches"]:
             ins = list(p["in"])
             kernel = make_kernel(p["op"], p["attrs"])
-            if prepack and p["op"] in PACKED_KERNELS and ins[1] in param_slots and can_prepack():
-                if ins[1] not in packed:
-                    packed[ins[1]] = len(self.base)
-                    self.base.append(prepack_linear_weight(self.base[ins[1]]))
-                ins[1] = packed[ins[1]]
-                kernel = PACKED_KERNELS[p["op"]]
+            pre = PREPACKED.get(p["op"]) if prepack and can_prepack() else None
+            if pre is not None and all(ins[i] in param_slots for i in pre.weights):
+                key = tuple(ins[i] for i in pre.weights)
+                if key not in packed:
+                    packed[key] = len(self.base)
+                    self.base.append(pre.pack(DTYPES[p["dtype"]], *[self.base[s] for s in key]))
+                ins = [packed[key] if i == pre.weights[0] else s for i, s in enumerate(ins) if i not in pre.weights[1:]]
+                kernel = pre.kernel
             self.launches.append((kernel, ins, p["out"], p["free"]))
 
     @torch.inference_mode()

@@ -7,6 +7,7 @@ paged attention. Factories run once at load; the callables run every step.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -14,6 +15,7 @@ import torch.nn.functional as F
 
 from ...ir import OPS
 from ...ir.opdefs_llm import causal_mask, gather_kv, rope_cos_sin, write_kv
+from ...ir.opdefs_quant import dequantize_q4, unpack_q4
 
 Kernel = Callable[..., Any]
 FACTORIES: dict[str, Callable[[dict], Kernel]] = {}
@@ -63,7 +65,47 @@ def packed_logits(x: torch.Tensor, packed: torch.Tensor, query_lens: torch.Tenso
     return packed_linear(last_rows(x, query_lens), packed).float()
 
 
-PACKED_KERNELS = {"linear": packed_linear, "logits": packed_logits}
+INT4_MAX_ROWS = 7  # int4 GEMM beats the dense bf16 one below 8 rows (benchmarks/decode.py notes)
+
+
+class Q4Weights:
+    """A linear_q4 weight, packed at load: torch's int4 layout (bf16 only) for decode-sized
+    steps, and a dense copy in oneDNN's layout for prefill-sized ones."""
+
+    def __init__(self, dtype: torch.dtype, packed: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor):
+        dense = dequantize_q4(packed, scales, mins).to(dtype)
+        self.dense = prepack_linear_weight(dense)
+        self.group = packed.shape[1] * 2 // scales.shape[1]
+        self.int4 = None
+        if dtype == torch.bfloat16 and packed.shape[0] % 16 == 0:  # torch's int4 layout tiles N by 16
+            q = unpack_q4(packed).to(torch.int32)
+            self.int4 = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
+            # torch dequantizes (q - 8) * scale + zero; ours is q * scale + min
+            self.scale_zero = torch.stack((scales, mins + 8 * scales), -1).transpose(0, 1).contiguous().to(dtype)
+
+
+def q4_linear(x: torch.Tensor, w: Q4Weights) -> torch.Tensor:
+    """x[T,K] @ w^T -> [T,N]."""
+    if w.int4 is not None and x.shape[0] <= INT4_MAX_ROWS:
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(x, w.int4, w.group, w.scale_zero)
+    return packed_linear(x, w.dense)
+
+
+@dataclass(frozen=True)
+class Prepack:
+    """Ops whose weight inputs (positions `weights`, params) are packed once at load into one
+    object that `kernel` takes in their place."""
+
+    weights: tuple[int, ...]
+    pack: Callable[..., Any]  # (dtype, *weight tensors) -> packed
+    kernel: Kernel
+
+
+PREPACKED = {
+    "linear": Prepack((1,), lambda dtype, w: prepack_linear_weight(w), packed_linear),
+    "logits": Prepack((1,), lambda dtype, w: prepack_linear_weight(w), packed_logits),
+    "linear_q4": Prepack((1, 2, 3), Q4Weights, q4_linear),
+}
 
 
 @factory("embedding")
@@ -139,40 +181,80 @@ def _rope(attrs: dict) -> Kernel:
     return rope
 
 
+class StepLayout:
+    """Host-side facts about one step's sequences, computed once and shared by every
+    attention launch of the step (all layers see the same seq_lens tensor)."""
+
+    def __init__(self, seq_lens: torch.Tensor, query_lens: torch.Tensor, block_size: int, window: int):
+        self.seq_lens = seq_lens
+        lens, qlens = seq_lens.tolist(), query_lens.tolist()
+        starts = [0]
+        for n in qlens:
+            starts.append(starts[-1] + n)
+        self.prefills = [(s, starts[s], n, lens[s]) for s, n in enumerate(qlens) if n > 1]
+        dec = [s for s, n in enumerate(qlens) if n == 1]
+        self.decode_seqs = torch.tensor(dec)
+        self.decode_rows = torch.tensor([starts[s] for s in dec])
+        self.all_decode = len(dec) == len(qlens) == starts[-1]
+        self.mask = None
+        if dec:
+            dlens = torch.tensor([lens[s] for s in dec])
+            longest = int(dlens.max())
+            self.decode_blocks = -(-longest // block_size)
+            self.decode_len = longest
+            first = (dlens - window).clamp_(min=0) if window else torch.zeros_like(dlens)
+            if len(dec) > 1 or window:
+                j = torch.arange(longest)[None, :]
+                self.mask = ((j < dlens[:, None]) & (j >= first[:, None]))[:, None, None, :]  # [S,1,1,L]
+
+
 @factory("attention")
 def _attention(attrs: dict) -> Kernel:
     h, hkv, hd = attrs["num_heads"], attrs["num_kv_heads"], attrs["head_dim"]
-    scale, window, group = attrs["scale"], attrs.get("window", 0), attrs["num_heads"] // attrs["num_kv_heads"]
-
-    def decode_one(q1: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor) -> torch.Tensor:
-        """One query row [H*hd] over keys/vals [L,Hkv,hd]: grouped bmm in fp32 (CPU bf16
-        bmm at these sizes is ~4x slower than converting and using fp32)."""
-        qg = q1.view(hkv, group, hd).float()
-        scores = torch.bmm(qg, keys.float().permute(1, 2, 0)).mul_(scale)
-        return torch.bmm(scores.softmax(-1), vals.float().transpose(0, 1)).reshape(h * hd)
+    scale, window = attrs["scale"], attrs.get("window", 0)
+    def decode(q, cache, tables, lay: StepLayout) -> torch.Tensor:
+        """All one-token sequences of the step in one SDPA call: q[S,H*hd] -> [S,H*hd]."""
+        n = q.shape[0]
+        kv = cache[:, tables[:, : lay.decode_blocks]].view(2, n, -1, hkv, hd)[:, :, : lay.decode_len].transpose(2, 3)
+        o = F.scaled_dot_product_attention(q.view(n, h, 1, hd), kv[0], kv[1], attn_mask=lay.mask, scale=scale,
+                                           enable_gqa=h != hkv)
+        return o.view(n, h * hd)
 
     def attention(q, k, v, cache, slots, tables, seq_lens, query_lens):
         write_kv(cache, k, v, slots)
-        lens, qlens = seq_lens.tolist(), query_lens.tolist()
+        lay = _LAYOUTS.get(seq_lens, query_lens, cache.shape[2], window)
+        if lay.all_decode:
+            return decode(q, cache, tables, lay)
         out = torch.empty(q.shape, dtype=q.dtype)
-        a = 0
-        for s, (length, n) in enumerate(zip(lens, qlens)):
-            if n == 0:
-                continue
-            first = max(0, length - window) if (n == 1 and window) else 0
+        if len(lay.decode_rows):
+            out[lay.decode_rows] = decode(q[lay.decode_rows], cache, tables[lay.decode_seqs], lay)
+        for s, a, n, length in lay.prefills:
             keys, vals = gather_kv(cache, tables[s], length)
-            if n == 1:
-                out[a] = decode_one(q[a], keys[first:], vals[first:])
-            else:
-                qs = q[a:a + n].reshape(n, h, hd).transpose(0, 1)
-                o = F.scaled_dot_product_attention(qs, keys.transpose(0, 1), vals.transpose(0, 1),
-                                                   attn_mask=causal_mask(n, length, window), scale=scale,
-                                                   enable_gqa=h != hkv)
-                out[a:a + n] = o.transpose(0, 1).reshape(n, h * hd)
-            a += n
+            qs = q[a:a + n].reshape(n, h, hd).transpose(0, 1)
+            o = F.scaled_dot_product_attention(qs, keys.transpose(0, 1), vals.transpose(0, 1),
+                                               attn_mask=causal_mask(n, length, window), scale=scale,
+                                               enable_gqa=h != hkv)
+            out[a:a + n] = o.transpose(0, 1).reshape(n, h * hd)
         return out
 
     return attention
+
+
+class _LayoutCache:
+    """One StepLayout per (step, window): layers with the same window share it. Holding the
+    step's seq_lens tensor keeps its identity from being reused by a later step's."""
+
+    def __init__(self):
+        self.last: dict[int, StepLayout] = {}
+
+    def get(self, seq_lens, query_lens, block_size: int, window: int) -> StepLayout:
+        lay = self.last.get(window)
+        if lay is None or lay.seq_lens is not seq_lens:
+            lay = self.last[window] = StepLayout(seq_lens, query_lens, block_size, window)
+        return lay
+
+
+_LAYOUTS = _LayoutCache()
 
 
 @factory("logits")

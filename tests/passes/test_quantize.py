@@ -1,0 +1,110 @@
+"""Weight-only int4: the format, the pass, the CPU kernels, and SmolLM2 end to end."""
+import pytest
+import torch
+
+import deepfuse
+from deepfuse.codegen.cpu.kernels import PREPACKED
+from deepfuse.compiler import trace_model
+from deepfuse.errors import DeepfuseError
+from deepfuse.ir import OPS, interpret, verify
+from deepfuse.ir.opdefs_quant import dequantize_q4, quantize_q4
+from deepfuse.models import Llama
+from deepfuse.passes import PassManager, cleanup_passes, fusion_passes, quant_passes
+from tests.helpers import greedy_with
+
+
+def q4_1_weights(n: int, k: int, seed: int = 0) -> torch.Tensor:
+    """What a Q4_1 GGUF tensor dequantizes to: fp16 scale and min per 32, q spanning 0..15."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randint(0, 16, (n, k // 32, 32), generator=g)
+    q[..., 0], q[..., 1] = 0, 15  # llama.cpp's quantizer maps each group's min to 0 and max to 15
+    d = (torch.rand(n, k // 32, 1, generator=g) * 0.02).half().float()
+    m = (-torch.rand(n, k // 32, 1, generator=g) * 0.15).half().float()
+    return (q * d + m).view(n, k)
+
+
+def test_q4_1_weights_round_trip_exactly():
+    w = q4_1_weights(48, 96)
+    packed, scales, mins = quantize_q4(w, 32)
+    assert packed.dtype == torch.uint8 and packed.shape == (48, 48) and scales.shape == (48, 3)
+    torch.testing.assert_close(dequantize_q4(packed, scales, mins), w, atol=1e-7, rtol=1e-6)
+
+
+def test_quantization_error_is_at_most_half_a_step():
+    w = torch.randn(16, 64)
+    packed, scales, mins = quantize_q4(w, 32)
+    err = (dequantize_q4(packed, scales, mins) - w).abs().view(16, 2, 32)
+    assert bool((err <= scales[..., None] / 2 + 1e-6).all())
+    const = torch.full((4, 32), 0.25)  # a constant group has scale 0 and must not divide by it
+    torch.testing.assert_close(dequantize_q4(*quantize_q4(const, 32)), const)
+
+
+def test_linear_q4_type_rule_names_the_problem():
+    from deepfuse.ir import TensorType
+    f32 = lambda *s: TensorType("f32", s)
+    with pytest.raises(ValueError, match="u8"):
+        OPS["linear_q4"].infer([f32("T", 64), f32(8, 32), f32(8, 2), f32(8, 2)], {"group_size": 32})
+    with pytest.raises(ValueError, match="K mismatch"):
+        OPS["linear_q4"].infer([f32("T", 64), TensorType("u8", (8, 16)), f32(8, 2), f32(8, 2)], {"group_size": 32})
+
+
+def on_grid(model: Llama) -> Llama:
+    """The model with every projection weight rounded to the int4 grid, so quantizing it is exact."""
+    w = {k: (dequantize_q4(*quantize_q4(v, 32)) if v.dim() == 2 and "embed" not in k and "lm_head" not in k else v)
+         for k, v in model.weights.items()}
+    return Llama(model.config, w)
+
+
+def test_quantize_pass_rewrites_every_projection_and_keeps_numerics(tiny_model):
+    model = on_grid(tiny_model)
+    before, _ = PassManager(cleanup_passes() + fusion_passes()).run(trace_model(model))
+    after, reports = PassManager(quant_passes("int4")).run(before.copy())
+    counts = after.op_counts()
+    assert counts.get("linear", 0) == 0 and counts["linear_q4"] == before.op_counts()["linear"]
+    assert reports[0].name == "quantize_int4"
+    verify(after)
+    again, _ = PassManager(quant_passes("int4")).run(after.copy())
+    assert again.op_counts() == counts and set(again.weights) == set(after.weights)  # idempotent
+    tokens = {}
+    for name, g in (("before", before), ("after", after)):
+        step = lambda inputs, g=g: interpret(g, inputs)
+        tokens[name], logits = greedy_with(step, model.config, [1, 5, 9, 2], 6)
+        tokens[name + "_logits"] = logits
+    assert tokens["before"] == tokens["after"]
+    torch.testing.assert_close(tokens["after_logits"], tokens["before_logits"], atol=1e-5, rtol=1e-5)
+
+
+def test_unknown_quantization_is_refused(tiny_model):
+    with pytest.raises(DeepfuseError, match="unknown quantization 'int3'"):
+        deepfuse.compile(tiny_model, quant="int3")
+
+
+@pytest.mark.parametrize("n", [48, 40])  # 40: not a multiple of 16, no int4 layout, dense copy only
+@pytest.mark.parametrize("rows", [1, 3, 16])
+def test_cpu_int4_kernel_matches_reference_in_bf16(rows, n):
+    torch.manual_seed(0)
+    packed, scales, mins = quantize_q4(torch.randn(n, 64) * 0.1, 32)
+    x = torch.randn(rows, 64).bfloat16()
+    pre = PREPACKED["linear_q4"]
+    w = pre.pack(torch.bfloat16, packed, scales, mins)
+    assert (w.int4 is not None) == (n % 16 == 0)
+    got = pre.kernel(x, w)
+    want = OPS["linear_q4"].reference(x, packed, scales, mins, group_size=32)
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, n)
+    torch.testing.assert_close(got.float(), want.float(), atol=3e-2, rtol=2e-2)
+
+
+def test_smollm2_int4_f32_reproduces_q4_1_tokens(smollm2, smollm2_compiled, tmp_path):
+    """SmolLM2's projections are Q4_1 in the GGUF: int4 in f32 must give the dense run's tokens,
+    also after an artifact round trip."""
+    model, tok = smollm2
+    art = deepfuse.compile(model, quant="int4", tokenizer=tok)
+    assert art.graph.op_counts()["linear_q4"] == 4 * model.config.num_layers
+    prompt = tok.encode("The three primary colors are")
+    dense, dense_logits = greedy_with(smollm2_compiled, model.config, prompt, 12)
+    q4, q4_logits = greedy_with(art, model.config, prompt, 12)
+    assert q4 == dense
+    torch.testing.assert_close(q4_logits, dense_logits, atol=1e-3, rtol=1e-4)
+    loaded = deepfuse.load(art.save(str(tmp_path / "q4")))
+    assert loaded.quant == "int4"
+    assert greedy_with(loaded, model.config, prompt, 12)[0] == dense

@@ -47,7 +47,7 @@ class CpuExecutor:
             ins = list(p["in"])
             kernel = make_kernel(p["op"], p["attrs"])
             pre = PREPACKED.get(p["op"]) if prepack and can_prepack() else None
-            if pre is not None and all(ins[i] in param_slots for i in pre.weights):
+            if pre is not None and DTYPES[p["dtype"]] in pre.dtypes and all(ins[i] in param_slots for i in pre.weights):
                 key = tuple(ins[i] for i in pre.weights)
                 if key not in packed:
                     packed[key] = len(self.base)

@@ -65,6 +65,7 @@ def packed_logits(x: torch.Tensor, packed: torch.Tensor, query_lens: torch.Tenso
     return packed_linear(last_rows(x, query_lens), packed).float()
 
 
+HALF = (torch.bfloat16, torch.float16)
 INT4_MAX_ROWS = 7  # int4 GEMM beats the dense bf16 one below 8 rows (benchmarks/decode.py notes)
 
 
@@ -74,7 +75,7 @@ class Q4Weights:
 
     def __init__(self, dtype: torch.dtype, packed: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor):
         dense = dequantize_q4(packed, scales, mins).to(dtype)
-        self.dense = prepack_linear_weight(dense)
+        self.dense = prepack_linear_weight(dense) if dtype in HALF else dense
         self.group = packed.shape[1] * 2 // scales.shape[1]
         self.int4 = None
         if dtype == torch.bfloat16 and packed.shape[0] % 16 == 0:  # torch's int4 layout tiles N by 16
@@ -88,7 +89,7 @@ def q4_linear(x: torch.Tensor, w: Q4Weights) -> torch.Tensor:
     """x[T,K] @ w^T -> [T,N]."""
     if w.int4 is not None and x.shape[0] <= INT4_MAX_ROWS:
         return torch.ops.aten._weight_int4pack_mm_for_cpu(x, w.int4, w.group, w.scale_zero)
-    return packed_linear(x, w.dense)
+    return packed_linear(x, w.dense) if x.dtype in HALF else F.linear(x, w.dense)
 
 
 @dataclass(frozen=True)
@@ -99,12 +100,15 @@ class Prepack:
     weights: tuple[int, ...]
     pack: Callable[..., Any]  # (dtype, *weight tensors) -> packed
     kernel: Kernel
+    dtypes: tuple[torch.dtype, ...]  # compute dtypes it pays off for
 
 
 PREPACKED = {
-    "linear": Prepack((1,), lambda dtype, w: prepack_linear_weight(w), packed_linear),
-    "logits": Prepack((1,), lambda dtype, w: prepack_linear_weight(w), packed_logits),
-    "linear_q4": Prepack((1, 2, 3), Q4Weights, q4_linear),
+    # f32 GEMV: MKL's unpacked sgemv reads weights faster than oneDNN's packed one (24 vs 16 GB/s
+    # measured on this 2-core machine); bf16: the packed one wins (15 vs 11 GB/s)
+    "linear": Prepack((1,), lambda dtype, w: prepack_linear_weight(w), packed_linear, HALF),
+    "logits": Prepack((1,), lambda dtype, w: prepack_linear_weight(w), packed_logits, HALF),
+    "linear_q4": Prepack((1, 2, 3), Q4Weights, q4_linear, (torch.float32, *HALF)),
 }
 
 

@@ -1,7 +1,7 @@
 """CPU launch plan: the final graph as a flat list of kernel launches over numbered slots.
 
 The plan is data (JSON): slot numbers for inputs, params and node outputs, one entry
-per launch (op, attrs, input slots, output slots), and for each launch the slots
+per launch (op, attrs, dtype of its first input, input slots, output slots), and for each launch the slots
 whose last reader it is, so the executor drops activations as early as possible.
 """
 from __future__ import annotations
@@ -29,7 +29,7 @@ def build_plan(g: Graph) -> dict:
         "num_slots": len(slot),
         "inputs": {v.name: slot[v] for v in g.inputs},
         "params": {v.name: slot[v] for v in g.params},
-        "launches": [{"op": n.op, "attrs": n.attrs, "dtype": n.outputs[0].type.dtype, "in": [slot[v] for v in n.inputs],
+        "launches": [{"op": n.op, "attrs": n.attrs, "dtype": (n.inputs or n.outputs)[0].type.dtype, "in": [slot[v] for v in n.inputs],
                       "out": [slot[v] for v in n.outputs], "free": sorted(frees[i])}
                      for i, n in enumerate(g.nodes)],
         "outputs": [slot[v] for v in g.outputs],

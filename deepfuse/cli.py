@@ -62,6 +62,8 @@ def _generate(args: argparse.Namespace) -> None:
             shown = len(text)
 
     out = llm.generate([prompt], params, on_token)[0]
+    if out.error is not None:
+        raise out.error
     sys.stdout.write(out.text[shown:] + "\n")
     n = len(out.token_ids)
     print(f"[{n} tokens, {out.total_s:.2f}s, first token {out.ttft_s * 1000:.0f} ms, "

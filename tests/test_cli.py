@@ -63,9 +63,9 @@ def test_generate_from_artifact_and_prompt_too_long(capsys, artifact_dir):
     assert rc == 0 and out == " the primary colors of the RGB color model\n"
     assert "compiling" not in err  # loaded, not recompiled
     rc, out, err = run_main(capsys, "generate", "--artifact", str(artifact_dir), "--no-chat", "word " * 9000)
-    assert rc == 2 and out == "" and "exceeds the context of 8192 tokens" in last_line(err)
+    assert rc == 2 and out == "" and "exceeds the context (max_model_len 8192)" in last_line(err)
     rc, _, err = run_main(capsys, "generate", "--artifact", str(artifact_dir), "--temperature", "-1", "hi")
-    assert rc == 2 and "temperature must be >= 0" in last_line(err)
+    assert rc == 2 and "temperature must be a finite number >= 0" in last_line(err)
 
 
 def test_tampered_and_foreign_artifacts_refused(capsys, artifact_dir, tmp_path):

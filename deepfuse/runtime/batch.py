@@ -1,12 +1,14 @@
 """Step inputs: turns (sequence, new tokens) pairs into the tensors the step graph takes.
 
 Shapes follow models.llama.step_specs: tokens/positions/slot_mapping [T],
-block_tables [S,B] (padded with 0), per-sequence [S] tensors.
+block_tables [S,B] (unused entries 0), per-sequence [S] tensors. StepBuffers holds
+them preallocated (numpy arrays shared with torch), so a step allocates no input memory.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from .kv_cache import KVCache
@@ -14,7 +16,8 @@ from .kv_cache import KVCache
 
 @dataclass
 class SeqChunk:
-    """tokens: the new token ids of one sequence; start: position of the first one."""
+    """tokens: the new token ids of one sequence; start: position of the first one;
+    blocks: its block table (-1 = a block the window policy released)."""
 
     tokens: list[int]
     start: int
@@ -33,29 +36,52 @@ def sample_key(seed: int, position: int) -> int:
     return (z ^ (z >> 31)) & 0x7FFFFFFFFFFFFFFF
 
 
+class StepBuffers:
+    """Preallocated step inputs for up to max_tokens tokens, max_seqs sequences and
+    max_blocks blocks per sequence; fill() writes one step and returns views."""
+
+    def __init__(self, max_tokens: int, max_seqs: int, max_blocks: int):
+        self.max_tokens, self.max_seqs, self.max_blocks = max_tokens, max_seqs, max_blocks
+        i64 = lambda *shape: np.zeros(shape, dtype=np.int64)
+        self.np = {"tokens": i64(max_tokens), "positions": i64(max_tokens), "slot_mapping": i64(max_tokens),
+                   "block_tables": i64(max_seqs, max_blocks), "seq_lens": i64(max_seqs),
+                   "query_lens": i64(max_seqs), "temperature": np.zeros(max_seqs, dtype=np.float32),
+                   "top_k": i64(max_seqs), "top_p": np.zeros(max_seqs, dtype=np.float32), "seeds": i64(max_seqs)}
+        self.torch = {k: torch.from_numpy(v) for k, v in self.np.items()}
+
+    def fill(self, chunks: list[SeqChunk], cache: KVCache) -> dict[str, torch.Tensor]:
+        b, bs = self.np, cache.block_size
+        t, s = sum(len(c.tokens) for c in chunks), len(chunks)
+        width = max(len(c.blocks) for c in chunks)
+        if t > self.max_tokens or s > self.max_seqs or width > self.max_blocks:
+            raise ValueError(f"step of {t} tokens, {s} sequences, {width} blocks exceeds the buffers "
+                             f"({self.max_tokens}, {self.max_seqs}, {self.max_blocks})")
+        a = 0
+        for i, c in enumerate(chunks):
+            n = len(c.tokens)
+            table = np.maximum(np.asarray(c.blocks, dtype=np.int64), 0)
+            pos = np.arange(c.start, c.start + n)
+            b["tokens"][a:a + n] = c.tokens
+            b["positions"][a:a + n] = pos
+            b["slot_mapping"][a:a + n] = table[pos // bs] * bs + pos % bs
+            b["block_tables"][i, : len(table)] = table
+            b["block_tables"][i, len(table):width] = 0
+            b["seq_lens"][i], b["query_lens"][i] = c.start + n, n
+            b["temperature"][i], b["top_k"][i], b["top_p"][i] = c.temperature, c.top_k, c.top_p
+            b["seeds"][i] = sample_key(c.seed, c.start + n)
+            a += n
+        v = self.torch
+        inputs = {k: v[k][:t] for k in ("tokens", "positions", "slot_mapping")}
+        inputs["block_tables"] = v["block_tables"][:s, :width]
+        inputs.update({k: v[k][:s] for k in ("seq_lens", "query_lens", "temperature", "top_k", "top_p", "seeds")})
+        for i, layer in enumerate(cache.layers):
+            inputs[f"kv_cache.{i}"] = layer
+        return inputs
+
+
 def build_step(chunks: list[SeqChunk], cache: KVCache) -> dict[str, torch.Tensor]:
-    tokens, positions, slots = [], [], []
+    """One step's inputs in fresh buffers, growing each chunk's block table as needed."""
     for c in chunks:
         cache.ensure_capacity(c.blocks, c.start + len(c.tokens))
-        for j, t in enumerate(c.tokens):
-            tokens.append(t)
-            positions.append(c.start + j)
-            slots.append(cache.slot(c.blocks, c.start + j))
-    width = max(len(c.blocks) for c in chunks)
-    tables = torch.zeros(len(chunks), width, dtype=torch.int64)
-    for i, c in enumerate(chunks):
-        tables[i, : len(c.blocks)] = torch.tensor(c.blocks, dtype=torch.int64)
-    i64 = lambda xs: torch.tensor(xs, dtype=torch.int64)
-    inputs = {
-        "tokens": i64(tokens), "positions": i64(positions), "slot_mapping": i64(slots),
-        "block_tables": tables,
-        "seq_lens": i64([c.start + len(c.tokens) for c in chunks]),
-        "query_lens": i64([len(c.tokens) for c in chunks]),
-        "temperature": torch.tensor([c.temperature for c in chunks], dtype=torch.float32),
-        "top_k": i64([c.top_k for c in chunks]),
-        "top_p": torch.tensor([c.top_p for c in chunks], dtype=torch.float32),
-        "seeds": i64([sample_key(c.seed, c.start + len(c.tokens)) for c in chunks]),
-    }
-    for i, layer in enumerate(cache.layers):
-        inputs[f"kv_cache.{i}"] = layer
-    return inputs
+    bufs = StepBuffers(sum(len(c.tokens) for c in chunks), len(chunks), max(len(c.blocks) for c in chunks))
+    return bufs.fill(chunks, cache)

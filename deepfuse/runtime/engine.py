@@ -1,151 +1,194 @@
-"""Engine: runs a list of requests to completion over a CompiledModel and a paged KV cache.
+"""Engine: requests in, tokens out, over a CompiledModel, a paged KV cache and a scheduler.
 
-Each step packs prompt chunks and decode tokens of all admitted sequences into one
-ragged batch (prefill and decode share the compiled step). Admission reserves each
-request's worst case (prompt + max_tokens) in cache blocks, so a step never runs out.
+    eng = Engine(model)
+    eng.add_request(prompt_ids, SamplingParams(...))   # any time, also between steps
+    while eng.has_unfinished():
+        finished = eng.step()                           # one compiled step for every scheduled token
+
+Each step packs prompt chunks and decode tokens of all scheduled requests into one ragged
+batch (prefill and decode share the compiled step); see scheduler.py for the policy.
+`generate()` runs a list of requests to completion; a request that is invalid comes back
+with finish_reason "error" and the others still run.
 """
 from __future__ import annotations
 
-import math
 import random
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
+from tqdm import tqdm
 
 from ..codegen.artifact import CompiledModel
 from ..errors import DeepfuseError
 from ..ir import DTYPES
-from .batch import SeqChunk, build_step
-from .kv_cache import CacheConfig, KVCache
+from .batch import SeqChunk, StepBuffers
+from .kv_cache import CacheConfig, KVCache, KVCacheManager
+from .request import Request, RequestOutput, SamplingParams
+from .scheduler import Scheduler, SchedulerConfig
+
+__all__ = ["Engine", "EngineStats", "RequestOutput", "SamplingParams", "greedy"]
 
 
 @dataclass
-class SamplingParams:
-    """vLLM's names. temperature 0 = greedy; top_k 0 = off; seed None = random."""
-
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    max_tokens: int = 16
-    seed: int | None = None
-    ignore_eos: bool = False
-    stop_token_ids: list[int] = field(default_factory=list)
-
-    def validate(self) -> None:
-        if not (isinstance(self.temperature, (int, float)) and self.temperature >= 0):
-            raise DeepfuseError(f"temperature must be >= 0, got {self.temperature}")
-        if not (0 < self.top_p <= 1):
-            raise DeepfuseError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            raise DeepfuseError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
-        if self.max_tokens < 1:
-            raise DeepfuseError(f"max_tokens must be >= 1, got {self.max_tokens}")
-
-
-@dataclass
-class RequestOutput:
-    prompt_token_ids: list[int]
-    token_ids: list[int]
-    text: str
-    finish_reason: str  # "stop" (eos / stop token) or "length"
-    ttft_s: float = 0.0
-    total_s: float = 0.0
-
-
-@dataclass
-class _Seq:
-    index: int
-    prompt: list[int]
-    params: SamplingParams
-    seed: int
-    tokens: list[int] = field(default_factory=list)
-    computed: int = 0
-    blocks: list[int] = field(default_factory=list)
-    generated: list[int] = field(default_factory=list)
-    finish: str | None = None
-    t_first: float = 0.0
+class EngineStats:
+    steps: int = 0
+    prompt_tokens_computed: int = 0  # prompt positions whose KV was computed (not served by the prefix cache)
+    tokens_computed: int = 0
+    tokens_generated: int = 0
 
 
 class Engine:
-    def __init__(self, model: CompiledModel, cache: CacheConfig | None = None, max_num_tokens: int = 2048):
-        self.model, self.max_num_tokens = model, max_num_tokens
+    def __init__(self, model: CompiledModel, cache: CacheConfig | None = None, max_num_tokens: int = 512,
+                 max_num_seqs: int = 64):
+        self.model = model
         c = model.config
         self.cache = KVCache(c.num_layers, c.num_kv_heads, c.head_dim, DTYPES[model.dtype], cache or CacheConfig())
+        self.kv = KVCacheManager(self.cache, window=c.sliding_window or 0)
+        self.scheduler = Scheduler(self.kv, SchedulerConfig(max_num_tokens, max_num_seqs))
         self.max_model_len = min(c.max_position, self.cache.config.num_blocks * self.cache.block_size)
+        self.buffers = StepBuffers(max_num_tokens, max_num_seqs, -(-self.max_model_len // self.cache.block_size))
+        self.tokenizer = model.tokenizer
         self.eos = set(model.tokenizer.eos_ids) if model.tokenizer else set()
+        self.requests: dict[str, Request] = {}
+        self.stats = EngineStats()
+        self._next_id = 0
 
-    def _check(self, prompt: list[int], p: SamplingParams) -> None:
-        p.validate()
+    # ---- requests -------------------------------------------------------------------------
+
+    def check(self, prompt: list[int], params: SamplingParams) -> None:
+        """Raises DeepfuseError (a ValueError) naming what is wrong with a request."""
+        if not isinstance(params, SamplingParams):
+            raise DeepfuseError(f"params must be SamplingParams, got {type(params).__name__}")
+        params.validate()
         if not prompt:
             raise DeepfuseError("prompt is empty")
-        if len(prompt) + p.max_tokens > self.max_model_len:
-            raise DeepfuseError(f"prompt of {len(prompt)} tokens + max_tokens {p.max_tokens} exceeds the context "
-                                f"of {self.max_model_len} tokens; shorten the prompt or lower max_tokens")
-        if any(not 0 <= t < self.model.config.vocab_size for t in prompt):
-            raise DeepfuseError(f"prompt has token ids outside the vocabulary [0, {self.model.config.vocab_size})")
+        if len(prompt) + params.max_tokens > self.max_model_len:
+            raise DeepfuseError(f"prompt of {len(prompt)} tokens + max_tokens {params.max_tokens} exceeds "
+                                f"the context (max_model_len {self.max_model_len}); shorten the prompt or lower max_tokens")
+        vocab = self.model.config.vocab_size
+        if any(not isinstance(t, int) or not 0 <= t < vocab for t in prompt):
+            raise DeepfuseError(f"prompt has token ids outside the vocabulary [0, {vocab})")
 
-    def _blocks_needed(self, s: _Seq) -> int:
-        return math.ceil((len(s.prompt) + s.params.max_tokens) / self.cache.block_size)
+    def add_request(self, prompt: list[int], params: SamplingParams, request_id: str | None = None) -> str:
+        """Queues a request; returns its id. Invalid requests raise and change nothing."""
+        prompt = list(prompt)
+        self.check(prompt, params)
+        if request_id is None:
+            request_id = str(self._next_id)
+            self._next_id += 1
+        if request_id in self.requests:
+            raise DeepfuseError(f"request id {request_id!r} is already in use")
+        seed = params.seed if params.seed is not None else random.getrandbits(62)
+        req = Request(request_id, len(self.requests), prompt, params, seed, time.perf_counter(), list(prompt))
+        self.requests[request_id] = req
+        self.scheduler.add(req)
+        return request_id
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Stops a queued or running request; returns its output (finish_reason "abort")."""
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return None
+        req.finish = "abort"
+        self.scheduler.finish(req)
+        return self._output(req)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ---- steps ----------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def step(self, on_token: Callable[[str, int], None] | None = None) -> list[RequestOutput]:
+        """Runs one step; returns the requests that finished in it. on_token(id, token) streams."""
+        scheduled = self.scheduler.schedule()
+        if not scheduled:
+            return []
+        chunks = []
+        for req, n in scheduled:
+            p = req.params
+            chunks.append(SeqChunk(req.tokens[req.computed:req.computed + n], req.computed, req.kv.table,
+                                   float(p.temperature), p.top_k, p.top_p, req.seed))
+        logits, next_tokens = self.model(self.buffers.fill(chunks, self.cache))
+        now = time.perf_counter()
+        self.stats.steps += 1
+        finished = []
+        for row, ((req, n), tok) in enumerate(zip(scheduled, next_tokens.tolist())):
+            start = req.computed
+            req.computed += n
+            self.stats.tokens_computed += n
+            self.stats.prompt_tokens_computed += max(0, min(req.computed, len(req.prompt)) - start)
+            self.kv.computed(req.kv, req.computed)
+            if req.remaining > 0:
+                continue  # mid-prompt chunk: its sample is not a real token
+            self._append(req, tok, logits[row], now)
+            if on_token:
+                on_token(req.request_id, tok)
+            if req.finish:
+                self.scheduler.finish(req)
+                del self.requests[req.request_id]
+                finished.append(self._output(req))
+        return finished
+
+    def _append(self, req: Request, tok: int, logits: torch.Tensor, now: float) -> None:
+        p = req.params
+        req.tokens.append(tok)
+        req.generated.append(tok)
+        req.token_times.append(now - req.arrival)
+        self.stats.tokens_generated += 1
+        if p.logprobs is not None:
+            lp = torch.log_softmax(logits.float(), -1)
+            top = lp.topk(p.logprobs) if p.logprobs else None
+            entry = {int(i): float(v) for i, v in zip(top.indices, top.values)} if top is not None else {}
+            entry[tok] = float(lp[tok])
+            req.logprobs.append(entry)
+        if tok in p.stop_token_ids or (not p.ignore_eos and tok in self.eos):
+            req.finish = "stop"
+        elif p.stop and self.tokenizer is not None:
+            text = self.tokenizer.decode(req.generated)
+            hits = [i for i in (text.find(s, max(0, len(req.text) - len(s))) for s in p.stop) if i >= 0]
+            req.text = text
+            if hits:
+                req.text, req.finish = text[:min(hits)], "stop"
+        if req.finish is None and len(req.generated) >= p.max_tokens:
+            req.finish = "length"
+
+    def _output(self, req: Request) -> RequestOutput:
+        text = req.text if req.params.stop else (self.tokenizer.decode(req.generated) if self.tokenizer else "")
+        return RequestOutput(req.request_id, req.prompt, req.generated, text, req.finish or "abort",
+                             ttft_s=req.token_times[0] if req.token_times else 0.0,
+                             total_s=time.perf_counter() - req.arrival, token_times=req.token_times,
+                             logprobs=req.logprobs if req.params.logprobs is not None else None,
+                             num_cached_tokens=req.num_cached_tokens, num_preemptions=req.num_preemptions)
+
+    # ---- offline --------------------------------------------------------------------------
 
     def generate(self, prompts: list[list[int]], params: list[SamplingParams],
-                 on_token: Callable[[int, int], None] | None = None) -> list[RequestOutput]:
-        """Runs every request to completion; on_token(request index, token id) streams."""
-        for prompt, p in zip(prompts, params):
-            self._check(prompt, p)
-        seqs = [_Seq(i, list(pr), p, p.seed if p.seed is not None else random.getrandbits(62), list(pr))
-                for i, (pr, p) in enumerate(zip(prompts, params))]
-        waiting, running, t0 = list(seqs), [], time.perf_counter()
-        reserved = 0
-        while waiting or running:
-            while waiting and reserved + self._blocks_needed(waiting[0]) <= self.cache.config.num_blocks:
-                reserved += self._blocks_needed(waiting[0])
-                running.append(waiting.pop(0))
-            if not running:
-                raise DeepfuseError(f"a request needs {self._blocks_needed(waiting[0])} KV blocks, the cache has "
-                                    f"{self.cache.config.num_blocks}; raise num_blocks")
-            self._step(running, on_token, t0)
-            for s in [s for s in running if s.finish]:
-                running.remove(s)
-                reserved -= self._blocks_needed(s)
-                self.cache.allocator.release(s.blocks)
-                s.blocks = []
-        total = time.perf_counter() - t0
-        tok = self.model.tokenizer
-        return [RequestOutput(s.prompt, s.generated, tok.decode(s.generated) if tok else "", s.finish or "length",
-                              s.t_first, total) for s in seqs]
-
-    def _step(self, running: list[_Seq], on_token, t0: float) -> None:
-        budget, batch = self.max_num_tokens, []
-        for s in running:
-            n = min(len(s.tokens) - s.computed, budget)
-            if n <= 0:
-                break
-            p = s.params
-            batch.append((s, SeqChunk(s.tokens[s.computed:s.computed + n], s.computed, s.blocks,
-                                      float(p.temperature), p.top_k, p.top_p, s.seed)))
-            budget -= n
-        inputs = build_step([c for _, c in batch], self.cache)
-        _, next_tokens = self.model(inputs)
-        for (s, chunk), tok in zip(batch, next_tokens.tolist()):
-            s.computed += len(chunk.tokens)
-            if s.computed < len(s.tokens):
-                continue  # mid-prompt chunk: its sample is not a real token
-            if not s.generated:
-                s.t_first = time.perf_counter() - t0
-            s.tokens.append(tok)
-            s.generated.append(tok)
-            if on_token:
-                on_token(s.index, tok)
-            stops = set(s.params.stop_token_ids) | (set() if s.params.ignore_eos else self.eos)
-            if tok in stops:
-                s.finish = "stop"
-            elif len(s.generated) >= s.params.max_tokens:
-                s.finish = "length"
+                 on_token: Callable[[int, int], None] | None = None, use_tqdm: bool = False) -> list[RequestOutput]:
+        """Runs every request to completion, outputs in input order. An invalid request gets
+        finish_reason "error" with the ValueError in `error`; the others still run.
+        on_token(request index, token id) streams."""
+        if len(prompts) != len(params):
+            raise DeepfuseError(f"{len(params)} SamplingParams for {len(prompts)} prompts")
+        outputs: list[RequestOutput | None] = [None] * len(prompts)
+        index: dict[str, int] = {}
+        for i, (prompt, p) in enumerate(zip(prompts, params)):
+            try:
+                index[self.add_request(prompt, p)] = i
+            except DeepfuseError as e:
+                outputs[i] = RequestOutput("", list(prompt) if isinstance(prompt, list) else [], [], "", "error", e)
+        stream = (lambda rid, tok: on_token(index[rid], tok)) if on_token else None
+        with tqdm(total=len(index), desc="requests", unit="req", disable=not use_tqdm, leave=False) as bar:
+            while any(o is None for o in outputs):
+                for out in self.step(stream):
+                    if out.request_id in index:  # requests added elsewhere may finish here too
+                        outputs[index[out.request_id]] = out
+                        bar.update()
+        return outputs  # type: ignore[return-value]
 
 
-@torch.inference_mode()
 def greedy(model: CompiledModel, prompt: list[int], max_tokens: int) -> list[int]:
     """Greedy continuation of one prompt (ignores EOS): a convenience for tests and benchmarks."""
     out = Engine(model).generate([prompt], [SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)])

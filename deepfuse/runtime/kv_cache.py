@@ -1,13 +1,22 @@
-"""Paged KV cache: per-layer block tensors and a block allocator.
+"""Paged KV cache: per-layer block tensors, a reference-counted block pool with prefix
+caching, and the manager that gives sequences their blocks.
 
-Layer i's cache is one tensor [2, N, BS, Hkv, hd] (k and v). A sequence owns a list
-of block ids (its block table); token at position p lives in slot
-block_table[p // BS] * BS + p % BS. This module owns memory; it does not schedule.
+Layer i's cache is one tensor [2, N, BS, Hkv, hd] (k and v). A sequence owns a list of
+block ids (its block table); the token at position p lives in slot
+table[p // BS] * BS + p % BS. This module owns memory; it does not schedule.
+
+Prefix caching: a full block is named by a hash chained over the whole prefix,
+blake2b(parent hash + the block's token ids), so equal names mean equal KV. Named
+blocks whose last user is gone stay cached and are evicted least recently used first,
+only when a fresh block is needed.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import hashlib
+from collections import OrderedDict
+from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from ..errors import DeepfuseError
@@ -17,32 +26,89 @@ from ..errors import DeepfuseError
 class CacheConfig:
     block_size: int = 16
     num_blocks: int = 512  # total tokens cached = num_blocks * block_size
+    enable_prefix_caching: bool = True
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.num_blocks < 1:
             raise DeepfuseError(f"cache block_size and num_blocks must be >= 1, got {self.block_size}, {self.num_blocks}")
 
 
-class BlockAllocator:
+def block_hash(parent: bytes, tokens: list[int]) -> bytes:
+    """The name of a full block: hash of its parent's name and its token ids."""
+    return hashlib.blake2b(parent + np.asarray(tokens, dtype=np.int64).tobytes(), digest_size=16).digest()
+
+
+class BlockPool:
+    """Block ids with reference counts. A block with a name (prefix hash) and no users
+    waits in an LRU and can be revived by a lookup until it is evicted for reuse."""
+
     def __init__(self, num_blocks: int):
-        self.free = list(range(num_blocks - 1, -1, -1))
+        self.num_blocks = num_blocks
+        self.refs = [0] * num_blocks
+        self.free = list(range(num_blocks - 1, -1, -1))  # unnamed, unused: pop() gives the lowest id
+        self.lru: OrderedDict[int, None] = OrderedDict()  # named, unused: oldest first
+        self.name_of: dict[int, bytes] = {}
+        self.by_name: dict[bytes, int] = {}
+        self.evictions = 0
+
+    def num_available(self) -> int:
+        return len(self.free) + len(self.lru)
 
     def allocate(self, n: int) -> list[int]:
-        if n > len(self.free):
-            raise DeepfuseError(f"KV cache exhausted: need {n} more blocks, {len(self.free)} free; "
+        if n > self.num_available():
+            raise DeepfuseError(f"KV cache exhausted: need {n} more blocks, {self.num_available()} available; "
                                 "raise num_blocks or lower max_tokens")
-        return [self.free.pop() for _ in range(n)]
+        out = []
+        for _ in range(n):
+            if self.free:
+                b = self.free.pop()
+            else:
+                b, _ = self.lru.popitem(last=False)
+                del self.by_name[self.name_of.pop(b)]
+                self.evictions += 1
+            self.refs[b] = 1
+            out.append(b)
+        return out
+
+    def lookup(self, name: bytes) -> int | None:
+        """The cached block named `name`, with a reference taken, or None."""
+        b = self.by_name.get(name)
+        if b is not None:
+            if self.refs[b] == 0:
+                del self.lru[b]
+            self.refs[b] += 1
+        return b
+
+    def name(self, block: int, name: bytes) -> None:
+        """Records that `block` (full, computed) holds the prefix named `name`."""
+        if block in self.name_of or name in self.by_name:
+            return
+        self.name_of[block], self.by_name[name] = name, block
 
     def release(self, blocks: list[int]) -> None:
-        self.free.extend(reversed(blocks))
+        """Drops one reference from each; pass a table tail-first so tails are evicted first."""
+        for b in blocks:
+            self.refs[b] -= 1
+            if self.refs[b] < 0:
+                raise RuntimeError(f"block {b} released more often than taken")
+            if self.refs[b] == 0:
+                if b in self.name_of:
+                    self.lru[b] = None
+                else:
+                    self.free.append(b)
+
+    def num_used(self) -> int:
+        return sum(1 for r in self.refs if r > 0)
 
 
 class KVCache:
+    """The cache tensors of every layer plus their block pool."""
+
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, config: CacheConfig):
         self.config = config
         shape = (2, config.num_blocks, config.block_size, num_kv_heads, head_dim)
         self.layers = [torch.zeros(shape, dtype=dtype) for _ in range(num_layers)]
-        self.allocator = BlockAllocator(config.num_blocks)
+        self.pool = BlockPool(config.num_blocks)
 
     @property
     def block_size(self) -> int:
@@ -52,7 +118,92 @@ class KVCache:
         """Grows `blocks` in place so it covers num_tokens positions."""
         need = -(-num_tokens // self.block_size) - len(blocks)
         if need > 0:
-            blocks.extend(self.allocator.allocate(need))
+            blocks.extend(self.pool.allocate(need))
 
     def slot(self, blocks: list[int], position: int) -> int:
         return blocks[position // self.block_size] * self.block_size + position % self.block_size
+
+
+@dataclass
+class CacheStats:
+    prefix_queries: int = 0  # prompt tokens looked up
+    prefix_hits: int = 0  # of which found cached
+
+    @property
+    def hit_rate(self) -> float:
+        return self.prefix_hits / self.prefix_queries if self.prefix_queries else 0.0
+
+
+@dataclass
+class SeqBlocks:
+    """One sequence's share of the cache: its block table and the names of its full blocks."""
+
+    table: list[int] = field(default_factory=list)
+    names: list[bytes] = field(default_factory=list)
+
+
+class KVCacheManager:
+    """Gives sequences blocks. `window` > 0 is the sliding-window policy: blocks wholly
+    before the window of every future query are handed back early (a layer group with
+    full attention uses window 0). Today one group covers all layers."""
+
+    def __init__(self, cache: KVCache, window: int = 0):
+        self.cache, self.pool, self.window = cache, cache.pool, window
+        self.bs = cache.block_size
+        self.stats = CacheStats()
+
+    def match_prefix(self, tokens: list[int]) -> SeqBlocks:
+        """Cached full blocks of `tokens`' prefix, references taken. At least the last token
+        is always left to compute (its logits are needed), so a match never covers it."""
+        seq = SeqBlocks()
+        if not self.cache.config.enable_prefix_caching or self.window:
+            return seq
+        parent = b""
+        for i in range((len(tokens) - 1) // self.bs):
+            name = block_hash(parent, tokens[i * self.bs:(i + 1) * self.bs])
+            b = self.pool.lookup(name)
+            if b is None:
+                break
+            seq.table.append(b)
+            seq.names.append(name)
+            parent = name
+        return seq
+
+    def blocks_needed(self, seq: SeqBlocks, num_tokens: int) -> int:
+        return max(0, -(-num_tokens // self.bs) - len(seq.table))
+
+    def can_allocate(self, seq: SeqBlocks, num_tokens: int) -> bool:
+        return self.blocks_needed(seq, num_tokens) <= self.pool.num_available()
+
+    def allocate(self, seq: SeqBlocks, tokens: list[int], num_tokens: int) -> None:
+        """Grows seq's table to cover positions [0, num_tokens) of `tokens` (check can_allocate
+        first) and names the blocks that become full. Naming at allocation is safe because the
+        step that allocates also computes them, and a step writes all its new KV before any
+        attention reads it: a request admitted in the same step may already share them."""
+        seq.table.extend(self.pool.allocate(self.blocks_needed(seq, num_tokens)))
+        if self.cache.config.enable_prefix_caching and not self.window:
+            while len(seq.names) < num_tokens // self.bs:
+                i = len(seq.names)
+                name = block_hash(seq.names[-1] if seq.names else b"", tokens[i * self.bs:(i + 1) * self.bs])
+                self.pool.name(seq.table[i], name)
+                seq.names.append(name)
+
+    def computed(self, seq: SeqBlocks, num_computed: int) -> None:
+        """Applies the window policy once `num_computed` tokens have their KV: blocks no future
+        query can see go back to the pool (the table keeps -1 in their place)."""
+        if self.window:
+            # the next query is at position num_computed; it reads positions > num_computed - window
+            dead = max(0, num_computed + 1 - self.window) // self.bs
+            for i in range(dead):
+                if seq.table[i] >= 0:
+                    self.pool.release([seq.table[i]])
+                    seq.table[i] = -1
+
+    def free(self, seq: SeqBlocks) -> None:
+        self.pool.release([b for b in reversed(seq.table) if b >= 0])
+        seq.table, seq.names = [], []
+
+    def usage(self) -> dict:
+        return {"blocks_total": self.pool.num_blocks, "blocks_used": self.pool.num_used(),
+                "blocks_cached_unused": len(self.pool.lru), "blocks_free": len(self.pool.free),
+                "prefix_hit_rate": round(self.stats.hit_rate, 4), "evictions": self.pool.evictions}

@@ -11,11 +11,13 @@ from .kv_cache import CacheConfig
 class LLM:
     """model: a model name/path (compiled now) or an artifact directory; artifact: an
     artifact directory (loaded and verified, never recompiled); quant: None or "int4"
-    (4-bit weights; with dtype="bf16" the fastest decode on CPU)."""
+    (4-bit weights; with dtype="bf16" the fastest decode on CPU). Engine settings:
+    block_size and num_blocks size the paged KV cache; max_num_tokens is the token budget
+    of one step (and the prefill chunk); max_num_seqs caps the batch."""
 
     def __init__(self, model: str = "smollm2", target: str = "cpu", dtype: str = "f32",
-                 block_size: int = 16, num_blocks: int = 1024, max_num_tokens: int = 2048,
-                 artifact: str | None = None, quant: str | None = None):
+                 block_size: int = 16, num_blocks: int = 1024, max_num_tokens: int = 512, max_num_seqs: int = 64,
+                 enable_prefix_caching: bool = True, artifact: str | None = None, quant: str | None = None):
         from ..compiler import compile
         from .loader import load
 
@@ -26,18 +28,20 @@ class LLM:
         if self.model.tokenizer is None:
             raise DeepfuseError("this model has no tokenizer; pass token ids to Engine.generate instead")
         self.tokenizer = self.model.tokenizer
-        self.engine = Engine(self.model, CacheConfig(block_size, num_blocks), max_num_tokens)
+        self.engine = Engine(self.model, CacheConfig(block_size, num_blocks, enable_prefix_caching),
+                             max_num_tokens, max_num_seqs)
 
     def generate(self, prompts: str | list[str] | list[list[int]],
-                 params: SamplingParams | list[SamplingParams] | None = None, on_token=None) -> list[RequestOutput]:
+                 params: SamplingParams | list[SamplingParams] | None = None, on_token=None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """One output per prompt, in order. A prompt may be text or token ids. Invalid requests
+        come back with finish_reason "error" and `error` set; the others still run."""
         if isinstance(prompts, str):
             prompts = [prompts]
         ids = [self.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts]
         params = params or SamplingParams()
         plist = params if isinstance(params, list) else [params] * len(ids)
-        if len(plist) != len(ids):
-            raise DeepfuseError(f"{len(plist)} SamplingParams for {len(ids)} prompts")
-        return self.engine.generate(ids, plist, on_token)
+        return self.engine.generate(ids, plist, on_token, use_tqdm=use_tqdm and len(ids) > 1)
 
     def chat(self, message: str, params: SamplingParams | None = None, on_token=None) -> RequestOutput:
         prompt = self.tokenizer.render_chat([{"role": "user", "content": message}])

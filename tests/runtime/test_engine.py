@@ -1,3 +1,4 @@
+"""Engine on the tiny random Llama: batching, chunking, preemption, prefix cache, errors."""
 import pytest
 
 import deepfuse
@@ -6,6 +7,7 @@ from deepfuse.runtime.engine import Engine, SamplingParams
 from deepfuse.runtime.kv_cache import CacheConfig
 
 PROMPTS = [[1, 2, 3], [9, 8, 7, 6, 5, 4, 3, 2, 1, 0, 11, 12, 13], [42], [5, 5, 5, 5, 5]]
+GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
@@ -13,69 +15,175 @@ def tiny_art(tiny_model):
     return deepfuse.compile(tiny_model)
 
 
+def engine(art, num_blocks=64, block_size=4, **kw):
+    return Engine(art, CacheConfig(block_size=block_size, num_blocks=num_blocks, **kw.pop("cache", {})), **kw)
+
+
+def tokens(outs):
+    return [o.token_ids for o in outs]
+
+
 def test_batched_equals_alone_greedy_and_seeded(tiny_art):
-    eng = Engine(tiny_art, CacheConfig(block_size=4, num_blocks=64))
-    for p in (SamplingParams(temperature=0, max_tokens=10, ignore_eos=True),
-              SamplingParams(temperature=1.0, top_p=0.9, top_k=20, max_tokens=10, seed=7, ignore_eos=True)):
-        together = [o.token_ids for o in eng.generate(PROMPTS, [p] * len(PROMPTS))]
+    eng = engine(tiny_art)
+    for p in (GREEDY, SamplingParams(temperature=1.0, top_p=0.9, top_k=20, max_tokens=10, seed=7, ignore_eos=True)):
+        together = tokens(eng.generate(PROMPTS, [p] * len(PROMPTS)))
         alone = [eng.generate([pr], [p])[0].token_ids for pr in PROMPTS]
         assert together == alone
         assert all(len(t) == 10 for t in together)
-    assert len(eng.cache.allocator.free) == 64  # every block returned
+    assert eng.kv.pool.num_used() == 0 and eng.kv.pool.num_available() == 64  # every block returned
 
 
 def test_small_token_budget_chunks_prefill(tiny_art):
-    p = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
-    big = Engine(tiny_art, CacheConfig(block_size=4, num_blocks=64)).generate(PROMPTS, [p] * 4)
-    small = Engine(tiny_art, CacheConfig(block_size=4, num_blocks=64), max_num_tokens=3).generate(PROMPTS, [p] * 4)
-    assert [o.token_ids for o in big] == [o.token_ids for o in small]
+    big = engine(tiny_art).generate(PROMPTS, [GREEDY] * 4)
+    small = engine(tiny_art, max_num_tokens=3).generate(PROMPTS, [GREEDY] * 4)
+    assert tokens(big) == tokens(small)
 
 
-def test_cache_smaller_than_all_requests_runs_in_waves(tiny_art):
-    p = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
-    want = Engine(tiny_art, CacheConfig(block_size=4, num_blocks=64)).generate(PROMPTS, [p] * 4)
-    got = Engine(tiny_art, CacheConfig(block_size=4, num_blocks=6)).generate(PROMPTS, [p] * 4)
-    assert [o.token_ids for o in want] == [o.token_ids for o in got]
+def test_preemption_when_the_cache_cannot_hold_every_request(tiny_art):
+    p = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    want = engine(tiny_art).generate(PROMPTS * 2, [p] * 8)
+    eng = engine(tiny_art, num_blocks=12, cache={"enable_prefix_caching": False})
+    got = eng.generate(PROMPTS * 2, [p] * 8)
+    assert tokens(got) == tokens(want)
+    assert eng.scheduler.num_preemptions > 0 and sum(o.num_preemptions for o in got) == eng.scheduler.num_preemptions
+    assert eng.kv.pool.num_available() == 12
 
 
-def test_stop_tokens_and_finish_reason(tiny_art):
-    eng = Engine(tiny_art, CacheConfig(block_size=4, num_blocks=64))
-    free = eng.generate([PROMPTS[0]], [SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)])[0]
-    assert free.finish_reason == "length"
+def test_seeded_sampling_survives_preemption(tiny_art):
+    p = SamplingParams(temperature=1.0, max_tokens=12, seed=11, ignore_eos=True)
+    want = engine(tiny_art).generate(PROMPTS * 2, [p] * 8)
+    eng = engine(tiny_art, num_blocks=12)
+    assert tokens(eng.generate(PROMPTS * 2, [p] * 8)) == tokens(want) and eng.scheduler.num_preemptions > 0
+
+
+def test_request_too_big_for_the_whole_cache_is_an_error_not_a_hang(tiny_art):
+    eng = engine(tiny_art, num_blocks=4)  # 16 tokens
+    out = eng.generate([[1] * 10, [2, 3]], [SamplingParams(max_tokens=10), SamplingParams(temperature=0, max_tokens=3)])
+    assert out[0].finish_reason == "error" and "(max_model_len 16)" in str(out[0].error)
+    assert out[1].finish_reason == "length" and len(out[1].token_ids) == 3
+
+
+def test_prefix_cache_skips_shared_prompt_blocks(tiny_art):
+    prefix = [(7 * i) % 120 for i in range(40)]
+    prompts = [prefix + [100 + i, 3, 4] for i in range(8)]
+    off = engine(tiny_art, num_blocks=128, cache={"enable_prefix_caching": False})
+    on = engine(tiny_art, num_blocks=128)
+    want, got = off.generate(prompts, [GREEDY] * 8), on.generate(prompts, [GREEDY] * 8)
+    assert tokens(got) == tokens(want)
+    assert off.stats.prompt_tokens_computed == 8 * 43
+    # the first request computes everything; the next seven find the 40-token prefix (10 blocks)
+    assert on.stats.prompt_tokens_computed == 43 + 7 * 3
+    assert [o.num_cached_tokens for o in got] == [0] + [40] * 7
+    assert on.kv.usage()["prefix_hit_rate"] == pytest.approx(7 * 40 / (8 * 43), abs=1e-4)
+    # a second round is served from cached, unreferenced blocks
+    again = on.generate(prompts[:1], [GREEDY])[0]
+    assert again.token_ids == want[0].token_ids and again.num_cached_tokens == 40
+
+
+def test_prefix_cache_evicts_least_recently_used_blocks(tiny_art):
+    eng = engine(tiny_art, num_blocks=12)
+    a, b = list(range(1, 17)), list(range(30, 46))
+    eng.generate([a], [GREEDY])
+    assert eng.kv.usage()["blocks_cached_unused"] > 0
+    eng.generate([b], [GREEDY])
+    eng.generate([list(range(60, 96))], [SamplingParams(temperature=0, max_tokens=8)])  # needs 11 blocks: evicts
+    assert eng.kv.pool.evictions > 0
+    assert eng.generate([a], [GREEDY])[0].token_ids == engine(tiny_art).generate([a], [GREEDY])[0].token_ids
+
+
+def test_requests_added_while_others_run(tiny_art):
+    eng = engine(tiny_art)
+    alone = [engine(tiny_art).generate([p], [GREEDY])[0].token_ids for p in PROMPTS]
+    ids = [eng.add_request(PROMPTS[0], GREEDY), eng.add_request(PROMPTS[1], GREEDY)]
+    done = {}
+    for step in range(40):
+        if step == 3:
+            ids += [eng.add_request(PROMPTS[2], GREEDY), eng.add_request(PROMPTS[3], GREEDY)]
+        for out in eng.step():
+            done[out.request_id] = out.token_ids
+        if not eng.has_unfinished():
+            break
+    assert [done[i] for i in ids] == alone
+
+
+def test_abort(tiny_art):
+    eng = engine(tiny_art)
+    keep, drop = eng.add_request(PROMPTS[0], GREEDY), eng.add_request(PROMPTS[1], GREEDY)
+    eng.step()
+    out = eng.abort(drop)
+    assert out.finish_reason == "abort" and eng.abort(drop) is None
+    finished = []
+    while eng.has_unfinished():
+        finished += eng.step()
+    assert [o.request_id for o in finished] == [keep] and len(finished[0].token_ids) == 10
+    assert eng.kv.pool.num_used() == 0
+
+
+def test_stop_tokens_logprobs_and_timing(tiny_art):
+    eng = engine(tiny_art)
+    free = eng.generate([PROMPTS[0]], [SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=3)])[0]
+    assert free.finish_reason == "length" and len(free.logprobs) == 8
+    for tok, lp in zip(free.token_ids, free.logprobs):
+        assert len(lp) == 3 and tok in lp and max(lp.values()) == lp[tok] <= 0  # greedy takes the top one
+    assert len(free.token_times) == 8 and free.ttft_s == free.token_times[0] > 0 and free.tpot_s > 0
     stop = free.token_ids[3]
     out = eng.generate([PROMPTS[0]], [SamplingParams(temperature=0, max_tokens=8, stop_token_ids=[stop])])[0]
     assert out.finish_reason == "stop" and out.token_ids == free.token_ids[: free.token_ids.index(stop) + 1]
 
 
-@pytest.mark.parametrize("params,msg", [
-    (SamplingParams(temperature=-1), "temperature must be >= 0"),
-    (SamplingParams(top_p=0), r"top_p must be in \(0, 1\]"),
-    (SamplingParams(top_p=1.5), r"top_p must be in \(0, 1\]"),
-    (SamplingParams(max_tokens=0), "max_tokens must be >= 1"),
-    (SamplingParams(top_k=-2), "top_k must be >= 0"),
+@pytest.mark.parametrize("kw,field", [
+    ({"temperature": -1}, "temperature"), ({"temperature": float("nan")}, "temperature"),
+    ({"top_p": 0}, "top_p"), ({"top_p": 1.5}, "top_p"), ({"max_tokens": 0}, "max_tokens"),
+    ({"max_tokens": -3}, "max_tokens"), ({"top_k": -2}, "top_k"), ({"logprobs": 99}, "logprobs"),
+    ({"stop": [""]}, "stop"),
 ])
-def test_bad_sampling_params(tiny_art, params, msg):
-    with pytest.raises(DeepfuseError, match=msg):
-        Engine(tiny_art).generate([[1, 2]], [params])
+def test_bad_sampling_params_raise_value_error_naming_the_field(kw, field):
+    with pytest.raises(ValueError, match=f"^{field} must"):
+        SamplingParams(**kw)
 
 
-def test_bad_prompts(tiny_art):
-    eng = Engine(tiny_art, CacheConfig(block_size=4, num_blocks=64))
-    with pytest.raises(DeepfuseError, match="prompt is empty"):
-        eng.generate([[]], [SamplingParams()])
-    with pytest.raises(DeepfuseError, match="exceeds the context of 256 tokens"):
-        eng.generate([[1] * 250], [SamplingParams(max_tokens=10)])
-    with pytest.raises(DeepfuseError, match="outside the vocabulary"):
-        eng.generate([[1, 100000]], [SamplingParams()])
+def test_bad_requests_fail_alone_and_the_rest_complete(tiny_art):
+    eng = engine(tiny_art)
+    mutated = SamplingParams(temperature=0, max_tokens=4)
+    mutated.max_tokens = 0  # changed after construction: caught when submitted
+    prompts = [PROMPTS[0], [], [1] * 250, [1, 100000], PROMPTS[1], PROMPTS[2]]
+    params = [GREEDY, GREEDY, SamplingParams(max_tokens=10), GREEDY, mutated, GREEDY]
+    outs = eng.generate(prompts, params)
+    assert [o.finish_reason for o in outs] == ["length", "error", "error", "error", "error", "length"]
+    assert isinstance(outs[1].error, ValueError) and "prompt is empty" in str(outs[1].error)
+    assert "(max_model_len 256)" in str(outs[2].error)
+    assert "outside the vocabulary" in str(outs[3].error)
+    assert str(outs[4].error).startswith("max_tokens must")
+    assert [outs[0].token_ids, outs[5].token_ids] == tokens(engine(tiny_art).generate([PROMPTS[0], PROMPTS[2]], [GREEDY] * 2))
+    eng.add_request([1], GREEDY, request_id="x")
+    with pytest.raises(DeepfuseError, match="already in use"):
+        eng.add_request([1], GREEDY, request_id="x")
 
 
-def test_llm_api_smollm2(smollm2_compiled, tmp_path):
-    from deepfuse import LLM
+def test_sliding_window_policy_releases_blocks_and_keeps_outputs(tiny_dir, tmp_path):
+    """Mistral-style window 8, block size 4: at most 3-4 blocks per sequence stay held."""
+    import json
+    import shutil
 
-    smollm2_compiled.save(str(tmp_path / "a"))
-    llm = LLM(artifact=str(tmp_path / "a"))
-    out = llm.chat("What is the capital of France?", SamplingParams(temperature=0, max_tokens=20))
-    assert "Paris" in out.text and out.finish_reason == "stop"
-    seeded = [llm.generate("Once upon a time", SamplingParams(temperature=0.8, seed=3, max_tokens=12))[0].text
-              for _ in range(2)]
-    assert seeded[0] == seeded[1] and len(seeded[0]) > 0
+    from deepfuse.models import load_model
+    from tests.helpers import eager_step, greedy_with
+
+    d = tmp_path / "swa"
+    shutil.copytree(tiny_dir, d)
+    cfg = json.loads((d / "config.json").read_text())
+    cfg.update(model_type="mistral", architectures=["MistralForCausalLM"], sliding_window=8)
+    (d / "config.json").write_text(json.dumps(cfg))
+    model, _ = load_model(str(d), with_tokenizer=False)
+    eng = engine(deepfuse.compile(model), num_blocks=64)
+    prompt = list(range(3, 23))
+    held = []
+    rid = eng.add_request(prompt, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
+    out = None
+    while eng.has_unfinished():
+        held.append(eng.kv.pool.num_used())
+        fin = eng.step()
+        out = fin[0] if fin else out
+    assert out.request_id == rid
+    want, _ = greedy_with(eager_step(model), model.config, prompt, 16)
+    assert out.token_ids == want
+    assert max(held[2:]) <= 4  # 20 + 16 tokens would need 9 blocks without the window policy

@@ -29,7 +29,8 @@ def build_plan(g: Graph) -> dict:
         "num_slots": len(slot),
         "inputs": {v.name: slot[v] for v in g.inputs},
         "params": {v.name: slot[v] for v in g.params},
-        "launches": [{"op": n.op, "attrs": n.attrs, "dtype": (n.inputs or n.outputs)[0].type.dtype, "in": [slot[v] for v in n.inputs],
+        "launches": [{"op": n.op, "attrs": n.attrs, "dtype": (n.inputs or n.outputs)[0].type.dtype,
+                      "in": [slot[v] for v in n.inputs],
                       "out": [slot[v] for v in n.outputs], "free": sorted(frees[i])}
                      for i, n in enumerate(g.nodes)],
         "outputs": [slot[v] for v in g.outputs],

@@ -1,0 +1,102 @@
+"""Requests: what a user asks for (SamplingParams), what the engine tracks (Request),
+and what comes back (RequestOutput)."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from ..errors import DeepfuseError
+from .kv_cache import SeqBlocks
+
+
+@dataclass
+class SamplingParams:
+    """vLLM's names. temperature 0 = greedy (exact argmax); top_k 0 = off; seed None =
+    random; stop: strings that end the text (not included in it); logprobs: how many
+    top log-probabilities to return per generated token (None = none).
+    Invalid values raise DeepfuseError (a ValueError) naming the field."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    max_tokens: int = 16
+    seed: int | None = None
+    ignore_eos: bool = False
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    logprobs: int | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.validate()
+
+    def validate(self) -> None:
+        if not (isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature) and self.temperature >= 0):
+            raise DeepfuseError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+        if not (isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1):
+            raise DeepfuseError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not (isinstance(self.top_k, int) and self.top_k >= 0):
+            raise DeepfuseError(f"top_k must be an int >= 0 (0 disables it), got {self.top_k!r}")
+        if not (isinstance(self.max_tokens, int) and self.max_tokens >= 1):
+            raise DeepfuseError(f"max_tokens must be an int >= 1, got {self.max_tokens!r}")
+        if self.seed is not None and not isinstance(self.seed, int):
+            raise DeepfuseError(f"seed must be an int or None, got {self.seed!r}")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise DeepfuseError(f"stop must be non-empty strings, got {self.stop!r}")
+        if self.logprobs is not None and not (isinstance(self.logprobs, int) and 0 <= self.logprobs <= 20):
+            raise DeepfuseError(f"logprobs must be None or an int in [0, 20], got {self.logprobs!r}")
+
+
+@dataclass
+class RequestOutput:
+    """One finished request. finish_reason: "stop" (EOS, stop token or stop string),
+    "length" (max_tokens), "abort", or "error" (then `error` says why and nothing ran).
+    Times are seconds from the request's arrival; token_times[i] is when token i came."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: str
+    error: Exception | None = None
+    ttft_s: float = 0.0
+    total_s: float = 0.0
+    token_times: list[float] = field(default_factory=list)
+    logprobs: list[dict[int, float]] | None = None  # per token: {token id: logprob}, sampled token included
+    num_cached_tokens: int = 0  # prompt tokens served by the prefix cache
+    num_preemptions: int = 0
+
+    @property
+    def tpot_s(self) -> float:
+        """Mean time per output token after the first."""
+        n = len(self.token_times)
+        return (self.token_times[-1] - self.token_times[0]) / (n - 1) if n > 1 else 0.0
+
+
+@dataclass
+class Request:
+    """Engine-side state of one request. tokens = prompt + generated; `computed` of them
+    have their KV in the cache."""
+
+    request_id: str
+    index: int
+    prompt: list[int]
+    params: SamplingParams
+    seed: int
+    arrival: float
+    tokens: list[int] = field(default_factory=list)
+    computed: int = 0
+    kv: SeqBlocks = field(default_factory=SeqBlocks)
+    generated: list[int] = field(default_factory=list)
+    token_times: list[float] = field(default_factory=list)
+    logprobs: list[dict[int, float]] = field(default_factory=list)
+    text: str = ""
+    finish: str | None = None
+    num_cached_tokens: int = 0
+    num_preemptions: int = 0
+
+    @property
+    def remaining(self) -> int:
+        """Tokens whose KV still has to be computed before the next sample."""
+        return len(self.tokens) - self.computed

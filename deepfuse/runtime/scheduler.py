@@ -1,0 +1,110 @@
+"""Scheduler: decides, every step, which tokens of which requests run.
+
+Continuous batching under a token budget (max_num_tokens per step), first come first
+served:
+1. Running requests go first, oldest first. A decoding request takes one token of the
+   budget; a request still in its prompt takes what is left, up to its remainder
+   (chunked prefill), so a long prompt never holds decoding requests for more than one
+   budget-sized step.
+2. Waiting requests are then admitted while budget, sequence slots (max_num_seqs) and
+   KV blocks allow; each starts after its longest cached prefix.
+
+Preemption by recompute. When a running request needs a block and none is available, the
+most recently admitted running request is the victim (LIFO: the oldest requests always
+progress, so none starves, and the work thrown away is the least). The victim's blocks are
+released — its full blocks stay named in the prefix cache — and it goes back to the front
+of the waiting queue; on readmission it recomputes prompt + generated tokens (mostly
+from the prefix cache) and continues exactly where it stopped: sampling is keyed by
+(seed, position), so its tokens do not change. No admission happens in a step that
+preempted.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from ..errors import DeepfuseError
+from .kv_cache import KVCacheManager
+from .request import Request
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_tokens: int = 512  # token budget of one step; also the prefill chunk size
+    max_num_seqs: int = 64
+
+    def __post_init__(self) -> None:
+        if self.max_num_tokens < 1 or self.max_num_seqs < 1:
+            raise DeepfuseError(f"max_num_tokens and max_num_seqs must be >= 1, got {self.max_num_tokens}, "
+                                f"{self.max_num_seqs}")
+
+
+class Scheduler:
+    def __init__(self, kv: KVCacheManager, config: SchedulerConfig):
+        self.kv, self.config = kv, config
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+
+    def add(self, req: Request) -> None:
+        self.waiting.append(req)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> list[tuple[Request, int]]:
+        """The step's (request, number of new tokens) pairs, with KV blocks allocated."""
+        budget, out, preempted = self.config.max_num_tokens, [], False
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n = min(req.remaining, budget)
+            while not self.kv.can_allocate(req.kv, req.computed + n) and self.running[-1] is not req:
+                self._preempt(self.running[-1])
+                preempted = True
+            if not self.kv.can_allocate(req.kv, req.computed + n):
+                self._preempt(req)  # alone and still no room: wait until others finish
+                preempted = True
+                break
+            self.kv.allocate(req.kv, req.tokens, req.computed + n)
+            out.append((req, n))
+            budget -= n
+            i += 1
+        while (not preempted and self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs):
+            req = self.waiting[0]
+            blocks = self.kv.match_prefix(req.tokens)
+            cached = len(blocks.table) * self.kv.bs
+            n = min(len(req.tokens) - cached, budget)
+            if not self.kv.can_allocate(blocks, cached + n):
+                self.kv.free(blocks)
+                break
+            self.kv.allocate(blocks, req.tokens, cached + n)
+            if not req.num_preemptions:  # a readmission recomputes; count first admissions only
+                self.kv.stats.prefix_queries += len(req.tokens)
+                self.kv.stats.prefix_hits += cached
+                req.num_cached_tokens = cached
+            req.kv, req.computed = blocks, cached
+            self.running.append(self.waiting.popleft())
+            out.append((req, n))
+            budget -= n
+        if not out and self.waiting:
+            need = self.kv.blocks_needed(self.waiting[0].kv, len(self.waiting[0].tokens))
+            raise DeepfuseError(f"request {self.waiting[0].request_id} needs {need} KV blocks and only "
+                                f"{self.kv.pool.num_available()} can be freed; raise num_blocks")
+        return out
+
+    def _preempt(self, req: Request) -> None:
+        self.running.remove(req)
+        self.kv.free(req.kv)
+        req.computed = 0
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(req)
+
+    def finish(self, req: Request) -> None:
+        """Removes a finished or aborted request and frees its blocks."""
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        self.kv.free(req.kv)

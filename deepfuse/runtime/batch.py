@@ -2,7 +2,7 @@
 
 Shapes follow models.llama.step_specs: tokens/positions/slot_mapping [T],
 block_tables [S,B] (unused entries 0), per-sequence [S] tensors. StepBuffers holds
-them preallocated (numpy arrays shared with torch), so a step allocates no input memory.
+them preallocated (numpy arrays shared with torch): no input tensor is allocated per step.
 """
 from __future__ import annotations
 

@@ -233,12 +233,17 @@ def _attention(attrs: dict) -> Kernel:
         if len(lay.decode_rows):
             out[lay.decode_rows] = decode(q[lay.decode_rows], cache, tables[lay.decode_seqs], lay)
         for s, a, n, length in lay.prefills:
-            keys, vals = gather_kv(cache, tables[s], length)
-            qs = q[a:a + n].reshape(n, h, hd).transpose(0, 1)
-            o = F.scaled_dot_product_attention(qs, keys.transpose(0, 1), vals.transpose(0, 1),
-                                               attn_mask=causal_mask(n, length, window), scale=scale,
-                                               enable_gqa=h != hkv)
-            out[a:a + n] = o.transpose(0, 1).reshape(n, h * hd)
+            whole = n == length and not window  # a prompt in one chunk: plain causal, upper half skipped
+            if whole:  # its keys are exactly this step's k/v rows: no gather from the cache
+                keys, vals = k[a:a + n].view(n, hkv, hd), v[a:a + n].view(n, hkv, hd)
+            else:
+                keys, vals = gather_kv(cache, tables[s], length)
+            # 4-D operands: torch's CPU flash kernel (3-D ones fall back to a ~5x slower path)
+            qs = q[a:a + n].view(1, n, h, hd).transpose(1, 2)
+            o = F.scaled_dot_product_attention(qs, keys.transpose(0, 1)[None], vals.transpose(0, 1)[None],
+                                               attn_mask=None if whole else causal_mask(n, length, window),
+                                               is_causal=whole, scale=scale, enable_gqa=h != hkv)
+            out[a:a + n] = o[0].transpose(0, 1).reshape(n, h * hd)
         return out
 
     return attention

@@ -1,0 +1,178 @@
+"""Offline throughput: 64 requests (50-500 prompt tokens, 128 output tokens each) on SmolLM2-135M.
+
+Engines, one run, same GGUF weights, same prompts, EOS ignored so every request makes 128 tokens:
+  deepfuse   continuous batching (all 64 submitted at once), f32 and bf16+int4
+  HF         transformers `generate` on the whole batch (left-padded), bf16, streamer for token times
+  llama.cpp  llama-cpp-python on the Q4_1 GGUF, requests one after another (as its Python API
+             serves them); needs `pip install -e .[bench]` (builds llama.cpp, ~7 min), else skipped
+
+Reports output tokens/s, TTFT p50/p99 and TPOT p50/p99 (all requests arrive at t=0), medians
+over --runs runs, and writes benchmarks/results/throughput.json.
+
+    python benchmarks/throughput.py [--runs 1] [--requests 64] [--engines deepfuse-f32,deepfuse-int4,hf,llama.cpp]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import random
+import statistics
+import time
+
+import torch
+
+OUT_TOKENS = 128
+
+
+def make_prompts(tok, n: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    words = ("river stone light garden winter music paper engine window market story bridge forest signal "
+             "harbor letter silver morning castle planet field candle mirror orchard").split()
+    corpus = tok.encode(" ".join(rng.choice(words) for _ in range(20000)))
+    out = []
+    for _ in range(n):
+        length = rng.randint(50, 500)
+        start = rng.randint(0, len(corpus) - length - 1)
+        out.append(corpus[start:start + length])
+    return out
+
+
+def pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, round(q * (len(xs) - 1)))]
+
+
+def summary(wall: float, ttft: list[float], tpot: list[float], n_out: int) -> dict:
+    return {"output_tps": n_out / wall, "wall_s": wall, "ttft_p50_s": pct(ttft, 0.5), "ttft_p99_s": pct(ttft, 0.99),
+            "tpot_p50_s": pct(tpot, 0.5), "tpot_p99_s": pct(tpot, 0.99), "output_tokens": n_out}
+
+
+def run_deepfuse(model, prompts, dtype: str, quant: str | None) -> dict:
+    import deepfuse
+    from deepfuse.runtime.engine import Engine, SamplingParams
+    from deepfuse.runtime.kv_cache import CacheConfig
+
+    eng = Engine(deepfuse.compile(model, dtype=dtype, quant=quant), CacheConfig(num_blocks=4096),
+                 max_num_tokens=1024, max_num_seqs=len(prompts))
+    p = SamplingParams(temperature=0, max_tokens=OUT_TOKENS, ignore_eos=True)
+    eng.generate(prompts[:2], [SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)] * 2)  # warm-up
+    t = time.perf_counter()
+    outs = eng.generate(prompts, [p] * len(prompts))
+    wall = time.perf_counter() - t
+    assert all(len(o.token_ids) == OUT_TOKENS for o in outs)
+    return summary(wall, [o.ttft_s for o in outs], [o.tpot_s for o in outs], sum(len(o.token_ids) for o in outs))
+
+
+def run_hf(prompts) -> dict:
+    from transformers import AutoModelForCausalLM
+    from transformers.generation.streamers import BaseStreamer
+
+    from deepfuse.models import smollm2_gguf_path
+
+    path = smollm2_gguf_path()
+    hf = AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
+                                              dtype=torch.bfloat16).eval()
+    width = max(len(p) for p in prompts)
+    ids = torch.zeros(len(prompts), width, dtype=torch.long)
+    mask = torch.zeros(len(prompts), width, dtype=torch.long)
+    for i, p in enumerate(prompts):  # left padding, as decoder-only batched generation needs
+        ids[i, width - len(p):] = torch.tensor(p)
+        mask[i, width - len(p):] = 1
+
+    class Times(BaseStreamer):
+        def __init__(self):
+            self.times = []
+
+        def put(self, value):
+            self.times.append(time.perf_counter())
+
+        def end(self):
+            pass
+
+    streamer = Times()
+    t = time.perf_counter()
+    with torch.inference_mode():
+        out = hf.generate(ids, attention_mask=mask, max_new_tokens=OUT_TOKENS, min_new_tokens=OUT_TOKENS,
+                          do_sample=False, eos_token_id=None, pad_token_id=0, streamer=streamer)
+    wall = time.perf_counter() - t
+    assert out.shape[1] == width + OUT_TOKENS
+    steps = streamer.times[1:]  # the first put() is the prompt itself
+    ttft = steps[0] - t
+    tpot = (steps[-1] - steps[0]) / (len(steps) - 1)
+    n = len(prompts)
+    return summary(wall, [ttft] * n, [tpot] * n, n * OUT_TOKENS)
+
+
+def run_llama_cpp(prompts) -> dict | None:
+    try:
+        from llama_cpp import Llama
+    except ImportError:
+        return None
+    from deepfuse.models import smollm2_gguf_path
+
+    llm = Llama(model_path=smollm2_gguf_path(), n_ctx=1024, n_threads=torch.get_num_threads(), n_batch=512,
+                verbose=False)
+    eos = llm.token_eos()
+    ttft, tpot = [], []
+    t0 = time.perf_counter()
+    for p in prompts:
+        times = []
+        for _ in llm.create_completion(p, max_tokens=OUT_TOKENS, temperature=0.0, stream=True,
+                                       logit_bias={eos: -1e9}):
+            times.append(time.perf_counter())
+        assert len(times) == OUT_TOKENS, len(times)
+        ttft.append(times[0] - t0)  # every request arrived at t0 and waited its turn
+        tpot.append((times[-1] - times[0]) / (len(times) - 1))
+    wall = time.perf_counter() - t0
+    return summary(wall, ttft, tpot, len(prompts) * OUT_TOKENS)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--runs", type=int, default=1)
+    ap.add_argument("--requests", type=int, default=64)
+    ap.add_argument("--engines", default="deepfuse-f32,deepfuse-int4,hf,llama.cpp")
+    args = ap.parse_args()
+    from deepfuse.models import load_model
+
+    model, tok = load_model("smollm2")
+    prompts = make_prompts(tok, args.requests)
+    engines = {
+        "deepfuse f32": ("deepfuse-f32", lambda: run_deepfuse(model, prompts, "f32", None)),
+        "deepfuse bf16+int4": ("deepfuse-int4", lambda: run_deepfuse(model, prompts, "bf16", "int4")),
+        "HF bf16 batched": ("hf", lambda: run_hf(prompts)),
+        "llama.cpp (Q4_1)": ("llama.cpp", lambda: run_llama_cpp(prompts)),
+    }
+    wanted = set(args.engines.split(","))
+    results = {}
+    for name, (key, fn) in engines.items():
+        if key not in wanted:
+            continue
+        runs = [r for r in (fn() for _ in range(args.runs)) if r is not None]
+        if not runs:
+            print(f"{name}: skipped (pip install -e .[bench] for llama-cpp-python)")
+            continue
+        results[name] = {"runs": runs, **{k: statistics.median(r[k] for r in runs) for k in runs[0]}}
+        print(f"{name}: {results[name]['output_tps']:.1f} output tok/s", flush=True)
+    print(f"\nSmolLM2-135M, {args.requests} requests, prompts 50-500 tokens "
+          f"({sum(map(len, prompts))} total), {OUT_TOKENS} output tokens each, median of {args.runs} run(s), "
+          f"{torch.get_num_threads()} threads")
+    print(f"{'engine':20s} {'out tok/s':>10s} {'TTFT p50':>9s} {'TTFT p99':>9s} {'TPOT p50':>9s} {'TPOT p99':>9s}"
+          f" {'vs llama.cpp':>12s} {'vs HF':>7s}")
+    ref = {k: results[k]["output_tps"] for k in ("llama.cpp (Q4_1)", "HF bf16 batched") if k in results}
+    for name, r in results.items():
+        vs = [f"{r['output_tps'] / ref[k]:.2f}x" if k in ref else "-" for k in ("llama.cpp (Q4_1)", "HF bf16 batched")]
+        print(f"{name:20s} {r['output_tps']:10.1f} {r['ttft_p50_s']:8.2f}s {r['ttft_p99_s']:8.2f}s "
+              f"{r['tpot_p50_s'] * 1000:7.1f}ms {r['tpot_p99_s'] * 1000:7.1f}ms {vs[0]:>12s} {vs[1]:>7s}")
+    meta = {"requests": args.requests, "prompt_tokens": [len(p) for p in prompts], "output_tokens": OUT_TOKENS,
+            "runs": args.runs, "threads": torch.get_num_threads(), "torch": torch.__version__,
+            "machine": platform.machine()}
+    os.makedirs(os.path.join(os.path.dirname(__file__), "results"), exist_ok=True)
+    with open(os.path.join(os.path.dirname(__file__), "results", "throughput.json"), "w") as f:
+        json.dump({"meta": meta, "results": results}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -52,6 +52,11 @@ def rms_norm(x: Any, w: Any, *, eps: float) -> Any:
     return apply("rms_norm", x, w, eps=float(eps))
 
 
+def add_rms_norm(x: Any, res: Any, w: Any, *, eps: float) -> Any:
+    """(x + res, rms_norm(x + res, w)): a pre-norm block's residual add and the next norm."""
+    return apply("add_rms_norm", x, res, w, eps=float(eps))
+
+
 def rope(x: Any, positions: Any, *, head_dim: int, theta: float) -> Any:
     """Rotate-half rotary embedding on each head of x[T,H*hd]."""
     return apply("rope", x, positions, head_dim=head_dim, theta=float(theta))

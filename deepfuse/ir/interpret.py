@@ -27,6 +27,12 @@ def check_inputs(g: Graph, inputs: dict[str, torch.Tensor]) -> dict[str, int]:
 
 def interpret(g: Graph, inputs: dict[str, torch.Tensor]) -> list[torch.Tensor]:
     """Runs g on inputs (by input name); returns the graph outputs in order."""
+    env = interpret_all(g, inputs)
+    return [env[v] for v in g.outputs]
+
+
+def interpret_all(g: Graph, inputs: dict[str, torch.Tensor]) -> dict[Value, torch.Tensor]:
+    """Runs g on inputs; returns every value's tensor (inputs, params, node outputs)."""
     check_inputs(g, inputs)
     env: dict[Value, torch.Tensor] = {v: inputs[v.name] for v in g.inputs}
     for p in g.params:
@@ -38,4 +44,4 @@ def interpret(g: Graph, inputs: dict[str, torch.Tensor]) -> list[torch.Tensor]:
         outs = res if isinstance(res, tuple) else (res,)
         for v, t in zip(n.outputs, outs):
             env[v] = t
-    return [env[v] for v in g.outputs]
+    return env

@@ -1,4 +1,4 @@
-"""LLM semantic ops: rms_norm, rope, paged attention, last_token, logits, sample.
+"""LLM semantic ops: rms_norm, add_rms_norm, rope, paged attention, last_token, logits, sample.
 
 Shapes: T tokens in the step, S sequences, H/Hkv query/kv heads, hd head dim,
 N cache blocks, BS block size, B max blocks per sequence, V vocab.
@@ -26,6 +26,28 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, *, eps: float) -> torch.Tensor:
     h = x.float()
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
     return w * h.to(x.dtype)
+
+
+def _add_rms_norm_type(types: list[TensorType], attrs: dict) -> list[TensorType]:
+    x, res, w = types
+    expect(x == res, f"add_rms_norm operands differ: {x} vs {res}")
+    expect(w.rank == 1 and x.shape[-1] == w.shape[0], f"add_rms_norm weight {w} does not fit {x}")
+    return [x, x]
+
+
+@register("add_rms_norm", _add_rms_norm_type)
+def add_rms_norm(x: torch.Tensor, res: torch.Tensor, w: torch.Tensor, *, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The residual step of a pre-norm block: s = x + res; returns (s, rms_norm(s, w))."""
+    s = x + res
+    return s, rms_norm(s, w, eps=eps)
+
+
+@decomposition("add_rms_norm")
+def _add_rms_norm_decomp(x, res, w, *, eps):
+    from ..frontend import ops
+
+    s = ops.add(x, res)
+    return s, ops.rms_norm(s, w, eps=eps)
 
 
 def _rope_type(types: list[TensorType], attrs: dict) -> list[TensorType]:

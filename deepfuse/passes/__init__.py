@@ -1,6 +1,7 @@
 """Passes: cleanup, fusion, lowering; PassManager and the standard pipelines."""
 from ..errors import DeepfuseError
 from .cleanup import cse, dce, fold_constants
+from .fuse_add_rms_norm import fuse_add_rms_norm
 from .fuse_linears import fuse_sibling_linears
 from .fuse_swiglu import fuse_swiglu
 from .manager import Pass, PassManager, PassReport
@@ -15,7 +16,7 @@ def cleanup_passes() -> list[Pass]:
 
 def fusion_passes() -> list[Pass]:
     return [Pass("fuse_sibling_linears", fuse_sibling_linears), Pass("fold_constants", fold_constants),
-            Pass("fuse_swiglu", fuse_swiglu), Pass("dce", dce)]
+            fuse_swiglu, fuse_add_rms_norm, Pass("dce", dce)]
 
 
 def quant_passes(quant: str | None) -> list[Pass]:
@@ -36,6 +37,7 @@ __all__ = [
     "cse",
     "dce",
     "fold_constants",
+    "fuse_add_rms_norm",
     "fuse_sibling_linears",
     "fuse_swiglu",
     "fusion_passes",

@@ -1,7 +1,8 @@
 """Pass and PassManager: ordered passes, verify after each, timing, IR dumps, pass ids.
 
-A pass is a function Graph -> Graph (it may mutate and return its argument). Its id is
-a hash of its module's source, so artifacts and cache keys change when a pass does.
+A pass is a function Graph -> Graph (it may mutate and return its argument), or a set of
+rewrite rules (pattern.rule_pass), whose per-rule counts land in the report. Its id is a
+hash of its module's source, so artifacts and cache keys change when a pass does.
 """
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import inspect
 import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ..ir import Graph, print_graph, verify
 
@@ -22,7 +23,8 @@ class Pass:
 
     @property
     def id(self) -> str:
-        src = inspect.getsource(inspect.getmodule(self.fn)) + self.name
+        module = getattr(self.fn, "module", None) or inspect.getmodule(self.fn)  # a RuleSet names its module
+        src = inspect.getsource(module) + self.name
         return hashlib.sha256(src.encode()).hexdigest()[:16]
 
     def __call__(self, g: Graph) -> Graph:
@@ -36,6 +38,7 @@ class PassReport:
     seconds: float
     nodes_before: int
     nodes_after: int
+    fired: dict[str, int] = field(default_factory=dict)  # rule name -> rewrites, for rule passes
 
 
 class PassManager:
@@ -65,7 +68,7 @@ class PassManager:
                     f.write(before)
                 with open(stem + ".after.ir", "w") as f:
                     f.write(print_graph(g))
-            reports.append(PassReport(p.name, p.id, seconds, n_before, len(g.nodes)))
+            reports.append(PassReport(p.name, p.id, seconds, n_before, len(g.nodes), dict(getattr(p.fn, "fired", {}))))
         return g, reports
 
     def ids(self) -> dict[str, str]:

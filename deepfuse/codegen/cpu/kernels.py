@@ -143,6 +143,17 @@ def _rms_norm(attrs: dict) -> Kernel:
     return lambda x, w: F.rms_norm(x, (x.shape[-1],), w, eps)  # accumulates in fp32 for bf16/f16
 
 
+@factory("add_rms_norm")
+def _add_rms_norm(attrs: dict) -> Kernel:
+    eps = attrs["eps"]
+
+    def add_rms_norm(x: torch.Tensor, res: torch.Tensor, w: torch.Tensor):
+        s = torch.add(x, res)
+        return s, F.rms_norm(s, (s.shape[-1],), w, eps)
+
+    return add_rms_norm
+
+
 class RopeTables:
     """cos and sign-folded sin rows for the step's positions, shared by every rope launch
     of one step (all layers see the same positions tensor)."""

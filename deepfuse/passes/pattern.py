@@ -1,0 +1,265 @@
+"""Pattern language: match trees of IR ops and rewrite them, to a fixed point.
+
+    from deepfuse.frontend import ops
+    from deepfuse.passes.pattern import Op, Rule, Var, rule_pass
+
+    x, res, w = Var("x"), Var("res"), Var("w")
+    ADD_NORM = Rule("add_rms_norm",
+                    Op("rms_norm", Op("add", x, res, name="sum"), w, name="norm"),
+                    lambda m: ops.add_rms_norm(m["x"], m["res"], m["w"], eps=m.attrs("norm")["eps"]),
+                    replaces=("sum", "norm"))
+    fuse = rule_pass("fuse_add_rms_norm", [ADD_NORM])      # a Pass; reports how often each rule fired
+
+Patterns:
+- `Var("x")` matches any value and captures it; the same name twice must be the same value.
+  `Var()` is a wildcard that captures nothing.
+- `Op(op, *args, name=, out=, attrs=)` matches output `out` (default 0) of a node running `op`
+  whose inputs match `args` and whose attributes include `attrs`. `name` captures the node;
+  the same name twice must be the same node (two outputs of one split, say). `add` and
+  `mul` match their operands in either order.
+Rules:
+- `when(m)` is a guard over the match (captured values, nodes, their attributes, m.graph).
+- `replace(m)` is written against deepfuse.frontend.ops, with m["x"] standing for the
+  captured values; it returns the new value(s) for the root node (`replaces=None`), or for
+  each named node in `replaces`, in that order.
+- A match whose inner nodes are read outside it is skipped unless those nodes are replaced
+  too, so a rewrite never computes anything twice.
+"""
+from __future__ import annotations
+
+import heapq
+import inspect
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..ir import Graph, Node, Value
+
+COMMUTATIVE = frozenset({"add", "mul"})
+MAX_REWRITES = 100_000
+
+
+@dataclass(frozen=True)
+class Var:
+    name: str | None = None
+
+
+@dataclass(frozen=True)
+class Op:
+    op: str
+    args: tuple
+    name: str | None = None
+    out: int = 0
+    attrs: tuple = ()
+
+    def __init__(self, op: str, *args: Op | Var, name: str | None = None, out: int = 0,
+                 attrs: dict[str, Any] | None = None):
+        object.__setattr__(self, "op", op)
+        object.__setattr__(self, "args", tuple(args))
+        object.__setattr__(self, "name", name)
+        object.__setattr__(self, "out", out)
+        object.__setattr__(self, "attrs", tuple(sorted((attrs or {}).items())))
+
+
+@dataclass
+class Match:
+    graph: Graph
+    values: dict[str, Any] = field(default_factory=dict)  # Values while matching, tracers in replace()
+    nodes: dict[str, Node] = field(default_factory=dict)
+    matched: list[Node] = field(default_factory=list)  # every node the pattern covered, root last
+
+    def __getitem__(self, name: str) -> Any:
+        return self.values[name]
+
+    def node(self, name: str) -> Node:
+        return self.nodes[name]
+
+    def attrs(self, name: str) -> dict[str, Any]:
+        return self.nodes[name].attrs
+
+    def is_param(self, name: str) -> bool:
+        """True if the captured value is a graph parameter (a weight)."""
+        return any(self.values[name] is p for p in self.graph.params)
+
+
+@dataclass(frozen=True)
+class Rule:
+    name: str
+    pattern: Op
+    replace: Callable[[Match], Any]
+    when: Callable[[Match], bool] | None = None
+    replaces: tuple[str, ...] | None = None
+
+
+def _match(p: Op | Var, v: Value, producers: dict[Value, Node], m: Match) -> bool:
+    if isinstance(p, Var):
+        if p.name is None:
+            return True
+        if p.name in m.values:
+            return m.values[p.name] is v
+        m.values[p.name] = v
+        return True
+    node = producers.get(v)
+    if node is None or node.op != p.op or len(node.outputs) <= p.out or node.outputs[p.out] is not v:
+        return False
+    if any(node.attrs.get(k) != want for k, want in p.attrs):
+        return False
+    if p.name is not None:
+        if p.name in m.nodes:
+            return m.nodes[p.name] is node  # same name, same node: its inputs already matched
+        m.nodes[p.name] = node
+    if len(node.inputs) != len(p.args):
+        return False
+    orders = [list(node.inputs)]
+    if p.op in COMMUTATIVE and len(p.args) == 2:
+        orders.append(list(reversed(node.inputs)))
+    for ins in orders:
+        trial = Match(m.graph, dict(m.values), dict(m.nodes), list(m.matched))
+        if all(_match(a, x, producers, trial) for a, x in zip(p.args, ins)):
+            m.values, m.nodes, m.matched = trial.values, trial.nodes, trial.matched
+            if node not in m.matched:
+                m.matched.append(node)
+            return True
+    return False
+
+
+def match(pattern: Op, root: Node, graph: Graph, producers: dict[Value, Node]) -> Match | None:
+    """The match of `pattern` rooted at node `root`, or None."""
+    if pattern.out >= len(root.outputs):
+        return None
+    m = Match(graph)
+    return m if _match(pattern, root.outputs[pattern.out], producers, m) else None
+
+
+def _self_contained(rule: Rule, m: Match, users: dict[Value, list[Node]], outputs: set[Value]) -> bool:
+    """Inner matched nodes must not be read outside the match unless the rule replaces them."""
+    replaced = {id(m.nodes[n]) for n in (rule.replaces or ())}
+    inside = {id(n) for n in m.matched}
+    root = m.matched[-1]
+    for node in m.matched:
+        if node is root or id(node) in replaced:
+            continue
+        for v in node.outputs:
+            if v in outputs or any(id(u) not in inside for u in users.get(v, [])):
+                return False
+    return True
+
+
+def toposort(g: Graph) -> None:
+    """Orders g.nodes so every input is defined first, keeping the existing order wherever it
+    can; side-effecting nodes (cache writes) keep their relative order."""
+    from ..ir import OPS
+
+    order = {id(n): i for i, n in enumerate(g.nodes)}
+    producers = g.producers()
+    waiting: dict[int, int] = {}
+    dependents: dict[int, list[Node]] = {id(n): [] for n in g.nodes}
+    last_effect = None
+    for n in g.nodes:
+        deps = {id(producers[v]) for v in n.inputs if v in producers}
+        if OPS[n.op].side_effect:
+            if last_effect is not None:
+                deps.add(id(last_effect))
+            last_effect = n
+        waiting[id(n)] = len(deps)
+        for d in deps:
+            dependents[d].append(n)
+    ready = [(order[id(n)], n) for n in g.nodes if waiting[id(n)] == 0]
+    heapq.heapify(ready)
+    out = []
+    while ready:
+        _, n = heapq.heappop(ready)
+        out.append(n)
+        for d in dependents[id(n)]:
+            waiting[id(d)] -= 1
+            if waiting[id(d)] == 0:
+                heapq.heappush(ready, (order[id(d)], d))
+    if len(out) != len(g.nodes):
+        raise ValueError("graph has a cycle")
+    g.nodes = out
+
+
+def _side_effect(n: Node) -> bool:
+    from ..ir import OPS
+
+    return OPS[n.op].side_effect
+
+
+def _apply(g: Graph, rule: Rule, m: Match) -> None:
+    from ..frontend import trace_into
+
+    names = sorted(m.values)
+    inputs = [m.values[k] for k in names]
+
+    def build(*tracers):
+        view = Match(g, dict(zip(names, tracers)), m.nodes, m.matched)
+        return rule.replace(view)
+
+    nodes, results = trace_into(g, build, inputs, {})
+    targets = [m.nodes[n] for n in rule.replaces] if rule.replaces else [m.matched[-1]]
+    olds = [v for t in targets for v in t.outputs]
+    if len(olds) != len(results):
+        raise ValueError(f"rule {rule.name}: replace() gave {len(results)} values for {len(olds)} outputs")
+    for old, new in zip(olds, results):
+        if old.type != new.type:
+            raise ValueError(f"rule {rule.name}: replacement {new} does not have the type of {old}")
+    root = m.matched[-1]
+    at = g.nodes.index(root)
+    g.nodes[at:at] = nodes
+    for old, new in zip(olds, results):
+        g.replace_uses(old, new)
+    users, outputs = g.users(), set(g.outputs)
+    dead: set[int] = set()
+    for n in reversed(m.matched):  # root first, so a node read only by dead ones dies too
+        if not _side_effect(n) and not any(v in outputs for v in n.outputs) and \
+                all(id(u) in dead for v in n.outputs for u in users.get(v, [])):
+            dead.add(id(n))
+    g.nodes = [n for n in g.nodes if id(n) not in dead]
+    toposort(g)
+
+
+def rewrite(g: Graph, rules: Sequence[Rule]) -> dict[str, int]:
+    """Applies rules until none matches; returns how often each fired."""
+    fired = {r.name: 0 for r in rules}
+    total = 0
+    changed = True
+    while changed:
+        changed = False
+        producers, users, outputs = g.producers(), g.users(), set(g.outputs)
+        for node in list(g.nodes):
+            for rule in rules:
+                if node.op != rule.pattern.op:
+                    continue
+                m = match(rule.pattern, node, g, producers)
+                if m is None or not _self_contained(rule, m, users, outputs) or (rule.when and not rule.when(m)):
+                    continue
+                _apply(g, rule, m)
+                fired[rule.name] += 1
+                total += 1
+                if total > MAX_REWRITES:
+                    raise RuntimeError(f"rule {rule.name} keeps firing: a rewrite recreates its own pattern")
+                changed = True
+                break
+            if changed:
+                break
+    g.drop_unused_params()
+    return fired
+
+
+class RuleSet:
+    """A pass made of rules: call it on a graph; `fired` holds the last run's counts."""
+
+    def __init__(self, rules: Sequence[Rule], module: Any):
+        self.rules, self.module, self.fired = list(rules), module, {}
+
+    def __call__(self, g: Graph) -> Graph:
+        self.fired = rewrite(g, self.rules)
+        return g
+
+
+def rule_pass(name: str, rules: Sequence[Rule]):
+    """A Pass named `name` running `rules` to a fixed point. Its id hashes the calling module."""
+    from .manager import Pass
+
+    caller = inspect.getmodule(inspect.stack()[1].frame)
+    return Pass(name, RuleSet(rules, caller))

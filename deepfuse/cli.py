@@ -37,6 +37,7 @@ def _parser() -> argparse.ArgumentParser:
     _add_model_args(r)
     r.add_argument("--target", default="cpu")
     r.add_argument("--dump-dir", help="write NN-pass.before.ir / .after.ir here")
+    r.add_argument("--stats", action="store_true", help="print kernels per step and what each pass did")
     return ap
 
 
@@ -89,6 +90,9 @@ def _ir(args: argparse.Namespace) -> None:
     target = get_target(args.target)
     model, _ = load_model(args.model, with_tokenizer=False)
     graph, reports = PassManager(target.pipeline(quant=args.quant)).run(trace_model(model, args.dtype), args.dump_dir)
+    if args.stats:
+        sys.stdout.write(stats_table(graph, reports))
+        return
     for r in reports:
         print(f"{r.name:24s} {r.nodes_before:5d} -> {r.nodes_after:5d} nodes  {r.seconds * 1000:7.1f} ms  id {r.id}",
               file=sys.stderr)
@@ -96,6 +100,18 @@ def _ir(args: argparse.Namespace) -> None:
         print(f"wrote {len(os.listdir(args.dump_dir))} files to {args.dump_dir}", file=sys.stderr)
     else:
         sys.stdout.write(print_graph(graph))
+
+
+def stats_table(graph, reports) -> str:
+    """Per-pass node counts and rule firings, then the kernels one step launches, by op."""
+    lines = [f"{'pass':24s} {'nodes':>13s} {'ms':>8s}  rules fired"]
+    for r in reports:
+        fired = ", ".join(f"{k} x{v}" for k, v in r.fired.items()) or "-"
+        lines.append(f"{r.name:24s} {r.nodes_before:5d} -> {r.nodes_after:5d} {r.seconds * 1000:8.1f}  {fired}")
+    counts = graph.op_counts()
+    lines.append(f"\nkernels per step: {len(graph.nodes)}  ("
+                 + ", ".join(f"{op} {n}" for op, n in sorted(counts.items(), key=lambda kv: -kv[1])) + ")")
+    return "\n".join(lines) + "\n"
 
 
 def main(argv: list[str] | None = None) -> int:

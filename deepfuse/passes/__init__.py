@@ -14,9 +14,21 @@ def cleanup_passes() -> list[Pass]:
     return [Pass("dce", dce), Pass("cse", cse), Pass("fold_constants", fold_constants)]
 
 
+_REGISTERED: dict[str, Pass] = {}
+
+
+def register_fusion(p: Pass) -> None:
+    """Adds `p` to every fusion pipeline, after the built-in fusions (same name: replaced)."""
+    _REGISTERED[p.name] = p
+
+
+def unregister_fusion(name: str) -> None:
+    _REGISTERED.pop(name, None)
+
+
 def fusion_passes() -> list[Pass]:
     return [Pass("fuse_sibling_linears", fuse_sibling_linears), Pass("fold_constants", fold_constants),
-            fuse_swiglu, fuse_add_rms_norm, Pass("dce", dce)]
+            fuse_swiglu, fuse_add_rms_norm, *_REGISTERED.values(), Pass("dce", dce)]
 
 
 def quant_passes(quant: str | None) -> list[Pass]:
@@ -42,5 +54,7 @@ __all__ = [
     "fuse_swiglu",
     "fusion_passes",
     "quant_passes",
+    "register_fusion",
+    "unregister_fusion",
     "quantize_int4",
 ]

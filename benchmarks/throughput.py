@@ -4,7 +4,9 @@ Engines, one run, same GGUF weights, same prompts, EOS ignored so every request 
   deepfuse   continuous batching (all 64 submitted at once), f32 and bf16+int4
   HF         transformers `generate` on the whole batch (left-padded), bf16, streamer for token times
   llama.cpp  llama-cpp-python on the Q4_1 GGUF, requests one after another (as its Python API
-             serves them); needs `pip install -e .[bench]` (builds llama.cpp, ~7 min), else skipped
+             serves them); needs `pip install -e .[bench]` (builds llama.cpp, ~7 min), else skipped.
+             On this machine's CPU a native build (AMX/AVX-512) segfaults in decode; build it with
+             CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON" (see README)
 
 Reports output tokens/s, TTFT p50/p99 and TPOT p50/p99 (all requests arrive at t=0), medians
 over --runs runs, and writes benchmarks/results/throughput.json.
@@ -119,9 +121,10 @@ def run_llama_cpp(prompts) -> dict | None:
     t0 = time.perf_counter()
     for p in prompts:
         times = []
-        for _ in llm.create_completion(p, max_tokens=OUT_TOKENS, temperature=0.0, stream=True,
-                                       logit_bias={eos: -1e9}):
-            times.append(time.perf_counter())
+        for chunk in llm.create_completion(p, max_tokens=OUT_TOKENS, temperature=0.0, stream=True,
+                                           logit_bias={eos: -1e9}):
+            if chunk["choices"][0]["finish_reason"] is None:  # the last chunk only carries the reason
+                times.append(time.perf_counter())
         assert len(times) == OUT_TOKENS, len(times)
         ttft.append(times[0] - t0)  # every request arrived at t0 and waited its turn
         tpot.append((times[-1] - times[0]) / (len(times) - 1))

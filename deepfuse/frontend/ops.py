@@ -57,6 +57,33 @@ def add_rms_norm(x: Any, res: Any, w: Any, *, eps: float) -> Any:
     return apply("add_rms_norm", x, res, w, eps=float(eps))
 
 
+def head_rms_norm(x: Any, w: Any, *, eps: float, head_dim: int) -> Any:
+    """RMSNorm of each head of x[T,H*hd] over hd (Qwen3's q_norm / k_norm)."""
+    return apply("head_rms_norm", x, w, eps=float(eps), head_dim=head_dim)
+
+
+def moe(x: Any, router_logits: Any, w13: Any, w2: Any, *, top_k: int, renormalize: bool) -> Any:
+    """Top-k routed SwiGLU experts: x[T,D], router_logits[T,E], w13[E,2I,D], w2[E,D,I] -> [T,D]."""
+    return apply("moe", x, router_logits, w13, w2, top_k=top_k, renormalize=bool(renormalize))
+
+
+def fused_moe(x: Any, router_w: Any, w13: Any, w2: Any, *, top_k: int, renormalize: bool) -> Any:
+    """moe with the router matmul inside: router_w[E,D]."""
+    return apply("fused_moe", x, router_w, w13, w2, top_k=top_k, renormalize=bool(renormalize))
+
+
+def moe_routing(router_logits: Any, *, top_k: int, renormalize: bool, dtype: str) -> Any:
+    return apply("moe_routing", router_logits, top_k=top_k, renormalize=bool(renormalize), dtype=dtype)
+
+
+def expert_weight(w: Any, *, index: int) -> Any:
+    return apply("expert_weight", w, index=index)
+
+
+def scale_by_column(y: Any, weights: Any, *, index: int) -> Any:
+    return apply("scale_by_column", y, weights, index=index)
+
+
 def rope(x: Any, positions: Any, *, head_dim: int, theta: float) -> Any:
     """Rotate-half rotary embedding on each head of x[T,H*hd]."""
     return apply("rope", x, positions, head_dim=head_dim, theta=float(theta))

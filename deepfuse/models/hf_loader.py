@@ -11,7 +11,21 @@ from tqdm import tqdm
 from ..errors import DeepfuseError
 from .llama import LlamaConfig
 
-SUPPORTED = ("llama", "mistral", "qwen2")
+SUPPORTED = ("llama", "mistral", "qwen2", "qwen3_moe", "mixtral")
+
+
+def _moe_fields(cfg: dict) -> dict:
+    kind = cfg["model_type"]
+    if kind == "qwen3_moe":
+        step, only = cfg.get("decoder_sparse_step", 1), set(cfg.get("mlp_only_layers") or [])
+        dense = tuple(i for i in range(cfg["num_hidden_layers"]) if i in only or (i + 1) % step)
+        return dict(family=kind, qk_norm=True, num_experts=cfg.get("num_experts") or cfg["num_local_experts"],
+                    experts_per_token=cfg["num_experts_per_tok"], moe_intermediate_size=cfg["moe_intermediate_size"],
+                    renormalize_topk=bool(cfg.get("norm_topk_prob", False)), dense_layers=dense)
+    if kind == "mixtral":
+        return dict(family=kind, num_experts=cfg["num_local_experts"], experts_per_token=cfg["num_experts_per_tok"],
+                    moe_intermediate_size=cfg["intermediate_size"], renormalize_topk=True)
+    return {}
 
 
 def config_from_hf(cfg: dict) -> LlamaConfig:
@@ -19,7 +33,7 @@ def config_from_hf(cfg: dict) -> LlamaConfig:
         raise DeepfuseError(f"model_type {cfg.get('model_type')!r} is not supported yet (supported: {', '.join(SUPPORTED)})")
     heads = cfg["num_attention_heads"]
     rope = cfg.get("rope_parameters") or {}
-    return LlamaConfig(
+    return LlamaConfig(**_moe_fields(cfg),
         vocab_size=cfg["vocab_size"], hidden_size=cfg["hidden_size"],
         intermediate_size=cfg["intermediate_size"], num_layers=cfg["num_hidden_layers"],
         num_heads=heads, num_kv_heads=cfg.get("num_key_value_heads") or heads,
@@ -47,4 +61,39 @@ def load_hf_dir(path: str) -> tuple[LlamaConfig, dict[str, torch.Tensor]]:
             weights.update({k: v.float() for k, v in load_file(os.path.join(path, f)).items()})
         except Exception as e:
             raise DeepfuseError(f"cannot read {os.path.join(path, f)} ({e}); the file is corrupt") from None
-    return config, weights
+    return config, normalize_expert_weights(config, weights)
+
+
+def normalize_expert_weights(config: LlamaConfig, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Stacks per-expert checkpoint tensors into the fused layout the model uses:
+    mlp.experts.gate_up_proj [E,2I,D] and mlp.experts.down_proj [E,D,I]. Reads Qwen-style
+    `mlp.experts.{e}.gate_proj/up_proj/down_proj`, Mixtral's `block_sparse_moe.experts.{e}.w1/w3/w2`
+    and `block_sparse_moe.gate`, or the fused tensors themselves."""
+    if not config.num_experts:
+        if any(k.endswith(".bias") and "self_attn" in k for k in weights):
+            raise DeepfuseError("this checkpoint has attention biases (e.g. Qwen2), which deepfuse does not support yet")
+        return weights
+    out = dict(weights)
+    for i in range(config.num_layers):
+        if not config.is_moe_layer(i):
+            continue
+        p = f"model.layers.{i}."
+        if p + "block_sparse_moe.gate.weight" in out:
+            out[p + "mlp.gate.weight"] = out.pop(p + "block_sparse_moe.gate.weight")
+        if p + "mlp.experts.gate_up_proj" in out:
+            continue
+        gate, up, down = [], [], []
+        for e in range(config.num_experts):
+            q, m = f"{p}mlp.experts.{e}.", f"{p}block_sparse_moe.experts.{e}."
+            names = ([q + "gate_proj.weight", q + "up_proj.weight", q + "down_proj.weight"] if q + "gate_proj.weight" in out
+                     else [m + "w1.weight", m + "w3.weight", m + "w2.weight"])
+            missing = [n for n in names if n not in out]
+            if missing:
+                raise DeepfuseError(f"checkpoint lacks expert weight {missing[0]}")
+            g, u, d = (out.pop(n) for n in names)
+            gate.append(g)
+            up.append(u)
+            down.append(d)
+        out[p + "mlp.experts.gate_up_proj"] = torch.cat((torch.stack(gate), torch.stack(up)), dim=1)
+        out[p + "mlp.experts.down_proj"] = torch.stack(down)
+    return out

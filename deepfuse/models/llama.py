@@ -1,4 +1,4 @@
-"""Llama-family decoder (SmolLM2, Llama 2/3, Mistral-style), written once over frontend ops.
+"""Llama-family decoder (SmolLM2, Llama 2/3, Mistral, Qwen3-MoE, Mixtral), written once over frontend ops.
 
 `Llama(config, weights).step(...)` runs eagerly on torch tensors and records IR under
 `deepfuse.trace`. Weight names follow Hugging Face (`model.layers.{i}.self_attn.q_proj.weight`).
@@ -29,13 +29,22 @@ class LlamaConfig:
     tie_embeddings: bool
     sliding_window: int = 0  # 0: full causal attention
     family: str = "llama"
+    qk_norm: bool = False  # Qwen3: RMSNorm of each q and k head before RoPE
+    num_experts: int = 0  # 0: dense SwiGLU MLP in every layer
+    experts_per_token: int = 0
+    moe_intermediate_size: int = 0
+    renormalize_topk: bool = False  # divide the top-k routing weights by their sum
+    dense_layers: tuple[int, ...] = ()  # layers that keep the dense MLP in a MoE model
 
     def to_dict(self) -> dict:
         return asdict(self)
 
     @staticmethod
     def from_dict(d: dict) -> LlamaConfig:
-        return LlamaConfig(**d)
+        return LlamaConfig(**{**d, "dense_layers": tuple(d.get("dense_layers", ()))})
+
+    def is_moe_layer(self, i: int) -> bool:
+        return self.num_experts > 0 and i not in self.dense_layers
 
 
 def step_specs(config: LlamaConfig, dtype: str) -> list[Spec]:
@@ -68,7 +77,13 @@ class Llama:
             p = f"model.layers.{i}."
             names += [p + s + ".weight" for s in (
                 "input_layernorm", "post_attention_layernorm", "self_attn.q_proj", "self_attn.k_proj",
-                "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")]
+                "self_attn.v_proj", "self_attn.o_proj")]
+            if c.qk_norm:
+                names += [p + "self_attn.q_norm.weight", p + "self_attn.k_norm.weight"]
+            if c.is_moe_layer(i):
+                names += [p + "mlp.gate.weight", p + "mlp.experts.gate_up_proj", p + "mlp.experts.down_proj"]
+            else:
+                names += [p + s + ".weight" for s in ("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")]
         return names
 
     def step(self, tokens, positions, slot_mapping, block_tables, seq_lens, query_lens,
@@ -80,17 +95,27 @@ class Llama:
         for i in range(c.num_layers):
             p = f"model.layers.{i}."
             x = ops.rms_norm(h, w[p + "input_layernorm.weight"], eps=c.rms_norm_eps)
-            q = ops.rope(ops.linear(x, w[p + "self_attn.q_proj.weight"]), positions, **rope)
-            k = ops.rope(ops.linear(x, w[p + "self_attn.k_proj.weight"]), positions, **rope)
+            q = ops.linear(x, w[p + "self_attn.q_proj.weight"])
+            k = ops.linear(x, w[p + "self_attn.k_proj.weight"])
+            if c.qk_norm:
+                q = ops.head_rms_norm(q, w[p + "self_attn.q_norm.weight"], eps=c.rms_norm_eps, head_dim=c.head_dim)
+                k = ops.head_rms_norm(k, w[p + "self_attn.k_norm.weight"], eps=c.rms_norm_eps, head_dim=c.head_dim)
+            q, k = ops.rope(q, positions, **rope), ops.rope(k, positions, **rope)
             v = ops.linear(x, w[p + "self_attn.v_proj.weight"])
             a = ops.attention(q, k, v, kv_caches[i], slot_mapping, block_tables, seq_lens, query_lens,
                               num_heads=c.num_heads, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim,
                               scale=1.0 / math.sqrt(c.head_dim), window=c.sliding_window)
             h = ops.add(h, ops.linear(a, w[p + "self_attn.o_proj.weight"]))
             x = ops.rms_norm(h, w[p + "post_attention_layernorm.weight"], eps=c.rms_norm_eps)
-            gate = ops.silu(ops.linear(x, w[p + "mlp.gate_proj.weight"]))
-            up = ops.linear(x, w[p + "mlp.up_proj.weight"])
-            h = ops.add(h, ops.linear(ops.mul(gate, up), w[p + "mlp.down_proj.weight"]))
+            if c.is_moe_layer(i):
+                router = ops.linear(x, w[p + "mlp.gate.weight"])
+                mlp = ops.moe(x, router, w[p + "mlp.experts.gate_up_proj"], w[p + "mlp.experts.down_proj"],
+                              top_k=c.experts_per_token, renormalize=c.renormalize_topk)
+            else:
+                gate = ops.silu(ops.linear(x, w[p + "mlp.gate_proj.weight"]))
+                up = ops.linear(x, w[p + "mlp.up_proj.weight"])
+                mlp = ops.linear(ops.mul(gate, up), w[p + "mlp.down_proj.weight"])
+            h = ops.add(h, mlp)
         h = ops.rms_norm(h, w["model.norm.weight"], eps=c.rms_norm_eps)
         head = w["model.embed_tokens.weight"] if c.tie_embeddings else w["lm_head.weight"]
         logits = ops.logits(h, head, query_lens)

@@ -3,6 +3,7 @@ from ..errors import DeepfuseError
 from .cleanup import cse, dce, fold_constants
 from .fuse_add_rms_norm import fuse_add_rms_norm
 from .fuse_linears import fuse_sibling_linears
+from .fuse_moe import fuse_moe
 from .fuse_swiglu import fuse_swiglu
 from .manager import Pass, PassManager, PassReport
 from .quantize import quantize_int4
@@ -28,7 +29,7 @@ def unregister_fusion(name: str) -> None:
 
 def fusion_passes() -> list[Pass]:
     return [Pass("fuse_sibling_linears", fuse_sibling_linears), Pass("fold_constants", fold_constants),
-            fuse_swiglu, fuse_add_rms_norm, *_REGISTERED.values(), Pass("dce", dce)]
+            fuse_swiglu, fuse_add_rms_norm, fuse_moe, *_REGISTERED.values(), Pass("dce", dce)]
 
 
 def quant_passes(quant: str | None) -> list[Pass]:
@@ -50,6 +51,7 @@ __all__ = [
     "dce",
     "fold_constants",
     "fuse_add_rms_norm",
+    "fuse_moe",
     "fuse_sibling_linears",
     "fuse_swiglu",
     "fusion_passes",

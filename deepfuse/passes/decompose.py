@@ -10,6 +10,11 @@ def decompose_unsupported(supported: set[str]) -> Callable[[Graph], Graph]:
     """A pass that expands every op not in `supported` that has a decomposition."""
 
     def decompose(g: Graph) -> Graph:
+        while any(n.op not in supported and OPS[n.op].decompose is not None for n in g.nodes):
+            expand(g)  # again: a decomposition may use ops that decompose further
+        return g
+
+    def expand(g: Graph) -> None:
         from ..frontend import trace_into
 
         out = []
@@ -25,6 +30,5 @@ def decompose_unsupported(supported: set[str]) -> Callable[[Graph], Graph]:
                     m.inputs = [new if v is old else v for v in m.inputs]
                 g.outputs = [new if v is old else v for v in g.outputs]
         g.nodes = out
-        return g
 
     return decompose

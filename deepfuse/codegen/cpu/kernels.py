@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 from ...ir import OPS
 from ...ir.opdefs_llm import causal_mask, gather_kv, rope_cos_sin, write_kv
+from ...ir.opdefs_moe import route
 from ...ir.opdefs_quant import dequantize_q4, unpack_q4
 
 Kernel = Callable[..., Any]
@@ -92,6 +93,35 @@ def q4_linear(x: torch.Tensor, w: Q4Weights) -> torch.Tensor:
     return packed_linear(x, w.dense) if x.dtype in HALF else F.linear(x, w.dense)
 
 
+class MoeWeights:
+    """fused_moe weights packed at load: router [E,D], and the experts transposed for
+    torch._grouped_mm: w13t [E,D,2I], w2t [E,I,D]."""
+
+    def __init__(self, dtype: torch.dtype, router: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor):
+        self.router = router
+        self.w13t = w13.transpose(1, 2).contiguous()
+        self.w2t = w2.transpose(1, 2).contiguous()
+
+
+def make_fused_moe(attrs: dict) -> Kernel:
+    top_k, renorm = attrs["top_k"], attrs["renormalize"]
+
+    def fused_moe(x: torch.Tensor, w: MoeWeights) -> torch.Tensor:
+        """Tokens sorted by expert, two grouped GEMMs, one weighted scatter-add: x[T,D] -> [T,D]."""
+        weights, ids = route(F.linear(x, w.router), top_k, renorm)
+        flat = ids.flatten()
+        order = torch.argsort(flat, stable=True)
+        rows = order // top_k  # the token of each sorted (token, expert) pair
+        offs = torch.bincount(flat, minlength=w.w13t.shape[0]).cumsum(0).to(torch.int32)
+        h = torch._grouped_mm(x.index_select(0, rows), w.w13t, offs=offs)
+        gate, up = h.chunk(2, dim=-1)
+        y = torch._grouped_mm(F.silu(gate).mul_(up), w.w2t, offs=offs)
+        y = y * weights.flatten()[order].to(x.dtype)[:, None]
+        return torch.zeros_like(x).index_add_(0, rows, y)
+
+    return fused_moe
+
+
 @dataclass(frozen=True)
 class Prepack:
     """Ops whose weight inputs (positions `weights`, params) are packed once at load into one
@@ -99,7 +129,7 @@ class Prepack:
 
     weights: tuple[int, ...]
     pack: Callable[..., Any]  # (dtype, *weight tensors) -> packed
-    kernel: Kernel
+    kernel: Kernel | None
     dtypes: tuple[torch.dtype, ...]  # compute dtypes it pays off for
 
 
@@ -109,7 +139,9 @@ PREPACKED = {
     "linear": Prepack((1,), lambda dtype, w: prepack_linear_weight(w), packed_linear, HALF),
     "logits": Prepack((1,), lambda dtype, w: prepack_linear_weight(w), packed_logits, HALF),
     "linear_q4": Prepack((1, 2, 3), Q4Weights, q4_linear, (torch.float32, *HALF)),
+    "fused_moe": Prepack((1, 2, 3), MoeWeights, None, (torch.float32, *HALF)),  # kernel: from PACKED_FACTORIES
 }
+PACKED_FACTORIES = {"fused_moe": make_fused_moe}  # packed kernels that depend on the node's attrs
 
 
 @factory("embedding")
@@ -135,6 +167,12 @@ def _swiglu(attrs: dict) -> Kernel:
         return F.silu(gate).mul_(up)
 
     return swiglu
+
+
+@factory("head_rms_norm")
+def _head_rms_norm(attrs: dict) -> Kernel:
+    eps, hd = attrs["eps"], attrs["head_dim"]
+    return lambda x, w: F.rms_norm(x.view(x.shape[0], -1, hd), (hd,), w, eps).view(x.shape)
 
 
 @factory("rms_norm")

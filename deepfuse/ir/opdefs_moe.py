@@ -1,0 +1,146 @@
+"""Mixture-of-experts ops, and the per-head norm of Qwen3-style attention.
+
+Shapes: T tokens, D hidden, E experts, I expert intermediate size, k experts per token.
+Expert weights are stacked: w13[E,2I,D] holds each expert's [gate | up] projection,
+w2[E,D,I] its down projection (transformers' fused-experts layout).
+
+    moe        router logits given: the semantic op a model emits
+    fused_moe  router matmul included: what fuse_moe makes of linear(x, Wr) + moe
+    moe_routing, expert_weight, scale_by_column: the pieces of moe's dense decomposition
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .ops import decomposition, expect, register
+from .types import TensorType
+
+
+def _head_rms_norm_type(types: list[TensorType], attrs: dict) -> list[TensorType]:
+    x, w = types
+    hd = attrs["head_dim"]
+    expect(x.rank == 2 and isinstance(x.shape[1], int) and x.shape[1] % hd == 0, f"head_rms_norm wants x[T,H*{hd}], got {x}")
+    expect(w.shape == (hd,), f"head_rms_norm weight must be [{hd}], got {w}")
+    return [x]
+
+
+@register("head_rms_norm", _head_rms_norm_type)
+def head_rms_norm(x: torch.Tensor, w: torch.Tensor, *, eps: float, head_dim: int) -> torch.Tensor:
+    """RMSNorm of every head of x[T,H*hd] over its hd features, in fp32, times w[hd]."""
+    t = x.shape[0]
+    h = x.view(t, -1, head_dim).float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return (w * h.to(x.dtype)).reshape(t, -1)
+
+
+def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax in fp32 over experts, top-k, optional renormalisation -> (weights f32[T,k], ids[T,k])."""
+    probs = torch.softmax(router_logits.float(), dim=-1)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(-1, keepdim=True)
+    return weights, ids
+
+
+def _moe_type(types: list[TensorType], attrs: dict) -> list[TensorType]:
+    x, router, w13, w2 = types
+    expect(x.rank == 2 and w13.rank == 3 and w2.rank == 3, f"moe wants x[T,D], w13[E,2I,D], w2[E,D,I]; got {x}, {w13}, {w2}")
+    e, two_i, d = w13.shape
+    expect(x.shape[1] == d and w2.shape == (e, d, two_i // 2), f"moe expert weights {w13}, {w2} do not fit {x}")
+    expect(router.shape[-1] == e, f"moe router {router} does not have {e} experts")
+    expect(0 < attrs["top_k"] <= e, f"moe top_k {attrs['top_k']} not in [1, {e}]")
+    return [x]
+
+
+def experts_reference(x, weights, ids, w13, w2):
+    """sum over the k chosen experts of weight * down(silu(gate(x)) * up(x)), one expert at a time."""
+    out = torch.zeros_like(x)
+    w = weights.to(x.dtype)
+    for e in range(w13.shape[0]):
+        tok, slot = torch.where(ids == e)
+        if tok.numel() == 0:
+            continue
+        gate, up = F.linear(x[tok], w13[e]).chunk(2, dim=-1)
+        y = F.linear(F.silu(gate) * up, w2[e]) * w[tok, slot, None]
+        out.index_add_(0, tok, y)
+    return out
+
+
+@register("moe", _moe_type)
+def moe(x, router_logits, w13, w2, *, top_k: int, renormalize: bool) -> torch.Tensor:
+    """Top-k softmax-routed SwiGLU experts: x[T,D], router_logits[T,E] -> [T,D]."""
+    weights, ids = route(router_logits, top_k, renormalize)
+    return experts_reference(x, weights, ids, w13, w2)
+
+
+def _fused_moe_type(types: list[TensorType], attrs: dict) -> list[TensorType]:
+    x, router_w, w13, w2 = types
+    expect(router_w.rank == 2 and router_w.shape[1] == x.shape[1], f"fused_moe router {router_w} does not fit {x}")
+    return _moe_type([x, x.with_shape(x.shape[0], router_w.shape[0]), w13, w2], attrs)
+
+
+@register("fused_moe", _fused_moe_type)
+def fused_moe(x, router_w, w13, w2, *, top_k: int, renormalize: bool) -> torch.Tensor:
+    """moe(x, x @ router_w[E,D]^T, w13, w2): router, top-k, experts and combine in one op."""
+    return moe(x, F.linear(x, router_w), w13, w2, top_k=top_k, renormalize=renormalize)
+
+
+def _routing_type(types: list[TensorType], attrs: dict) -> list[TensorType]:
+    (logits,) = types
+    return [TensorType(attrs["dtype"], logits.shape)]
+
+
+@register("moe_routing", _routing_type)
+def moe_routing(router_logits, *, top_k: int, renormalize: bool, dtype: str) -> torch.Tensor:
+    """Dense routing weights [T,E]: the top-k (renormalised) probabilities, 0 elsewhere."""
+    from .types import DTYPES
+
+    weights, ids = route(router_logits, top_k, renormalize)
+    dense = torch.zeros(router_logits.shape, dtype=torch.float32).scatter_(1, ids, weights)
+    return dense.to(DTYPES[dtype])
+
+
+def _expert_weight_type(types: list[TensorType], attrs: dict) -> list[TensorType]:
+    (w,) = types
+    expect(0 <= attrs["index"] < w.shape[0], f"expert index {attrs['index']} out of range for {w}")
+    return [w.with_shape(*w.shape[1:])]
+
+
+@register("expert_weight", _expert_weight_type)
+def expert_weight(w, *, index: int) -> torch.Tensor:
+    """w[E,...] -> w[index] (a constant when w is a weight: fold_constants evaluates it)."""
+    return w[index].contiguous()
+
+
+def _scale_type(types: list[TensorType], attrs: dict) -> list[TensorType]:
+    y, weights = types
+    expect(y.dtype == weights.dtype and y.shape[0] == weights.shape[0], f"scale_by_column: {y} vs {weights}")
+    return [y]
+
+
+@register("scale_by_column", _scale_type)
+def scale_by_column(y, weights, *, index: int) -> torch.Tensor:
+    """y[T,D] * weights[T,index] (one routing column)."""
+    return y * weights[:, index:index + 1]
+
+
+@decomposition("moe")
+def _moe_decomp(x, router_logits, w13, w2, *, top_k, renormalize):
+    """Dense: every expert on every token, scaled by its (mostly zero) routing weight."""
+    from ..frontend import ops
+
+    weights = ops.moe_routing(router_logits, top_k=top_k, renormalize=renormalize, dtype=x.dtype)
+    out = None
+    for e in range(w13.shape[0]):
+        h = ops.swiglu(ops.linear(x, ops.expert_weight(w13, index=e)))
+        y = ops.scale_by_column(ops.linear(h, ops.expert_weight(w2, index=e)), weights, index=e)
+        out = y if out is None else ops.add(out, y)
+    return out
+
+
+@decomposition("fused_moe")
+def _fused_moe_decomp(x, router_w, w13, w2, *, top_k, renormalize):
+    from ..frontend import ops
+
+    return ops.moe(x, ops.linear(x, router_w), w13, w2, top_k=top_k, renormalize=renormalize)

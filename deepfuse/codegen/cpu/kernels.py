@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from ...ir import OPS
-from ...ir.opdefs_llm import causal_mask, gather_kv, rope_cos_sin, write_kv
+from ...ir.opdefs_llm import causal_mask, rope_cos_sin, write_kv
 from ...ir.opdefs_moe import route
 from ...ir.opdefs_quant import dequantize_q4, unpack_q4
 
@@ -234,6 +234,17 @@ def _rope(attrs: dict) -> Kernel:
     return rope
 
 
+def gather_blocks(cache: torch.Tensor, tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows of cache[2,N,BS,Hkv,hd] for block ids tables[...] -> (k, v), each [..., BS*Hkv*hd].
+    cache[0] and cache[1] are contiguous: a row gather on each is ~5x faster than indexing
+    the block dim of the 5-d tensor."""
+    n = cache.shape[1]
+    flat = tables.reshape(-1)
+    k = F.embedding(flat, cache[0].view(n, -1))
+    v = F.embedding(flat, cache[1].view(n, -1))
+    return k.view(*tables.shape, -1), v.view(*tables.shape, -1)
+
+
 class StepLayout:
     """Host-side facts about one step's sequences, computed once and shared by every
     attention launch of the step (all layers see the same seq_lens tensor)."""
@@ -268,8 +279,10 @@ def _attention(attrs: dict) -> Kernel:
     def decode(q, cache, tables, lay: StepLayout) -> torch.Tensor:
         """All one-token sequences of the step in one SDPA call: q[S,H*hd] -> [S,H*hd]."""
         n = q.shape[0]
-        kv = cache[:, tables[:, : lay.decode_blocks]].view(2, n, -1, hkv, hd)[:, :, : lay.decode_len].transpose(2, 3)
-        o = F.scaled_dot_product_attention(q.view(n, h, 1, hd), kv[0], kv[1], attn_mask=lay.mask, scale=scale,
+        keys, vals = gather_blocks(cache, tables[:, : lay.decode_blocks])
+        keys = keys.view(n, -1, hkv, hd)[:, : lay.decode_len].transpose(1, 2)
+        vals = vals.view(n, -1, hkv, hd)[:, : lay.decode_len].transpose(1, 2)
+        o = F.scaled_dot_product_attention(q.view(n, h, 1, hd), keys, vals, attn_mask=lay.mask, scale=scale,
                                            enable_gqa=h != hkv)
         return o.view(n, h * hd)
 
@@ -286,7 +299,8 @@ def _attention(attrs: dict) -> Kernel:
             if whole:  # its keys are exactly this step's k/v rows: no gather from the cache
                 keys, vals = k[a:a + n].view(n, hkv, hd), v[a:a + n].view(n, hkv, hd)
             else:
-                keys, vals = gather_kv(cache, tables[s], length)
+                nb = -(-length // cache.shape[2])
+                keys, vals = (t.view(-1, hkv, hd)[:length] for t in gather_blocks(cache, tables[s, :nb]))
             # 4-D operands: torch's CPU flash kernel (3-D ones fall back to a ~5x slower path)
             qs = q[a:a + n].view(1, n, h, hd).transpose(1, 2)
             o = F.scaled_dot_product_attention(qs, keys.transpose(0, 1)[None], vals.transpose(0, 1)[None],

@@ -24,9 +24,10 @@ PROMPT = ("Write a short story about a lighthouse keeper who finds a message in 
 def bench_deepfuse(dtype: str, ids: list[int], n: int, runs: int, model, quant: str | None = None) -> list[dict]:
     import deepfuse
     from deepfuse.runtime.engine import Engine, SamplingParams
+    from deepfuse.runtime.kv_cache import CacheConfig
 
     art = deepfuse.compile(model, dtype=dtype, quant=quant)
-    eng = Engine(art)
+    eng = Engine(art, CacheConfig(enable_prefix_caching=False))  # every run prefills the whole prompt
     p = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
     eng.generate([ids], [SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)])  # warm-up
     out = []

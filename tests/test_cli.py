@@ -114,3 +114,17 @@ def test_ir_dump_dir(capsys, tmp_path):
     assert "03-fuse_sibling_linears.after.ir" in files
     after = (tmp_path / "ir" / "05-fuse_swiglu.after.ir").read_text()
     assert after.count("= swiglu(") == 30
+
+
+def test_ir_stats_shows_rules_and_kernels(capsys, tiny_dir):
+    rc, out, err = run_main(capsys, "ir", "--model", tiny_dir, "--stats")
+    assert rc == 0
+    assert "fuse_add_rms_norm" in out and "add_rms_norm x4" in out and "swiglu x2" in out
+    assert "kernels per step:" in out.splitlines()[-1]
+
+
+def test_compile_int4_artifact(capsys, tmp_path):
+    rc, out, err = run_main(capsys, "compile", "--dtype", "bf16", "--quant", "int4", "-o", str(tmp_path / "q"))
+    assert rc == 0
+    manifest = json.loads((tmp_path / "q" / "manifest.json").read_text())
+    assert manifest["quant"] == "int4" and any(p["name"] == "quantize_int4" for p in manifest["passes"])

@@ -245,6 +245,42 @@ def gather_blocks(cache: torch.Tensor, tables: torch.Tensor) -> tuple[torch.Tens
     return k.view(*tables.shape, -1), v.view(*tables.shape, -1)
 
 
+@dataclass
+class DecodeGroup:
+    """Decoding sequences of similar length, attended in one SDPA call padded to the longest."""
+
+    seqs: torch.Tensor  # their indices among the step's sequences [G]
+    rows: torch.Tensor  # their query rows [G]
+    blocks: int  # table columns to gather
+    length: int  # longest length in the group
+    mask: torch.Tensor | None  # [G,1,1,length] bool, None when no padding or window
+
+
+def decode_groups(seqs: list[int], rows: list[int], lens: list[int], block_size: int, window: int,
+                  slack: float = 0.6, max_groups: int = 4) -> list[DecodeGroup]:
+    """Sorts sequences by length and starts a new group when a length falls below `slack` of
+    its group's longest (at most max_groups): padding waste stays bounded at large batches."""
+    order = sorted(range(len(seqs)), key=lambda i: -lens[i])
+    parts: list[list[int]] = []
+    for i in order:
+        if parts and (lens[i] >= slack * lens[parts[-1][0]] or len(parts) == max_groups):
+            parts[-1].append(i)
+        else:
+            parts.append([i])
+    groups = []
+    for part in parts:
+        dl = torch.tensor([lens[i] for i in part])
+        longest = int(dl[0])
+        mask = None
+        if len(part) > 1 and int(dl[-1]) != longest or window:
+            j = torch.arange(longest)[None, :]
+            first = (dl - window).clamp_(min=0) if window else torch.zeros_like(dl)
+            mask = ((j < dl[:, None]) & (j >= first[:, None]))[:, None, None, :]
+        groups.append(DecodeGroup(torch.tensor([seqs[i] for i in part]), torch.tensor([rows[i] for i in part]),
+                                  -(-longest // block_size), longest, mask))
+    return groups
+
+
 class StepLayout:
     """Host-side facts about one step's sequences, computed once and shared by every
     attention launch of the step (all layers see the same seq_lens tensor)."""
@@ -257,43 +293,34 @@ class StepLayout:
             starts.append(starts[-1] + n)
         self.prefills = [(s, starts[s], n, lens[s]) for s, n in enumerate(qlens) if n > 1]
         dec = [s for s, n in enumerate(qlens) if n == 1]
-        self.decode_seqs = torch.tensor(dec)
-        self.decode_rows = torch.tensor([starts[s] for s in dec])
         self.all_decode = len(dec) == len(qlens) == starts[-1]
-        self.mask = None
-        if dec:
-            dlens = torch.tensor([lens[s] for s in dec])
-            longest = int(dlens.max())
-            self.decode_blocks = -(-longest // block_size)
-            self.decode_len = longest
-            first = (dlens - window).clamp_(min=0) if window else torch.zeros_like(dlens)
-            if len(dec) > 1 or window:
-                j = torch.arange(longest)[None, :]
-                self.mask = ((j < dlens[:, None]) & (j >= first[:, None]))[:, None, None, :]  # [S,1,1,L]
+        self.groups = decode_groups(dec, [starts[s] for s in dec], [lens[s] for s in dec], block_size, window)
+        # a pure decode step whose one group is already in row order needs no gather or scatter of q
+        self.in_order = self.all_decode and len(self.groups) == 1 and self.groups[0].rows.tolist() == list(range(len(dec)))
 
 
 @factory("attention")
 def _attention(attrs: dict) -> Kernel:
     h, hkv, hd = attrs["num_heads"], attrs["num_kv_heads"], attrs["head_dim"]
     scale, window = attrs["scale"], attrs.get("window", 0)
-    def decode(q, cache, tables, lay: StepLayout) -> torch.Tensor:
-        """All one-token sequences of the step in one SDPA call: q[S,H*hd] -> [S,H*hd]."""
+    def decode(q, cache, tables, g: DecodeGroup) -> torch.Tensor:
+        """One group of one-token sequences in one SDPA call: q[G,H*hd] -> [G,H*hd]."""
         n = q.shape[0]
-        keys, vals = gather_blocks(cache, tables[:, : lay.decode_blocks])
-        keys = keys.view(n, -1, hkv, hd)[:, : lay.decode_len].transpose(1, 2)
-        vals = vals.view(n, -1, hkv, hd)[:, : lay.decode_len].transpose(1, 2)
-        o = F.scaled_dot_product_attention(q.view(n, h, 1, hd), keys, vals, attn_mask=lay.mask, scale=scale,
+        keys, vals = gather_blocks(cache, tables[:, : g.blocks])
+        keys = keys.view(n, -1, hkv, hd)[:, : g.length].transpose(1, 2)
+        vals = vals.view(n, -1, hkv, hd)[:, : g.length].transpose(1, 2)
+        o = F.scaled_dot_product_attention(q.view(n, h, 1, hd), keys, vals, attn_mask=g.mask, scale=scale,
                                            enable_gqa=h != hkv)
         return o.view(n, h * hd)
 
     def attention(q, k, v, cache, slots, tables, seq_lens, query_lens):
         write_kv(cache, k, v, slots)
         lay = _LAYOUTS.get(seq_lens, query_lens, cache.shape[2], window)
-        if lay.all_decode:
-            return decode(q, cache, tables, lay)
+        if lay.in_order:
+            return decode(q, cache, tables, lay.groups[0])
         out = torch.empty(q.shape, dtype=q.dtype)
-        if len(lay.decode_rows):
-            out[lay.decode_rows] = decode(q[lay.decode_rows], cache, tables[lay.decode_seqs], lay)
+        for g in lay.groups:
+            out[g.rows] = decode(q[g.rows], cache, tables[g.seqs], g)
         for s, a, n, length in lay.prefills:
             whole = n == length and not window  # a prompt in one chunk: plain causal, upper half skipped
             if whole:  # its keys are exactly this step's k/v rows: no gather from the cache

@@ -12,7 +12,7 @@ import torch
 
 from ..errors import DeepfuseError
 from ..ir import Graph
-from ..passes import Pass, cleanup_passes, fusion_passes, quant_passes
+from ..passes import Pass, cleanup_passes, fusion_passes, prologue_passes, quant_passes
 from ..passes.decompose import decompose_unsupported
 
 Runner = Callable[[dict[str, torch.Tensor]], list[torch.Tensor]]
@@ -28,6 +28,7 @@ class Target:
 
     def pipeline(self, fuse: bool = True, quant: str | None = None) -> list[Pass]:
         passes = cleanup_passes() + (fusion_passes() if fuse else []) + quant_passes(quant)
+        passes += prologue_passes() if fuse else []
         return passes + [Pass("decompose_unsupported", decompose_unsupported(set(self.kernels)))]
 
 

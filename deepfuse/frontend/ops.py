@@ -57,6 +57,25 @@ def add_rms_norm(x: Any, res: Any, w: Any, *, eps: float) -> Any:
     return apply("add_rms_norm", x, res, w, eps=float(eps))
 
 
+def rms_norm_linear(x: Any, w: Any, proj: Any, *, eps: float) -> Any:
+    return apply("rms_norm_linear", x, w, proj, eps=float(eps))
+
+
+def add_rms_norm_linear(x: Any, res: Any, w: Any, proj: Any, *, eps: float) -> Any:
+    return apply("add_rms_norm_linear", x, res, w, proj, eps=float(eps))
+
+
+def swiglu_linear(x: Any, proj: Any) -> Any:
+    return apply("swiglu_linear", x, proj)
+
+
+def qkv_rope_cache(qkv: Any, positions: Any, kv_cache: Any, slot_mapping: Any, *, sizes: list[int], head_dim: int,
+                   theta: float) -> Any:
+    """(rope(q), rope(k), v) from the merged projection; writes k and v into kv_cache."""
+    return apply("qkv_rope_cache", qkv, positions, kv_cache, slot_mapping, sizes=list(sizes), head_dim=head_dim,
+                 theta=float(theta))
+
+
 def head_rms_norm(x: Any, w: Any, *, eps: float, head_dim: int) -> Any:
     """RMSNorm of each head of x[T,H*hd] over hd (Qwen3's q_norm / k_norm)."""
     return apply("head_rms_norm", x, w, eps=float(eps), head_dim=head_dim)

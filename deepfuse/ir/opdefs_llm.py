@@ -90,11 +90,14 @@ def _attention_type(types: list[TensorType], attrs: dict) -> list[TensorType]:
     return [q]
 
 
-def write_kv(cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
+def write_kv_rows(cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
     """Writes k/v rows [T, Hkv*hd] into cache[2,N,BS,Hkv,hd] at flat slots[T] (each in [0, N*BS))."""
     flat = cache.view(2, -1, cache.shape[3], cache.shape[4])
     flat[0].index_copy_(0, slots, k.reshape(-1, cache.shape[3], cache.shape[4]))
     flat[1].index_copy_(0, slots, v.reshape(-1, cache.shape[3], cache.shape[4]))
+
+
+write_kv = write_kv_rows
 
 
 def gather_kv(cache: torch.Tensor, table: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -117,10 +120,13 @@ def causal_mask(n_query: int, length: int, window: int) -> torch.Tensor:
 
 @register("attention", _attention_type, side_effect=True)
 def attention(q, k, v, kv_cache, slot_mapping, block_tables, seq_lens, query_lens, *,
-              num_heads: int, num_kv_heads: int, head_dim: int, scale: float, window: int = 0):
+              num_heads: int, num_kv_heads: int, head_dim: int, scale: float, window: int = 0,
+              write_kv: bool = True):
     """Writes k/v into the paged cache, then causal (optionally sliding-window) GQA
-    attention of each sequence's new queries over its cached keys. q[T,H*hd] -> [T,H*hd]."""
-    write_kv(kv_cache, k, v, slot_mapping)
+    attention of each sequence's new queries over its cached keys. q[T,H*hd] -> [T,H*hd].
+    write_kv=False: an earlier op of the step (qkv_rope_cache) has written them."""
+    if write_kv:
+        write_kv_rows(kv_cache, k, v, slot_mapping)
     out = torch.zeros_like(q)
     group = num_heads // num_kv_heads
     ends = query_lens.cumsum(0).tolist()

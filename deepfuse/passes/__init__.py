@@ -4,7 +4,10 @@ from .cleanup import cse, dce, fold_constants
 from .fuse_add_rms_norm import fuse_add_rms_norm
 from .fuse_linears import fuse_sibling_linears
 from .fuse_moe import fuse_moe
+from .fuse_norm_linear import fuse_norm_linear
+from .fuse_qkv_rope import fuse_qkv_rope
 from .fuse_swiglu import fuse_swiglu
+from .fuse_swiglu_linear import fuse_swiglu_linear
 from .manager import Pass, PassManager, PassReport
 from .quantize import quantize_int4
 
@@ -32,6 +35,11 @@ def fusion_passes() -> list[Pass]:
             fuse_swiglu, fuse_add_rms_norm, fuse_moe, *_REGISTERED.values(), Pass("dce", dce)]
 
 
+def prologue_passes() -> list[Pass]:
+    """Fusions into GEMM prologues and the cache write; after quantization (they match dense linears)."""
+    return [fuse_norm_linear, fuse_swiglu_linear, Pass("fuse_qkv_rope", fuse_qkv_rope), Pass("dce", dce)]
+
+
 def quant_passes(quant: str | None) -> list[Pass]:
     """Weight quantization: None (weights stay in the compile dtype) or "int4"."""
     if quant is None:
@@ -52,6 +60,10 @@ __all__ = [
     "fold_constants",
     "fuse_add_rms_norm",
     "fuse_moe",
+    "fuse_norm_linear",
+    "fuse_qkv_rope",
+    "fuse_swiglu_linear",
+    "prologue_passes",
     "fuse_sibling_linears",
     "fuse_swiglu",
     "fusion_passes",

@@ -21,7 +21,9 @@ Rules:
 - `when(m)` is a guard over the match (captured values, nodes, their attributes, m.graph).
 - `replace(m)` is written against deepfuse.frontend.ops, with m["x"] standing for the
   captured values; it returns the new value(s) for the root node (`replaces=None`), or for
-  each named node in `replaces`, in that order.
+  each output of each named node in `replaces`, in that order. None for an output means
+  "not produced any more": the match is then skipped if anything outside it reads that
+  output. A replaced side-effecting node (a cache write) is removed like any other.
 - A match whose inner nodes are read outside it is skipped unless those nodes are replaced
   too, so a rewrite never computes anything twice.
 """
@@ -185,37 +187,52 @@ def _side_effect(n: Node) -> bool:
     return OPS[n.op].side_effect
 
 
-def _apply(g: Graph, rule: Rule, m: Match) -> None:
+def _apply(g: Graph, rule: Rule, m: Match, users: dict[Value, list[Node]], outputs: set[Value]) -> bool:
+    """Inserts the replacement; False (graph unchanged) if an output replaced by None is
+    still read outside the match."""
     from ..frontend import trace_into
 
     names = sorted(m.values)
     inputs = [m.values[k] for k in names]
+    given: list[bool] = []
 
     def build(*tracers):
         view = Match(g, dict(zip(names, tracers)), m.nodes, m.matched)
-        return rule.replace(view)
+        res = rule.replace(view)
+        res = tuple(res) if isinstance(res, (tuple, list)) else (res,)
+        given[:] = [r is not None for r in res]
+        return tuple(r for r in res if r is not None)
 
-    nodes, results = trace_into(g, build, inputs, {})
+    nodes, produced = trace_into(g, build, inputs, {})
     targets = [m.nodes[n] for n in rule.replaces] if rule.replaces else [m.matched[-1]]
     olds = [v for t in targets for v in t.outputs]
-    if len(olds) != len(results):
-        raise ValueError(f"rule {rule.name}: replace() gave {len(results)} values for {len(olds)} outputs")
+    if len(olds) != len(given):
+        raise ValueError(f"rule {rule.name}: replace() gave {len(given)} values for {len(olds)} outputs")
+    it = iter(produced)
+    results = [next(it) if ok else None for ok in given]
+    inside = {id(n) for n in m.matched}
     for old, new in zip(olds, results):
-        if old.type != new.type:
+        if new is None:
+            if old in outputs or any(id(u) not in inside for u in users.get(old, [])):
+                return False  # the dropped value is still needed
+        elif old.type != new.type:
             raise ValueError(f"rule {rule.name}: replacement {new} does not have the type of {old}")
     root = m.matched[-1]
     at = g.nodes.index(root)
     g.nodes[at:at] = nodes
     for old, new in zip(olds, results):
-        g.replace_uses(old, new)
+        if new is not None:
+            g.replace_uses(old, new)
+    replaced = {id(t) for t in targets}
     users, outputs = g.users(), set(g.outputs)
     dead: set[int] = set()
     for n in reversed(m.matched):  # root first, so a node read only by dead ones dies too
-        if not _side_effect(n) and not any(v in outputs for v in n.outputs) and \
+        if (not _side_effect(n) or id(n) in replaced) and not any(v in outputs for v in n.outputs) and \
                 all(id(u) in dead for v in n.outputs for u in users.get(v, [])):
             dead.add(id(n))
     g.nodes = [n for n in g.nodes if id(n) not in dead]
     toposort(g)
+    return True
 
 
 def rewrite(g: Graph, rules: Sequence[Rule]) -> dict[str, int]:
@@ -233,7 +250,8 @@ def rewrite(g: Graph, rules: Sequence[Rule]) -> dict[str, int]:
                 m = match(rule.pattern, node, g, producers)
                 if m is None or not _self_contained(rule, m, users, outputs) or (rule.when and not rule.when(m)):
                     continue
-                _apply(g, rule, m)
+                if not _apply(g, rule, m, users, outputs):
+                    continue
                 fired[rule.name] += 1
                 total += 1
                 if total > MAX_REWRITES:

@@ -133,15 +133,6 @@ class Prepack:
     dtypes: tuple[torch.dtype, ...]  # compute dtypes it pays off for
 
 
-PREPACKED = {
-    # f32 GEMV: MKL's unpacked sgemv reads weights faster than oneDNN's packed one (24 vs 16 GB/s
-    # measured on this 2-core machine); bf16: the packed one wins (15 vs 11 GB/s)
-    "linear": Prepack((1,), lambda dtype, w: prepack_linear_weight(w), packed_linear, HALF),
-    "logits": Prepack((1,), lambda dtype, w: prepack_linear_weight(w), packed_logits, HALF),
-    "linear_q4": Prepack((1, 2, 3), Q4Weights, q4_linear, (torch.float32, *HALF)),
-    "fused_moe": Prepack((1, 2, 3), MoeWeights, None, (torch.float32, *HALF)),  # kernel: from PACKED_FACTORIES
-}
-PACKED_FACTORIES = {"fused_moe": make_fused_moe}  # packed kernels that depend on the node's attrs
 
 
 @factory("embedding")
@@ -190,6 +181,46 @@ def _add_rms_norm(attrs: dict) -> Kernel:
         return s, F.rms_norm(s, (s.shape[-1],), w, eps)
 
     return add_rms_norm
+
+
+def rms_rows(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    return F.rms_norm(x, (x.shape[-1],), w, eps)
+
+
+def _norm_linear_kernels(packed: bool):
+    lin = packed_linear if packed else F.linear
+
+    def rms_norm_linear(attrs: dict) -> Kernel:
+        eps = attrs["eps"]
+        return lambda x, w, proj: lin(rms_rows(x, w, eps), proj)
+
+    def add_rms_norm_linear(attrs: dict) -> Kernel:
+        eps = attrs["eps"]
+
+        def run(x, res, w, proj):
+            s = torch.add(x, res)
+            return s, lin(rms_rows(s, w, eps), proj)
+
+        return run
+
+    return {"rms_norm_linear": rms_norm_linear, "add_rms_norm_linear": add_rms_norm_linear}
+
+
+FACTORIES.update(_norm_linear_kernels(packed=False))
+
+
+def swiglu_rows(x: torch.Tensor) -> torch.Tensor:
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate).mul_(up)
+
+
+@factory("swiglu_linear")
+def _swiglu_linear(attrs: dict) -> Kernel:
+    return lambda x, proj: F.linear(swiglu_rows(x), proj)
+
+
+def packed_swiglu_linear(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+    return packed_linear(swiglu_rows(x), packed)
 
 
 class RopeTables:
@@ -299,6 +330,20 @@ class StepLayout:
         self.in_order = self.all_decode and len(self.groups) == 1 and self.groups[0].rows.tolist() == list(range(len(dec)))
 
 
+@factory("qkv_rope_cache")
+def _qkv_rope_cache(attrs: dict) -> Kernel:
+    sizes = attrs["sizes"]
+    rope = _rope({"head_dim": attrs["head_dim"], "theta": attrs["theta"]})
+
+    def qkv_rope_cache(qkv, pos, cache, slots):
+        q, k, v = torch.split(qkv, sizes, dim=-1)
+        q, k = rope(q, pos), rope(k, pos)
+        write_kv(cache, k, v, slots)
+        return q, k, v
+
+    return qkv_rope_cache
+
+
 @factory("attention")
 def _attention(attrs: dict) -> Kernel:
     h, hkv, hd = attrs["num_heads"], attrs["num_kv_heads"], attrs["head_dim"]
@@ -313,8 +358,11 @@ def _attention(attrs: dict) -> Kernel:
                                            enable_gqa=h != hkv)
         return o.view(n, h * hd)
 
+    writes = attrs.get("write_kv", True)
+
     def attention(q, k, v, cache, slots, tables, seq_lens, query_lens):
-        write_kv(cache, k, v, slots)
+        if writes:
+            write_kv(cache, k, v, slots)
         lay = _LAYOUTS.get(seq_lens, query_lens, cache.shape[2], window)
         if lay.in_order:
             return decode(q, cache, tables, lay.groups[0])
@@ -374,3 +422,18 @@ def _sample(attrs: dict) -> Kernel:
         return ref(logits, temperature, top_k, top_p, seeds)
 
     return sample
+
+
+PREPACKED = {
+    # f32 GEMV: MKL's unpacked sgemv reads weights faster than oneDNN's packed one (24 vs 16 GB/s
+    # measured on this 2-core machine); bf16: the packed one wins (15 vs 11 GB/s)
+    "linear": Prepack((1,), lambda dtype, w: prepack_linear_weight(w), packed_linear, HALF),
+    "logits": Prepack((1,), lambda dtype, w: prepack_linear_weight(w), packed_logits, HALF),
+    "linear_q4": Prepack((1, 2, 3), Q4Weights, q4_linear, (torch.float32, *HALF)),
+    "fused_moe": Prepack((1, 2, 3), MoeWeights, None, (torch.float32, *HALF)),  # kernel: from PACKED_FACTORIES
+    "swiglu_linear": Prepack((1,), lambda dtype, w: prepack_linear_weight(w), packed_swiglu_linear, HALF),
+    "rms_norm_linear": Prepack((2,), lambda dtype, w: prepack_linear_weight(w), None, HALF),
+    "add_rms_norm_linear": Prepack((3,), lambda dtype, w: prepack_linear_weight(w), None, HALF),
+}
+# packed kernels that depend on the node's attrs
+PACKED_FACTORIES = {"fused_moe": make_fused_moe, **_norm_linear_kernels(packed=True)}

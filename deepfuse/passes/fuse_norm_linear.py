@@ -1,0 +1,36 @@
+"""RMSNorm + the projection that follows it: the norm becomes the GEMM's prologue.
+
+    linear(rms_norm(x, w), W)              -> rms_norm_linear(x, w, W)
+    linear(add_rms_norm(x, r, w)[1], W)    -> add_rms_norm_linear(x, r, w, W)   (the sum stays an output)
+
+Fires only where the normalised activation has no other reader (after fuse_sibling_linears
+the q/k/v and gate/up projections are one linear each, so every pre-projection norm
+qualifies). Matches dense `linear` only: int4 projections keep their own kernel.
+"""
+from __future__ import annotations
+
+from ..frontend import ops
+from .pattern import Op, Rule, Var, rule_pass
+
+x, res, w, proj = Var("x"), Var("res"), Var("w"), Var("proj")
+
+NORM_LINEAR = Rule(
+    "rms_norm_linear",
+    Op("linear", Op("rms_norm", x, w, name="norm"), proj),
+    lambda m: ops.rms_norm_linear(m["x"], m["w"], m["proj"], eps=m.attrs("norm")["eps"]),
+)
+
+
+def _add_norm_linear(m):
+    s, y = ops.add_rms_norm_linear(m["x"], m["res"], m["w"], m["proj"], eps=m.attrs("norm")["eps"])
+    return s, None, y  # add_rms_norm's (sum, normed), then the linear's output
+
+
+ADD_NORM_LINEAR = Rule(
+    "add_rms_norm_linear",
+    Op("linear", Op("add_rms_norm", x, res, w, name="norm", out=1), proj, name="proj_out"),
+    _add_norm_linear,
+    replaces=("norm", "proj_out"),
+)
+
+fuse_norm_linear = rule_pass("fuse_norm_linear", [NORM_LINEAR, ADD_NORM_LINEAR])

@@ -26,6 +26,11 @@ def linear(x: Any, w: Any) -> Any:
     return apply("linear", x, w)
 
 
+def add_bias(x: Any, b: Any) -> Any:
+    """x[T,N] + b[N]."""
+    return apply("add_bias", x, b)
+
+
 def embedding(table: Any, ids: Any) -> Any:
     """table[V,D], ids[T] -> [T,D]."""
     return apply("embedding", table, ids)

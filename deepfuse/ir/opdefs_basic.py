@@ -48,6 +48,18 @@ def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return F.linear(x, w)
 
 
+def _add_bias_type(types: list[TensorType], attrs: dict) -> list[TensorType]:
+    x, b = types
+    expect(b.rank == 1 and x.shape[-1] == b.shape[0] and x.dtype == b.dtype, f"bias {b} does not fit {x}")
+    return [x]
+
+
+@register("add_bias", _add_bias_type)
+def add_bias(x: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """x[T,N] + b[N] (a projection's bias)."""
+    return x + b
+
+
 def _embedding_type(types: list[TensorType], attrs: dict) -> list[TensorType]:
     table, ids = types
     expect(table.rank == 2 and ids.rank == 1, f"embedding wants table[V,D], ids[T]; got {table}, {ids}")

@@ -25,7 +25,10 @@ def _moe_fields(cfg: dict) -> dict:
     if kind == "mixtral":
         return dict(family=kind, num_experts=cfg["num_local_experts"], experts_per_token=cfg["num_experts_per_tok"],
                     moe_intermediate_size=cfg["intermediate_size"], renormalize_topk=True)
-    return {}
+    if kind == "qwen2":
+        return dict(qkv_bias=True)
+    bias = bool(cfg.get("attention_bias", False))
+    return dict(qkv_bias=bias, o_bias=bias)
 
 
 def config_from_hf(cfg: dict) -> LlamaConfig:
@@ -70,8 +73,6 @@ def normalize_expert_weights(config: LlamaConfig, weights: dict[str, torch.Tenso
     `mlp.experts.{e}.gate_proj/up_proj/down_proj`, Mixtral's `block_sparse_moe.experts.{e}.w1/w3/w2`
     and `block_sparse_moe.gate`, or the fused tensors themselves."""
     if not config.num_experts:
-        if any(k.endswith(".bias") and "self_attn" in k for k in weights):
-            raise DeepfuseError("this checkpoint has attention biases (e.g. Qwen2), which deepfuse does not support yet")
         return weights
     out = dict(weights)
     for i in range(config.num_layers):

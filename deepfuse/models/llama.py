@@ -30,6 +30,8 @@ class LlamaConfig:
     sliding_window: int = 0  # 0: full causal attention
     family: str = "llama"
     qk_norm: bool = False  # Qwen3: RMSNorm of each q and k head before RoPE
+    qkv_bias: bool = False  # Qwen2: biases on the q, k and v projections
+    o_bias: bool = False  # Llama with attention_bias: a bias on o_proj too
     num_experts: int = 0  # 0: dense SwiGLU MLP in every layer
     experts_per_token: int = 0
     moe_intermediate_size: int = 0
@@ -80,11 +82,19 @@ class Llama:
                 "self_attn.v_proj", "self_attn.o_proj")]
             if c.qk_norm:
                 names += [p + "self_attn.q_norm.weight", p + "self_attn.k_norm.weight"]
+            if c.qkv_bias:
+                names += [p + f"self_attn.{n}_proj.bias" for n in "qkv"]
+            if c.o_bias:
+                names.append(p + "self_attn.o_proj.bias")
             if c.is_moe_layer(i):
                 names += [p + "mlp.gate.weight", p + "mlp.experts.gate_up_proj", p + "mlp.experts.down_proj"]
             else:
                 names += [p + s + ".weight" for s in ("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")]
         return names
+
+    def proj(self, x, name: str, bias: bool):
+        y = ops.linear(x, self.weights[name + ".weight"])
+        return ops.add_bias(y, self.weights[name + ".bias"]) if bias else y
 
     def step(self, tokens, positions, slot_mapping, block_tables, seq_lens, query_lens,
              temperature, top_k, top_p, seeds, *kv_caches):
@@ -95,17 +105,17 @@ class Llama:
         for i in range(c.num_layers):
             p = f"model.layers.{i}."
             x = ops.rms_norm(h, w[p + "input_layernorm.weight"], eps=c.rms_norm_eps)
-            q = ops.linear(x, w[p + "self_attn.q_proj.weight"])
-            k = ops.linear(x, w[p + "self_attn.k_proj.weight"])
+            q = self.proj(x, p + "self_attn.q_proj", c.qkv_bias)
+            k = self.proj(x, p + "self_attn.k_proj", c.qkv_bias)
             if c.qk_norm:
                 q = ops.head_rms_norm(q, w[p + "self_attn.q_norm.weight"], eps=c.rms_norm_eps, head_dim=c.head_dim)
                 k = ops.head_rms_norm(k, w[p + "self_attn.k_norm.weight"], eps=c.rms_norm_eps, head_dim=c.head_dim)
             q, k = ops.rope(q, positions, **rope), ops.rope(k, positions, **rope)
-            v = ops.linear(x, w[p + "self_attn.v_proj.weight"])
+            v = self.proj(x, p + "self_attn.v_proj", c.qkv_bias)
             a = ops.attention(q, k, v, kv_caches[i], slot_mapping, block_tables, seq_lens, query_lens,
                               num_heads=c.num_heads, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim,
                               scale=1.0 / math.sqrt(c.head_dim), window=c.sliding_window)
-            h = ops.add(h, ops.linear(a, w[p + "self_attn.o_proj.weight"]))
+            h = ops.add(h, self.proj(a, p + "self_attn.o_proj", c.o_bias))
             x = ops.rms_norm(h, w[p + "post_attention_layernorm.weight"], eps=c.rms_norm_eps)
             if c.is_moe_layer(i):
                 router = ops.linear(x, w[p + "mlp.gate.weight"])

@@ -224,4 +224,5 @@ def test_random_workload_loses_nothing(tiny_art):
             continue
         prompt, n = specs[ids[rid]]
         assert out.finish_reason == "length" and len(out.token_ids) == n
-        assert out.token_ids == solo.generate([prompt], [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)])[0].token_ids
+        alone = solo.generate([prompt], [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)])[0]
+        assert out.token_ids == alone.token_ids

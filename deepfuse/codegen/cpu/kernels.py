@@ -1,8 +1,9 @@
 """CPU kernels: one factory per IR op, returning a callable bound to the node's attrs.
 
 Each kernel computes the same function as the op's reference (deepfuse/ir/opdefs_*),
-in fewer, larger torch calls: fused rms_norm, a precomputed rotary table, SDPA for
-paged attention. Factories run once at load; the callables run every step.
+in fewer, larger torch calls: fused rms_norm, a precomputed rotary table, prepacked
+projections (oneDNN, int4), grouped-GEMM MoE; paged attention lives in attention.py.
+Factories run once at load; the callables run every step.
 """
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from ...ir import OPS
-from ...ir.opdefs_llm import causal_mask, rope_cos_sin, write_kv
+from ...ir.opdefs_llm import rope_cos_sin, write_kv
 from ...ir.opdefs_moe import route
 from ...ir.opdefs_quant import dequantize_q4, unpack_q4
 
@@ -265,71 +266,6 @@ def _rope(attrs: dict) -> Kernel:
     return rope
 
 
-def gather_blocks(cache: torch.Tensor, tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rows of cache[2,N,BS,Hkv,hd] for block ids tables[...] -> (k, v), each [..., BS*Hkv*hd].
-    cache[0] and cache[1] are contiguous: a row gather on each is ~5x faster than indexing
-    the block dim of the 5-d tensor."""
-    n = cache.shape[1]
-    flat = tables.reshape(-1)
-    k = F.embedding(flat, cache[0].view(n, -1))
-    v = F.embedding(flat, cache[1].view(n, -1))
-    return k.view(*tables.shape, -1), v.view(*tables.shape, -1)
-
-
-@dataclass
-class DecodeGroup:
-    """Decoding sequences of similar length, attended in one SDPA call padded to the longest."""
-
-    seqs: torch.Tensor  # their indices among the step's sequences [G]
-    rows: torch.Tensor  # their query rows [G]
-    blocks: int  # table columns to gather
-    length: int  # longest length in the group
-    mask: torch.Tensor | None  # [G,1,1,length] bool, None when no padding or window
-
-
-def decode_groups(seqs: list[int], rows: list[int], lens: list[int], block_size: int, window: int,
-                  slack: float = 0.6, max_groups: int = 4) -> list[DecodeGroup]:
-    """Sorts sequences by length and starts a new group when a length falls below `slack` of
-    its group's longest (at most max_groups): padding waste stays bounded at large batches."""
-    order = sorted(range(len(seqs)), key=lambda i: -lens[i])
-    parts: list[list[int]] = []
-    for i in order:
-        if parts and (lens[i] >= slack * lens[parts[-1][0]] or len(parts) == max_groups):
-            parts[-1].append(i)
-        else:
-            parts.append([i])
-    groups = []
-    for part in parts:
-        dl = torch.tensor([lens[i] for i in part])
-        longest = int(dl[0])
-        mask = None
-        if len(part) > 1 and int(dl[-1]) != longest or window:
-            j = torch.arange(longest)[None, :]
-            first = (dl - window).clamp_(min=0) if window else torch.zeros_like(dl)
-            mask = ((j < dl[:, None]) & (j >= first[:, None]))[:, None, None, :]
-        groups.append(DecodeGroup(torch.tensor([seqs[i] for i in part]), torch.tensor([rows[i] for i in part]),
-                                  -(-longest // block_size), longest, mask))
-    return groups
-
-
-class StepLayout:
-    """Host-side facts about one step's sequences, computed once and shared by every
-    attention launch of the step (all layers see the same seq_lens tensor)."""
-
-    def __init__(self, seq_lens: torch.Tensor, query_lens: torch.Tensor, block_size: int, window: int):
-        self.seq_lens = seq_lens
-        lens, qlens = seq_lens.tolist(), query_lens.tolist()
-        starts = [0]
-        for n in qlens:
-            starts.append(starts[-1] + n)
-        self.prefills = [(s, starts[s], n, lens[s]) for s, n in enumerate(qlens) if n > 1]
-        dec = [s for s, n in enumerate(qlens) if n == 1]
-        self.all_decode = len(dec) == len(qlens) == starts[-1]
-        self.groups = decode_groups(dec, [starts[s] for s in dec], [lens[s] for s in dec], block_size, window)
-        # a pure decode step whose one group is already in row order needs no gather or scatter of q
-        self.in_order = self.all_decode and len(self.groups) == 1 and self.groups[0].rows.tolist() == list(range(len(dec)))
-
-
 @factory("qkv_rope_cache")
 def _qkv_rope_cache(attrs: dict) -> Kernel:
     sizes = attrs["sizes"]
@@ -342,66 +278,6 @@ def _qkv_rope_cache(attrs: dict) -> Kernel:
         return q, k, v
 
     return qkv_rope_cache
-
-
-@factory("attention")
-def _attention(attrs: dict) -> Kernel:
-    h, hkv, hd = attrs["num_heads"], attrs["num_kv_heads"], attrs["head_dim"]
-    scale, window = attrs["scale"], attrs.get("window", 0)
-    def decode(q, cache, tables, g: DecodeGroup) -> torch.Tensor:
-        """One group of one-token sequences in one SDPA call: q[G,H*hd] -> [G,H*hd]."""
-        n = q.shape[0]
-        keys, vals = gather_blocks(cache, tables[:, : g.blocks])
-        keys = keys.view(n, -1, hkv, hd)[:, : g.length].transpose(1, 2)
-        vals = vals.view(n, -1, hkv, hd)[:, : g.length].transpose(1, 2)
-        o = F.scaled_dot_product_attention(q.view(n, h, 1, hd), keys, vals, attn_mask=g.mask, scale=scale,
-                                           enable_gqa=h != hkv)
-        return o.view(n, h * hd)
-
-    writes = attrs.get("write_kv", True)
-
-    def attention(q, k, v, cache, slots, tables, seq_lens, query_lens):
-        if writes:
-            write_kv(cache, k, v, slots)
-        lay = _LAYOUTS.get(seq_lens, query_lens, cache.shape[2], window)
-        if lay.in_order:
-            return decode(q, cache, tables, lay.groups[0])
-        out = torch.empty(q.shape, dtype=q.dtype)
-        for g in lay.groups:
-            out[g.rows] = decode(q[g.rows], cache, tables[g.seqs], g)
-        for s, a, n, length in lay.prefills:
-            whole = n == length and not window  # a prompt in one chunk: plain causal, upper half skipped
-            if whole:  # its keys are exactly this step's k/v rows: no gather from the cache
-                keys, vals = k[a:a + n].view(n, hkv, hd), v[a:a + n].view(n, hkv, hd)
-            else:
-                nb = -(-length // cache.shape[2])
-                keys, vals = (t.view(-1, hkv, hd)[:length] for t in gather_blocks(cache, tables[s, :nb]))
-            # 4-D operands: torch's CPU flash kernel (3-D ones fall back to a ~5x slower path)
-            qs = q[a:a + n].view(1, n, h, hd).transpose(1, 2)
-            o = F.scaled_dot_product_attention(qs, keys.transpose(0, 1)[None], vals.transpose(0, 1)[None],
-                                               attn_mask=None if whole else causal_mask(n, length, window),
-                                               is_causal=whole, scale=scale, enable_gqa=h != hkv)
-            out[a:a + n] = o[0].transpose(0, 1).reshape(n, h * hd)
-        return out
-
-    return attention
-
-
-class _LayoutCache:
-    """One StepLayout per (step, window): layers with the same window share it. Holding the
-    step's seq_lens tensor keeps its identity from being reused by a later step's."""
-
-    def __init__(self):
-        self.last: dict[int, StepLayout] = {}
-
-    def get(self, seq_lens, query_lens, block_size: int, window: int) -> StepLayout:
-        lay = self.last.get(window)
-        if lay is None or lay.seq_lens is not seq_lens:
-            lay = self.last[window] = StepLayout(seq_lens, query_lens, block_size, window)
-        return lay
-
-
-_LAYOUTS = _LayoutCache()
 
 
 @factory("logits")
@@ -423,6 +299,8 @@ def _sample(attrs: dict) -> Kernel:
 
     return sample
 
+
+from . import attention  # noqa: E402,F401  (registers the attention kernel)
 
 PREPACKED = {
     # f32 GEMV: MKL's unpacked sgemv reads weights faster than oneDNN's packed one (24 vs 16 GB/s

@@ -86,18 +86,22 @@ def head_rms_norm(x: Any, w: Any, *, eps: float, head_dim: int) -> Any:
     return apply("head_rms_norm", x, w, eps=float(eps), head_dim=head_dim)
 
 
-def moe(x: Any, router_logits: Any, w13: Any, w2: Any, *, top_k: int, renormalize: bool) -> Any:
-    """Top-k routed SwiGLU experts: x[T,D], router_logits[T,E], w13[E,2I,D], w2[E,D,I] -> [T,D]."""
-    return apply("moe", x, router_logits, w13, w2, top_k=top_k, renormalize=bool(renormalize))
+def moe(x: Any, router_logits: Any, w13: Any, w2: Any, *score_bias: Any, top_k: int, renormalize: bool,
+        **routing: Any) -> Any:
+    """Top-k routed SwiGLU experts: x[T,D], router_logits[T,E], w13[E,2I,D], w2[E,D,I] (, score_bias[E])
+    -> [T,D]. routing: scoring ("softmax" | "sigmoid"), routed_scaling, n_group, topk_group."""
+    return apply("moe", x, router_logits, w13, w2, *score_bias, top_k=top_k, renormalize=bool(renormalize), **routing)
 
 
-def fused_moe(x: Any, router_w: Any, w13: Any, w2: Any, *, top_k: int, renormalize: bool) -> Any:
+def fused_moe(x: Any, router_w: Any, w13: Any, w2: Any, *score_bias: Any, top_k: int, renormalize: bool,
+              **routing: Any) -> Any:
     """moe with the router matmul inside: router_w[E,D]."""
-    return apply("fused_moe", x, router_w, w13, w2, top_k=top_k, renormalize=bool(renormalize))
+    return apply("fused_moe", x, router_w, w13, w2, *score_bias, top_k=top_k, renormalize=bool(renormalize), **routing)
 
 
-def moe_routing(router_logits: Any, *, top_k: int, renormalize: bool, dtype: str) -> Any:
-    return apply("moe_routing", router_logits, top_k=top_k, renormalize=bool(renormalize), dtype=dtype)
+def moe_routing(router_logits: Any, *score_bias: Any, top_k: int, renormalize: bool, dtype: str, **routing: Any) -> Any:
+    return apply("moe_routing", router_logits, *score_bias, top_k=top_k, renormalize=bool(renormalize), dtype=dtype,
+                 **routing)
 
 
 def expert_weight(w: Any, *, index: int) -> Any:

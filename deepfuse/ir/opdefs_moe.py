@@ -34,22 +34,54 @@ def head_rms_norm(x: torch.Tensor, w: torch.Tensor, *, eps: float, head_dim: int
     return (w * h.to(x.dtype)).reshape(t, -1)
 
 
-def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Softmax in fp32 over experts, top-k, optional renormalisation -> (weights f32[T,k], ids[T,k])."""
-    probs = torch.softmax(router_logits.float(), dim=-1)
-    weights, ids = torch.topk(probs, top_k, dim=-1)
+ROUTING_DEFAULTS = {"scoring": "softmax", "routed_scaling": 1.0, "n_group": 1, "topk_group": 1}
+
+
+def route(router_logits: torch.Tensor, top_k: int, renormalize: bool, score_bias: torch.Tensor | None = None, *,
+          scoring: str = "softmax", routed_scaling: float = 1.0, n_group: int = 1,
+          topk_group: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """Expert choice per token -> (weights f32[T,k], ids[T,k]), in fp32.
+
+    softmax (Mixtral, Qwen-MoE) or sigmoid (DeepSeek-V3) scores; experts are chosen by
+    score + score_bias (the correction bias, which does not enter the weights), only
+    within the topk_group best of n_group groups (a group ranks by its two best scores);
+    weights are the chosen scores, optionally renormalised, times routed_scaling."""
+    logits = router_logits.float()
+    scores = torch.softmax(logits, dim=-1) if scoring == "softmax" else torch.sigmoid(logits)
+    choice = scores if score_bias is None else scores + score_bias.float()
+    if n_group > 1:
+        t, e = choice.shape
+        group_best = choice.view(t, n_group, e // n_group).topk(2, dim=-1)[0].sum(-1)
+        keep = torch.zeros_like(group_best).scatter_(1, group_best.topk(topk_group, dim=-1)[1], 1.0)
+        choice = choice.masked_fill(~keep.bool().repeat_interleave(e // n_group, dim=1), float("-inf"))
+    ids = choice.topk(top_k, dim=-1)[1]
+    weights = scores.gather(1, ids)
     if renormalize:
-        weights = weights / weights.sum(-1, keepdim=True)
-    return weights, ids
+        weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+    return weights * routed_scaling, ids
+
+
+def routing_attrs(attrs: dict) -> dict:
+    """The routing attributes of a moe / fused_moe / moe_routing node, defaults filled in."""
+    return {k: attrs.get(k, v) for k, v in ROUTING_DEFAULTS.items()}
+
+
+def _check_routing(attrs: dict, e: int, bias: TensorType | None) -> None:
+    r = routing_attrs(attrs)
+    expect(r["scoring"] in ("softmax", "sigmoid"), f"moe scoring must be softmax or sigmoid, got {r['scoring']!r}")
+    expect(e % r["n_group"] == 0 and 0 < r["topk_group"] <= r["n_group"], f"moe groups {r['n_group']}/{r['topk_group']} "
+           f"do not fit {e} experts")
+    expect(bias is None or bias.shape == (e,), f"moe score bias must be [{e}], got {bias}")
 
 
 def _moe_type(types: list[TensorType], attrs: dict) -> list[TensorType]:
-    x, router, w13, w2 = types
+    x, router, w13, w2, *bias = types
     expect(x.rank == 2 and w13.rank == 3 and w2.rank == 3, f"moe wants x[T,D], w13[E,2I,D], w2[E,D,I]; got {x}, {w13}, {w2}")
     e, two_i, d = w13.shape
     expect(x.shape[1] == d and w2.shape == (e, d, two_i // 2), f"moe expert weights {w13}, {w2} do not fit {x}")
     expect(router.shape[-1] == e, f"moe router {router} does not have {e} experts")
     expect(0 < attrs["top_k"] <= e, f"moe top_k {attrs['top_k']} not in [1, {e}]")
+    _check_routing(attrs, e, bias[0] if bias else None)
     return [x]
 
 
@@ -68,35 +100,37 @@ def experts_reference(x, weights, ids, w13, w2):
 
 
 @register("moe", _moe_type)
-def moe(x, router_logits, w13, w2, *, top_k: int, renormalize: bool) -> torch.Tensor:
-    """Top-k softmax-routed SwiGLU experts: x[T,D], router_logits[T,E] -> [T,D]."""
-    weights, ids = route(router_logits, top_k, renormalize)
+def moe(x, router_logits, w13, w2, score_bias=None, *, top_k: int, renormalize: bool, **routing) -> torch.Tensor:
+    """Top-k routed SwiGLU experts: x[T,D], router_logits[T,E] (, score_bias[E]) -> [T,D].
+    Routing attrs: scoring, routed_scaling, n_group, topk_group (see route())."""
+    weights, ids = route(router_logits, top_k, renormalize, score_bias, **routing)
     return experts_reference(x, weights, ids, w13, w2)
 
 
 def _fused_moe_type(types: list[TensorType], attrs: dict) -> list[TensorType]:
-    x, router_w, w13, w2 = types
+    x, router_w, w13, w2, *bias = types
     expect(router_w.rank == 2 and router_w.shape[1] == x.shape[1], f"fused_moe router {router_w} does not fit {x}")
-    return _moe_type([x, x.with_shape(x.shape[0], router_w.shape[0]), w13, w2], attrs)
+    return _moe_type([x, x.with_shape(x.shape[0], router_w.shape[0]), w13, w2, *bias], attrs)
 
 
 @register("fused_moe", _fused_moe_type)
-def fused_moe(x, router_w, w13, w2, *, top_k: int, renormalize: bool) -> torch.Tensor:
-    """moe(x, x @ router_w[E,D]^T, w13, w2): router, top-k, experts and combine in one op."""
-    return moe(x, F.linear(x, router_w), w13, w2, top_k=top_k, renormalize=renormalize)
+def fused_moe(x, router_w, w13, w2, score_bias=None, *, top_k: int, renormalize: bool, **routing) -> torch.Tensor:
+    """moe(x, x @ router_w[E,D]^T, ...): router, top-k, experts and combine in one op."""
+    return moe(x, F.linear(x, router_w), w13, w2, score_bias, top_k=top_k, renormalize=renormalize, **routing)
 
 
 def _routing_type(types: list[TensorType], attrs: dict) -> list[TensorType]:
-    (logits,) = types
+    logits, *bias = types
+    _check_routing(attrs, logits.shape[-1], bias[0] if bias else None)
     return [TensorType(attrs["dtype"], logits.shape)]
 
 
 @register("moe_routing", _routing_type)
-def moe_routing(router_logits, *, top_k: int, renormalize: bool, dtype: str) -> torch.Tensor:
-    """Dense routing weights [T,E]: the top-k (renormalised) probabilities, 0 elsewhere."""
+def moe_routing(router_logits, score_bias=None, *, top_k: int, renormalize: bool, dtype: str, **routing) -> torch.Tensor:
+    """Dense routing weights [T,E]: the chosen experts' weights, 0 elsewhere."""
     from .types import DTYPES
 
-    weights, ids = route(router_logits, top_k, renormalize)
+    weights, ids = route(router_logits, top_k, renormalize, score_bias, **routing)
     dense = torch.zeros(router_logits.shape, dtype=torch.float32).scatter_(1, ids, weights)
     return dense.to(DTYPES[dtype])
 
@@ -126,11 +160,12 @@ def scale_by_column(y, weights, *, index: int) -> torch.Tensor:
 
 
 @decomposition("moe")
-def _moe_decomp(x, router_logits, w13, w2, *, top_k, renormalize):
+def _moe_decomp(x, router_logits, w13, w2, score_bias=None, *, top_k, renormalize, **routing):
     """Dense: every expert on every token, scaled by its (mostly zero) routing weight."""
     from ..frontend import ops
 
-    weights = ops.moe_routing(router_logits, top_k=top_k, renormalize=renormalize, dtype=x.dtype)
+    extra = [score_bias] if score_bias is not None else []
+    weights = ops.moe_routing(router_logits, *extra, top_k=top_k, renormalize=renormalize, dtype=x.dtype, **routing)
     out = None
     for e in range(w13.shape[0]):
         h = ops.swiglu(ops.linear(x, ops.expert_weight(w13, index=e)))
@@ -140,7 +175,8 @@ def _moe_decomp(x, router_logits, w13, w2, *, top_k, renormalize):
 
 
 @decomposition("fused_moe")
-def _fused_moe_decomp(x, router_w, w13, w2, *, top_k, renormalize):
+def _fused_moe_decomp(x, router_w, w13, w2, score_bias=None, *, top_k, renormalize, **routing):
     from ..frontend import ops
 
-    return ops.moe(x, ops.linear(x, router_w), w13, w2, top_k=top_k, renormalize=renormalize)
+    extra = [score_bias] if score_bias is not None else []
+    return ops.moe(x, ops.linear(x, router_w), w13, w2, *extra, top_k=top_k, renormalize=renormalize, **routing)

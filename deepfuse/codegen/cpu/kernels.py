@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from ...ir import OPS
 from ...ir.opdefs_llm import rope_cos_sin, write_kv
-from ...ir.opdefs_moe import route
+from ...ir.opdefs_moe import route, routing_attrs
 from ...ir.opdefs_quant import dequantize_q4, unpack_q4
 
 Kernel = Callable[..., Any]
@@ -105,11 +105,11 @@ class MoeWeights:
 
 
 def make_fused_moe(attrs: dict) -> Kernel:
-    top_k, renorm = attrs["top_k"], attrs["renormalize"]
+    top_k, renorm, routing = attrs["top_k"], attrs["renormalize"], routing_attrs(attrs)
 
-    def fused_moe(x: torch.Tensor, w: MoeWeights) -> torch.Tensor:
+    def fused_moe(x: torch.Tensor, w: MoeWeights, score_bias: torch.Tensor | None = None) -> torch.Tensor:
         """Tokens sorted by expert, two grouped GEMMs, one weighted scatter-add: x[T,D] -> [T,D]."""
-        weights, ids = route(F.linear(x, w.router), top_k, renorm)
+        weights, ids = route(F.linear(x, w.router), top_k, renorm, score_bias, **routing)
         flat = ids.flatten()
         order = torch.argsort(flat, stable=True)
         rows = order // top_k  # the token of each sorted (token, expert) pair

@@ -31,8 +31,10 @@ def unregister_fusion(name: str) -> None:
 
 
 def fusion_passes() -> list[Pass]:
-    return [Pass("fuse_sibling_linears", fuse_sibling_linears), Pass("fold_constants", fold_constants),
-            fuse_swiglu, fuse_add_rms_norm, fuse_moe, *_REGISTERED.values(), Pass("dce", dce)]
+    # fuse_moe first: it owns the router linear, which fuse_sibling_linears would otherwise
+    # merge with a shared expert's gate/up projections (they read the same activation)
+    return [fuse_moe, Pass("fuse_sibling_linears", fuse_sibling_linears), Pass("fold_constants", fold_constants),
+            fuse_swiglu, fuse_add_rms_norm, *_REGISTERED.values(), Pass("dce", dce)]
 
 
 def prologue_passes() -> list[Pass]:

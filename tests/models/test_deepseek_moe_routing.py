@@ -75,3 +75,26 @@ def test_bad_routing_attrs_are_refused():
         OPS["moe"].infer([t("T", 8), t("T", 4), t(4, 6, 8), t(4, 8, 3)], {"top_k": 2, "renormalize": True, "scoring": "relu"})
     with pytest.raises(ValueError, match="groups 3/1 do not fit 4 experts"):
         OPS["moe"].infer([t("T", 8), t("T", 4), t(4, 6, 8), t(4, 8, 3)], {"top_k": 2, "renormalize": True, "n_group": 3})
+
+
+def test_fusion_pipeline_keeps_the_router_out_of_the_shared_expert_merge(block):
+    """The router and the shared expert's gate/up all read x: fuse_moe runs before
+    fuse_sibling_linears, so the router stays fused_moe's and gate/up still merge."""
+    from deepfuse.passes import PassManager, cleanup_passes, fusion_passes
+
+    cfg, m = block
+    w = weights(m)
+    sh = m.shared_experts
+    w.update(gate=sh.gate_proj.weight.detach(), up=sh.up_proj.weight.detach())
+
+    def fn(x):
+        routed = ops.moe(x, ops.linear(x, w["router"]), w["w13"], w["w2"], w["bias"], **routing(cfg))
+        gate, up = ops.silu(ops.linear(x, w["gate"])), ops.linear(x, w["up"])
+        return ops.add(routed, ops.linear(ops.mul(gate, up), w["shared_w2"]))
+
+    g, _ = PassManager(cleanup_passes() + fusion_passes()).run(trace(fn, Spec("x", "f32", ("T", 64)), weights=w))
+    counts = g.op_counts()
+    assert counts["fused_moe"] == 1 and counts["swiglu"] == 1 and counts["linear"] == 2
+    x = torch.randn(5, 64)
+    with torch.no_grad():
+        torch.testing.assert_close(interpret(g, {"x": x})[0], m(x[None])[0], atol=1e-5, rtol=1e-5)

@@ -76,6 +76,6 @@ def test_dump_dir_and_pass_ids(tiny_model, tmp_path):
     pm = PassManager(cleanup_passes() + fusion_passes())
     pm.run(trace_model(tiny_model), dump_dir=str(tmp_path))
     files = sorted(p.name for p in tmp_path.iterdir())
-    assert "00-dce.before.ir" in files and "03-fuse_sibling_linears.after.ir" in files
+    assert "00-dce.before.ir" in files and "04-fuse_sibling_linears.after.ir" in files
     assert len(files) == 2 * len(pm.passes)
     assert len(set(pm.ids().values())) == len(set(p.fn for p in pm.passes))

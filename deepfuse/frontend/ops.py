@@ -104,6 +104,11 @@ def moe_routing(router_logits: Any, *score_bias: Any, top_k: int, renormalize: b
                  **routing)
 
 
+def append_experts(w13: Any, w2: Any, s13: Any, s2: Any) -> Any:
+    """(w13', w2'): a shared SwiGLU MLP appended as always-on experts (see ir/opdefs_moe.py)."""
+    return apply("append_experts", w13, w2, s13, s2)
+
+
 def expert_weight(w: Any, *, index: int) -> Any:
     return apply("expert_weight", w, index=index)
 

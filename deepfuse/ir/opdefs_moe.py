@@ -34,18 +34,19 @@ def head_rms_norm(x: torch.Tensor, w: torch.Tensor, *, eps: float, head_dim: int
     return (w * h.to(x.dtype)).reshape(t, -1)
 
 
-ROUTING_DEFAULTS = {"scoring": "softmax", "routed_scaling": 1.0, "n_group": 1, "topk_group": 1}
+ROUTING_DEFAULTS = {"scoring": "softmax", "routed_scaling": 1.0, "n_group": 1, "topk_group": 1, "num_shared": 0}
 
 
 def route(router_logits: torch.Tensor, top_k: int, renormalize: bool, score_bias: torch.Tensor | None = None, *,
           scoring: str = "softmax", routed_scaling: float = 1.0, n_group: int = 1,
-          topk_group: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+          topk_group: int = 1, num_shared: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """Expert choice per token -> (weights f32[T,k], ids[T,k]), in fp32.
 
     softmax (Mixtral, Qwen-MoE) or sigmoid (DeepSeek-V3) scores; experts are chosen by
     score + score_bias (the correction bias, which does not enter the weights), only
     within the topk_group best of n_group groups (a group ranks by its two best scores);
-    weights are the chosen scores, optionally renormalised, times routed_scaling."""
+    weights are the chosen scores, optionally renormalised, times routed_scaling. num_shared
+    always-on experts (numbered after the E routed ones) join every token with weight 1."""
     logits = router_logits.float()
     scores = torch.softmax(logits, dim=-1) if scoring == "softmax" else torch.sigmoid(logits)
     choice = scores if score_bias is None else scores + score_bias.float()
@@ -58,7 +59,12 @@ def route(router_logits: torch.Tensor, top_k: int, renormalize: bool, score_bias
     weights = scores.gather(1, ids)
     if renormalize:
         weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
-    return weights * routed_scaling, ids
+    weights = weights * routed_scaling
+    if num_shared:
+        t, e = scores.shape
+        ids = torch.cat((ids, torch.arange(e, e + num_shared).expand(t, num_shared)), dim=1)
+        weights = torch.cat((weights, torch.ones(t, num_shared)), dim=1)
+    return weights, ids
 
 
 def routing_attrs(attrs: dict) -> dict:
@@ -77,9 +83,10 @@ def _check_routing(attrs: dict, e: int, bias: TensorType | None) -> None:
 def _moe_type(types: list[TensorType], attrs: dict) -> list[TensorType]:
     x, router, w13, w2, *bias = types
     expect(x.rank == 2 and w13.rank == 3 and w2.rank == 3, f"moe wants x[T,D], w13[E,2I,D], w2[E,D,I]; got {x}, {w13}, {w2}")
-    e, two_i, d = w13.shape
-    expect(x.shape[1] == d and w2.shape == (e, d, two_i // 2), f"moe expert weights {w13}, {w2} do not fit {x}")
-    expect(router.shape[-1] == e, f"moe router {router} does not have {e} experts")
+    n, two_i, d = w13.shape
+    e = n - attrs.get("num_shared", 0)
+    expect(x.shape[1] == d and w2.shape == (n, d, two_i // 2), f"moe expert weights {w13}, {w2} do not fit {x}")
+    expect(router.shape[-1] == e, f"moe router {router} does not have {e} routed experts")
     expect(0 < attrs["top_k"] <= e, f"moe top_k {attrs['top_k']} not in [1, {e}]")
     _check_routing(attrs, e, bias[0] if bias else None)
     return [x]
@@ -127,12 +134,36 @@ def _routing_type(types: list[TensorType], attrs: dict) -> list[TensorType]:
 
 @register("moe_routing", _routing_type)
 def moe_routing(router_logits, score_bias=None, *, top_k: int, renormalize: bool, dtype: str, **routing) -> torch.Tensor:
-    """Dense routing weights [T,E]: the chosen experts' weights, 0 elsewhere."""
+    """Dense routing weights [T,E] of the routed experts: the chosen ones' weights, 0 elsewhere."""
     from .types import DTYPES
 
-    weights, ids = route(router_logits, top_k, renormalize, score_bias, **routing)
+    weights, ids = route(router_logits, top_k, renormalize, score_bias, **{**routing, "num_shared": 0})
     dense = torch.zeros(router_logits.shape, dtype=torch.float32).scatter_(1, ids, weights)
     return dense.to(DTYPES[dtype])
+
+
+def _append_experts_type(types: list[TensorType], attrs: dict) -> list[TensorType]:
+    w13, w2, s13, s2 = types
+    n, two_i, d = w13.shape
+    shared_i = s2.shape[1]
+    expect(s13.shape == (2 * shared_i, d) and s2.shape[0] == d and shared_i % (two_i // 2) == 0,
+           f"shared expert {s13}, {s2} is not a multiple of experts {w13}")
+    extra = shared_i // (two_i // 2)
+    return [w13.with_shape(n + extra, two_i, d), w2.with_shape(n + extra, d, two_i // 2)]
+
+
+@register("append_experts", _append_experts_type)
+def append_experts(w13, w2, s13, s2) -> tuple[torch.Tensor, torch.Tensor]:
+    """A shared SwiGLU MLP (s13[2*Is,D] = [gate | up], s2[D,Is]) as Is/I more experts after
+    w13[E,2I,D], w2[E,D,I]: SwiGLU acts per intermediate unit and the down projection sums
+    over them, so slicing the intermediate dimension into experts of size I is exact."""
+    i = w13.shape[1] // 2
+    shared_i = s2.shape[1]
+    gate, up = s13[:shared_i], s13[shared_i:]
+    chunks = range(0, shared_i, i)
+    extra13 = torch.stack([torch.cat((gate[j:j + i], up[j:j + i])) for j in chunks])
+    extra2 = torch.stack([s2[:, j:j + i] for j in chunks])
+    return torch.cat((w13, extra13)).contiguous(), torch.cat((w2, extra2)).contiguous()
 
 
 def _expert_weight_type(types: list[TensorType], attrs: dict) -> list[TensorType]:
@@ -166,10 +197,11 @@ def _moe_decomp(x, router_logits, w13, w2, score_bias=None, *, top_k, renormaliz
 
     extra = [score_bias] if score_bias is not None else []
     weights = ops.moe_routing(router_logits, *extra, top_k=top_k, renormalize=renormalize, dtype=x.dtype, **routing)
-    out = None
+    out, routed = None, router_logits.shape[-1]
     for e in range(w13.shape[0]):
         h = ops.swiglu(ops.linear(x, ops.expert_weight(w13, index=e)))
-        y = ops.scale_by_column(ops.linear(h, ops.expert_weight(w2, index=e)), weights, index=e)
+        y = ops.linear(h, ops.expert_weight(w2, index=e))
+        y = ops.scale_by_column(y, weights, index=e) if e < routed else y  # shared experts: weight 1
         out = y if out is None else ops.add(out, y)
     return out
 

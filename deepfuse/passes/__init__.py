@@ -3,7 +3,7 @@ from ..errors import DeepfuseError
 from .cleanup import cse, dce, fold_constants
 from .fuse_add_rms_norm import fuse_add_rms_norm
 from .fuse_linears import fuse_sibling_linears
-from .fuse_moe import fuse_moe
+from .fuse_moe import fuse_moe, fuse_shared_experts
 from .fuse_norm_linear import fuse_norm_linear
 from .fuse_qkv_rope import fuse_qkv_rope
 from .fuse_swiglu import fuse_swiglu
@@ -34,7 +34,8 @@ def fusion_passes() -> list[Pass]:
     # fuse_moe first: it owns the router linear, which fuse_sibling_linears would otherwise
     # merge with a shared expert's gate/up projections (they read the same activation)
     return [fuse_moe, Pass("fuse_sibling_linears", fuse_sibling_linears), Pass("fold_constants", fold_constants),
-            fuse_swiglu, fuse_add_rms_norm, *_REGISTERED.values(), Pass("dce", dce)]
+            fuse_swiglu, fuse_shared_experts, Pass("fold_constants", fold_constants), fuse_add_rms_norm,
+            *_REGISTERED.values(), Pass("dce", dce)]
 
 
 def prologue_passes() -> list[Pass]:
@@ -64,6 +65,7 @@ __all__ = [
     "fuse_moe",
     "fuse_norm_linear",
     "fuse_qkv_rope",
+    "fuse_shared_experts",
     "fuse_swiglu_linear",
     "prologue_passes",
     "fuse_sibling_linears",

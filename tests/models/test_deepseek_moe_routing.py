@@ -79,7 +79,8 @@ def test_bad_routing_attrs_are_refused():
 
 def test_fusion_pipeline_keeps_the_router_out_of_the_shared_expert_merge(block):
     """The router and the shared expert's gate/up all read x: fuse_moe runs before
-    fuse_sibling_linears, so the router stays fused_moe's and gate/up still merge."""
+    fuse_sibling_linears, so the router stays fused_moe's; gate/up merge, become a swiglu,
+    and fuse_shared_experts folds the shared MLP into fused_moe as an always-on expert."""
     from deepfuse.passes import PassManager, cleanup_passes, fusion_passes
 
     cfg, m = block
@@ -94,7 +95,14 @@ def test_fusion_pipeline_keeps_the_router_out_of_the_shared_expert_merge(block):
 
     g, _ = PassManager(cleanup_passes() + fusion_passes()).run(trace(fn, Spec("x", "f32", ("T", 64)), weights=w))
     counts = g.op_counts()
-    assert counts["fused_moe"] == 1 and counts["swiglu"] == 1 and counts["linear"] == 2
+    assert counts == {"fused_moe": 1}, counts
+    node = g.nodes[0]
+    assert node.attrs["num_shared"] == 1 and node.inputs[2].type.shape[0] == cfg.n_routed_experts + 1
+    from deepfuse.codegen.cpu import CpuExecutor, build_plan
+
     x = torch.randn(5, 64)
     with torch.no_grad():
-        torch.testing.assert_close(interpret(g, {"x": x})[0], m(x[None])[0], atol=1e-5, rtol=1e-5)
+        want = m(x[None])[0]
+    torch.testing.assert_close(interpret(g, {"x": x})[0], want, atol=1e-5, rtol=1e-5)
+    cpu = CpuExecutor(build_plan(g), g.weights)  # the grouped GEMM with the shared expert as expert 16
+    torch.testing.assert_close(cpu({"x": x})[0], want, atol=1e-5, rtol=1e-5)

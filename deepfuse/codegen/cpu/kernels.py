@@ -112,7 +112,7 @@ def make_fused_moe(attrs: dict) -> Kernel:
         weights, ids = route(F.linear(x, w.router), top_k, renorm, score_bias, **routing)
         flat = ids.flatten()
         order = torch.argsort(flat, stable=True)
-        rows = order // top_k  # the token of each sorted (token, expert) pair
+        rows = order // ids.shape[1]  # the token of each sorted (token, expert) pair; shared experts included
         offs = torch.bincount(flat, minlength=w.w13t.shape[0]).cumsum(0).to(torch.int32)
         h = torch._grouped_mm(x.index_select(0, rows), w.w13t, offs=offs)
         gate, up = h.chunk(2, dim=-1)

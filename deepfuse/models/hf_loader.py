@@ -14,7 +14,7 @@ from .llama import LlamaConfig
 SUPPORTED = ("llama", "mistral", "qwen2", "qwen3_moe", "mixtral")
 
 
-def _moe_fields(cfg: dict) -> dict:
+def _family_fields(cfg: dict) -> dict:
     kind = cfg["model_type"]
     if kind == "qwen3_moe":
         step, only = cfg.get("decoder_sparse_step", 1), set(cfg.get("mlp_only_layers") or [])
@@ -36,7 +36,7 @@ def config_from_hf(cfg: dict) -> LlamaConfig:
         raise DeepfuseError(f"model_type {cfg.get('model_type')!r} is not supported yet (supported: {', '.join(SUPPORTED)})")
     heads = cfg["num_attention_heads"]
     rope = cfg.get("rope_parameters") or {}
-    return LlamaConfig(**_moe_fields(cfg),
+    return LlamaConfig(**_family_fields(cfg),
         vocab_size=cfg["vocab_size"], hidden_size=cfg["hidden_size"],
         intermediate_size=cfg["intermediate_size"], num_layers=cfg["num_hidden_layers"],
         num_heads=heads, num_kv_heads=cfg.get("num_key_value_heads") or heads,

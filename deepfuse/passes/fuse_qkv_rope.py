@@ -10,7 +10,6 @@ is a plain function over the graph. Runs after fuse_sibling_linears.
 from __future__ import annotations
 
 from ..ir import Graph, Node
-from .pattern import toposort
 
 
 def fuse_qkv_rope(g: Graph) -> Graph:
@@ -28,7 +27,6 @@ def fuse_qkv_rope(g: Graph) -> Graph:
         fused = Node("qkv_rope_cache", [split.inputs[0], rq.inputs[1], cache, slots], [q_r, k_r, v],
                      {"sizes": list(split.attrs["sizes"]), **rq.attrs})
         att.attrs = {**att.attrs, "write_kv": False}
-        drop = {id(rq), id(rk), id(split)}
-        g.nodes = [fused if n is split else n for n in g.nodes if id(n) not in drop or n is split]
-    toposort(g)
+        # the fused op takes the split's place: its inputs are defined before it, its users after
+        g.nodes = [fused if n is split else n for n in g.nodes if n is not rq and n is not rk]
     return g

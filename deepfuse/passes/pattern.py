@@ -31,11 +31,12 @@ from __future__ import annotations
 
 import heapq
 import inspect
+import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..ir import Graph, Node, Value
+from ..ir import OPS, Graph, Node, Value
 
 COMMUTATIVE = frozenset({"add", "mul"})
 MAX_REWRITES = 100_000
@@ -150,8 +151,6 @@ def _self_contained(rule: Rule, m: Match, users: dict[Value, list[Node]], output
 def toposort(g: Graph) -> None:
     """Orders g.nodes so every input is defined first, keeping the existing order wherever it
     can; side-effecting nodes (cache writes) keep their relative order."""
-    from ..ir import OPS
-
     order = {id(n): i for i, n in enumerate(g.nodes)}
     producers = g.producers()
     waiting: dict[int, int] = {}
@@ -159,7 +158,7 @@ def toposort(g: Graph) -> None:
     last_effect = None
     for n in g.nodes:
         deps = {id(producers[v]) for v in n.inputs if v in producers}
-        if OPS[n.op].side_effect:
+        if _side_effect(n):
             if last_effect is not None:
                 deps.add(id(last_effect))
             last_effect = n
@@ -182,8 +181,6 @@ def toposort(g: Graph) -> None:
 
 
 def _side_effect(n: Node) -> bool:
-    from ..ir import OPS
-
     return OPS[n.op].side_effect
 
 
@@ -235,31 +232,27 @@ def _apply(g: Graph, rule: Rule, m: Match, users: dict[Value, list[Node]], outpu
     return True
 
 
+def _rewrite_once(g: Graph, rules: Sequence[Rule]) -> Rule | None:
+    """Applies the first rule that matches anywhere (in graph order); returns it, or None."""
+    producers, users, outputs = g.producers(), g.users(), set(g.outputs)
+    for node in list(g.nodes):
+        for rule in rules:
+            if node.op != rule.pattern.op:
+                continue
+            m = match(rule.pattern, node, g, producers)
+            if (m is not None and _self_contained(rule, m, users, outputs) and (rule.when is None or rule.when(m))
+                    and _apply(g, rule, m, users, outputs)):
+                return rule
+    return None
+
+
 def rewrite(g: Graph, rules: Sequence[Rule]) -> dict[str, int]:
     """Applies rules until none matches; returns how often each fired."""
     fired = {r.name: 0 for r in rules}
-    total = 0
-    changed = True
-    while changed:
-        changed = False
-        producers, users, outputs = g.producers(), g.users(), set(g.outputs)
-        for node in list(g.nodes):
-            for rule in rules:
-                if node.op != rule.pattern.op:
-                    continue
-                m = match(rule.pattern, node, g, producers)
-                if m is None or not _self_contained(rule, m, users, outputs) or (rule.when and not rule.when(m)):
-                    continue
-                if not _apply(g, rule, m, users, outputs):
-                    continue
-                fired[rule.name] += 1
-                total += 1
-                if total > MAX_REWRITES:
-                    raise RuntimeError(f"rule {rule.name} keeps firing: a rewrite recreates its own pattern")
-                changed = True
-                break
-            if changed:
-                break
+    while (rule := _rewrite_once(g, rules)) is not None:
+        fired[rule.name] += 1
+        if sum(fired.values()) > MAX_REWRITES:
+            raise RuntimeError(f"rule {rule.name} keeps firing: a rewrite recreates its own pattern")
     g.drop_unused_params()
     return fired
 
@@ -279,5 +272,4 @@ def rule_pass(name: str, rules: Sequence[Rule]):
     """A Pass named `name` running `rules` to a fixed point. Its id hashes the calling module."""
     from .manager import Pass
 
-    caller = inspect.getmodule(inspect.stack()[1].frame)
-    return Pass(name, RuleSet(rules, caller))
+    return Pass(name, RuleSet(rules, inspect.getmodule(sys._getframe(1))))

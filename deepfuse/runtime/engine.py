@@ -28,7 +28,7 @@ from .kv_cache import CacheConfig, KVCache, KVCacheManager
 from .request import Request, RequestOutput, SamplingParams
 from .scheduler import Scheduler, SchedulerConfig
 
-__all__ = ["Engine", "EngineStats", "RequestOutput", "SamplingParams", "greedy"]
+__all__ = ["Engine", "EngineStats", "RequestOutput", "SamplingParams"]
 
 
 @dataclass
@@ -81,7 +81,7 @@ class Engine:
         if request_id in self.requests:
             raise DeepfuseError(f"request id {request_id!r} is already in use")
         seed = params.seed if params.seed is not None else random.getrandbits(62)
-        req = Request(request_id, len(self.requests), prompt, params, seed, time.perf_counter(), list(prompt))
+        req = Request(request_id, prompt, params, seed, time.perf_counter(), list(prompt))
         self.requests[request_id] = req
         self.scheduler.add(req)
         return request_id
@@ -179,17 +179,15 @@ class Engine:
                 index[self.add_request(prompt, p)] = i
             except DeepfuseError as e:
                 outputs[i] = RequestOutput("", list(prompt) if isinstance(prompt, list) else [], [], "", "error", e)
-        stream = (lambda rid, tok: on_token(index[rid], tok)) if on_token else None
+        def stream(rid: str, tok: int) -> None:
+            if on_token and rid in index:  # requests added elsewhere may run in these steps too
+                on_token(index[rid], tok)
+
         with tqdm(total=len(index), desc="requests", unit="req", disable=not use_tqdm, leave=False) as bar:
             while any(o is None for o in outputs):
-                for out in self.step(stream):
+                for out in self.step(stream if on_token else None):
                     if out.request_id in index:  # requests added elsewhere may finish here too
                         outputs[index[out.request_id]] = out
                         bar.update()
         return outputs  # type: ignore[return-value]
 
-
-def greedy(model: CompiledModel, prompt: list[int], max_tokens: int) -> list[int]:
-    """Greedy continuation of one prompt (ignores EOS): a convenience for tests and benchmarks."""
-    out = Engine(model).generate([prompt], [SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)])
-    return out[0].token_ids

@@ -80,7 +80,6 @@ class Request:
     have their KV in the cache."""
 
     request_id: str
-    index: int
     prompt: list[int]
     params: SamplingParams
     seed: int

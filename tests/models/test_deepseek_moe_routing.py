@@ -4,7 +4,7 @@ reference, the dense decomposition and the CPU grouped-GEMM kernel."""
 import pytest
 import torch
 
-from deepfuse.codegen.cpu.kernels import PACKED_FACTORIES, PREPACKED
+from deepfuse.codegen.cpu.kernels import PREPACKED
 from deepfuse.frontend import Spec, ops, trace
 from deepfuse.ir import OPS, interpret
 from deepfuse.passes import fuse_moe
@@ -62,7 +62,7 @@ def test_moe_block_matches_transformers_every_way(block):
     torch.testing.assert_close(interpret(dense, {"x": x})[0], want, atol=1e-5, rtol=1e-5)
     node = next(n for n in fused.nodes if n.op == "fused_moe")
     packed = PREPACKED["fused_moe"].pack(torch.float32, w["router"], w["w13"], w["w2"])
-    routed = PACKED_FACTORIES["fused_moe"](node.attrs)(x, packed, w["bias"])
+    routed = PREPACKED["fused_moe"].make(node.attrs)(x, packed, w["bias"])
     shared = torch.nn.functional.linear(OPS["swiglu"].reference(x @ w["shared_w13"].T), w["shared_w2"])
     torch.testing.assert_close(routed + shared, want, atol=1e-5, rtol=1e-5)
 

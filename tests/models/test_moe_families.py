@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import deepfuse
-from deepfuse.codegen.cpu.kernels import PACKED_FACTORIES, PREPACKED
+from deepfuse.codegen.cpu.kernels import PREPACKED
 from deepfuse.compiler import trace_model
 from deepfuse.ir import OPS, interpret
 from deepfuse.models import load_model
@@ -83,7 +83,7 @@ def test_cpu_grouped_gemm_kernel_matches_reference(tokens, dtype, tol):
     router, w13, w2 = torch.randn(e, d).to(dtype), (torch.randn(e, 2 * i, d) / 6).to(dtype), (torch.randn(e, d, i) / 5).to(dtype)
     attrs = {"top_k": 2, "renormalize": tokens != 3}
     packed = PREPACKED["fused_moe"].pack(dtype, router, w13, w2)
-    got = PACKED_FACTORIES["fused_moe"](attrs)(x, packed)  # with 1 token, 4 of 6 experts get none
+    got = PREPACKED["fused_moe"].make(attrs)(x, packed)  # with 1 token, 4 of 6 experts get none
     want = OPS["fused_moe"].reference(x, router, w13, w2, **attrs)
     torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
 

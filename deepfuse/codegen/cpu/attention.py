@@ -76,16 +76,17 @@ class StepLayout:
             starts.append(starts[-1] + n)
         self.prefills = [(s, starts[s], n, lens[s]) for s, n in enumerate(qlens) if n > 1]
         dec = [s for s, n in enumerate(qlens) if n == 1]
-        self.all_decode = len(dec) == len(qlens) == starts[-1]
         self.groups = decode_groups(dec, [starts[s] for s in dec], [lens[s] for s in dec], block_size, window)
         # a pure decode step whose one group is already in row order needs no gather or scatter of q
-        self.in_order = self.all_decode and len(self.groups) == 1 and self.groups[0].rows.tolist() == list(range(len(dec)))
+        self.in_order = (len(dec) == starts[-1] and len(self.groups) == 1
+                         and self.groups[0].rows.tolist() == list(range(len(dec))))
 
 
 @factory("attention")
 def _attention(attrs: dict) -> Kernel:
     h, hkv, hd = attrs["num_heads"], attrs["num_kv_heads"], attrs["head_dim"]
-    scale, window = attrs["scale"], attrs.get("window", 0)
+    scale, window, writes = attrs["scale"], attrs.get("window", 0), attrs.get("write_kv", True)
+
     def decode(q, cache, tables, g: DecodeGroup) -> torch.Tensor:
         """One group of one-token sequences in one SDPA call: q[G,H*hd] -> [G,H*hd]."""
         n = q.shape[0]
@@ -95,8 +96,6 @@ def _attention(attrs: dict) -> Kernel:
         o = F.scaled_dot_product_attention(q.view(n, h, 1, hd), keys, vals, attn_mask=g.mask, scale=scale,
                                            enable_gqa=h != hkv)
         return o.view(n, h * hd)
-
-    writes = attrs.get("write_kv", True)
 
     def attention(q, k, v, cache, slots, tables, seq_lens, query_lens):
         if writes:

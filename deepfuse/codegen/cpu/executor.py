@@ -10,7 +10,7 @@ import ctypes
 import torch
 
 from ...ir import DTYPES
-from .kernels import PACKED_FACTORIES, PREPACKED, can_prepack, make_kernel
+from .kernels import PREPACKED, can_prepack, make_kernel
 
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
 
@@ -53,7 +53,7 @@ class CpuExecutor:
                     packed[key] = len(self.base)
                     self.base.append(pre.pack(DTYPES[p["dtype"]], *[self.base[s] for s in key]))
                 ins = [packed[key] if i == pre.weights[0] else s for i, s in enumerate(ins) if i not in pre.weights[1:]]
-                kernel = pre.kernel or PACKED_FACTORIES[p["op"]](p["attrs"])
+                kernel = pre.make(p["attrs"])
             self.launches.append((kernel, ins, p["out"], p["free"]))
 
     @torch.inference_mode()

@@ -68,7 +68,7 @@ def packed_logits(x: torch.Tensor, packed: torch.Tensor, query_lens: torch.Tenso
 
 
 HALF = (torch.bfloat16, torch.float16)
-INT4_MAX_ROWS = 7  # int4 GEMM beats the dense bf16 one below 8 rows (benchmarks/decode.py notes)
+INT4_MAX_ROWS = 7  # measured over SmolLM2's 120 projections: int4 GEMM wins below 8 rows, ties at 8
 
 
 class Q4Weights:
@@ -126,14 +126,12 @@ def make_fused_moe(attrs: dict) -> Kernel:
 @dataclass(frozen=True)
 class Prepack:
     """Ops whose weight inputs (positions `weights`, params) are packed once at load into one
-    object that `kernel` takes in their place."""
+    object that the kernel `make(attrs)` returns takes in their place."""
 
     weights: tuple[int, ...]
     pack: Callable[..., Any]  # (dtype, *weight tensors) -> packed
-    kernel: Kernel | None
+    make: Callable[[dict], Kernel]
     dtypes: tuple[torch.dtype, ...]  # compute dtypes it pays off for
-
-
 
 
 @factory("embedding")
@@ -152,25 +150,25 @@ def _split(attrs: dict) -> Kernel:
     return lambda x: torch.split(x, sizes, dim=axis)  # views: consumers accept strided input
 
 
-@factory("swiglu")
-def _swiglu(attrs: dict) -> Kernel:
-    def swiglu(x: torch.Tensor) -> torch.Tensor:
-        gate, up = x.chunk(2, dim=-1)
-        return F.silu(gate).mul_(up)
-
-    return swiglu
-
-
 @factory("head_rms_norm")
 def _head_rms_norm(attrs: dict) -> Kernel:
     eps, hd = attrs["eps"], attrs["head_dim"]
     return lambda x, w: F.rms_norm(x.view(x.shape[0], -1, hd), (hd,), w, eps).view(x.shape)
 
 
+def rms_rows(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    return F.rms_norm(x, (x.shape[-1],), w, eps)  # accumulates in fp32 for bf16/f16
+
+
+def swiglu_rows(x: torch.Tensor) -> torch.Tensor:
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate).mul_(up)
+
+
 @factory("rms_norm")
 def _rms_norm(attrs: dict) -> Kernel:
     eps = attrs["eps"]
-    return lambda x, w: F.rms_norm(x, (x.shape[-1],), w, eps)  # accumulates in fp32 for bf16/f16
+    return lambda x, w: rms_rows(x, w, eps)
 
 
 @factory("add_rms_norm")
@@ -179,40 +177,36 @@ def _add_rms_norm(attrs: dict) -> Kernel:
 
     def add_rms_norm(x: torch.Tensor, res: torch.Tensor, w: torch.Tensor):
         s = torch.add(x, res)
-        return s, F.rms_norm(s, (s.shape[-1],), w, eps)
+        return s, rms_rows(s, w, eps)
 
     return add_rms_norm
 
 
-def rms_rows(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    return F.rms_norm(x, (x.shape[-1],), w, eps)
+@factory("swiglu")
+def _swiglu(attrs: dict) -> Kernel:
+    return swiglu_rows
 
 
-def _norm_linear_kernels(packed: bool):
-    lin = packed_linear if packed else F.linear
+def _norm_linear_kernels(lin: Kernel) -> dict[str, Callable[[dict], Kernel]]:
+    """rms_norm_linear / add_rms_norm_linear factories over a projection `lin` (dense or packed)."""
 
     def rms_norm_linear(attrs: dict) -> Kernel:
         eps = attrs["eps"]
         return lambda x, w, proj: lin(rms_rows(x, w, eps), proj)
 
     def add_rms_norm_linear(attrs: dict) -> Kernel:
-        eps = attrs["eps"]
+        add_norm = _add_rms_norm(attrs)
 
         def run(x, res, w, proj):
-            s = torch.add(x, res)
-            return s, lin(rms_rows(s, w, eps), proj)
+            s, normed = add_norm(x, res, w)
+            return s, lin(normed, proj)
 
         return run
 
     return {"rms_norm_linear": rms_norm_linear, "add_rms_norm_linear": add_rms_norm_linear}
 
 
-FACTORIES.update(_norm_linear_kernels(packed=False))
-
-
-def swiglu_rows(x: torch.Tensor) -> torch.Tensor:
-    gate, up = x.chunk(2, dim=-1)
-    return F.silu(gate).mul_(up)
+FACTORIES.update(_norm_linear_kernels(F.linear))
 
 
 @factory("swiglu_linear")
@@ -302,16 +296,16 @@ def _sample(attrs: dict) -> Kernel:
 
 from . import attention  # noqa: E402,F401  (registers the attention kernel)
 
+_DENSE = lambda dtype, w: prepack_linear_weight(w)
+_PACKED_NORM_LINEAR = _norm_linear_kernels(packed_linear)
 PREPACKED = {
     # f32 GEMV: MKL's unpacked sgemv reads weights faster than oneDNN's packed one (24 vs 16 GB/s
     # measured on this 2-core machine); bf16: the packed one wins (15 vs 11 GB/s)
-    "linear": Prepack((1,), lambda dtype, w: prepack_linear_weight(w), packed_linear, HALF),
-    "logits": Prepack((1,), lambda dtype, w: prepack_linear_weight(w), packed_logits, HALF),
-    "linear_q4": Prepack((1, 2, 3), Q4Weights, q4_linear, (torch.float32, *HALF)),
-    "fused_moe": Prepack((1, 2, 3), MoeWeights, None, (torch.float32, *HALF)),  # kernel: from PACKED_FACTORIES
-    "swiglu_linear": Prepack((1,), lambda dtype, w: prepack_linear_weight(w), packed_swiglu_linear, HALF),
-    "rms_norm_linear": Prepack((2,), lambda dtype, w: prepack_linear_weight(w), None, HALF),
-    "add_rms_norm_linear": Prepack((3,), lambda dtype, w: prepack_linear_weight(w), None, HALF),
+    "linear": Prepack((1,), _DENSE, lambda attrs: packed_linear, HALF),
+    "logits": Prepack((1,), _DENSE, lambda attrs: packed_logits, HALF),
+    "linear_q4": Prepack((1, 2, 3), Q4Weights, lambda attrs: q4_linear, (torch.float32, *HALF)),
+    "fused_moe": Prepack((1, 2, 3), MoeWeights, make_fused_moe, (torch.float32, *HALF)),
+    "swiglu_linear": Prepack((1,), _DENSE, lambda attrs: packed_swiglu_linear, HALF),
+    "rms_norm_linear": Prepack((2,), _DENSE, _PACKED_NORM_LINEAR["rms_norm_linear"], HALF),
+    "add_rms_norm_linear": Prepack((3,), _DENSE, _PACKED_NORM_LINEAR["add_rms_norm_linear"], HALF),
 }
-# packed kernels that depend on the node's attrs
-PACKED_FACTORIES = {"fused_moe": make_fused_moe, **_norm_linear_kernels(packed=True)}

@@ -62,16 +62,26 @@ def add_rms_norm(x: Any, res: Any, w: Any, *, eps: float) -> Any:
     return apply("add_rms_norm", x, res, w, eps=float(eps))
 
 
-def rms_norm_linear(x: Any, w: Any, proj: Any, *, eps: float) -> Any:
-    return apply("rms_norm_linear", x, w, proj, eps=float(eps))
+def _q4(group_size: int | None) -> dict[str, int]:
+    return {} if group_size is None else {"group_size": group_size}
 
 
-def add_rms_norm_linear(x: Any, res: Any, w: Any, proj: Any, *, eps: float) -> Any:
-    return apply("add_rms_norm_linear", x, res, w, proj, eps=float(eps))
+def rms_norm_linear(x: Any, w: Any, *proj: Any, eps: float, group_size: int | None = None) -> Any:
+    """proj: W[N,K], or (packed, scales, mins) of linear_q4 with its group_size."""
+    return apply("rms_norm_linear", x, w, *proj, eps=float(eps), **_q4(group_size))
 
 
-def swiglu_linear(x: Any, proj: Any) -> Any:
-    return apply("swiglu_linear", x, proj)
+def add_rms_norm_linear(x: Any, res: Any, w: Any, *proj: Any, eps: float, group_size: int | None = None) -> Any:
+    return apply("add_rms_norm_linear", x, res, w, *proj, eps=float(eps), **_q4(group_size))
+
+
+def swiglu_linear(x: Any, *proj: Any, group_size: int | None = None) -> Any:
+    return apply("swiglu_linear", x, *proj, **_q4(group_size))
+
+
+def linear_q4(x: Any, packed: Any, scales: Any, mins: Any, *, group_size: int) -> Any:
+    """x[T,K] @ dequantize_q4(packed[N,K/2], scales, mins)^T -> [T,N]."""
+    return apply("linear_q4", x, packed, scales, mins, group_size=group_size)
 
 
 def qkv_rope_cache(qkv: Any, positions: Any, kv_cache: Any, slot_mapping: Any, *, sizes: list[int], head_dim: int,
@@ -124,11 +134,21 @@ def rope(x: Any, positions: Any, *, head_dim: int, theta: float) -> Any:
 
 def attention(q: Any, k: Any, v: Any, kv_cache: Any, slot_mapping: Any, block_tables: Any,
               seq_lens: Any, query_lens: Any, *, num_heads: int, num_kv_heads: int,
-              head_dim: int, scale: float, window: int = 0) -> Any:
-    """Paged-KV causal GQA attention; writes k/v into kv_cache[2,N,BS,Hkv,hd] first."""
+              head_dim: int, scale: float, window: int = 0, write_kv: bool = True) -> Any:
+    """Paged-KV causal GQA attention; writes k/v into kv_cache[2,N,BS,Hkv,hd] first
+    (write_kv=False: an earlier op of the step wrote them)."""
     return apply("attention", q, k, v, kv_cache, slot_mapping, block_tables, seq_lens,
                  query_lens, num_heads=num_heads, num_kv_heads=num_kv_heads,
-                 head_dim=head_dim, scale=float(scale), window=window)
+                 head_dim=head_dim, scale=float(scale), window=window, **({} if write_kv else {"write_kv": False}))
+
+
+def qkv_attention(qkv: Any, positions: Any, kv_cache: Any, slot_mapping: Any, block_tables: Any, seq_lens: Any,
+                  query_lens: Any, *, sizes: list[int], head_dim: int, theta: float, num_heads: int,
+                  num_kv_heads: int, scale: float, window: int = 0) -> Any:
+    """attention over qkv_rope_cache's outputs, as one op: qkv[T,Q+K+V] -> [T,H*hd]."""
+    return apply("qkv_attention", qkv, positions, kv_cache, slot_mapping, block_tables, seq_lens, query_lens,
+                 sizes=list(sizes), head_dim=head_dim, theta=float(theta), num_heads=num_heads,
+                 num_kv_heads=num_kv_heads, scale=float(scale), window=window)
 
 
 def last_token(x: Any, query_lens: Any) -> Any:

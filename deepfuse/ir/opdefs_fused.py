@@ -1,12 +1,16 @@
 """Fused ops the fusion passes produce (a target implements them as one kernel each).
 
-    rms_norm_linear(x, w, W)             = linear(rms_norm(x, w), W)           norm as the GEMM's prologue
-    add_rms_norm_linear(x, r, w, W)      = (x + r, linear(rms_norm(x + r, w), W))
-    swiglu_linear(x, W)                  = linear(swiglu(x), W)                activation as the GEMM's prologue
+    rms_norm_linear(x, w, *W)            = linear(rms_norm(x, w), W)           norm as the GEMM's prologue
+    add_rms_norm_linear(x, r, w, *W)     = (x + r, linear(rms_norm(x + r, w), W))
+    swiglu_linear(x, *W)                 = linear(swiglu(x), W)                activation as the GEMM's prologue
     qkv_rope_cache(qkv, pos, cache, slots) -> (q, k, v): split, RoPE on q and k, and the paged
                                             KV-cache write; the attention that follows reads the
                                             cache with write_kv=False
-Each has a decomposition into the ops it replaced.
+    qkv_attention(qkv, pos, cache, slots, tables, lens, qlens) = attention(*qkv_rope_cache(...)):
+                                            the split, RoPE and cache write as the attention's
+                                            prologue (new keys come from qkv, older ones from the cache)
+`*W` is the projection: one dense weight W[N,K], or linear_q4's (packed, scales, mins) with
+the attr group_size. Each op has a decomposition into the ops it replaced.
 """
 from __future__ import annotations
 
@@ -14,73 +18,90 @@ import torch
 import torch.nn.functional as F
 
 from .opdefs_basic import swiglu
-from .opdefs_llm import rms_norm, rope, write_kv
-from .ops import decomposition, expect, register
+from .opdefs_llm import attention, rms_norm, rope, write_kv
+from .opdefs_quant import _linear_q4_type, linear_q4
+from .ops import OPS, decomposition, expect, register
 from .types import TensorType
 
 
-def _proj(x: TensorType, w: TensorType) -> TensorType:
+def _proj(x: TensorType, proj: list[TensorType], attrs: dict) -> TensorType:
+    """The type of linear(x, *proj): a dense weight, or (packed, scales, mins) with group_size."""
+    if len(proj) == 3 and "group_size" in attrs:
+        return _linear_q4_type([x, *proj], attrs)[0]
+    expect(len(proj) == 1 and "group_size" not in attrs, f"projection must be W or (packed, scales, mins), got {proj}")
+    w = proj[0]
     expect(w.rank == 2 and x.shape[-1] == w.shape[1] and x.dtype == w.dtype, f"projection {w} does not fit {x}")
     return x.with_shape(x.shape[0], w.shape[0])
 
 
+def project(x: torch.Tensor, proj: tuple, group_size: int | None) -> torch.Tensor:
+    """linear(x, W) or linear_q4(x, packed, scales, mins)."""
+    return F.linear(x, proj[0]) if group_size is None else linear_q4(x, *proj, group_size=group_size)
+
+
+def _project_decomp(x, proj: tuple, group_size: int | None):
+    from ..frontend import ops
+
+    return ops.linear(x, *proj) if group_size is None else ops.linear_q4(x, *proj, group_size=group_size)
+
+
 def _rms_norm_linear_type(types: list[TensorType], attrs: dict) -> list[TensorType]:
-    x, w, proj = types
+    x, w, *proj = types
     expect(w.shape == (x.shape[-1],), f"rms_norm_linear norm weight {w} does not fit {x}")
-    return [_proj(x, proj)]
+    return [_proj(x, proj, attrs)]
 
 
 @register("rms_norm_linear", _rms_norm_linear_type)
-def rms_norm_linear(x, w, proj, *, eps: float) -> torch.Tensor:
+def rms_norm_linear(x, w, *proj, eps: float, group_size: int | None = None) -> torch.Tensor:
     """linear(rms_norm(x[T,D], w[D]), proj[N,D]) -> [T,N]."""
-    return F.linear(rms_norm(x, w, eps=eps), proj)
+    return project(rms_norm(x, w, eps=eps), proj, group_size)
 
 
 @decomposition("rms_norm_linear")
-def _rms_norm_linear_decomp(x, w, proj, *, eps):
+def _rms_norm_linear_decomp(x, w, *proj, eps, group_size=None):
     from ..frontend import ops
 
-    return ops.linear(ops.rms_norm(x, w, eps=eps), proj)
+    return _project_decomp(ops.rms_norm(x, w, eps=eps), proj, group_size)
 
 
 def _add_rms_norm_linear_type(types: list[TensorType], attrs: dict) -> list[TensorType]:
-    x, res, w, proj = types
+    x, res, w, *proj = types
     expect(x == res and w.shape == (x.shape[-1],), f"add_rms_norm_linear operands {x}, {res}, {w} differ")
-    return [x, _proj(x, proj)]
+    return [x, _proj(x, proj, attrs)]
 
 
 @register("add_rms_norm_linear", _add_rms_norm_linear_type)
-def add_rms_norm_linear(x, res, w, proj, *, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+def add_rms_norm_linear(x, res, w, *proj, eps: float, group_size: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(s, linear(rms_norm(s, w), proj)) with s = x + res."""
     s = x + res
-    return s, F.linear(rms_norm(s, w, eps=eps), proj)
+    return s, project(rms_norm(s, w, eps=eps), proj, group_size)
 
 
 @decomposition("add_rms_norm_linear")
-def _add_rms_norm_linear_decomp(x, res, w, proj, *, eps):
+def _add_rms_norm_linear_decomp(x, res, w, *proj, eps, group_size=None):
     from ..frontend import ops
 
     s, normed = ops.add_rms_norm(x, res, w, eps=eps)
-    return s, ops.linear(normed, proj)
+    return s, _project_decomp(normed, proj, group_size)
 
 
 def _swiglu_linear_type(types: list[TensorType], attrs: dict) -> list[TensorType]:
-    x, proj = types
-    expect(isinstance(x.shape[-1], int) and x.shape[-1] == 2 * proj.shape[1], f"swiglu_linear: {proj} does not fit {x}")
-    return [x.with_shape(x.shape[0], proj.shape[0])]
+    x, *proj = types
+    expect(isinstance(x.shape[-1], int) and x.shape[-1] % 2 == 0, f"swiglu_linear: {x} is not [T, 2I]")
+    return [_proj(x.with_shape(x.shape[0], x.shape[-1] // 2), proj, attrs)]
 
 
 @register("swiglu_linear", _swiglu_linear_type)
-def swiglu_linear(x, proj) -> torch.Tensor:
+def swiglu_linear(x, *proj, group_size: int | None = None) -> torch.Tensor:
     """linear(swiglu(x[T,2I]), proj[N,I]) -> [T,N]."""
-    return F.linear(swiglu(x), proj)
+    return project(swiglu(x), proj, group_size)
 
 
 @decomposition("swiglu_linear")
-def _swiglu_linear_decomp(x, proj):
+def _swiglu_linear_decomp(x, *proj, group_size=None):
     from ..frontend import ops
 
-    return ops.linear(ops.swiglu(x), proj)
+    return _project_decomp(ops.swiglu(x), proj, group_size)
 
 
 def _qkv_rope_cache_type(types: list[TensorType], attrs: dict) -> list[TensorType]:
@@ -99,3 +120,32 @@ def qkv_rope_cache(qkv, positions, kv_cache, slot_mapping, *, sizes: list[int], 
     q, k = rope(q, positions, head_dim=head_dim, theta=theta), rope(k, positions, head_dim=head_dim, theta=theta)
     write_kv(kv_cache, k, v, slot_mapping)
     return q, k, v
+
+
+ATTENTION_ATTRS = ("num_heads", "num_kv_heads", "head_dim", "scale", "window")
+
+
+def _qkv_attention_type(types: list[TensorType], attrs: dict) -> list[TensorType]:
+    qkv, pos, cache, slots, tables, lens, qlens = types
+    q, k, v = _qkv_rope_cache_type([qkv, pos, cache, slots], attrs)
+    return OPS["attention"].infer([q, k, v, cache, slots, tables, lens, qlens], attrs)
+
+
+@register("qkv_attention", _qkv_attention_type, side_effect=True)
+def qkv_attention(qkv, positions, kv_cache, slot_mapping, block_tables, seq_lens, query_lens, *, sizes: list[int],
+                  head_dim: int, theta: float, num_heads: int, num_kv_heads: int, scale: float,
+                  window: int = 0) -> torch.Tensor:
+    """qkv[T,Q+K+V] -> [T,H*hd]: split, RoPE on q and k, the paged KV-cache write, then attention."""
+    q, k, v = qkv_rope_cache(qkv, positions, kv_cache, slot_mapping, sizes=sizes, head_dim=head_dim, theta=theta)
+    return attention(q, k, v, kv_cache, slot_mapping, block_tables, seq_lens, query_lens, num_heads=num_heads,
+                     num_kv_heads=num_kv_heads, head_dim=head_dim, scale=scale, window=window, write_kv=False)
+
+
+@decomposition("qkv_attention")
+def _qkv_attention_decomp(qkv, positions, kv_cache, slot_mapping, block_tables, seq_lens, query_lens, *, sizes,
+                          head_dim, theta, num_heads, num_kv_heads, scale, window=0):
+    from ..frontend import ops
+
+    q, k, v = ops.qkv_rope_cache(qkv, positions, kv_cache, slot_mapping, sizes=sizes, head_dim=head_dim, theta=theta)
+    return ops.attention(q, k, v, kv_cache, slot_mapping, block_tables, seq_lens, query_lens, num_heads=num_heads,
+                         num_kv_heads=num_kv_heads, head_dim=head_dim, scale=scale, window=window, write_kv=False)

@@ -5,6 +5,7 @@ from .fuse_add_rms_norm import fuse_add_rms_norm
 from .fuse_linears import fuse_sibling_linears
 from .fuse_moe import fuse_moe, fuse_shared_experts
 from .fuse_norm_linear import fuse_norm_linear
+from .fuse_qkv_attention import fuse_qkv_attention
 from .fuse_qkv_rope import fuse_qkv_rope
 from .fuse_swiglu import fuse_swiglu
 from .fuse_swiglu_linear import fuse_swiglu_linear
@@ -40,7 +41,8 @@ def fusion_passes() -> list[Pass]:
 
 def prologue_passes() -> list[Pass]:
     """Fusions into GEMM prologues and the cache write; after quantization (they match dense linears)."""
-    return [fuse_norm_linear, fuse_swiglu_linear, Pass("fuse_qkv_rope", fuse_qkv_rope), Pass("dce", dce)]
+    return [fuse_norm_linear, fuse_swiglu_linear, Pass("fuse_qkv_rope", fuse_qkv_rope), fuse_qkv_attention,
+            Pass("dce", dce)]
 
 
 def quant_passes(quant: str | None) -> list[Pass]:
@@ -64,6 +66,7 @@ __all__ = [
     "fuse_add_rms_norm",
     "fuse_moe",
     "fuse_norm_linear",
+    "fuse_qkv_attention",
     "fuse_qkv_rope",
     "fuse_shared_experts",
     "fuse_swiglu_linear",

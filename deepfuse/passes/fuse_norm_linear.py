@@ -5,7 +5,8 @@
 
 Fires only where the normalised activation has no other reader (after fuse_sibling_linears
 the q/k/v and gate/up projections are one linear each, so every pre-projection norm
-qualifies). Matches dense `linear` only: int4 projections keep their own kernel.
+qualifies). The projection may be dense (`linear`) or int4 (`linear_q4`: the fused op then
+takes packed, scales and mins and the group_size attr).
 """
 from __future__ import annotations
 
@@ -13,6 +14,12 @@ from ..frontend import ops
 from .pattern import Op, Rule, Var, rule_pass
 
 x, res, w, proj = Var("x"), Var("res"), Var("w"), Var("proj")
+packed, scales, mins = Var("packed"), Var("scales"), Var("mins")
+
+
+def q4(m) -> tuple[tuple, dict]:
+    """The projection operands and attrs of a matched linear_q4 (node `proj_out`)."""
+    return (m["packed"], m["scales"], m["mins"]), {"group_size": m.attrs("proj_out")["group_size"]}
 
 NORM_LINEAR = Rule(
     "rms_norm_linear",
@@ -33,4 +40,23 @@ ADD_NORM_LINEAR = Rule(
     replaces=("norm", "proj_out"),
 )
 
-fuse_norm_linear = rule_pass("fuse_norm_linear", [NORM_LINEAR, ADD_NORM_LINEAR])
+NORM_LINEAR_Q4 = Rule(
+    "rms_norm_linear_q4",
+    Op("linear_q4", Op("rms_norm", x, w, name="norm"), packed, scales, mins, name="proj_out"),
+    lambda m: ops.rms_norm_linear(m["x"], m["w"], *q4(m)[0], eps=m.attrs("norm")["eps"], **q4(m)[1]),
+)
+
+
+def _add_norm_linear_q4(m):
+    s, y = ops.add_rms_norm_linear(m["x"], m["res"], m["w"], *q4(m)[0], eps=m.attrs("norm")["eps"], **q4(m)[1])
+    return s, None, y
+
+
+ADD_NORM_LINEAR_Q4 = Rule(
+    "add_rms_norm_linear_q4",
+    Op("linear_q4", Op("add_rms_norm", x, res, w, name="norm", out=1), packed, scales, mins, name="proj_out"),
+    _add_norm_linear_q4,
+    replaces=("norm", "proj_out"),
+)
+
+fuse_norm_linear = rule_pass("fuse_norm_linear", [NORM_LINEAR, ADD_NORM_LINEAR, NORM_LINEAR_Q4, ADD_NORM_LINEAR_Q4])

@@ -1,7 +1,7 @@
 """SwiGLU + down projection: linear(swiglu(x), W) -> swiglu_linear(x, W).
 
 The activation becomes the down GEMM's prologue, so the [T, I] activation never goes to
-memory on a target that fuses it. Matches dense `linear` only.
+memory on a target that fuses it. The projection may be dense or int4 (linear_q4).
 """
 from __future__ import annotations
 
@@ -9,8 +9,12 @@ from ..frontend import ops
 from .pattern import Op, Rule, Var, rule_pass
 
 x, proj = Var("x"), Var("proj")
+packed, scales, mins = Var("packed"), Var("scales"), Var("mins")
 
 SWIGLU_LINEAR = Rule("swiglu_linear", Op("linear", Op("swiglu", x), proj),
                      lambda m: ops.swiglu_linear(m["x"], m["proj"]))
+SWIGLU_LINEAR_Q4 = Rule("swiglu_linear_q4", Op("linear_q4", Op("swiglu", x), packed, scales, mins, name="proj_out"),
+                        lambda m: ops.swiglu_linear(m["x"], m["packed"], m["scales"], m["mins"],
+                                                    group_size=m.attrs("proj_out")["group_size"]))
 
-fuse_swiglu_linear = rule_pass("fuse_swiglu_linear", [SWIGLU_LINEAR])
+fuse_swiglu_linear = rule_pass("fuse_swiglu_linear", [SWIGLU_LINEAR, SWIGLU_LINEAR_Q4])

@@ -10,7 +10,7 @@ import ctypes
 import torch
 
 from ...ir import DTYPES
-from .kernels import PREPACKED, can_prepack, make_kernel
+from .kernels import can_prepack, make_kernel, prepack_for
 
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
 
@@ -46,7 +46,7 @@ class CpuExecutor:
         for p in plan["launches"]:
             ins = list(p["in"])
             kernel = make_kernel(p["op"], p["attrs"])
-            pre = PREPACKED.get(p["op"]) if prepack and can_prepack() else None
+            pre = prepack_for(p["op"], p["attrs"]) if prepack and can_prepack() else None
             if pre is not None and DTYPES[p["dtype"]] in pre.dtypes and all(ins[i] in param_slots for i in pre.weights):
                 key = tuple(ins[i] for i in pre.weights)
                 if key not in packed:

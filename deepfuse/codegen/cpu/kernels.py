@@ -32,8 +32,9 @@ def factory(op: str) -> Callable:
 
 
 def make_kernel(op: str, attrs: dict) -> Kernel:
-    """The CPU kernel for `op`; ops without a specialised kernel run their reference."""
-    if op in FACTORIES:
+    """The CPU kernel for `op`; ops without a specialised kernel run their reference (so do
+    fused ops over an int4 projection that was not prepacked: see PREPACKED_Q4)."""
+    if op in FACTORIES and "group_size" not in attrs:
         return FACTORIES[op](attrs)
     ref = OPS[op].reference
     return lambda *xs: ref(*xs, **attrs)
@@ -274,6 +275,18 @@ def _qkv_rope_cache(attrs: dict) -> Kernel:
     return qkv_rope_cache
 
 
+@factory("qkv_attention")
+def _qkv_attention(attrs: dict) -> Kernel:
+    rope_cache = _qkv_rope_cache({k: attrs[k] for k in ("sizes", "head_dim", "theta")})
+    attend = FACTORIES["attention"]({**attrs, "write_kv": False})
+
+    def qkv_attention(qkv, pos, cache, slots, tables, seq_lens, query_lens):
+        q, k, v = rope_cache(qkv, pos, cache, slots)
+        return attend(q, k, v, cache, slots, tables, seq_lens, query_lens)
+
+    return qkv_attention
+
+
 @factory("logits")
 def _logits(attrs: dict) -> Kernel:
     def logits(x: torch.Tensor, w: torch.Tensor, query_lens: torch.Tensor) -> torch.Tensor:
@@ -298,14 +311,25 @@ from . import attention  # noqa: E402,F401  (registers the attention kernel)
 
 _DENSE = lambda dtype, w: prepack_linear_weight(w)
 _PACKED_NORM_LINEAR = _norm_linear_kernels(packed_linear)
+_Q4_NORM_LINEAR = _norm_linear_kernels(q4_linear)
+ALL = (torch.float32, *HALF)
 PREPACKED = {
     # f32 GEMV: MKL's unpacked sgemv reads weights faster than oneDNN's packed one (24 vs 16 GB/s
     # measured on this 2-core machine); bf16: the packed one wins (15 vs 11 GB/s)
     "linear": Prepack((1,), _DENSE, lambda attrs: packed_linear, HALF),
     "logits": Prepack((1,), _DENSE, lambda attrs: packed_logits, HALF),
-    "linear_q4": Prepack((1, 2, 3), Q4Weights, lambda attrs: q4_linear, (torch.float32, *HALF)),
-    "fused_moe": Prepack((1, 2, 3), MoeWeights, make_fused_moe, (torch.float32, *HALF)),
+    "fused_moe": Prepack((1, 2, 3), MoeWeights, make_fused_moe, ALL),
     "swiglu_linear": Prepack((1,), _DENSE, lambda attrs: packed_swiglu_linear, HALF),
     "rms_norm_linear": Prepack((2,), _DENSE, _PACKED_NORM_LINEAR["rms_norm_linear"], HALF),
     "add_rms_norm_linear": Prepack((3,), _DENSE, _PACKED_NORM_LINEAR["add_rms_norm_linear"], HALF),
 }
+PREPACKED_Q4 = {  # ops whose projection is int4 (attr group_size): packed for every dtype
+    "linear_q4": Prepack((1, 2, 3), Q4Weights, lambda attrs: q4_linear, ALL),
+    "swiglu_linear": Prepack((1, 2, 3), Q4Weights, lambda attrs: lambda x, w: q4_linear(swiglu_rows(x), w), ALL),
+    "rms_norm_linear": Prepack((2, 3, 4), Q4Weights, _Q4_NORM_LINEAR["rms_norm_linear"], ALL),
+    "add_rms_norm_linear": Prepack((3, 4, 5), Q4Weights, _Q4_NORM_LINEAR["add_rms_norm_linear"], ALL),
+}
+
+
+def prepack_for(op: str, attrs: dict) -> Prepack | None:
+    return (PREPACKED_Q4 if "group_size" in attrs else PREPACKED).get(op)

@@ -1,0 +1,37 @@
+"""RoPE + paged KV-cache write as the attention's prologue: qkv_rope_cache and the attention
+that reads its three outputs become one qkv_attention.
+
+    q, k, v = qkv_rope_cache(qkv, pos, cache, slots); attention(q, k, v, cache, slots, ..., write_kv=False)
+ -> qkv_attention(qkv, pos, cache, slots, ...)
+
+A kernel for it attends new keys straight from qkv (rotated on the fly) and older ones from
+the cache, and writes the new rows for the next step: no cache read-after-write within the
+step. Runs after fuse_qkv_rope.
+"""
+from __future__ import annotations
+
+from ..frontend import ops
+from .pattern import Op, Rule, Var, rule_pass
+
+qkv, pos, cache, slots, tables, lens, qlens = (Var(n) for n in ("qkv", "pos", "cache", "slots", "tables", "lens",
+                                                                 "qlens"))
+ROPE = Op("qkv_rope_cache", qkv, pos, cache, slots, name="rope")
+
+
+def _fuse(m):
+    a, r = m.attrs("att"), m.attrs("rope")
+    out = ops.qkv_attention(m["qkv"], m["pos"], m["cache"], m["slots"], m["tables"], m["lens"], m["qlens"],
+                            sizes=r["sizes"], head_dim=r["head_dim"], theta=r["theta"], num_heads=a["num_heads"],
+                            num_kv_heads=a["num_kv_heads"], scale=a["scale"], window=a.get("window", 0))
+    return None, None, None, out  # the cache-writing op's q, k, v are read by the attention alone
+
+
+QKV_ATTENTION = Rule(
+    "qkv_attention",
+    Op("attention", ROPE, Op("qkv_rope_cache", name="rope", out=1), Op("qkv_rope_cache", name="rope", out=2),
+       cache, slots, tables, lens, qlens, name="att", attrs={"write_kv": False}),
+    _fuse,
+    replaces=("rope", "att"),
+)
+
+fuse_qkv_attention = rule_pass("fuse_qkv_attention", [QKV_ATTENTION])

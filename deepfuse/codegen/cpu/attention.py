@@ -97,13 +97,16 @@ def _attention(attrs: dict) -> Kernel:
                                            enable_gqa=h != hkv)
         return o.view(n, h * hd)
 
-    def attention(q, k, v, cache, slots, tables, seq_lens, query_lens):
+    def attention(q, k, v, cache, slots, tables, seq_lens, query_lens, out: torch.Tensor | None = None):
+        """out: a planned buffer [T,H*hd] to write into (else one is allocated)."""
         if writes:
             write_kv(cache, k, v, slots)
         lay = _LAYOUTS.get(seq_lens, query_lens, cache.shape[2], window)
         if lay.in_order:
-            return decode(q, cache, tables, lay.groups[0])
-        out = torch.empty(q.shape, dtype=q.dtype)
+            o = decode(q, cache, tables, lay.groups[0])
+            return o if out is None else out.copy_(o)
+        if out is None:
+            out = torch.empty(q.shape, dtype=q.dtype)
         for g in lay.groups:
             out[g.rows] = decode(q[g.rows], cache, tables[g.seqs], g)
         for s, a, n, length in lay.prefills:

@@ -11,6 +11,7 @@ import torch
 
 from ...ir import DTYPES
 from .kernels import can_prepack, make_kernel, prepack_for
+from .out_kernels import OUT_FACTORIES
 
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
 
@@ -28,15 +29,59 @@ def keep_freed_memory() -> bool:
 ALLOCATOR_TUNED = keep_freed_memory()
 
 
+class StepBuffers:
+    """The memory plan's buffers, grown (never shrunk) to the largest step seen, and each
+    launch's output views for the last step size (decode steps repeat it)."""
+
+    def __init__(self, plan: dict):
+        self.specs = plan.get("buffers", [])
+        self.symbols = plan.get("symbols", {})
+        self.storage = [torch.empty(0, dtype=DTYPES[b["dtype"]]) for b in self.specs]
+        self.key: tuple | None = None
+        self.views: list[list[torch.Tensor] | None] = []
+
+    def sizes(self, inputs: dict[str, torch.Tensor]) -> dict[str, int]:
+        return {sym: inputs[name].shape[axis] for sym, (name, axis) in self.symbols.items()}
+
+    def views_for(self, inputs: dict[str, torch.Tensor], launches: list[dict]) -> list[list[torch.Tensor] | None]:
+        sizes = self.sizes(inputs)
+        key = tuple(sorted(sizes.items()))
+        if key == self.key:
+            return self.views
+        for i, b in enumerate(self.specs):
+            need = (sizes[b["dim"]] if b["dim"] else 1) * b["row"]
+            if self.storage[i].numel() < need:
+                self.storage[i] = torch.empty(need, dtype=self.storage[i].dtype)
+        self.views = []
+        for p in launches:
+            if p is None:
+                self.views.append(None)
+                continue
+            outs = []
+            for buf, shape in zip(p["out_buf"], p["out_shape"]):
+                dims = [sizes[d] if isinstance(d, str) else d for d in shape]
+                numel = 1
+                for d in dims:
+                    numel *= d
+                outs.append(self.storage[buf][:numel].view(dims))
+            self.views.append(outs)
+        self.key = key
+        return self.views
+
+
 class CpuExecutor:
     """plan: see plan.py; weights: the final graph's params by name. prepack: pack
     projection weights once at load (oneDNN's blocked layout: about 2x faster GEMV;
-    int4 weights: torch's int4 layout plus a dense copy, see kernels.Q4Weights)."""
+    int4 weights: torch's int4 layout plus a dense copy, see kernels.Q4Weights).
+    use_buffers: launches whose op has an out-kernel (out_kernels.py) and whose outputs all
+    have a planned buffer write into the step buffers instead of allocating."""
 
-    def __init__(self, plan: dict, weights: dict[str, torch.Tensor], prepack: bool = True):
+    def __init__(self, plan: dict, weights: dict[str, torch.Tensor], prepack: bool = True, use_buffers: bool = True):
         self.num_slots = plan["num_slots"]
         self.inputs = plan["inputs"]
         self.outputs = plan["outputs"]
+        self.buffers = StepBuffers(plan)
+        self.planned: list[dict | None] = []  # per launch: its plan entry if it writes into buffers
         self.base: list = [None] * self.num_slots
         for name, s in plan["params"].items():
             self.base[s] = weights[name]
@@ -54,6 +99,13 @@ class CpuExecutor:
                     self.base.append(pre.pack(DTYPES[p["dtype"]], *[self.base[s] for s in key]))
                 ins = [packed[key] if i == pre.weights[0] else s for i, s in enumerate(ins) if i not in pre.weights[1:]]
                 kernel = pre.make(p["attrs"])
+            elif use_buffers and p["op"] in OUT_FACTORIES and "group_size" not in p["attrs"] \
+                    and -1 not in p.get("out_buf", [-1]):
+                kernel = OUT_FACTORIES[p["op"]](p["attrs"])
+                self.planned.append(p)
+                self.launches.append((kernel, ins, p["out"], p["free"]))
+                continue
+            self.planned.append(None)
             self.launches.append((kernel, ins, p["out"], p["free"]))
 
     @torch.inference_mode()
@@ -61,8 +113,13 @@ class CpuExecutor:
         env = list(self.base)
         for name, s in self.inputs.items():
             env[s] = inputs[name]
-        for kernel, ins, outs, frees in self.launches:
-            res = kernel(*[env[i] for i in ins])
+        views = self.buffers.views_for(inputs, self.planned)
+        for (kernel, ins, outs, frees), out in zip(self.launches, views):
+            if out is not None:
+                kernel(*[env[i] for i in ins], out=out)
+                res = out[0] if len(outs) == 1 else out
+            else:
+                res = kernel(*[env[i] for i in ins])
             if len(outs) == 1:
                 env[outs[0]] = res
             else:

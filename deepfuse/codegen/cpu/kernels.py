@@ -280,9 +280,9 @@ def _qkv_attention(attrs: dict) -> Kernel:
     rope_cache = _qkv_rope_cache({k: attrs[k] for k in ("sizes", "head_dim", "theta")})
     attend = FACTORIES["attention"]({**attrs, "write_kv": False})
 
-    def qkv_attention(qkv, pos, cache, slots, tables, seq_lens, query_lens):
+    def qkv_attention(qkv, pos, cache, slots, tables, seq_lens, query_lens, out=None):
         q, k, v = rope_cache(qkv, pos, cache, slots)
-        return attend(q, k, v, cache, slots, tables, seq_lens, query_lens)
+        return attend(q, k, v, cache, slots, tables, seq_lens, query_lens, out=out)
 
     return qkv_attention
 

@@ -1,0 +1,77 @@
+"""CPU kernels that write into planned buffers (passes/plan_memory.py): kernel(*inputs, out=[views]).
+
+Only ops whose torch kernels take `out=` have one (dense, not prepacked, projections: MKL's
+GEMM writes in place; the oneDNN-packed and int4 GEMMs allocate their result, so a prepacked
+launch keeps its allocating kernel). Each computes what its kernels.py twin computes.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from .kernels import FACTORIES, Kernel, rms_rows, swiglu_rows
+
+OUT_FACTORIES: dict[str, Callable[[dict], Kernel]] = {}
+
+
+def out_factory(op: str) -> Callable:
+    def wrap(fn: Callable[[dict], Kernel]) -> Callable[[dict], Kernel]:
+        OUT_FACTORIES[op] = fn
+        return fn
+
+    return wrap
+
+
+def mm_into(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> None:
+    """out[T,N] = x[T,K] @ w[N,K]^T."""
+    torch.mm(x, w.t(), out=out)
+
+
+@out_factory("embedding")
+def _embedding(attrs: dict) -> Kernel:
+    return lambda table, ids, out: torch.index_select(table, 0, ids, out=out[0])
+
+
+@out_factory("add")
+def _add(attrs: dict) -> Kernel:
+    return lambda a, b, out: torch.add(a, b, out=out[0])
+
+
+@out_factory("linear")
+def _linear(attrs: dict) -> Kernel:
+    return lambda x, w, out: mm_into(x, w, out[0])
+
+
+@out_factory("rms_norm_linear")
+def _rms_norm_linear(attrs: dict) -> Kernel:
+    eps = attrs["eps"]
+    return lambda x, w, proj, out: mm_into(rms_rows(x, w, eps), proj, out[0])
+
+
+@out_factory("add_rms_norm_linear")
+def _add_rms_norm_linear(attrs: dict) -> Kernel:
+    eps = attrs["eps"]
+
+    def run(x, res, w, proj, out):
+        s = torch.add(x, res, out=out[0])
+        mm_into(rms_rows(s, w, eps), proj, out[1])
+
+    return run
+
+
+@out_factory("swiglu_linear")
+def _swiglu_linear(attrs: dict) -> Kernel:
+    return lambda x, proj, out: mm_into(swiglu_rows(x), proj, out[0])
+
+
+def _attending(op: str) -> Callable[[dict], Kernel]:
+    def make(attrs: dict) -> Kernel:
+        kernel = FACTORIES[op](attrs)
+        return lambda *ins, out: kernel(*ins, out=out[0])
+
+    return make
+
+
+OUT_FACTORIES["attention"] = _attending("attention")
+OUT_FACTORIES["qkv_attention"] = _attending("qkv_attention")

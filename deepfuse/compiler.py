@@ -36,7 +36,8 @@ def compile(model: str | Llama, target: str = "cpu", dtype: str = "f32", fuse: b
         graph, reports = PassManager(pipeline).run(graph, dump_dir)
         bar.update()
         plan = tgt.build(graph)
+        files = tgt.binaries(plan)
         bar.update()
     passes = [vars(r) for r in reports]
     return CompiledModel(graph, plan, target, dtype, model.config, tokenizer, tgt.runner(plan, graph.weights), passes,
-                         quant)
+                         quant, files)

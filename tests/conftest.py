@@ -1,11 +1,17 @@
 """Shared fixtures: a tiny random Llama (saved as a HF checkpoint) and the real SmolLM2."""
 from __future__ import annotations
 
-import pytest
-import torch
+import os
 
-import deepfuse
-from deepfuse.models import load_model
+# Triton reads this once, at import: its kernels run in the CPU interpreter in this test process
+# (Triton's own debug switch; AOT compiles run in child processes without it)
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+import deepfuse  # noqa: E402
+from deepfuse.models import load_model  # noqa: E402
 
 
 def tiny_hf_config(**over):

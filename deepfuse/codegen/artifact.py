@@ -4,6 +4,7 @@ Directory layout:
     manifest.json        format/deepfuse version, target, dtype, quant, model config, pass ids, sha256 of every file
     graph.ir             the final IR as text
     plan.json            the target's launch plan
+    kernels/             compiled targets' kernels: source, PTX, cubin, launch metadata (sm90/sm100)
     weights.safetensors  params of the final graph
     tokenizer.json, tokenizer_config.json
 Data only: no pickle, no code.
@@ -45,6 +46,7 @@ class CompiledModel:
     runner: Runner
     passes: list[dict] = field(default_factory=list)  # [{name, id, seconds, nodes_before, nodes_after}]
     quant: str | None = None
+    files: dict[str, bytes] = field(default_factory=dict)  # target binaries, relative path -> bytes
 
     def __call__(self, inputs: dict) -> list:
         return self.runner(inputs)
@@ -61,6 +63,11 @@ class CompiledModel:
         save_file(weights, os.path.join(directory, "weights.safetensors"))
         if self.tokenizer is not None:
             files += self.tokenizer.save(directory)
+        for name, data in sorted(self.files.items()):
+            os.makedirs(os.path.dirname(os.path.join(directory, name)), exist_ok=True)
+            with open(os.path.join(directory, name), "wb") as f:
+                f.write(data)
+            files.append(name)
         manifest = {
             "format_version": FORMAT_VERSION,
             "deepfuse_version": __version__,

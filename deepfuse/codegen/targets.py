@@ -25,6 +25,7 @@ class Target:
     kernels: frozenset[str]
     build: Callable[[Graph], dict]  # final graph -> launch plan (JSON-able)
     runner: Callable[[dict, dict[str, torch.Tensor]], Runner]  # (plan, weights) -> step function
+    binaries: Callable[[dict], dict[str, bytes]] = lambda plan: {}  # plan -> artifact files (kernels/...)
 
     def pipeline(self, fuse: bool = True, quant: str | None = None) -> list[Pass]:
         passes = cleanup_passes() + (fusion_passes() if fuse else []) + quant_passes(quant)
@@ -39,7 +40,20 @@ def _cpu() -> Target:
     return Target("cpu", "this machine's CPU, torch kernels", frozenset(OPS), build_plan, CpuExecutor)
 
 
-TARGETS: dict[str, Callable[[], Target]] = {"cpu": _cpu}
+def _triton(arch: str) -> Callable[[], Target]:
+    def make() -> Target:
+        from ..ir import OPS
+        from .triton import ARCH_DESCRIPTIONS, build_plan, compile_binaries
+        from .triton.runner import TritonRunner
+
+        # every op is allowed: those without an emitter run their torch reference on the device
+        return Target(arch, ARCH_DESCRIPTIONS[arch], frozenset(OPS), lambda g: build_plan(g, arch), TritonRunner,
+                      compile_binaries)
+
+    return make
+
+
+TARGETS: dict[str, Callable[[], Target]] = {"cpu": _cpu, "sm90": _triton("sm90"), "sm100": _triton("sm100")}
 
 
 def get_target(name: str) -> Target:

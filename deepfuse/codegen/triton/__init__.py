@@ -1,0 +1,54 @@
+"""The Triton targets, sm90 (Hopper) and sm100 (Blackwell): fused graph -> emitted kernels ->
+PTX and cubins compiled here, on a machine with no GPU (see aot.py).
+
+The plan is the CPU plan's slot layout plus, per launch, the kernel specs emit.py made for
+its node (none: the op's torch reference runs on the device) and the dtypes and symbolic
+shapes the runner needs to allocate outputs and scratch.
+"""
+from __future__ import annotations
+
+import hashlib
+
+from ...ir import Graph
+from ..cpu.plan import build_plan as slot_plan
+from .emit import EMITTERS, emittable
+
+ARCH_DESCRIPTIONS = {"sm90": "NVIDIA Hopper (sm_90a), Triton kernels", "sm100": "NVIDIA Blackwell (sm_100a), Triton kernels"}
+
+
+def build_plan(g: Graph, arch: str) -> dict:
+    """arch: "sm90", "sm100", or "interpret" (small tiles, for Triton's CPU interpreter)."""
+    plan = slot_plan(g)
+    plan["arch"] = arch
+    counter = 0
+    for n, p in zip(g.nodes, plan["launches"]):
+        p["in_shape"] = [list(v.type.shape) for v in n.inputs]
+        p["out_dtype"] = [v.type.dtype for v in n.outputs]
+        p["node"] = f"%{counter} ({n.op})"
+        counter += len(n.outputs)
+        if not emittable(n):
+            continue
+        # a kernel is named by its op and a hash of its source, so the layers' identical
+        # kernels are one kernel (one compile, one cubin)
+        draft = EMITTERS[n.op](n, "KERNEL", arch)
+        digest = hashlib.sha256("".join(k["source"] for k in draft).encode()).hexdigest()[:10]
+        p["kernels"] = EMITTERS[n.op](n, f"{n.op}_{digest}", arch)
+        if n.op == "qkv_attention":
+            p["tmps"] = [{"shape": [n.inputs[0].type.shape[0], n.attrs["sizes"][0]], "dtype": n.inputs[0].type.dtype}]
+    return plan
+
+
+def compile_binaries(plan: dict) -> dict[str, bytes]:
+    """kernels/<name>.{py,ptx,cubin,json} for every emitted kernel of the plan."""
+    from .aot import compile_all
+
+    specs: dict[str, tuple[dict, str]] = {}
+    for p in plan["launches"]:
+        for spec in p.get("kernels", []):
+            specs.setdefault(spec["name"], (spec, p["node"]))
+    files = compile_all(list(specs.values()), plan["arch"])
+    return {f"kernels/{name}": data for name, data in sorted(files.items())}
+
+
+
+__all__ = ["ARCH_DESCRIPTIONS", "build_plan", "compile_binaries"]

@@ -1,0 +1,177 @@
+"""Triton emitters: IR node + tile table -> kernel specs (source, signature, grid, arguments).
+
+A spec is data (JSON): the runner binds its `args` to the launch's tensors and the AOT step
+compiles its `source` for sm90/sm100. Argument forms:
+    ["in", i] / ["out", j] / ["tmp", j]    a node input / output / per-launch scratch tensor
+    ["shape", i, axis] / ["stride", i, axis] / ["half_numel", i]   ints read off input i
+Grid entries: an int, an argument form above, or ["cdiv", form, block].
+`requires`: [input, axis, n, what]: the kernel was built for input.shape[axis] == n (or <= n
+for "at most"); the runner refuses a step that breaks it, naming `what`.
+Ops without an emitter run their torch reference on the device (the plan says which).
+"""
+from __future__ import annotations
+
+import math
+from string import Template
+
+from ...ir import Node
+from . import templates as T
+from .tiles import tiles_for
+
+PTR = {"f32": "*fp32", "bf16": "*bf16", "f16": "*fp16", "i32": "*i32", "i64": "*i64", "u8": "*u8"}
+SMAX = 256  # most sequences a step may hold (logits, attention read query_lens whole)
+
+
+def pow2(n: int) -> int:
+    return 1 << max(0, math.ceil(math.log2(max(n, 1))))
+
+
+def _source(name: str, body: str, **subs) -> str:
+    return T.HEADER + Template(Template(body).safe_substitute(NAME=name, **subs)).safe_substitute(**subs)
+
+
+def _spec(name, source, params: list[tuple[str, str, list]], consts: dict, grid: list, tiles: dict) -> dict:
+    """params: (arg name, signature type, argument form) in kernel order."""
+    return {"name": name, "source": source, "signature": {p: t for p, t, _ in params} | {c: "constexpr" for c in consts},
+            "args": [form for _, _, form in params], "constexprs": consts, "grid": grid,
+            "num_warps": tiles.get("num_warps", 4), "num_stages": tiles.get("num_stages", 2)}
+
+
+def _ptr(node: Node, kind: str, i: int) -> str:
+    v = node.inputs[i] if kind == "in" else node.outputs[i]
+    return PTR[v.type.dtype]
+
+
+def emit_embedding(node: Node, name: str, arch: str) -> list[dict]:
+    d = node.inputs[0].type.shape[1]
+    tiles = tiles_for(arch, "row", node)
+    params = [("table_ptr", _ptr(node, "in", 0), ["in", 0]), ("ids_ptr", _ptr(node, "in", 1), ["in", 1]),
+              ("y_ptr", _ptr(node, "out", 0), ["out", 0])]
+    return [_spec(name, _source(name, T.EMBEDDING, D=d), params, {"BD": pow2(d)}, [["shape", 1, 0], 1, 1], tiles)]
+
+
+def emit_rms_norm(node: Node, name: str, arch: str) -> list[dict]:
+    x = node.inputs[0].type
+    d, eps = x.shape[1], node.attrs["eps"]
+    tiles = tiles_for(arch, "row", node)
+    load = "tl.load($X + row * $D + d, mask=ok, other=0.0)"
+    if node.op == "add_rms_norm":
+        params = [("x_ptr", PTR[x.dtype], ["in", 0]), ("res_ptr", PTR[x.dtype], ["in", 1]),
+                  ("w_ptr", _ptr(node, "in", 2), ["in", 2]), ("s_ptr", PTR[x.dtype], ["out", 0]),
+                  ("y_ptr", PTR[x.dtype], ["out", 1])]
+        total = Template(load).safe_substitute(X="x_ptr") + " + " + Template(load).safe_substitute(X="res_ptr")
+        store = "    tl.store(s_ptr + row * $D + d, xv, mask=ok)\n"
+    else:
+        params = [("x_ptr", PTR[x.dtype], ["in", 0]), ("w_ptr", _ptr(node, "in", 1), ["in", 1]),
+                  ("y_ptr", PTR[x.dtype], ["out", 0])]
+        total, store = Template(load).safe_substitute(X="x_ptr"), ""
+    sig = ", ".join(p for p, _, _ in params[:-1])
+    src = _source(name, T.RMS_NORM, PARAMS=sig, SUM=total, STORE_SUM=store, D=d, EPS=repr(float(eps)))
+    return [_spec(name, src, params, {"BD": pow2(d)}, [["shape", 0, 0], 1, 1], tiles)]
+
+
+def emit_gemm(node: Node, name: str, arch: str) -> list[dict]:
+    """linear, logits, rms_norm_linear, add_rms_norm_linear, swiglu_linear (dense weights)."""
+    op, ins = node.op, node.inputs
+    x = ins[0].type
+    w = ins[{"linear": 1, "logits": 1, "rms_norm_linear": 2, "add_rms_norm_linear": 3, "swiglu_linear": 1}[op]]
+    n, k = w.type.shape
+    xw = x.shape[1]
+    tiles = tiles_for(arch, "gemm", node)
+    consts = {k_: tiles[k_] for k_ in ("BM", "BN", "BK")}
+    params = [("x_ptr", PTR[x.dtype], ["in", 0])]
+    rows, pre, load, m = T.ROWS_PLAIN, "", T.LOAD_PLAIN, ["shape", 0, 0]
+    requires = []
+    if op == "logits":
+        requires = [[2, 0, SMAX, "sequences per step (at most)"]]
+        params += [("w_ptr", PTR[w.type.dtype], ["in", 1]), ("qlens_ptr", _ptr(node, "in", 2), ["in", 2])]
+        rows, m = T.ROWS_LAST, ["shape", 2, 0]
+        consts["SMAX"] = SMAX
+    elif op in ("rms_norm_linear", "add_rms_norm_linear"):
+        add = op == "add_rms_norm_linear"
+        if add:
+            params.append(("res_ptr", PTR[x.dtype], ["in", 1]))
+        params += [("nw_ptr", _ptr(node, "in", 1 + add), ["in", 1 + add]), ("w_ptr", PTR[w.type.dtype], ["in", 2 + add])]
+        if add:
+            params.append(("s_ptr", PTR[x.dtype], ["out", 0]))
+        total = T.X_TILE + (" + " + T.R_TILE if add else "")
+        pre = Template(T.NORM_PRE).safe_substitute(SUM=total, STORE_SUM=T.STORE_SUM if add else "",
+                                                   EPS=repr(float(node.attrs["eps"])))
+        load = Template(T.LOAD_NORM).safe_substitute(SUM=total)
+    else:
+        params.append(("w_ptr", PTR[w.type.dtype], ["in", 1]))
+        if op == "swiglu_linear":
+            load = T.LOAD_SWIGLU
+    sig = ", ".join(p for p, _, _ in params)
+    src = _source(name, T.GEMM, PARAMS=sig, ROWS=rows, PRE=pre, LOAD_A=load, K=k, N=n, XW=xw,
+                  EXTRA=", SMAX: tl.constexpr" if "SMAX" in consts else "")
+    out = len(node.outputs) - 1
+    params.append(("y_ptr", _ptr(node, "out", out), ["out", out]))
+    params.append(("M", "i32", m))
+    grid = [["cdiv", m, consts["BM"]], ["cdiv", ["const", n], consts["BN"]], 1]
+    spec = _spec(name, src, params, consts, grid, tiles)
+    spec["requires"] = requires
+    return [spec]
+
+
+def emit_qkv_attention(node: Node, name: str, arch: str) -> list[dict]:
+    """Two kernels: split + RoPE + cache write into a scratch q, then paged attention."""
+    a = node.attrs
+    h, hkv, hd = a["num_heads"], a["num_kv_heads"], a["head_dim"]
+    qkv, pos, cache, slots, tables, lens, qlens = (v.type for v in node.inputs)
+    # the cache's block size is a step dim (BS); the kernel's tiles need it fixed at compile time
+    bs = cache.shape[2] if isinstance(cache.shape[2], int) else tiles_for(arch, "attention", node)["block_size"]
+    qw, kw = a["sizes"][0], a["sizes"][1]
+    rope_tiles = tiles_for(arch, "row", node)
+    rope = _source(name + "_rope", T.ROPE_CACHE, HALF=hd // 2, HD=hd, LOG2_THETA=repr(math.log2(a["theta"])), W=qkv.shape[1],
+                   H=h, HKV=hkv, QW=qw, KW=kw)
+    rope_params = [("qkv_ptr", PTR[qkv.dtype], ["in", 0]), ("pos_ptr", PTR[pos.dtype], ["in", 1]),
+                   ("cache_ptr", PTR[cache.dtype], ["in", 2]), ("slots_ptr", PTR[slots.dtype], ["in", 3]),
+                   ("q_ptr", PTR[qkv.dtype], ["tmp", 0]), ("v_off", "i64", ["half_numel", 2])]
+    g = h // hkv
+    att_tiles = tiles_for(arch, "attention", node)
+    gp = pow2(g)
+    bq = max(1, att_tiles["rows"] // gp)
+    att = _source(name, T.PAGED_ATTENTION, G=g, HD=hd, QW=qw, HKV=hkv, BS=bs, SCALE=repr(float(a["scale"])),
+                  WINDOW=a.get("window", 0))
+    att_params = [("q_ptr", PTR[qkv.dtype], ["tmp", 0]), ("cache_ptr", PTR[cache.dtype], ["in", 2]),
+                  ("tables_ptr", PTR[tables.dtype], ["in", 4]), ("lens_ptr", PTR[lens.dtype], ["in", 5]),
+                  ("qlens_ptr", PTR[qlens.dtype], ["in", 6]), ("out_ptr", _ptr(node, "out", 0), ["out", 0]),
+                  ("S", "i32", ["shape", 6, 0]), ("table_stride", "i32", ["stride", 4, 0]),
+                  ("v_off", "i64", ["half_numel", 2])]
+    att_spec = _spec(name, att, att_params, {"BQ": bq, "GP": gp, "SMAX": SMAX},
+                     [["shape", 6, 0], hkv, ["cdiv", ["shape", 0, 0], bq]], att_tiles)
+    att_spec["requires"] = [[2, 2, bs, "KV-cache block size"], [6, 0, SMAX, "sequences per step (at most)"]]
+    return [_spec(name + "_rope", rope, rope_params, {}, [["shape", 0, 0], 1, 1], rope_tiles), att_spec]
+
+
+def emit_sample(node: Node, name: str, arch: str) -> list[dict]:
+    """Greedy rows only: the runner uses this kernel when no row samples (temperature 0)."""
+    v = node.inputs[0].type.shape[1]
+    tiles = tiles_for(arch, "row", node)
+    params = [("logits_ptr", "*fp32", ["in", 0]), ("y_ptr", "*i64", ["out", 0])]
+    return [_spec(name, _source(name, T.ARGMAX, V=v), params, {"BV": 1024}, [["shape", 0, 0], 1, 1], tiles)]
+
+
+EMITTERS = {
+    "embedding": emit_embedding,
+    "rms_norm": emit_rms_norm,
+    "add_rms_norm": emit_rms_norm,
+    "linear": emit_gemm,
+    "logits": emit_gemm,
+    "rms_norm_linear": emit_gemm,
+    "add_rms_norm_linear": emit_gemm,
+    "swiglu_linear": emit_gemm,
+    "qkv_attention": emit_qkv_attention,
+    "sample": emit_sample,
+}
+
+
+def emittable(node: Node) -> bool:
+    """Int4 projections (group_size) and shapes the templates do not cover go to the reference."""
+    if node.op not in EMITTERS or "group_size" in node.attrs:
+        return False
+    if node.op == "qkv_attention":
+        hd = node.attrs["head_dim"]
+        return hd == pow2(hd) and hd >= 16
+    return True

@@ -1,0 +1,127 @@
+"""Runs a Triton plan: each launch's kernels (or its op's torch reference) over the step's tensors.
+
+On a machine with an NVIDIA GPU the kernels are JIT-built from their sources (Triton's cache
+keeps them; the artifact's cubins are for shipping). Without one, they run in Triton's CPU
+interpreter when the process started with TRITON_INTERPRET=1 (how the tests check them), and
+calling the runner otherwise is refused with that advice.
+"""
+from __future__ import annotations
+
+import linecache
+import os
+
+import torch
+
+from ...errors import DeepfuseError
+from ...ir import DTYPES, OPS
+
+
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def load_kernel(spec: dict, jit: bool = True):
+    """The kernel function from its source; jit=False gives the undecorated function (for AOT)."""
+    import triton
+
+    filename = f"<deepfuse-triton:{spec['name']}>"
+    linecache.cache[filename] = (len(spec["source"]), None, spec["source"].splitlines(True), filename)
+    ns: dict = {}
+    exec(compile(spec["source"].replace("@triton.jit\n", ""), filename, "exec"), ns)
+    fn = ns[spec["name"]]
+    return triton.jit(fn) if jit else fn
+
+
+def bind(form, ins: list[torch.Tensor], outs: list[torch.Tensor], tmps: list[torch.Tensor]):
+    """The value of one argument form (see emit.py) for this launch."""
+    kind = form[0]
+    if kind == "in":
+        return ins[form[1]]
+    if kind == "out":
+        return outs[form[1]]
+    if kind == "tmp":
+        return tmps[form[1]]
+    if kind == "shape":
+        return ins[form[1]].shape[form[2]]
+    if kind == "stride":
+        return ins[form[1]].stride(form[2])
+    if kind == "half_numel":
+        return ins[form[1]].numel() // 2
+    if kind == "const":
+        return form[1]
+    raise ValueError(f"unknown argument form {form!r}")
+
+
+def grid_of(spec: dict, ins, outs, tmps) -> tuple[int, int, int]:
+    dims = []
+    for g in spec["grid"]:
+        if isinstance(g, int):
+            dims.append(g)
+        elif g[0] == "cdiv":
+            dims.append(-(-bind(g[1], ins, outs, tmps) // g[2]))
+        else:
+            dims.append(bind(g, ins, outs, tmps))
+    return tuple(dims)
+
+
+def sizes_of(types: list[list], ins: list[torch.Tensor], in_types: list[list]) -> list[list[int]]:
+    """Binds symbolic dims of `types` from the inputs' actual shapes."""
+    env: dict[str, int] = {}
+    for shape, t in zip(in_types, ins):
+        for d, n in zip(shape, t.shape):
+            if isinstance(d, str):
+                env.setdefault(d, n)
+    return [[env[d] if isinstance(d, str) else d for d in shape] for shape in types]
+
+
+class TritonRunner:
+    def __init__(self, plan: dict, weights: dict[str, torch.Tensor]):
+        self.plan = plan
+        self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        self.usable = self.device.type == "cuda" or interpreting()
+        self.base: list = [None] * plan["num_slots"]
+        for name, s in plan["params"].items():
+            self.base[s] = weights[name].to(self.device)
+        self.launches = []
+        for p in plan["launches"]:
+            kernels = [(spec, load_kernel(spec)) for spec in p.get("kernels", [])] if self.usable else []
+            ref = OPS[p["op"]].reference
+            self.launches.append((p, kernels, ref))
+
+    def __call__(self, inputs: dict[str, torch.Tensor]) -> list[torch.Tensor]:
+        if not self.usable:
+            raise DeepfuseError(f"this {self.plan['arch']} artifact runs on an NVIDIA GPU; none is visible (to run its "
+                                "kernels in Triton's CPU interpreter, start the process with TRITON_INTERPRET=1)")
+        env = list(self.base)
+        for name, s in self.plan["inputs"].items():
+            env[s] = inputs[name].to(self.device) if inputs[name].device != self.device else inputs[name]
+        for p, kernels, ref in self.launches:
+            ins = [env[i] for i in p["in"]]
+            greedy_only = p["op"] == "sample" and bool((ins[1] > 0).any())
+            if kernels and not greedy_only:
+                outs = self._run(p, kernels, ins)
+            else:
+                res = ref(*ins, **p["attrs"])
+                outs = list(res) if isinstance(res, (tuple, list)) else [res]
+            for s, t in zip(p["out"], outs):
+                env[s] = t
+            for s in p["free"]:
+                env[s] = None
+        return [env[s] for s in self.plan["outputs"]]
+
+    def _run(self, p: dict, kernels, ins: list[torch.Tensor]) -> list[torch.Tensor]:
+        shapes = sizes_of(p["out_shape"], ins, p["in_shape"])
+        outs = [torch.empty(s, dtype=DTYPES[d], device=self.device) for s, d in zip(shapes, p["out_dtype"])]
+        tmp_shapes = sizes_of([t["shape"] for t in p.get("tmps", [])], ins, p["in_shape"])
+        tmps = [torch.empty(s, dtype=DTYPES[t["dtype"]], device=self.device) for s, t in zip(tmp_shapes, p.get("tmps", []))]
+        for spec, fn in kernels:
+            for i, axis, n, what in spec.get("requires", []):
+                got = ins[i].shape[axis]
+                if got > n or (got != n and "at most" not in what):
+                    raise DeepfuseError(f"{spec['name']} ({p['node']}) was built for {what} {n}, the step has {got}")
+            grid = grid_of(spec, ins, outs, tmps)
+            if 0 in grid:
+                continue
+            args = [bind(f, ins, outs, tmps) for f in spec["args"]]
+            fn[grid](*args, **spec["constexprs"], num_warps=spec["num_warps"], num_stages=spec["num_stages"])
+        return outs

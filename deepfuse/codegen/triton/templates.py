@@ -1,0 +1,191 @@
+"""Triton kernel templates. emit.py fills the $-placeholders from an IR node (sizes, eps,
+RoPE theta, head counts: compile-time constants of that node) and from the target's tile
+table (BM/BN/BK...). Every kernel accumulates in fp32 and stores in its output's dtype.
+
+Layouts: activations row-major [rows, width]; projection weights [N, K] (as in `linear`);
+the paged cache [2, num_blocks, block_size, Hkv, hd] contiguous (v at offset `v_off`).
+"""
+from __future__ import annotations
+
+HEADER = "import triton\nimport triton.language as tl\n\n\n"
+
+# GEMM y[M,N] = A[M,K] @ W[N,K]^T with A produced by a prologue:
+#   plain: A = x rows;  last: A = each sequence's last row of x (logits);
+#   norm: A = rms_norm(x) (or of s = x + res, with s stored by the pid_n == 0 programs);
+#   swiglu: A = silu(x[:, :K]) * x[:, K:]
+GEMM = """
+@triton.jit
+def $NAME($PARAMS, y_ptr, M, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr$EXTRA):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    rm = pid_m * BM + tl.arange(0, BM)
+    rn = pid_n * BN + tl.arange(0, BN)
+    rk = tl.arange(0, BK)
+    row_ok = rm < M
+$ROWS$PRE    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for k0 in range(0, $K, BK):
+        kk = k0 + rk
+        k_ok = kk < $K
+$LOAD_A        b = tl.load(w_ptr + rn[None, :] * $K + kk[:, None], mask=(rn[None, :] < $N) & k_ok[:, None], other=0.0)
+        acc += tl.dot(a.to(b.dtype), b)
+    tl.store(y_ptr + rm[:, None] * $N + rn[None, :], acc.to(y_ptr.dtype.element_ty),
+             mask=row_ok[:, None] & (rn[None, :] < $N))
+"""
+
+ROWS_PLAIN = "    xrow = rm\n"
+ROWS_LAST = """    sidx = tl.arange(0, SMAX)
+    qlen = tl.load(qlens_ptr + sidx, mask=sidx < M, other=0)
+    xrow = tl.sum(tl.where(sidx[None, :] <= rm[:, None], qlen[None, :], 0), axis=1) - 1
+"""
+X_TILE = "tl.load(x_ptr + xrow[:, None] * $XW + kk[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)"
+R_TILE = "tl.load(res_ptr + xrow[:, None] * $XW + kk[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)"
+LOAD_PLAIN = f"        a = {X_TILE}\n"
+NORM_PRE = f"""    ss = tl.zeros((BM,), dtype=tl.float32)
+    for k0 in range(0, $K, BK):
+        kk = k0 + rk
+        k_ok = kk < $K
+        xv = $SUM
+$STORE_SUM        xv = xv.to(tl.float32)
+        ss += tl.sum(xv * xv, axis=1)
+    rstd = 1.0 / tl.sqrt(ss / $K + $EPS)
+"""
+STORE_SUM = """        if pid_n == 0:
+            tl.store(s_ptr + xrow[:, None] * $XW + kk[None, :], xv, mask=row_ok[:, None] & k_ok[None, :])
+"""
+LOAD_NORM = """        xv = $SUM
+        nw = tl.load(nw_ptr + kk, mask=k_ok, other=0.0).to(tl.float32)
+        a = (xv.to(tl.float32) * rstd[:, None]).to(x_ptr.dtype.element_ty).to(tl.float32) * nw[None, :]
+"""
+LOAD_SWIGLU = """        g = tl.load(x_ptr + xrow[:, None] * $XW + kk[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        u = tl.load(x_ptr + xrow[:, None] * $XW + $K + kk[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        g = g.to(tl.float32)
+        a = (g * tl.sigmoid(g)).to(x_ptr.dtype.element_ty).to(tl.float32) * u.to(tl.float32)
+"""
+
+# rms_norm / add_rms_norm over one row per program; D fits one block
+RMS_NORM = """
+@triton.jit
+def $NAME($PARAMS, y_ptr, BD: tl.constexpr):
+    row = tl.program_id(0)
+    d = tl.arange(0, BD)
+    ok = d < $D
+    xv = $SUM
+$STORE_SUM    xf = xv.to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / $D + $EPS)
+    w = tl.load(w_ptr + d, mask=ok, other=0.0).to(tl.float32)
+    y = (xf * rstd).to(y_ptr.dtype.element_ty).to(tl.float32) * w
+    tl.store(y_ptr + row * $D + d, y.to(y_ptr.dtype.element_ty), mask=ok)
+"""
+
+EMBEDDING = """
+@triton.jit
+def $NAME(table_ptr, ids_ptr, y_ptr, BD: tl.constexpr):
+    row = tl.program_id(0)
+    d = tl.arange(0, BD)
+    tok = tl.load(ids_ptr + row).to(tl.int64)
+    v = tl.load(table_ptr + tok * $D + d, mask=d < $D, other=0.0)
+    tl.store(y_ptr + row * $D + d, v, mask=d < $D)
+"""
+
+# split + RoPE (rotate-half) of q and k + the paged-cache write of k and v; one token per program
+ROPE_CACHE = """
+@triton.jit
+def $NAME(qkv_ptr, pos_ptr, cache_ptr, slots_ptr, q_ptr, v_off):
+    t = tl.program_id(0)
+    half = tl.arange(0, $HALF)
+    pos = tl.load(pos_ptr + t).to(tl.float32)
+    inv_freq = tl.exp2(-(2.0 * half.to(tl.float32) / $HD) * $LOG2_THETA)
+    ang = pos * inv_freq
+    cos = tl.cos(ang)
+    sin = tl.sin(ang)
+    slot = tl.load(slots_ptr + t).to(tl.int64)
+    row = qkv_ptr + t * $W
+    for h in tl.static_range($H):
+        x1 = tl.load(row + h * $HD + half).to(tl.float32)
+        x2 = tl.load(row + h * $HD + $HALF + half).to(tl.float32)
+        tl.store(q_ptr + t * $QW + h * $HD + half, (x1 * cos - x2 * sin).to(q_ptr.dtype.element_ty))
+        tl.store(q_ptr + t * $QW + h * $HD + $HALF + half, (x2 * cos + x1 * sin).to(q_ptr.dtype.element_ty))
+    for h in tl.static_range($HKV):
+        x1 = tl.load(row + $QW + h * $HD + half).to(tl.float32)
+        x2 = tl.load(row + $QW + h * $HD + $HALF + half).to(tl.float32)
+        dst = cache_ptr + (slot * $HKV + h) * $HD
+        tl.store(dst + half, (x1 * cos - x2 * sin).to(cache_ptr.dtype.element_ty))
+        tl.store(dst + $HALF + half, (x2 * cos + x1 * sin).to(cache_ptr.dtype.element_ty))
+        v1 = tl.load(row + $QW + $KW + h * $HD + half)
+        v2 = tl.load(row + $QW + $KW + h * $HD + $HALF + half)
+        tl.store(dst + v_off + half, v1)
+        tl.store(dst + v_off + $HALF + half, v2)
+"""
+
+# paged attention over the cache: one program per (sequence, kv head, block of BQ queries);
+# its BQ x GP rows (GP: the GQA group padded to a power of two) share every K/V tile; online
+# softmax over cache blocks; causal and sliding-window masks from absolute positions
+PAGED_ATTENTION = """
+@triton.jit
+def $NAME(q_ptr, cache_ptr, tables_ptr, lens_ptr, qlens_ptr, out_ptr, S, table_stride, v_off,
+          BQ: tl.constexpr, GP: tl.constexpr, SMAX: tl.constexpr):
+    s = tl.program_id(0)
+    hk = tl.program_id(1)
+    qb = tl.program_id(2)
+    sidx = tl.arange(0, SMAX)
+    qlen_all = tl.load(qlens_ptr + sidx, mask=sidx < S, other=0)
+    q_start = tl.sum(tl.where(sidx < s, qlen_all, 0), axis=0)
+    n_q = tl.load(qlens_ptr + s)
+    length = tl.load(lens_ptr + s)
+    if qb * BQ < n_q:
+        r = tl.arange(0, BQ * GP)
+        qi = qb * BQ + r // GP
+        hg = r % GP
+        row_ok = (qi < n_q) & (hg < $G)
+        head = hk * $G + hg
+        pos = length - n_q + qi
+        d = tl.arange(0, $HD)
+        qrow = (q_start + qi).to(tl.int64)
+        q = tl.load(q_ptr + qrow[:, None] * $QW + head[:, None] * $HD + d[None, :], mask=row_ok[:, None], other=0.0)
+        m_i = tl.full((BQ * GP,), -1.0e30, dtype=tl.float32)
+        l_i = tl.zeros((BQ * GP,), dtype=tl.float32)
+        acc = tl.zeros((BQ * GP, $HD), dtype=tl.float32)
+        last = tl.minimum(length, length - n_q + (qb + 1) * BQ)
+        first = 0
+        if $WINDOW > 0:
+            first = tl.maximum(length - n_q + qb * BQ - $WINDOW + 1, 0)
+        kb = tl.arange(0, $BS)
+        for start in range((first // $BS) * $BS, last, $BS):
+            blk = tl.load(tables_ptr + s * table_stride + start // $BS).to(tl.int64)
+            kpos = start + kb
+            base = ((blk * $BS + kb) * $HKV + hk) * $HD
+            kt = tl.load(cache_ptr + base[None, :] + d[:, None])
+            v = tl.load(cache_ptr + v_off + base[:, None] + d[None, :])
+            scores = tl.dot(q, kt) * $SCALE
+            seen = (kpos[None, :] <= pos[:, None]) & (kpos[None, :] < length)
+            if $WINDOW > 0:
+                seen = seen & (kpos[None, :] > pos[:, None] - $WINDOW)
+            scores = tl.where(seen, scores, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+            p = tl.exp(scores - m_new[:, None])
+            alpha = tl.exp(m_i - m_new)
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            m_i = m_new
+        o = acc / l_i[:, None]
+        tl.store(out_ptr + qrow[:, None] * $QW + head[:, None] * $HD + d[None, :], o.to(out_ptr.dtype.element_ty),
+                 mask=row_ok[:, None])
+"""
+
+# greedy sampling: the argmax of each row of logits[S,V], in chunks of BV
+ARGMAX = """
+@triton.jit
+def $NAME(logits_ptr, y_ptr, BV: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    v = tl.arange(0, BV)
+    best = tl.full((BV,), float("-inf"), dtype=tl.float32)
+    where = tl.zeros((BV,), dtype=tl.int64)
+    for v0 in range(0, $V, BV):
+        x = tl.load(logits_ptr + row * $V + v0 + v, mask=v0 + v < $V, other=float("-inf"))
+        better = x > best
+        best = tl.where(better, x, best)
+        where = tl.where(better, v0 + v, where)
+    top = tl.max(best, axis=0)
+    idx = tl.min(tl.where(best == top, where, $V), axis=0)
+    tl.store(y_ptr + row, idx)
+"""

@@ -1,0 +1,140 @@
+"""Triton targets: every emitted kernel kind against the IR interpreter (Triton's CPU
+interpreter, f32), ahead-of-time cubins and PTX for sm90/sm100, artifacts, and errors."""
+import json
+import os
+
+import pytest
+import torch
+
+import deepfuse
+from deepfuse.codegen.targets import get_target
+from deepfuse.codegen.triton import build_plan
+from deepfuse.codegen.triton.aot import compile_all
+from deepfuse.codegen.triton.runner import TritonRunner, grid_of
+from deepfuse.compiler import trace_model
+from deepfuse.errors import DeepfuseError
+from deepfuse.ir import interpret
+from deepfuse.models import load_model
+from deepfuse.passes import PassManager
+from deepfuse.runtime.batch import SeqChunk, build_step
+from deepfuse.runtime.kv_cache import CacheConfig, KVCache
+from tests.conftest import tiny_hf_config
+from tests.helpers import greedy_with
+
+pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs Triton's interpreter")
+KINDS = {"embedding", "rms_norm_linear", "add_rms_norm_linear", "qkv_attention", "linear", "swiglu_linear",
+         "add_rms_norm", "logits", "sample"}
+
+
+def tiny(tmp_path_factory, **over):
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp("tiny")
+    LlamaForCausalLM(tiny_hf_config(**over)).save_pretrained(path)
+    return load_model(str(path), with_tokenizer=False)[0]
+
+
+@pytest.fixture(scope="module", params=[{}, {"hidden_size": 96, "num_attention_heads": 6, "num_key_value_heads": 2}],
+            ids=["gqa2", "gqa3"])
+def model(request, tmp_path_factory):
+    return tiny(tmp_path_factory, **request.param)
+
+
+def mixed_step(config, cache_blocks=8):
+    """A prefill of 20 tokens over two blocks (one partial), a 2-token prefill, and a decode at
+    position 17 of a sequence whose earlier keys are already cached."""
+    cache = KVCache(config.num_layers, config.num_kv_heads, config.head_dim, torch.float32,
+                    CacheConfig(block_size=16, num_blocks=cache_blocks))
+    torch.manual_seed(1)
+    for i in range(config.num_layers):
+        cache.layers[i].normal_()
+    return build_step([SeqChunk(list(range(5, 25)), 0, [0, 1]), SeqChunk([9, 2], 0, [3]),
+                       SeqChunk([7], 17, [4, 5])], cache)
+
+
+def test_every_kernel_kind_matches_the_interpreter(model):
+    g, _ = PassManager(get_target("sm90").pipeline()).run(trace_model(model))
+    plan = build_plan(g, "interpret")
+    emitted = {p["op"] for p in plan["launches"] if p.get("kernels")}
+    assert emitted == KINDS and all(p.get("kernels") for p in plan["launches"])
+    a, b = mixed_step(model.config), mixed_step(model.config)
+    got, want = TritonRunner(plan, g.weights)(b), interpret(g, a)
+    torch.testing.assert_close(got[0], want[0], atol=1e-4, rtol=1e-4)
+    assert torch.equal(got[1], want[1])
+    for i in range(model.config.num_layers):
+        torch.testing.assert_close(b[f"kv_cache.{i}"], a[f"kv_cache.{i}"], atol=1e-5, rtol=1e-5)
+
+
+def test_grid_and_arguments_are_bound_from_the_step(model):
+    g, _ = PassManager(get_target("sm100").pipeline()).run(trace_model(model))
+    plan = build_plan(g, "sm100")
+    att = next(p for p in plan["launches"] if p["op"] == "qkv_attention")
+    rope, attend = att["kernels"]
+    ins = [torch.empty(22, 1), None, torch.empty(2, 8, 16, 2, 16), None, torch.empty(3, 4, dtype=torch.int64),
+           None, torch.empty(3)]
+    assert grid_of(rope, ins, [], []) == (22, 1, 1)
+    bq = attend["constexprs"]["BQ"]
+    assert bq * attend["constexprs"]["GP"] == 128 and grid_of(attend, ins, [], []) == (3, 2, -(-22 // bq))
+    assert att["tmps"][0]["shape"][0] == "T"
+
+
+MMA_KERNELS = ("linear_", "logits_", "swiglu_linear_", "rms_norm_linear_", "add_rms_norm_linear_", "qkv_attention_")
+
+
+@pytest.fixture(scope="module")
+def artifacts(tmp_path_factory):
+    m = tiny(tmp_path_factory)
+    out = {}
+    for arch in ("sm90", "sm100"):
+        art = deepfuse.compile(m, target=arch, dtype="bf16")
+        out[arch] = (art, art.save(str(tmp_path_factory.mktemp(arch))))
+    return m, out
+
+
+def test_aot_cubins_and_ptx_use_the_tensor_core_of_each_arch(artifacts):
+    _, arts = artifacts
+    for arch, mma in (("sm90", "wgmma"), ("sm100", "tcgen05")):
+        art, path = arts[arch]
+        names = {spec["name"] for p in art.plan["launches"] for spec in p.get("kernels", [])}
+        assert len(names) < sum(len(p.get("kernels", [])) for p in art.plan["launches"])  # layers share kernels
+        for name in names:
+            assert art.files[f"kernels/{name}.cubin"][:4] == b"\x7fELF"
+            meta = json.loads(art.files[f"kernels/{name}.json"])
+            assert meta["arch"] == arch
+        for name in names:
+            ptx = art.files[f"kernels/{name}.ptx"].decode()
+            assert f".target sm_{arch[2:]}a" in ptx
+            if name.startswith(MMA_KERNELS) and not name.endswith("_rope"):
+                assert mma in ptx, f"{name} on {arch} has no {mma}"
+        manifest = json.load(open(os.path.join(path, "manifest.json")))
+        assert all(f"kernels/{n}.cubin" in manifest["files"] for n in names)
+
+
+def test_sm90_artifact_loads_and_runs_in_the_interpreter_like_the_cpu_build(tmp_path, tiny_model):
+    cpu = deepfuse.compile(tiny_model)
+    art = deepfuse.compile(tiny_model, target="sm90")
+    loaded = deepfuse.load(art.save(str(tmp_path / "sm90")))
+    prompt = [3, 17, 42, 5, 9]
+    want, want_logits = greedy_with(cpu, tiny_model.config, prompt, 6, block_size=16)
+    got, got_logits = greedy_with(loaded, tiny_model.config, prompt, 6, block_size=16)
+    assert got == want
+    torch.testing.assert_close(got_logits, want_logits, atol=1e-4, rtol=1e-4)
+    with pytest.raises(DeepfuseError, match="KV-cache block size 16"):
+        greedy_with(loaded, tiny_model.config, prompt, 1, block_size=4)
+
+
+def test_a_kernel_that_fails_to_compile_names_the_kernel_and_node():
+    bad = {"name": "broken_kernel", "source": "import triton\nimport triton.language as tl\n\n\n@triton.jit\n"
+           "def broken_kernel(x_ptr):\n    tl.store(x_ptr, undefined_name)\n",
+           "signature": {"x_ptr": "*fp32"}, "constexprs": {}, "num_warps": 4, "num_stages": 1}
+    with pytest.raises(DeepfuseError, match=r"broken_kernel for %7 \(rms_norm\) failed to compile for sm90"):
+        compile_all([(bad, "%7 (rms_norm)")], "sm90")
+
+
+def test_runner_without_gpu_or_interpreter_says_what_to_do(tiny_model, monkeypatch):
+    art = deepfuse.compile(tiny_model, target="sm100")
+    monkeypatch.delenv("TRITON_INTERPRET")
+    runner = TritonRunner(art.plan, art.graph.weights)
+    with pytest.raises(DeepfuseError, match="NVIDIA GPU"):
+        runner({})

@@ -138,3 +138,36 @@ def test_runner_without_gpu_or_interpreter_says_what_to_do(tiny_model, monkeypat
     runner = TritonRunner(art.plan, art.graph.weights)
     with pytest.raises(DeepfuseError, match="NVIDIA GPU"):
         runner({})
+
+
+@pytest.fixture(scope="module")
+def mixtral_model(tmp_path_factory):
+    from tests.models.test_moe_families import mixtral
+
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp("mixtral")
+    mixtral().eval().save_pretrained(path)
+    return load_model(str(path), with_tokenizer=False)[0]
+
+
+def test_fused_moe_kernels_match_the_interpreter(mixtral_model):
+    """Mixtral: every op of the step is a Triton kernel, fused_moe included (routing and the
+    sort by expert in torch, then grouped gate/up + SwiGLU, grouped down, combine)."""
+    g, _ = PassManager(get_target("sm90").pipeline()).run(trace_model(mixtral_model))
+    plan = build_plan(g, "interpret")
+    moe = [p for p in plan["launches"] if p["op"] == "fused_moe"]
+    assert moe and all(len(p["kernels"]) == 3 and p["prepare"]["fn"] == "moe_align" for p in moe)
+    assert all(p.get("kernels") for p in plan["launches"])
+    a, b = mixed_step(mixtral_model.config), mixed_step(mixtral_model.config)
+    got, want = TritonRunner(plan, g.weights)(b), interpret(g, a)
+    torch.testing.assert_close(got[0], want[0], atol=1e-4, rtol=1e-4)
+    assert torch.equal(got[1], want[1])
+
+
+def test_moe_model_sm100_artifact_has_a_cubin_for_every_launch(mixtral_model):
+    art = deepfuse.compile(mixtral_model, target="sm100", dtype="bf16")
+    assert all(p.get("kernels") for p in art.plan["launches"])
+    names = {spec["name"] for p in art.plan["launches"] for spec in p["kernels"]}
+    assert all(f"kernels/{n}.cubin" in art.files for n in names)
+    moe_gemms = [n for n in names if n.startswith("fused_moe_") and n.endswith(("_up", "_down"))]
+    assert len(moe_gemms) == 2 and all("tcgen05" in art.files[f"kernels/{n}.ptx"].decode() for n in moe_gemms)

@@ -11,7 +11,7 @@ import hashlib
 
 from ...ir import Graph
 from ..cpu.plan import build_plan as slot_plan
-from .emit import EMITTERS, emittable
+from .emit import EMITTERS, PREPARE, emittable
 
 ARCH_DESCRIPTIONS = {"sm90": "NVIDIA Hopper (sm_90a), Triton kernels", "sm100": "NVIDIA Blackwell (sm_100a), Triton kernels"}
 
@@ -33,6 +33,8 @@ def build_plan(g: Graph, arch: str) -> dict:
         draft = EMITTERS[n.op](n, "KERNEL", arch)
         digest = hashlib.sha256("".join(k["source"] for k in draft).encode()).hexdigest()[:10]
         p["kernels"] = EMITTERS[n.op](n, f"{n.op}_{digest}", arch)
+        if n.op in PREPARE:
+            p["prepare"] = {"fn": PREPARE[n.op], "block": p["kernels"][0]["constexprs"]["BM"]}
         if n.op == "qkv_attention":
             p["tmps"] = [{"shape": [n.inputs[0].type.shape[0], n.attrs["sizes"][0]], "dtype": n.inputs[0].type.dtype}]
     return plan

@@ -4,6 +4,7 @@ A spec is data (JSON): the runner binds its `args` to the launch's tensors and t
 compiles its `source` for sm90/sm100. Argument forms:
     ["in", i] / ["out", j] / ["tmp", j]    a node input / output / per-launch scratch tensor
     ["shape", i, axis] / ["stride", i, axis] / ["half_numel", i]   ints read off input i
+    ["tmp_shape", j, axis]                  an int read off scratch tensor j
 Grid entries: an int, an argument form above, or ["cdiv", form, block].
 `requires`: [input, axis, n, what]: the kernel was built for input.shape[axis] == n (or <= n
 for "at most"); the runner refuses a step that breaks it, naming `what`.
@@ -145,6 +146,33 @@ def emit_qkv_attention(node: Node, name: str, arch: str) -> list[dict]:
     return [_spec(name + "_rope", rope, rope_params, {}, [["shape", 0, 0], 1, 1], rope_tiles), att_spec]
 
 
+def emit_fused_moe(node: Node, name: str, arch: str) -> list[dict]:
+    """Routing and the sort by expert run in torch on the device (the launch's `prepare`,
+    runner.moe_align, into scratch tensors); then three kernels: the grouped gate/up GEMM with
+    SwiGLU, the grouped down GEMM scaled by the routing weight, and the per-token combine."""
+    x, w13 = node.inputs[0].type, node.inputs[2].type
+    d, i = x.shape[1], w13.shape[1] // 2
+    kt = node.attrs["top_k"] + node.attrs.get("num_shared", 0)
+    tiles = tiles_for(arch, "gemm", node)
+    consts = {k: tiles[k] for k in ("BM", "BN", "BK")}
+    dt = PTR[x.dtype]
+    pairs = ["tmp_shape", 2, 0]  # T * KT (the sentinel row id)
+    blocks = ["cdiv", ["tmp_shape", 0, 0], consts["BM"]]
+    up = _spec(name + "_up", _source(name + "_up", T.MOE_UP, KT=kt, I=i, D=d),
+               [("x_ptr", dt, ["in", 0]), ("w13_ptr", dt, ["in", 2]), ("rows_ptr", "*i32", ["tmp", 0]),
+                ("block_expert_ptr", "*i32", ["tmp", 1]), ("h_ptr", dt, ["tmp", 4]), ("M", "i32", pairs)],
+               consts, [blocks, ["cdiv", ["const", i], consts["BN"]], 1], tiles)
+    down = _spec(name + "_down", _source(name + "_down", T.MOE_DOWN, I=i, D=d),
+                 [("h_ptr", dt, ["tmp", 4]), ("w2_ptr", dt, ["in", 3]), ("rows_ptr", "*i32", ["tmp", 0]),
+                  ("block_expert_ptr", "*i32", ["tmp", 1]), ("weights_ptr", "*fp32", ["tmp", 3]),
+                  ("ys_ptr", dt, ["tmp", 5]), ("M", "i32", pairs)],
+                 consts, [blocks, ["cdiv", ["const", d], consts["BN"]], 1], tiles)
+    combine = _spec(name, _source(name, T.MOE_COMBINE, KT=kt, D=d),
+                    [("ys_ptr", dt, ["tmp", 5]), ("pos_ptr", "*i32", ["tmp", 2]), ("y_ptr", dt, ["out", 0])],
+                    {"BD": pow2(d)}, [["shape", 0, 0], 1, 1], tiles_for(arch, "row", node))
+    return [up, down, combine]
+
+
 def emit_sample(node: Node, name: str, arch: str) -> list[dict]:
     """Greedy rows only: the runner uses this kernel when no row samples (temperature 0)."""
     v = node.inputs[0].type.shape[1]
@@ -163,8 +191,10 @@ EMITTERS = {
     "add_rms_norm_linear": emit_gemm,
     "swiglu_linear": emit_gemm,
     "qkv_attention": emit_qkv_attention,
+    "fused_moe": emit_fused_moe,
     "sample": emit_sample,
 }
+PREPARE = {"fused_moe": "moe_align"}  # ops whose kernels need a torch step first (runner.PREPARE)
 
 
 def emittable(node: Node) -> bool:

@@ -11,9 +11,42 @@ import linecache
 import os
 
 import torch
+import torch.nn.functional as F
 
 from ...errors import DeepfuseError
 from ...ir import DTYPES, OPS
+from ...ir.opdefs_moe import route, routing_attrs
+
+
+def moe_align(ins: list[torch.Tensor], attrs: dict, block: int) -> list[torch.Tensor]:
+    """fused_moe's routing, and its (token, expert) pairs sorted by expert with each expert's
+    rows padded to a multiple of `block` -> scratch tensors for the MoE kernels:
+    rows i32[P] (pair id t*KT+j, or T*KT for padding), block_expert i32[P/block],
+    pos_of i32[T*KT] (each pair's row), weights f32[T*KT], h [P, I], ys [P, D]."""
+    x, router_w, w13, w2, *bias = ins
+    weights, ids = route(F.linear(x, router_w), attrs["top_k"], attrs["renormalize"], bias[0] if bias else None,
+                         **routing_attrs(attrs))
+    flat = ids.flatten()
+    n_pairs, n_experts = flat.numel(), w13.shape[0]
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=n_experts)
+    padded = (counts + block - 1) // block * block
+    start_padded = torch.cumsum(padded, 0) - padded
+    start = torch.cumsum(counts, 0) - counts
+    total = int(padded.sum())
+    experts = flat[order]
+    dest = start_padded[experts] + torch.arange(n_pairs, device=x.device) - start[experts]
+    rows = torch.full((total,), n_pairs, dtype=torch.int32, device=x.device)
+    rows[dest] = order.to(torch.int32)
+    pos_of = torch.empty(n_pairs, dtype=torch.int32, device=x.device)
+    pos_of[order] = dest.to(torch.int32)
+    block_expert = torch.repeat_interleave(torch.arange(n_experts, device=x.device), padded // block).to(torch.int32)
+    h = torch.empty(total, w13.shape[1] // 2, dtype=x.dtype, device=x.device)
+    ys = torch.empty(total, x.shape[1], dtype=x.dtype, device=x.device)
+    return [rows, block_expert, pos_of, weights.flatten().float().contiguous(), h, ys]
+
+
+PREPARE = {"moe_align": moe_align}
 
 
 def interpreting() -> bool:
@@ -41,6 +74,8 @@ def bind(form, ins: list[torch.Tensor], outs: list[torch.Tensor], tmps: list[tor
         return outs[form[1]]
     if kind == "tmp":
         return tmps[form[1]]
+    if kind == "tmp_shape":
+        return tmps[form[1]].shape[form[2]]
     if kind == "shape":
         return ins[form[1]].shape[form[2]]
     if kind == "stride":
@@ -112,8 +147,13 @@ class TritonRunner:
     def _run(self, p: dict, kernels, ins: list[torch.Tensor]) -> list[torch.Tensor]:
         shapes = sizes_of(p["out_shape"], ins, p["in_shape"])
         outs = [torch.empty(s, dtype=DTYPES[d], device=self.device) for s, d in zip(shapes, p["out_dtype"])]
-        tmp_shapes = sizes_of([t["shape"] for t in p.get("tmps", [])], ins, p["in_shape"])
-        tmps = [torch.empty(s, dtype=DTYPES[t["dtype"]], device=self.device) for s, t in zip(tmp_shapes, p.get("tmps", []))]
+        if "prepare" in p:
+            prep = dict(p["prepare"])
+            tmps = PREPARE[prep.pop("fn")](ins, p["attrs"], **prep)
+        else:
+            tmp_shapes = sizes_of([t["shape"] for t in p.get("tmps", [])], ins, p["in_shape"])
+            tmps = [torch.empty(s, dtype=DTYPES[t["dtype"]], device=self.device)
+                    for s, t in zip(tmp_shapes, p.get("tmps", []))]
         for spec, fn in kernels:
             for i, axis, n, what in spec.get("requires", []):
                 got = ins[i].shape[axis]

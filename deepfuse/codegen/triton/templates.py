@@ -189,3 +189,77 @@ def $NAME(logits_ptr, y_ptr, BV: tl.constexpr):
     idx = tl.min(tl.where(best == top, where, $V), axis=0)
     tl.store(y_ptr + row, idx)
 """
+
+# fused MoE over (token, expert) pairs sorted by expert and padded so each BM block of rows
+# belongs to one expert (moe_align in runner.py): rows[i] = t * KT + j, or the sentinel M
+MOE_UP = """
+@triton.jit
+def $NAME(x_ptr, w13_ptr, rows_ptr, block_expert_ptr, h_ptr, M,
+          BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    r = pid_m * BM + tl.arange(0, BM)
+    pair = tl.load(rows_ptr + r)
+    ok = pair < M
+    tok = (pair // $KT).to(tl.int64)
+    e = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+    rn = pid_n * BN + tl.arange(0, BN)
+    rk = tl.arange(0, BK)
+    n_ok = rn < $I
+    acc_g = tl.zeros((BM, BN), dtype=tl.float32)
+    acc_u = tl.zeros((BM, BN), dtype=tl.float32)
+    w_e = w13_ptr + e * (2 * $I * $D)
+    for k0 in range(0, $D, BK):
+        kk = k0 + rk
+        k_ok = kk < $D
+        a = tl.load(x_ptr + tok[:, None] * $D + kk[None, :], mask=ok[:, None] & k_ok[None, :], other=0.0)
+        bg = tl.load(w_e + rn[None, :] * $D + kk[:, None], mask=n_ok[None, :] & k_ok[:, None], other=0.0)
+        bu = tl.load(w_e + ($I + rn[None, :]) * $D + kk[:, None], mask=n_ok[None, :] & k_ok[:, None], other=0.0)
+        acc_g += tl.dot(a, bg)
+        acc_u += tl.dot(a, bu)
+    gate = acc_g.to(h_ptr.dtype.element_ty).to(tl.float32)
+    up = acc_u.to(h_ptr.dtype.element_ty).to(tl.float32)
+    h = (gate * tl.sigmoid(gate)).to(h_ptr.dtype.element_ty).to(tl.float32) * up
+    tl.store(h_ptr + r[:, None] * $I + rn[None, :], h.to(h_ptr.dtype.element_ty), mask=n_ok[None, :])
+"""
+
+MOE_DOWN = """
+@triton.jit
+def $NAME(h_ptr, w2_ptr, rows_ptr, block_expert_ptr, weights_ptr, ys_ptr, M,
+          BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    r = pid_m * BM + tl.arange(0, BM)
+    pair = tl.load(rows_ptr + r)
+    ok = pair < M
+    e = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+    rn = pid_n * BN + tl.arange(0, BN)
+    rk = tl.arange(0, BK)
+    n_ok = rn < $D
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    w_e = w2_ptr + e * ($D * $I)
+    for k0 in range(0, $I, BK):
+        kk = k0 + rk
+        k_ok = kk < $I
+        a = tl.load(h_ptr + r[:, None] * $I + kk[None, :], mask=ok[:, None] & k_ok[None, :], other=0.0)
+        b = tl.load(w_e + rn[None, :] * $I + kk[:, None], mask=n_ok[None, :] & k_ok[:, None], other=0.0)
+        acc += tl.dot(a, b)
+    wt = tl.load(weights_ptr + pair, mask=ok, other=0.0)
+    y = acc.to(ys_ptr.dtype.element_ty).to(tl.float32) * wt[:, None]
+    tl.store(ys_ptr + r[:, None] * $D + rn[None, :], y.to(ys_ptr.dtype.element_ty), mask=n_ok[None, :])
+"""
+
+# out[t] = sum over its KT (token, expert) pairs, in expert-choice order: no atomics, so the
+# sum's order does not depend on the batch
+MOE_COMBINE = """
+@triton.jit
+def $NAME(ys_ptr, pos_ptr, y_ptr, BD: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    d = tl.arange(0, BD)
+    ok = d < $D
+    acc = tl.zeros((BD,), dtype=tl.float32)
+    for j in tl.static_range($KT):
+        p = tl.load(pos_ptr + t * $KT + j).to(tl.int64)
+        acc += tl.load(ys_ptr + p * $D + d, mask=ok, other=0.0).to(tl.float32)
+    tl.store(y_ptr + t * $D + d, acc.to(y_ptr.dtype.element_ty), mask=ok)
+"""

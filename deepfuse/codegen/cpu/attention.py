@@ -40,7 +40,7 @@ class DecodeGroup:
 
 
 def decode_groups(seqs: list[int], rows: list[int], lens: list[int], block_size: int, window: int,
-                  slack: float = 0.6, max_groups: int = 4) -> list[DecodeGroup]:
+                  slack: float = 0.6, max_groups: int = 4, device: torch.device | str = "cpu") -> list[DecodeGroup]:
     """Sorts sequences by length and starts a new group when a length falls below `slack` of
     its group's longest (at most max_groups): padding waste stays bounded at large batches."""
     order = sorted(range(len(seqs)), key=lambda i: -lens[i])
@@ -58,8 +58,9 @@ def decode_groups(seqs: list[int], rows: list[int], lens: list[int], block_size:
         if len(part) > 1 and int(dl[-1]) != longest or window:
             j = torch.arange(longest)[None, :]
             first = (dl - window).clamp_(min=0) if window else torch.zeros_like(dl)
-            mask = ((j < dl[:, None]) & (j >= first[:, None]))[:, None, None, :]
-        groups.append(DecodeGroup(torch.tensor([seqs[i] for i in part]), torch.tensor([rows[i] for i in part]),
+            mask = ((j < dl[:, None]) & (j >= first[:, None]))[:, None, None, :].to(device)
+        groups.append(DecodeGroup(torch.tensor([seqs[i] for i in part], device=device),
+                                  torch.tensor([rows[i] for i in part], device=device),
                                   -(-longest // block_size), longest, mask))
     return groups
 
@@ -76,7 +77,8 @@ class StepLayout:
             starts.append(starts[-1] + n)
         self.prefills = [(s, starts[s], n, lens[s]) for s, n in enumerate(qlens) if n > 1]
         dec = [s for s, n in enumerate(qlens) if n == 1]
-        self.groups = decode_groups(dec, [starts[s] for s in dec], [lens[s] for s in dec], block_size, window)
+        self.groups = decode_groups(dec, [starts[s] for s in dec], [lens[s] for s in dec], block_size, window,
+                                    device=seq_lens.device)
         # a pure decode step whose one group is already in row order needs no gather or scatter of q
         self.in_order = (len(dec) == starts[-1] and len(self.groups) == 1
                          and self.groups[0].rows.tolist() == list(range(len(dec))))
@@ -119,7 +121,7 @@ def _attention(attrs: dict) -> Kernel:
             # 4-D operands: torch's CPU flash kernel (3-D ones fall back to a ~5x slower path)
             qs = q[a:a + n].view(1, n, h, hd).transpose(1, 2)
             o = F.scaled_dot_product_attention(qs, keys.transpose(0, 1)[None], vals.transpose(0, 1)[None],
-                                               attn_mask=None if whole else causal_mask(n, length, window),
+                                               attn_mask=None if whole else causal_mask(n, length, window).to(q.device),
                                                is_causal=whole, scale=scale, enable_gqa=h != hkv)
             out[a:a + n] = o[0].transpose(0, 1).reshape(n, h * hd)
         return out

@@ -225,19 +225,19 @@ class RopeTables:
 
     def __init__(self, head_dim: int, theta: float):
         self.hd, self.theta = head_dim, theta
-        self.full: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.full: dict[tuple[torch.dtype, torch.device], tuple[torch.Tensor, torch.Tensor]] = {}
         self.last: tuple[torch.Tensor, torch.dtype, tuple[torch.Tensor, torch.Tensor]] | None = None
 
     def rows(self, pos: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         if self.last is not None and self.last[0] is pos and self.last[1] == dtype:
             return self.last[2]
-        full = self.full.get(dtype)
+        full = self.full.get((dtype, pos.device))
         top = int(pos.max())
         if full is None or full[0].shape[0] <= top:
             cos, sin = rope_cos_sin(torch.arange(max(4096, 2 * top + 1)), self.hd, self.theta)
             # rotate_half(x) * sin == swap_halves(x) * [-sin | sin]
             sin = torch.cat((-sin[:, : self.hd // 2], sin[:, self.hd // 2:]), dim=-1)
-            full = self.full[dtype] = (cos.to(dtype), sin.to(dtype))
+            full = self.full[(dtype, pos.device)] = (cos.to(pos.device, dtype), sin.to(pos.device, dtype))
         rows = (full[0][pos][:, None, :], full[1][pos][:, None, :])
         self.last = (pos, dtype, rows)
         return rows

@@ -1,0 +1,222 @@
+"""The sm90 device check (run by device_check.sh): every Triton kernel of a SmolLM2-shaped
+and a Mixtral-shaped step on the GPU against the CPU target's torch kernels run on the same
+GPU (cuBLAS GEMMs, SDPA attention), timed both ways, with % of HBM bandwidth and of bf16
+tensor-core peak; then greedy decoding from a saved-and-loaded sm90 artifact against the CPU
+build. One JSON out.
+
+    python benchmarks/device_check.py --out results/device_check.json [--dry-run]
+
+--dry-run: tiny shapes, f32, on the CPU in Triton's interpreter (the caller sets
+TRITON_INTERPRET=1), no timing: checks that the script starts and writes its JSON.
+The end-to-end run uses SmolLM2 when its GGUF is installed, else a random model of its shape.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import deepfuse  # noqa: E402
+from deepfuse.codegen.cpu.kernels import make_kernel  # noqa: E402
+from deepfuse.codegen.targets import get_target  # noqa: E402
+from deepfuse.codegen.triton import build_plan  # noqa: E402
+from deepfuse.codegen.triton.runner import TritonRunner  # noqa: E402
+from deepfuse.compiler import trace_model  # noqa: E402
+from deepfuse.models import load_model  # noqa: E402
+from deepfuse.passes import PassManager  # noqa: E402
+from deepfuse.runtime.batch import SeqChunk, build_step  # noqa: E402
+from deepfuse.runtime.kv_cache import CacheConfig, KVCache  # noqa: E402
+
+H200_HBM_BYTES_S = 4.8e12
+H200_BF16_FLOPS = 989e12
+
+
+def random_model(kind: str, dry: bool):
+    """A random-weight checkpoint written by transformers: SmolLM2's shape (2 layers) or a
+    Mixtral-shaped MoE; tiny versions for the dry run."""
+    import transformers as tf
+
+    torch.manual_seed(0)
+    if kind == "smollm2":
+        cfg = tf.LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=2,
+                             num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192,
+                             rope_theta=100000.0, rms_norm_eps=1e-5, tie_word_embeddings=True)
+        if dry:
+            cfg = tf.LlamaConfig(vocab_size=256, hidden_size=96, intermediate_size=128, num_hidden_layers=2,
+                                 num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=512,
+                                 tie_word_embeddings=True)
+        hf = tf.LlamaForCausalLM(cfg)
+    else:
+        size = dict(hidden_size=64, intermediate_size=64, num_local_experts=4) if dry else \
+            dict(hidden_size=1024, intermediate_size=1024, num_local_experts=16)
+        hf = tf.MixtralForCausalLM(tf.MixtralConfig(vocab_size=256 if dry else 32000, num_hidden_layers=2,
+                                                    num_attention_heads=8 if not dry else 4, num_key_value_heads=2,
+                                                    num_experts_per_tok=2, max_position_embeddings=4096, **size))
+    path = tempfile.mkdtemp(prefix=f"devcheck-{kind}-")
+    hf.save_pretrained(path)
+    return load_model(path, with_tokenizer=False)[0]
+
+
+def step(config, dtype, device, prefill: int, decodes: int, position: int):
+    """One step: a prefill chunk (if prefill > 0) and `decodes` one-token sequences at `position`."""
+    blocks = 2 + (max(prefill, position) + 20) // 16
+    cache = KVCache(config.num_layers, config.num_kv_heads, config.head_dim, dtype,
+                    CacheConfig(block_size=16, num_blocks=blocks * (decodes + 1)))
+    torch.manual_seed(1)
+    for t in cache.layers:
+        t.normal_()
+    chunks = [SeqChunk(list(range(1, prefill + 1)), 0, list(range(blocks)))] if prefill else []
+    chunks += [SeqChunk([7], position, list(range(blocks * (s + 1), blocks * (s + 2)))) for s in range(decodes)]
+    inputs = build_step(chunks, cache)
+    return {k: v.to(device) for k, v in inputs.items()}
+
+
+def bench(fn, dry: bool) -> float | None:
+    if dry:
+        return None
+    import triton.testing
+
+    return triton.testing.do_bench(fn, warmup=10, rep=50) * 1000  # us
+
+
+def cost(p: dict, ins: list[torch.Tensor], outs: list[torch.Tensor]) -> tuple[int, int]:
+    """(bytes read and written, GEMM flops) of one launch; attention reads only each
+    sequence's cached rows, not the whole cache."""
+    size = lambda t: t.numel() * t.element_size()
+    if p["op"] == "qkv_attention":
+        qkv, cache, seq_lens = ins[0], ins[2], ins[5]
+        row = 2 * cache.shape[3] * cache.shape[4] * cache.element_size()
+        return size(qkv) + int(seq_lens.sum()) * row + sum(size(o) for o in outs), 0
+    nbytes = sum(size(t) for t in ins + outs if isinstance(t, torch.Tensor))
+    flops = 0
+    if p["op"] in ("linear", "logits", "rms_norm_linear", "add_rms_norm_linear", "swiglu_linear"):
+        w = ins[{"add_rms_norm_linear": 3, "rms_norm_linear": 2}.get(p["op"], 1)]
+        flops = 2 * outs[-1].shape[0] * w.shape[0] * w.shape[1]
+    elif p["op"] == "fused_moe":
+        w13, w2, top = ins[2], ins[3], p["attrs"]["top_k"] + p["attrs"].get("num_shared", 0)
+        flops = 2 * ins[0].shape[0] * top * (w13.shape[1] * w13.shape[2] + w2.shape[1] * w2.shape[2])
+    return nbytes, flops
+
+
+def check_kernels(model, dtype: str, device, dry: bool, steps: dict) -> list[dict]:
+    g, _ = PassManager(get_target("sm90").pipeline()).run(trace_model(model, dtype))
+    plan = build_plan(g, "interpret" if dry else "sm90")
+    runner = TritonRunner(plan, g.weights)
+    rows, seen = [], set()
+    for step_name, inputs in steps.items():
+        env = list(runner.base)
+        for name, s in plan["inputs"].items():
+            env[s] = inputs[name]
+        for p, kernels, ref in runner.launches:
+            ins = [env[i] for i in p["in"]]
+            peer = make_kernel(p["op"], p["attrs"])
+            want = peer(*ins)
+            want = list(want) if isinstance(want, (tuple, list)) else [want]
+            if kernels and not (p["op"] == "sample" and bool((ins[1] > 0).any())):
+                got = runner._run(p, kernels, ins)
+                names = [spec["name"] for spec, _ in kernels]
+                key = (step_name, p["op"], tuple(names))
+                if key not in seen:
+                    seen.add(key)
+                    err = max(float((a.float() - b.float()).abs().max() / (b.float().abs().max() + 1e-6))
+                              for a, b in zip(got, want) if a.is_floating_point()) if p["op"] != "sample" else \
+                        float((got[0] != want[0]).float().mean())
+                    t_tri = bench(lambda: runner._run(p, kernels, ins), dry)
+                    t_peer = bench(lambda: peer(*ins), dry)
+                    nbytes, flops = cost(p, ins, got)
+                    rows.append({"step": step_name, "op": p["op"], "kernels": names,
+                                 "max_rel_err": err, "triton_us": t_tri, "torch_us": t_peer,
+                                 "speedup_vs_torch": t_peer / t_tri if t_tri else None,
+                                 "pct_hbm": 100 * nbytes / (t_tri * 1e-6) / H200_HBM_BYTES_S if t_tri else None,
+                                 "pct_bf16_tc": 100 * flops / (t_tri * 1e-6) / H200_BF16_FLOPS if t_tri and flops
+                                 else None})
+                outs = got
+            else:
+                outs = want
+            for s, t in zip(p["out"], outs):
+                env[s] = t
+    return rows
+
+
+def end_to_end(dry: bool, device) -> dict:
+    from deepfuse.models import smollm2_gguf_path
+    from tests.helpers import greedy_with
+
+    try:
+        if dry:  # the interpreter runs 30 layers of the real model far too slowly
+            raise FileNotFoundError
+        smollm2_gguf_path()
+        model, which = load_model("smollm2", with_tokenizer=False)[0], "SmolLM2-135M-Instruct (GGUF)"
+    except Exception:
+        model, which = random_model("smollm2", dry), "random weights, SmolLM2 shape, 2 layers"
+    dtype = "f32"
+    cpu = deepfuse.compile(model, dtype=dtype)
+    with tempfile.TemporaryDirectory() as d:
+        t = time.perf_counter()
+        art = deepfuse.compile(model, target="sm90", dtype=dtype)
+        compile_s = time.perf_counter() - t
+        loaded = deepfuse.load(art.save(d))
+    prompt = [t % model.config.vocab_size for t in (1, 504, 3458, 282, 4649, 314, 4760, 30)]
+    n = 4 if dry else 32
+    want, _ = greedy_with(cpu, model.config, prompt, n, block_size=16)
+    got, _ = greedy_with(loaded, model.config, prompt, n, block_size=16)
+    return {"model": which, "dtype": dtype, "tokens": n, "sm90_compile_s": compile_s, "cpu_tokens": want,
+            "sm90_tokens": got, "equal": got == want}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="benchmarks/results/device_check.json")
+    ap.add_argument("--dry-run", action="store_true")
+    args = ap.parse_args()
+    dry = args.dry_run
+    if dry and os.environ.get("TRITON_INTERPRET") != "1":
+        sys.exit("--dry-run needs TRITON_INTERPRET=1 (device_check.sh sets it)")
+    device = torch.device("cpu" if dry else "cuda")
+    if not dry and not torch.cuda.is_available():
+        sys.exit("no CUDA device visible: run with --dry-run on a CPU machine")
+    t0 = time.perf_counter()
+    dtype = "f32" if dry else "bf16"
+    tdt = torch.float32 if dry else torch.bfloat16
+    result = {"device": "cpu (Triton interpreter, dry run)" if dry else torch.cuda.get_device_name(),
+              "torch": torch.__version__, "dtype": dtype, "kernels": []}
+    import triton
+
+    result["triton"] = triton.__version__
+    for kind in ("smollm2", "mixtral"):
+        model = random_model(kind, dry)
+        pos, decodes, prefill, mixed = (20, 2, 20, 1) if dry else (200, 64, 512, 8)
+        steps = {f"decode x{decodes}": step(model.config, tdt, device, 0, decodes, pos),
+                 f"prefill {prefill} + decode x{mixed}": step(model.config, tdt, device, prefill, mixed, pos)}
+        if dry:
+            steps = {k: {n: t.to(device) for n, t in v.items()} for k, v in steps.items()}
+        result["kernels"] += [{"model": kind, **r} for r in check_kernels(model, dtype, device, dry, steps)]
+    result["end_to_end"] = end_to_end(dry, device)
+    result["seconds"] = time.perf_counter() - t0
+    bad = [r for r in result["kernels"] if r["max_rel_err"] > (1e-4 if dry else 3e-2)]
+    result["ok"] = not bad and result["end_to_end"]["equal"]
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=1)
+    print(f"{'model':8s} {'step':24s} {'op':20s} {'rel err':>9s} {'triton us':>10s} {'torch us':>9s} "
+          f"{'x torch':>8s} {'%HBM':>6s} {'%TC':>6s}")
+    for r in result["kernels"]:
+        f = lambda v, spec: "-" if v is None else format(v, spec)
+        print(f"{r['model']:8s} {r['step']:24s} {r['op']:20s} {r['max_rel_err']:9.2e} {f(r['triton_us'], '10.1f')} "
+              f"{f(r['torch_us'], '9.1f')} {f(r['speedup_vs_torch'], '8.2f')} {f(r['pct_hbm'], '6.1f')} "
+              f"{f(r['pct_bf16_tc'], '6.1f')}")
+    e = result["end_to_end"]
+    print(f"end to end ({e['model']}, {e['dtype']}): sm90 artifact greedy {e['tokens']} tokens "
+          f"{'equal to' if e['equal'] else 'DIFFER from'} the CPU build; {result['seconds']:.0f} s; wrote {args.out}")
+    sys.exit(0 if result["ok"] else 1)
+
+
+if __name__ == "__main__":
+    main()

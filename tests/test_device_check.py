@@ -1,0 +1,25 @@
+"""benchmarks/device_check.sh --dry-run: the GPU check's script starts, runs every kernel kind
+in Triton's interpreter against the CPU kernels, and writes its JSON (issue 5's CI check)."""
+import json
+import os
+import subprocess
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_device_check_dry_run_writes_its_json(tmp_path):
+    out = tmp_path / "device_check.json"
+    r = subprocess.run([os.path.join(ROOT, "benchmarks", "device_check.sh"), "--dry-run", "--out", str(out)],
+                       capture_output=True, text=True, timeout=400)
+    assert r.returncode == 0, r.stderr[-2000:]
+    result = json.loads(out.read_text())
+    assert result["ok"] and result["end_to_end"]["equal"]
+    ops = {(k["model"], k["op"]) for k in result["kernels"]}
+    assert ("smollm2", "qkv_attention") in ops and ("mixtral", "fused_moe") in ops
+    assert all(k["max_rel_err"] < 1e-4 for k in result["kernels"])
+
+
+def test_device_check_refuses_unknown_arguments():
+    r = subprocess.run([os.path.join(ROOT, "benchmarks", "device_check.sh"), "--fast"], capture_output=True,
+                       text=True)
+    assert r.returncode == 2 and "unknown argument: --fast" in r.stderr

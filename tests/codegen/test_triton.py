@@ -171,3 +171,15 @@ def test_moe_model_sm100_artifact_has_a_cubin_for_every_launch(mixtral_model):
     assert all(f"kernels/{n}.cubin" in art.files for n in names)
     moe_gemms = [n for n in names if n.startswith("fused_moe_") and n.endswith(("_up", "_down"))]
     assert len(moe_gemms) == 2 and all("tcgen05" in art.files[f"kernels/{n}.ptx"].decode() for n in moe_gemms)
+
+
+def test_int4_projection_kernels_match_the_interpreter(tiny_model):
+    """--quant int4: the GEMMs dequantize Q4_1 nibbles in their B-tile loads, prologues included."""
+    g, _ = PassManager(get_target("sm90").pipeline(quant="int4")).run(trace_model(tiny_model))
+    plan = build_plan(g, "interpret")
+    q4 = [p for p in plan["launches"] if "group_size" in p["attrs"]]
+    assert {p["op"] for p in q4} == {"add_rms_norm_linear", "rms_norm_linear", "linear_q4", "swiglu_linear"}
+    assert all(p.get("kernels") for p in plan["launches"])
+    a, b = mixed_step(tiny_model.config), mixed_step(tiny_model.config)
+    got, want = TritonRunner(plan, g.weights)(b), interpret(g, a)
+    torch.testing.assert_close(got[0], want[0], atol=1e-4, rtol=1e-4)

@@ -8,6 +8,7 @@ shapes the runner needs to allocate outputs and scratch.
 from __future__ import annotations
 
 import hashlib
+import json
 
 from ...ir import Graph
 from ..cpu.plan import build_plan as slot_plan
@@ -28,10 +29,10 @@ def build_plan(g: Graph, arch: str) -> dict:
         counter += len(n.outputs)
         if not emittable(n):
             continue
-        # a kernel is named by its op and a hash of its source, so the layers' identical
-        # kernels are one kernel (one compile, one cubin)
+        # a kernel is named by its op and a hash of its spec (source, tiles, launch options), so
+        # the layers' identical kernels are one kernel (one compile, one cubin)
         draft = EMITTERS[n.op](n, "KERNEL", arch)
-        digest = hashlib.sha256("".join(k["source"] for k in draft).encode()).hexdigest()[:10]
+        digest = hashlib.sha256(json.dumps(draft, sort_keys=True).encode()).hexdigest()[:10]
         p["kernels"] = EMITTERS[n.op](n, f"{n.op}_{digest}", arch)
         if n.op in PREPARE:
             p["prepare"] = {"fn": PREPARE[n.op], "block": p["kernels"][0]["constexprs"]["BM"]}

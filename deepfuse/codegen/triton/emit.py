@@ -72,27 +72,34 @@ def emit_rms_norm(node: Node, name: str, arch: str) -> list[dict]:
 
 
 def emit_gemm(node: Node, name: str, arch: str) -> list[dict]:
-    """linear, logits, rms_norm_linear, add_rms_norm_linear, swiglu_linear (dense weights)."""
+    """linear, linear_q4, logits, rms_norm_linear, add_rms_norm_linear, swiglu_linear; the
+    projection dense, or int4 (attr group_size: packed, scales, mins in place of W)."""
     op, ins = node.op, node.inputs
     x = ins[0].type
-    w = ins[{"linear": 1, "logits": 1, "rms_norm_linear": 2, "add_rms_norm_linear": 3, "swiglu_linear": 1}[op]]
-    n, k = w.type.shape
+    first_w = {"linear": 1, "linear_q4": 1, "logits": 1, "rms_norm_linear": 2, "add_rms_norm_linear": 3,
+               "swiglu_linear": 1}[op]
+    q4 = "group_size" in node.attrs
+    n = ins[first_w].type.shape[0]
+    k = ins[first_w].type.shape[1] * (2 if q4 else 1)
     xw = x.shape[1]
     tiles = tiles_for(arch, "gemm", node)
     consts = {k_: tiles[k_] for k_ in ("BM", "BN", "BK")}
     params = [("x_ptr", PTR[x.dtype], ["in", 0])]
     rows, pre, load, m = T.ROWS_PLAIN, "", T.LOAD_PLAIN, ["shape", 0, 0]
+    weight = [("packed_ptr", "*u8", ["in", first_w]), ("scales_ptr", "*fp32", ["in", first_w + 1]),
+              ("mins_ptr", "*fp32", ["in", first_w + 2])] if q4 else [("w_ptr", PTR[ins[first_w].type.dtype],
+                                                                        ["in", first_w])]
     requires = []
     if op == "logits":
-        requires = [[2, 0, SMAX, "sequences per step (at most)"]]
-        params += [("w_ptr", PTR[w.type.dtype], ["in", 1]), ("qlens_ptr", _ptr(node, "in", 2), ["in", 2])]
+        params += weight + [("qlens_ptr", _ptr(node, "in", 2), ["in", 2])]
         rows, m = T.ROWS_LAST, ["shape", 2, 0]
         consts["SMAX"] = SMAX
+        requires = [[2, 0, SMAX, "sequences per step (at most)"]]
     elif op in ("rms_norm_linear", "add_rms_norm_linear"):
         add = op == "add_rms_norm_linear"
         if add:
             params.append(("res_ptr", PTR[x.dtype], ["in", 1]))
-        params += [("nw_ptr", _ptr(node, "in", 1 + add), ["in", 1 + add]), ("w_ptr", PTR[w.type.dtype], ["in", 2 + add])]
+        params += [("nw_ptr", _ptr(node, "in", 1 + add), ["in", 1 + add])] + weight
         if add:
             params.append(("s_ptr", PTR[x.dtype], ["out", 0]))
         total = T.X_TILE + (" + " + T.R_TILE if add else "")
@@ -100,12 +107,12 @@ def emit_gemm(node: Node, name: str, arch: str) -> list[dict]:
                                                    EPS=repr(float(node.attrs["eps"])))
         load = Template(T.LOAD_NORM).safe_substitute(SUM=total)
     else:
-        params.append(("w_ptr", PTR[w.type.dtype], ["in", 1]))
+        params += weight
         if op == "swiglu_linear":
             load = T.LOAD_SWIGLU
     sig = ", ".join(p for p, _, _ in params)
-    src = _source(name, T.GEMM, PARAMS=sig, ROWS=rows, PRE=pre, LOAD_A=load, K=k, N=n, XW=xw,
-                  EXTRA=", SMAX: tl.constexpr" if "SMAX" in consts else "")
+    src = _source(name, T.GEMM, PARAMS=sig, ROWS=rows, PRE=pre, LOAD_A=load, LOAD_B=T.LOAD_B_Q4 if q4 else T.LOAD_B_DENSE,
+                  K=k, N=n, XW=xw, G=node.attrs.get("group_size", 1), EXTRA=", SMAX: tl.constexpr" if "SMAX" in consts else "")
     out = len(node.outputs) - 1
     params.append(("y_ptr", _ptr(node, "out", out), ["out", out]))
     params.append(("M", "i32", m))
@@ -186,6 +193,7 @@ EMITTERS = {
     "rms_norm": emit_rms_norm,
     "add_rms_norm": emit_rms_norm,
     "linear": emit_gemm,
+    "linear_q4": emit_gemm,
     "logits": emit_gemm,
     "rms_norm_linear": emit_gemm,
     "add_rms_norm_linear": emit_gemm,
@@ -198,8 +206,8 @@ PREPARE = {"fused_moe": "moe_align"}  # ops whose kernels need a torch step firs
 
 
 def emittable(node: Node) -> bool:
-    """Int4 projections (group_size) and shapes the templates do not cover go to the reference."""
-    if node.op not in EMITTERS or "group_size" in node.attrs:
+    """Shapes the templates do not cover go to the reference."""
+    if node.op not in EMITTERS:
         return False
     if node.op == "qkv_attention":
         hd = node.attrs["head_dim"]

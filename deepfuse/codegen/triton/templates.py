@@ -26,12 +26,22 @@ $ROWS$PRE    acc = tl.zeros((BM, BN), dtype=tl.float32)
     for k0 in range(0, $K, BK):
         kk = k0 + rk
         k_ok = kk < $K
-$LOAD_A        b = tl.load(w_ptr + rn[None, :] * $K + kk[:, None], mask=(rn[None, :] < $N) & k_ok[:, None], other=0.0)
-        acc += tl.dot(a.to(b.dtype), b)
+$LOAD_A$LOAD_B        acc += tl.dot(a.to(b.dtype), b)
     tl.store(y_ptr + rm[:, None] * $N + rn[None, :], acc.to(y_ptr.dtype.element_ty),
              mask=row_ok[:, None] & (rn[None, :] < $N))
 """
 
+LOAD_B_DENSE = "        b = tl.load(w_ptr + rn[None, :] * $K + kk[:, None], mask=(rn[None, :] < $N) & k_ok[:, None], other=0.0)\n"
+# int4 weights in Q4_1 layout (ir/opdefs_quant.py): nibble kk of row n, scale and min per group;
+# the weight is rounded to the activation dtype, as the reference's dense weight is
+LOAD_B_Q4 = """        wmask = (rn[None, :] < $N) & k_ok[:, None]
+        byte = tl.load(packed_ptr + rn[None, :] * ($K // 2) + kk[:, None] // 2, mask=wmask, other=0)
+        q = ((byte >> ((kk[:, None] % 2) * 4).to(tl.uint8)) & 15).to(tl.float32)
+        grp = rn[None, :] * ($K // $G) + kk[:, None] // $G
+        sc = tl.load(scales_ptr + grp, mask=wmask, other=0.0)
+        mn = tl.load(mins_ptr + grp, mask=wmask, other=0.0)
+        b = (q * sc + mn).to(x_ptr.dtype.element_ty)
+"""
 ROWS_PLAIN = "    xrow = rm\n"
 ROWS_LAST = """    sidx = tl.arange(0, SMAX)
     qlen = tl.load(qlens_ptr + sidx, mask=sidx < M, other=0)

@@ -84,11 +84,13 @@ def linear_q4(x: Any, packed: Any, scales: Any, mins: Any, *, group_size: int) -
     return apply("linear_q4", x, packed, scales, mins, group_size=group_size)
 
 
-def qkv_rope_cache(qkv: Any, positions: Any, kv_cache: Any, slot_mapping: Any, *, sizes: list[int], head_dim: int,
-                   theta: float) -> Any:
-    """(rope(q), rope(k), v) from the merged projection; writes k and v into kv_cache."""
-    return apply("qkv_rope_cache", qkv, positions, kv_cache, slot_mapping, sizes=list(sizes), head_dim=head_dim,
-                 theta=float(theta))
+def qkv_rope_cache(qkv: Any, positions: Any, kv_cache: Any, slot_mapping: Any, *norms: Any, sizes: list[int],
+                   head_dim: int, theta: float, qk_norm_eps: float | None = None) -> Any:
+    """(rope(q), rope(k), v) from the merged projection; writes k and v into kv_cache.
+    norms: (q_norm[hd], k_norm[hd]) with qk_norm_eps, each head normalised before RoPE."""
+    extra = {} if qk_norm_eps is None else {"qk_norm_eps": float(qk_norm_eps)}
+    return apply("qkv_rope_cache", qkv, positions, kv_cache, slot_mapping, *norms, sizes=list(sizes), head_dim=head_dim,
+                 theta=float(theta), **extra)
 
 
 def head_rms_norm(x: Any, w: Any, *, eps: float, head_dim: int) -> Any:
@@ -143,12 +145,13 @@ def attention(q: Any, k: Any, v: Any, kv_cache: Any, slot_mapping: Any, block_ta
 
 
 def qkv_attention(qkv: Any, positions: Any, kv_cache: Any, slot_mapping: Any, block_tables: Any, seq_lens: Any,
-                  query_lens: Any, *, sizes: list[int], head_dim: int, theta: float, num_heads: int,
-                  num_kv_heads: int, scale: float, window: int = 0) -> Any:
+                  query_lens: Any, *norms: Any, sizes: list[int], head_dim: int, theta: float, num_heads: int,
+                  num_kv_heads: int, scale: float, window: int = 0, qk_norm_eps: float | None = None) -> Any:
     """attention over qkv_rope_cache's outputs, as one op: qkv[T,Q+K+V] -> [T,H*hd]."""
-    return apply("qkv_attention", qkv, positions, kv_cache, slot_mapping, block_tables, seq_lens, query_lens,
+    extra = {} if qk_norm_eps is None else {"qk_norm_eps": float(qk_norm_eps)}
+    return apply("qkv_attention", qkv, positions, kv_cache, slot_mapping, block_tables, seq_lens, query_lens, *norms,
                  sizes=list(sizes), head_dim=head_dim, theta=float(theta), num_heads=num_heads,
-                 num_kv_heads=num_kv_heads, scale=float(scale), window=window)
+                 num_kv_heads=num_kv_heads, scale=float(scale), window=window, **extra)
 
 
 def last_token(x: Any, query_lens: Any) -> Any:

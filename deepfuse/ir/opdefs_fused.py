@@ -3,9 +3,10 @@
     rms_norm_linear(x, w, *W)            = linear(rms_norm(x, w), W)           norm as the GEMM's prologue
     add_rms_norm_linear(x, r, w, *W)     = (x + r, linear(rms_norm(x + r, w), W))
     swiglu_linear(x, *W)                 = linear(swiglu(x), W)                activation as the GEMM's prologue
-    qkv_rope_cache(qkv, pos, cache, slots) -> (q, k, v): split, RoPE on q and k, and the paged
-                                            KV-cache write; the attention that follows reads the
-                                            cache with write_kv=False
+    qkv_rope_cache(qkv, pos, cache, slots[, q_norm, k_norm]) -> (q, k, v): split, (Qwen3's
+                                            per-head RMSNorm of q and k,) RoPE on q and k, and the
+                                            paged KV-cache write; the attention that follows reads
+                                            the cache with write_kv=False
     qkv_attention(qkv, pos, cache, slots, tables, lens, qlens) = attention(*qkv_rope_cache(...)):
                                             the split, RoPE and cache write as the attention's
                                             prologue (new keys come from qkv, older ones from the cache)
@@ -19,6 +20,7 @@ import torch.nn.functional as F
 
 from .opdefs_basic import swiglu
 from .opdefs_llm import attention, rms_norm, rope, write_kv
+from .opdefs_moe import head_rms_norm
 from .opdefs_quant import _linear_q4_type, linear_q4
 from .ops import OPS, decomposition, expect, register
 from .types import TensorType
@@ -105,18 +107,25 @@ def _swiglu_linear_decomp(x, *proj, group_size=None):
 
 
 def _qkv_rope_cache_type(types: list[TensorType], attrs: dict) -> list[TensorType]:
-    qkv, pos, cache, slots = types
+    qkv, pos, cache, slots, *norms = types
     sizes = attrs["sizes"]
+    expect(not norms or (len(norms) == 2 and "qk_norm_eps" in attrs and all(w.shape == (attrs["head_dim"],)
+                                                                             for w in norms)),
+           f"qkv_rope_cache head norms must be two [{attrs['head_dim']}] weights with qk_norm_eps, got {norms}")
     expect(len(sizes) == 3 and qkv.shape[1] == sum(sizes), f"qkv_rope_cache sizes {sizes} do not split {qkv}")
     expect(cache.rank == 5 and cache.dtype == qkv.dtype, f"qkv_rope_cache cache {cache} does not fit {qkv}")
     return [qkv.with_shape(qkv.shape[0], s) for s in sizes]
 
 
 @register("qkv_rope_cache", _qkv_rope_cache_type, side_effect=True)
-def qkv_rope_cache(qkv, positions, kv_cache, slot_mapping, *, sizes: list[int], head_dim: int,
-                   theta: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """qkv[T,Q+K+V] -> (rope(q), rope(k), v); writes rope(k) and v into kv_cache at slot_mapping."""
+def qkv_rope_cache(qkv, positions, kv_cache, slot_mapping, *norms, sizes: list[int], head_dim: int,
+                   theta: float, qk_norm_eps: float | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """qkv[T,Q+K+V] -> (rope(q), rope(k), v); writes rope(k) and v into kv_cache at slot_mapping.
+    norms (q_norm[hd], k_norm[hd]): each head of q and k is RMS-normalised first."""
     q, k, v = (t.contiguous() for t in torch.split(qkv, sizes, dim=-1))
+    if norms:
+        q = head_rms_norm(q, norms[0], eps=qk_norm_eps, head_dim=head_dim)
+        k = head_rms_norm(k, norms[1], eps=qk_norm_eps, head_dim=head_dim)
     q, k = rope(q, positions, head_dim=head_dim, theta=theta), rope(k, positions, head_dim=head_dim, theta=theta)
     write_kv(kv_cache, k, v, slot_mapping)
     return q, k, v
@@ -126,26 +135,28 @@ ATTENTION_ATTRS = ("num_heads", "num_kv_heads", "head_dim", "scale", "window")
 
 
 def _qkv_attention_type(types: list[TensorType], attrs: dict) -> list[TensorType]:
-    qkv, pos, cache, slots, tables, lens, qlens = types
-    q, k, v = _qkv_rope_cache_type([qkv, pos, cache, slots], attrs)
+    qkv, pos, cache, slots, tables, lens, qlens, *norms = types
+    q, k, v = _qkv_rope_cache_type([qkv, pos, cache, slots, *norms], attrs)
     return OPS["attention"].infer([q, k, v, cache, slots, tables, lens, qlens], attrs)
 
 
 @register("qkv_attention", _qkv_attention_type, side_effect=True)
-def qkv_attention(qkv, positions, kv_cache, slot_mapping, block_tables, seq_lens, query_lens, *, sizes: list[int],
+def qkv_attention(qkv, positions, kv_cache, slot_mapping, block_tables, seq_lens, query_lens, *norms, sizes: list[int],
                   head_dim: int, theta: float, num_heads: int, num_kv_heads: int, scale: float,
-                  window: int = 0) -> torch.Tensor:
-    """qkv[T,Q+K+V] -> [T,H*hd]: split, RoPE on q and k, the paged KV-cache write, then attention."""
-    q, k, v = qkv_rope_cache(qkv, positions, kv_cache, slot_mapping, sizes=sizes, head_dim=head_dim, theta=theta)
+                  window: int = 0, qk_norm_eps: float | None = None) -> torch.Tensor:
+    """qkv[T,Q+K+V] -> [T,H*hd]: split, (head norms,) RoPE on q and k, the paged KV-cache write, then attention."""
+    q, k, v = qkv_rope_cache(qkv, positions, kv_cache, slot_mapping, *norms, sizes=sizes, head_dim=head_dim, theta=theta,
+                             qk_norm_eps=qk_norm_eps)
     return attention(q, k, v, kv_cache, slot_mapping, block_tables, seq_lens, query_lens, num_heads=num_heads,
                      num_kv_heads=num_kv_heads, head_dim=head_dim, scale=scale, window=window, write_kv=False)
 
 
 @decomposition("qkv_attention")
-def _qkv_attention_decomp(qkv, positions, kv_cache, slot_mapping, block_tables, seq_lens, query_lens, *, sizes,
-                          head_dim, theta, num_heads, num_kv_heads, scale, window=0):
+def _qkv_attention_decomp(qkv, positions, kv_cache, slot_mapping, block_tables, seq_lens, query_lens, *norms, sizes,
+                          head_dim, theta, num_heads, num_kv_heads, scale, window=0, qk_norm_eps=None):
     from ..frontend import ops
 
-    q, k, v = ops.qkv_rope_cache(qkv, positions, kv_cache, slot_mapping, sizes=sizes, head_dim=head_dim, theta=theta)
+    q, k, v = ops.qkv_rope_cache(qkv, positions, kv_cache, slot_mapping, *norms, sizes=sizes, head_dim=head_dim,
+                                 theta=theta, qk_norm_eps=qk_norm_eps)
     return ops.attention(q, k, v, kv_cache, slot_mapping, block_tables, seq_lens, query_lens, num_heads=num_heads,
                          num_kv_heads=num_kv_heads, head_dim=head_dim, scale=scale, window=window, write_kv=False)

@@ -18,20 +18,27 @@ qkv, pos, cache, slots, tables, lens, qlens = (Var(n) for n in ("qkv", "pos", "c
 ROPE = Op("qkv_rope_cache", qkv, pos, cache, slots, name="rope")
 
 
+ROPE_NORMED = Op("qkv_rope_cache", qkv, pos, cache, slots, Var("q_norm"), Var("k_norm"), name="rope")
+
+
 def _fuse(m):
     a, r = m.attrs("att"), m.attrs("rope")
-    out = ops.qkv_attention(m["qkv"], m["pos"], m["cache"], m["slots"], m["tables"], m["lens"], m["qlens"],
+    norms = [m["q_norm"], m["k_norm"]] if "q_norm" in m.values else []
+    out = ops.qkv_attention(m["qkv"], m["pos"], m["cache"], m["slots"], m["tables"], m["lens"], m["qlens"], *norms,
                             sizes=r["sizes"], head_dim=r["head_dim"], theta=r["theta"], num_heads=a["num_heads"],
-                            num_kv_heads=a["num_kv_heads"], scale=a["scale"], window=a.get("window", 0))
+                            num_kv_heads=a["num_kv_heads"], scale=a["scale"], window=a.get("window", 0),
+                            qk_norm_eps=r.get("qk_norm_eps"))
     return None, None, None, out  # the cache-writing op's q, k, v are read by the attention alone
 
 
-QKV_ATTENTION = Rule(
-    "qkv_attention",
-    Op("attention", ROPE, Op("qkv_rope_cache", name="rope", out=1), Op("qkv_rope_cache", name="rope", out=2),
-       cache, slots, tables, lens, qlens, name="att", attrs={"write_kv": False}),
-    _fuse,
-    replaces=("rope", "att"),
-)
+def _rule(name: str, rope: Op) -> Rule:
+    return Rule(name, Op("attention", rope, Op("qkv_rope_cache", name="rope", out=1),
+                         Op("qkv_rope_cache", name="rope", out=2), cache, slots, tables, lens, qlens, name="att",
+                         attrs={"write_kv": False}),
+                _fuse, replaces=("rope", "att"))
 
-fuse_qkv_attention = rule_pass("fuse_qkv_attention", [QKV_ATTENTION])
+
+QKV_ATTENTION = _rule("qkv_attention", ROPE)
+QKV_ATTENTION_NORMED = _rule("qkv_attention_qk_norm", ROPE_NORMED)  # Qwen3: head norms in the prologue
+
+fuse_qkv_attention = rule_pass("fuse_qkv_attention", [QKV_ATTENTION, QKV_ATTENTION_NORMED])

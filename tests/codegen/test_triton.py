@@ -183,3 +183,23 @@ def test_int4_projection_kernels_match_the_interpreter(tiny_model):
     a, b = mixed_step(tiny_model.config), mixed_step(tiny_model.config)
     got, want = TritonRunner(plan, g.weights)(b), interpret(g, a)
     torch.testing.assert_close(got[0], want[0], atol=1e-4, rtol=1e-4)
+
+
+def test_qwen3_moe_head_norms_fuse_into_the_attention_prologue(tmp_path_factory):
+    """Qwen3-MoE: q/k head RMSNorms join RoPE and the cache write in qkv_attention, so every
+    op of its step is a Triton kernel; it matches the interpreter."""
+    from tests.models.test_moe_families import qwen3_moe
+
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp("qwen3moe")
+    qwen3_moe().eval().save_pretrained(path)
+    model = load_model(str(path), with_tokenizer=False)[0]
+    g, _ = PassManager(get_target("sm90").pipeline()).run(trace_model(model))
+    counts = g.op_counts()
+    assert counts["qkv_attention"] == model.config.num_layers and "head_rms_norm" not in counts and "rope" not in counts
+    plan = build_plan(g, "interpret")
+    assert all(p.get("kernels") for p in plan["launches"])
+    a, b = mixed_step(model.config), mixed_step(model.config)
+    got, want = TritonRunner(plan, g.weights)(b), interpret(g, a)
+    torch.testing.assert_close(got[0], want[0], atol=1e-4, rtol=1e-4)
+    assert torch.equal(got[1], want[1])

@@ -263,11 +263,14 @@ def _rope(attrs: dict) -> Kernel:
 
 @factory("qkv_rope_cache")
 def _qkv_rope_cache(attrs: dict) -> Kernel:
-    sizes = attrs["sizes"]
-    rope = _rope({"head_dim": attrs["head_dim"], "theta": attrs["theta"]})
+    sizes, hd = attrs["sizes"], attrs["head_dim"]
+    rope = _rope({"head_dim": hd, "theta": attrs["theta"]})
+    norm = _head_rms_norm({"eps": attrs["qk_norm_eps"], "head_dim": hd}) if "qk_norm_eps" in attrs else None
 
-    def qkv_rope_cache(qkv, pos, cache, slots):
+    def qkv_rope_cache(qkv, pos, cache, slots, *norms):
         q, k, v = torch.split(qkv, sizes, dim=-1)
+        if norms:
+            q, k = norm(q.contiguous(), norms[0]), norm(k.contiguous(), norms[1])
         q, k = rope(q, pos), rope(k, pos)
         write_kv(cache, k, v, slots)
         return q, k, v
@@ -277,11 +280,11 @@ def _qkv_rope_cache(attrs: dict) -> Kernel:
 
 @factory("qkv_attention")
 def _qkv_attention(attrs: dict) -> Kernel:
-    rope_cache = _qkv_rope_cache({k: attrs[k] for k in ("sizes", "head_dim", "theta")})
+    rope_cache = _qkv_rope_cache({k: attrs[k] for k in ("sizes", "head_dim", "theta", "qk_norm_eps") if k in attrs})
     attend = FACTORIES["attention"]({**attrs, "write_kv": False})
 
-    def qkv_attention(qkv, pos, cache, slots, tables, seq_lens, query_lens, out=None):
-        q, k, v = rope_cache(qkv, pos, cache, slots)
+    def qkv_attention(qkv, pos, cache, slots, tables, seq_lens, query_lens, *norms, out=None):
+        q, k, v = rope_cache(qkv, pos, cache, slots, *norms)
         return attend(q, k, v, cache, slots, tables, seq_lens, query_lens, out=out)
 
     return qkv_attention

@@ -126,16 +126,21 @@ def emit_qkv_attention(node: Node, name: str, arch: str) -> list[dict]:
     """Two kernels: split + RoPE + cache write into a scratch q, then paged attention."""
     a = node.attrs
     h, hkv, hd = a["num_heads"], a["num_kv_heads"], a["head_dim"]
-    qkv, pos, cache, slots, tables, lens, qlens = (v.type for v in node.inputs)
+    qkv, pos, cache, slots, tables, lens, qlens = (v.type for v in node.inputs[:7])
     # the cache's block size is a step dim (BS); the kernel's tiles need it fixed at compile time
     bs = cache.shape[2] if isinstance(cache.shape[2], int) else tiles_for(arch, "attention", node)["block_size"]
     qw, kw = a["sizes"][0], a["sizes"][1]
     rope_tiles = tiles_for(arch, "row", node)
-    rope = _source(name + "_rope", T.ROPE_CACHE, HALF=hd // 2, HD=hd, LOG2_THETA=repr(math.log2(a["theta"])), W=qkv.shape[1],
-                   H=h, HKV=hkv, QW=qw, KW=kw)
+    normed = len(node.inputs) == 9  # Qwen3's q_norm, k_norm after the seven attention inputs
+    norm = lambda w: Template(T.HEAD_NORM).safe_substitute(W=w, EPS=repr(float(a["qk_norm_eps"]))) if normed else ""
+    rope = _source(name + "_rope", T.ROPE_CACHE, HALF=hd // 2, HD=hd, LOG2_THETA=repr(math.log2(a["theta"])),
+                   W=qkv.shape[1], H=h, HKV=hkv, QW=qw, KW=kw, NORM_PARAMS="qn_ptr, kn_ptr, " if normed else "",
+                   QNORM=norm("qn_ptr"), KNORM=norm("kn_ptr"))
     rope_params = [("qkv_ptr", PTR[qkv.dtype], ["in", 0]), ("pos_ptr", PTR[pos.dtype], ["in", 1]),
-                   ("cache_ptr", PTR[cache.dtype], ["in", 2]), ("slots_ptr", PTR[slots.dtype], ["in", 3]),
-                   ("q_ptr", PTR[qkv.dtype], ["tmp", 0]), ("v_off", "i64", ["half_numel", 2])]
+                   ("cache_ptr", PTR[cache.dtype], ["in", 2]), ("slots_ptr", PTR[slots.dtype], ["in", 3])]
+    if normed:
+        rope_params += [("qn_ptr", _ptr(node, "in", 7), ["in", 7]), ("kn_ptr", _ptr(node, "in", 8), ["in", 8])]
+    rope_params += [("q_ptr", PTR[qkv.dtype], ["tmp", 0]), ("v_off", "i64", ["half_numel", 2])]
     g = h // hkv
     att_tiles = tiles_for(arch, "attention", node)
     gp = pow2(g)

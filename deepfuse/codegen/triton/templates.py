@@ -100,7 +100,7 @@ def $NAME(table_ptr, ids_ptr, y_ptr, BD: tl.constexpr):
 # split + RoPE (rotate-half) of q and k + the paged-cache write of k and v; one token per program
 ROPE_CACHE = """
 @triton.jit
-def $NAME(qkv_ptr, pos_ptr, cache_ptr, slots_ptr, q_ptr, v_off):
+def $NAME(qkv_ptr, pos_ptr, cache_ptr, slots_ptr, ${NORM_PARAMS}q_ptr, v_off):
     t = tl.program_id(0)
     half = tl.arange(0, $HALF)
     pos = tl.load(pos_ptr + t).to(tl.float32)
@@ -113,18 +113,26 @@ def $NAME(qkv_ptr, pos_ptr, cache_ptr, slots_ptr, q_ptr, v_off):
     for h in tl.static_range($H):
         x1 = tl.load(row + h * $HD + half).to(tl.float32)
         x2 = tl.load(row + h * $HD + $HALF + half).to(tl.float32)
-        tl.store(q_ptr + t * $QW + h * $HD + half, (x1 * cos - x2 * sin).to(q_ptr.dtype.element_ty))
+$QNORM        tl.store(q_ptr + t * $QW + h * $HD + half, (x1 * cos - x2 * sin).to(q_ptr.dtype.element_ty))
         tl.store(q_ptr + t * $QW + h * $HD + $HALF + half, (x2 * cos + x1 * sin).to(q_ptr.dtype.element_ty))
     for h in tl.static_range($HKV):
         x1 = tl.load(row + $QW + h * $HD + half).to(tl.float32)
         x2 = tl.load(row + $QW + h * $HD + $HALF + half).to(tl.float32)
-        dst = cache_ptr + (slot * $HKV + h) * $HD
+$KNORM        dst = cache_ptr + (slot * $HKV + h) * $HD
         tl.store(dst + half, (x1 * cos - x2 * sin).to(cache_ptr.dtype.element_ty))
         tl.store(dst + $HALF + half, (x2 * cos + x1 * sin).to(cache_ptr.dtype.element_ty))
         v1 = tl.load(row + $QW + $KW + h * $HD + half)
         v2 = tl.load(row + $QW + $KW + h * $HD + $HALF + half)
         tl.store(dst + v_off + half, v1)
         tl.store(dst + v_off + $HALF + half, v2)
+"""
+
+# Qwen3's per-head RMSNorm of q or k (weights at $W) before RoPE, rounded as the reference rounds
+HEAD_NORM = """        rstd = 1.0 / tl.sqrt((tl.sum(x1 * x1, axis=0) + tl.sum(x2 * x2, axis=0)) / $HD + $EPS)
+        x1 = (x1 * rstd).to(q_ptr.dtype.element_ty).to(tl.float32) * tl.load($W + half).to(tl.float32)
+        x2 = (x2 * rstd).to(q_ptr.dtype.element_ty).to(tl.float32) * tl.load($W + $HALF + half).to(tl.float32)
+        x1 = x1.to(q_ptr.dtype.element_ty).to(tl.float32)
+        x2 = x2.to(q_ptr.dtype.element_ty).to(tl.float32)
 """
 
 # paged attention over the cache: one program per (sequence, kv head, block of BQ queries);

@@ -154,13 +154,14 @@ def qkv_attention(qkv: Any, positions: Any, kv_cache: Any, slot_mapping: Any, bl
                  num_kv_heads=num_kv_heads, scale=float(scale), window=window, **extra)
 
 
-def last_token(x: Any, query_lens: Any) -> Any:
-    return apply("last_token", x, query_lens)
+def take_rows(x: Any, rows: Any) -> Any:
+    """x[T,D], rows[R] -> [R,D]."""
+    return apply("take_rows", x, rows)
 
 
-def logits(x: Any, w: Any, query_lens: Any) -> Any:
-    """fp32 [S,V] logits of each sequence's last token."""
-    return apply("logits", x, w, query_lens)
+def logits(x: Any, w: Any, sample_rows: Any) -> Any:
+    """fp32 [R,V] logits of x's sample_rows."""
+    return apply("logits", x, w, sample_rows)
 
 
 def sample(logits: Any, temperature: Any, top_k: Any, top_p: Any, seeds: Any) -> Any:

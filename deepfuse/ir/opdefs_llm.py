@@ -1,4 +1,4 @@
-"""LLM semantic ops: rms_norm, add_rms_norm, rope, paged attention, last_token, logits, sample.
+"""LLM semantic ops: rms_norm, add_rms_norm, rope, paged attention, take_rows, logits, sample.
 
 Shapes: T tokens in the step, S sequences, H/Hkv query/kv heads, hd head dim,
 N cache blocks, BS block size, B max blocks per sequence, V vocab.
@@ -145,34 +145,36 @@ def attention(q, k, v, kv_cache, slot_mapping, block_tables, seq_lens, query_len
     return out
 
 
-def _last_token_type(types: list[TensorType], attrs: dict) -> list[TensorType]:
-    x, qlens = types
-    return [x.with_shape(qlens.shape[0], x.shape[1])]
+def _take_rows_type(types: list[TensorType], attrs: dict) -> list[TensorType]:
+    x, rows = types
+    expect(rows.rank == 1 and rows.dtype in ("i32", "i64"), f"take_rows wants integer rows[R], got {rows}")
+    return [x.with_shape(rows.shape[0], x.shape[1])]
 
 
-@register("last_token", _last_token_type)
-def last_token(x: torch.Tensor, query_lens: torch.Tensor) -> torch.Tensor:
-    """x[T,D] -> [S,D]: the last row of each sequence."""
-    return x.index_select(0, query_lens.cumsum(0) - 1)
+@register("take_rows", _take_rows_type)
+def take_rows(x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """x[T,D], rows[R] (strictly increasing) -> x[rows] [R,D]: the rows whose next token is sampled."""
+    return x.index_select(0, rows)
 
 
 def _logits_type(types: list[TensorType], attrs: dict) -> list[TensorType]:
-    x, w, qlens = types
+    x, w, rows = types
     expect(x.shape[1] == w.shape[1], f"logits: hidden {x} does not fit head {w}")
-    return [TensorType("f32", (qlens.shape[0], w.shape[0]))]
+    return [TensorType("f32", (rows.shape[0], w.shape[0]))]
 
 
 @register("logits", _logits_type)
-def logits(x: torch.Tensor, w: torch.Tensor, query_lens: torch.Tensor) -> torch.Tensor:
-    """fp32 logits [S,V] of each sequence's last token: last_token(x) @ w[V,D]^T."""
-    return torch.nn.functional.linear(last_token(x, query_lens), w).float()
+def logits(x: torch.Tensor, w: torch.Tensor, sample_rows: torch.Tensor) -> torch.Tensor:
+    """fp32 logits [R,V] of the sampled rows (each sequence's last token; the last k+1 of a
+    sequence whose k draft tokens are verified): take_rows(x, sample_rows) @ w[V,D]^T."""
+    return torch.nn.functional.linear(take_rows(x, sample_rows), w).float()
 
 
 @decomposition("logits")
-def _logits_decomp(x, w, query_lens):
+def _logits_decomp(x, w, sample_rows):
     from ..frontend import ops
 
-    return ops.cast(ops.linear(ops.last_token(x, query_lens), w), dtype="f32")
+    return ops.cast(ops.linear(ops.take_rows(x, sample_rows), w), dtype="f32")
 
 
 def _sample_type(types: list[TensorType], attrs: dict) -> list[TensorType]:

@@ -1,8 +1,10 @@
 """Step inputs: turns (sequence, new tokens) pairs into the tensors the step graph takes.
 
 Shapes follow models.llama.step_specs: tokens/positions/slot_mapping [T],
-block_tables [S,B] (unused entries 0), per-sequence [S] tensors. StepBuffers holds
-them preallocated (numpy arrays shared with torch): no input tensor is allocated per step.
+block_tables [S,B] (unused entries 0), per-sequence [S] tensors, and the sampled rows [R]
+with their sampling parameters (a chunk samples its last `samples` tokens: 1, or k+1 when
+k draft tokens are verified). StepBuffers holds them preallocated (numpy arrays shared
+with torch): no input tensor is allocated per step.
 """
 from __future__ import annotations
 
@@ -26,6 +28,7 @@ class SeqChunk:
     top_k: int = 0
     top_p: float = 1.0
     seed: int = 0
+    samples: int = 1  # how many of its last tokens get a sampled next token
 
 
 def sample_key(seed: int, position: int) -> int:
@@ -45,8 +48,9 @@ class StepBuffers:
         i64 = lambda *shape: np.zeros(shape, dtype=np.int64)
         self.np = {"tokens": i64(max_tokens), "positions": i64(max_tokens), "slot_mapping": i64(max_tokens),
                    "block_tables": i64(max_seqs, max_blocks), "seq_lens": i64(max_seqs),
-                   "query_lens": i64(max_seqs), "temperature": np.zeros(max_seqs, dtype=np.float32),
-                   "top_k": i64(max_seqs), "top_p": np.zeros(max_seqs, dtype=np.float32), "seeds": i64(max_seqs)}
+                   "query_lens": i64(max_seqs), "sample_rows": i64(max_tokens),
+                   "temperature": np.zeros(max_tokens, dtype=np.float32), "top_k": i64(max_tokens),
+                   "top_p": np.zeros(max_tokens, dtype=np.float32), "seeds": i64(max_tokens)}
         self.torch = {k: torch.from_numpy(v) for k, v in self.np.items()}
 
     def fill(self, chunks: list[SeqChunk], cache: KVCache) -> dict[str, torch.Tensor]:
@@ -56,7 +60,7 @@ class StepBuffers:
         if t > self.max_tokens or s > self.max_seqs or width > self.max_blocks:
             raise ValueError(f"step of {t} tokens, {s} sequences, {width} blocks exceeds the buffers "
                              f"({self.max_tokens}, {self.max_seqs}, {self.max_blocks})")
-        a = 0
+        a = r = 0
         for i, c in enumerate(chunks):
             n = len(c.tokens)
             table = np.maximum(np.asarray(c.blocks, dtype=np.int64), 0)
@@ -67,13 +71,20 @@ class StepBuffers:
             b["block_tables"][i, : len(table)] = table
             b["block_tables"][i, len(table):width] = 0
             b["seq_lens"][i], b["query_lens"][i] = c.start + n, n
-            b["temperature"][i], b["top_k"][i], b["top_p"][i] = c.temperature, c.top_k, c.top_p
-            b["seeds"][i] = sample_key(c.seed, c.start + n)
+            k = c.samples
+            if not 1 <= k <= n:
+                raise ValueError(f"a chunk of {n} tokens cannot sample its last {k}")
+            b["sample_rows"][r:r + k] = np.arange(a + n - k, a + n)
+            b["temperature"][r:r + k], b["top_k"][r:r + k], b["top_p"][r:r + k] = c.temperature, c.top_k, c.top_p
+            # the row at position p samples the token of position p + 1
+            b["seeds"][r:r + k] = [sample_key(c.seed, p + 1) for p in range(c.start + n - k, c.start + n)]
             a += n
+            r += k
         v = self.torch
         inputs = {k: v[k][:t] for k in ("tokens", "positions", "slot_mapping")}
         inputs["block_tables"] = v["block_tables"][:s, :width]
-        inputs.update({k: v[k][:s] for k in ("seq_lens", "query_lens", "temperature", "top_k", "top_p", "seeds")})
+        inputs.update({k: v[k][:s] for k in ("seq_lens", "query_lens")})
+        inputs.update({k: v[k][:r] for k in ("sample_rows", "temperature", "top_k", "top_p", "seeds")})
         for i, layer in enumerate(cache.layers):
             inputs[f"kv_cache.{i}"] = layer
         return inputs

@@ -6,12 +6,17 @@
         finished = eng.step()                           # one compiled step for every scheduled token
 
 Each step packs prompt chunks and decode tokens of all scheduled requests into one ragged
-batch (prefill and decode share the compiled step); see scheduler.py for the policy.
+batch (prefill and decode share the compiled step); see scheduler.py for the policy. With
+`spec=SpecConfig(...)`, a decoding request's chunk also carries draft tokens that the same
+step verifies (see spec.py).
 `generate()` runs a list of requests to completion; a request that is invalid comes back
 with finish_reason "error" and the others still run.
 """
 from __future__ import annotations
 
+import hashlib
+import json
+import os
 import random
 import time
 from collections.abc import Callable
@@ -27,6 +32,7 @@ from .batch import SeqChunk, StepBuffers
 from .kv_cache import CacheConfig, KVCache, KVCacheManager
 from .request import Request, RequestOutput, SamplingParams
 from .scheduler import Scheduler, SchedulerConfig
+from .spec import Draft, LatencyModel, SpecConfig, SpecStats, choose_drafts, make_drafter
 
 __all__ = ["Engine", "EngineStats", "RequestOutput", "SamplingParams"]
 
@@ -41,7 +47,7 @@ class EngineStats:
 
 class Engine:
     def __init__(self, model: CompiledModel, cache: CacheConfig | None = None, max_num_tokens: int = 512,
-                 max_num_seqs: int = 64):
+                 max_num_seqs: int = 64, spec: SpecConfig | None = None):
         self.model = model
         c = model.config
         self.cache = KVCache(c.num_layers, c.num_kv_heads, c.head_dim, DTYPES[model.dtype], cache or CacheConfig())
@@ -53,6 +59,10 @@ class Engine:
         self.eos = set(model.tokenizer.eos_ids) if model.tokenizer else set()
         self.requests: dict[str, Request] = {}
         self.stats = EngineStats()
+        self.spec = spec
+        self.drafter = make_drafter(spec) if spec else None
+        self.spec_stats = SpecStats()
+        self.latency = self._latency_model() if spec and spec.schedule == "confidence" else None
         self._next_id = 0
 
     # ---- requests -------------------------------------------------------------------------
@@ -103,34 +113,113 @@ class Engine:
     @torch.inference_mode()
     def step(self, on_token: Callable[[str, int], None] | None = None) -> list[RequestOutput]:
         """Runs one step; returns the requests that finished in it. on_token(id, token) streams."""
+        self._draft()
         scheduled = self.scheduler.schedule()
         if not scheduled:
             return []
         chunks = []
         for req, n in scheduled:
             p = req.params
-            chunks.append(SeqChunk(req.tokens[req.computed:req.computed + n], req.computed, req.kv.table,
-                                   float(p.temperature), p.top_k, p.top_p, req.seed))
+            verify = req.remaining == 1 and n > 1  # the last token and n - 1 drafts
+            toks = [req.tokens[req.computed], *req.draft[:n - 1]] if verify else req.tokens[req.computed:req.computed + n]
+            chunks.append(SeqChunk(toks, req.computed, req.kv.table, float(p.temperature), p.top_k, p.top_p, req.seed,
+                                   samples=n if verify else 1))
+        t0 = time.perf_counter()
         logits, next_tokens = self.model(self.buffers.fill(chunks, self.cache))
         now = time.perf_counter()
+        if self.latency is not None:
+            self.latency.observe(sum(len(c.tokens) for c in chunks), (now - t0) * 1000)
         self.stats.steps += 1
-        finished = []
-        for row, ((req, n), tok) in enumerate(zip(scheduled, next_tokens.tolist())):
+        sampled = next_tokens.tolist()
+        finished, row = [], 0
+        for (req, n), chunk in zip(scheduled, chunks):
+            first, row = row, row + chunk.samples
             start = req.computed
-            req.computed += n
             self.stats.tokens_computed += n
+            req.draft = []
+            if chunk.samples > 1:
+                drafts, targets = chunk.tokens[1:], sampled[first:row]
+                accepted = 0
+                while accepted < len(drafts) and drafts[accepted] == targets[accepted]:
+                    accepted += 1
+                req.spec.add(len(drafts), accepted)
+                self.spec_stats.add(len(drafts), accepted)
+                req.computed += 1 + accepted
+                new = drafts[:accepted] + [targets[accepted]]
+            else:
+                req.computed += n
+                new = [sampled[first]]
             self.stats.prompt_tokens_computed += max(0, min(req.computed, len(req.prompt)) - start)
             self.kv.computed(req.kv, req.computed)
             if req.remaining > 0:
                 continue  # mid-prompt chunk: its sample is not a real token
-            self._append(req, tok, logits[row], now)
-            if on_token:
-                on_token(req.request_id, tok)
+            for j, tok in enumerate(new):
+                self._append(req, tok, logits[first + j], now)
+                if on_token:
+                    on_token(req.request_id, tok)
+                if req.finish:
+                    break
             if req.finish:
                 self.scheduler.finish(req)
                 del self.requests[req.request_id]
                 finished.append(self._output(req))
         return finished
+
+    def _draft(self) -> None:
+        """Proposes drafts for every running request that is decoding (speculative decoding)."""
+        if self.drafter is None:
+            return
+        k = self.spec.num_draft_tokens
+        decoding, drafts, base = [], [], 0
+        for req in self.scheduler.running:
+            if req.remaining != 1:
+                base += req.remaining
+                continue
+            # no drafts past max_tokens or the context: they could never be kept
+            room = min(k, req.params.max_tokens - len(req.generated) - 1, self.max_model_len - len(req.tokens))
+            rate = req.spec.recent_rate
+            decoding.append(req)
+            drafts.append(self.drafter.propose(req.tokens, room, rate) if room > 0 else Draft([], []))
+        if self.latency is None:
+            counts = [len(d.tokens) for d in drafts]
+        else:
+            base = min(base, self.scheduler.config.max_num_tokens) + len(decoding)
+            counts = choose_drafts(drafts, base, float(len(decoding)), self.latency)
+        for req, d, n in zip(decoding, drafts, counts):
+            req.draft = d.tokens[:n]
+
+    def _latency_model(self) -> LatencyModel:
+        """Step time by tokens per step, for confidence scheduling: read from the on-disk cache
+        (keyed by the compiled plan, dtype, threads and cache block size) or measured now on
+        throwaway blocks: one sequence of T tokens, T = 1, 2, 4, ... up to max_num_tokens."""
+        key = hashlib.sha256(json.dumps([self.model.plan, self.model.dtype, torch.get_num_threads(),
+                                         self.cache.block_size], sort_keys=True, default=str).encode()).hexdigest()[:20]
+        path = os.path.join(os.path.expanduser("~"), ".cache", "deepfuse", "latency", key + ".json")
+        cached = LatencyModel.load(path)
+        if cached is not None:
+            return cached
+        top = min(self.scheduler.config.max_num_tokens, self.max_model_len)
+        sizes = [t for t in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512) if t <= top]
+        need = -(-sizes[-1] // self.cache.block_size)
+        if need > self.cache.pool.num_available():
+            sizes = [t for t in sizes if t <= self.cache.pool.num_available() * self.cache.block_size] or [1]
+            need = -(-sizes[-1] // self.cache.block_size)
+        blocks = self.cache.pool.allocate(need)
+        points = {}
+        try:
+            for t in sizes:
+                chunk = [SeqChunk([0] * t, 0, blocks)]
+                times = []
+                for _ in range(3):
+                    t0 = time.perf_counter()
+                    self.model(self.buffers.fill(chunk, self.cache))
+                    times.append((time.perf_counter() - t0) * 1000)
+                points[t] = sorted(times)[1]
+        finally:
+            self.cache.pool.release(blocks)
+        model = LatencyModel(points)
+        model.save(path)
+        return model
 
     def _append(self, req: Request, tok: int, logits: torch.Tensor, now: float) -> None:
         p = req.params
@@ -161,7 +250,8 @@ class Engine:
                              ttft_s=req.token_times[0] if req.token_times else 0.0,
                              total_s=time.perf_counter() - req.arrival, token_times=req.token_times,
                              logprobs=req.logprobs if req.params.logprobs is not None else None,
-                             num_cached_tokens=req.num_cached_tokens, num_preemptions=req.num_preemptions)
+                             num_cached_tokens=req.num_cached_tokens, num_preemptions=req.num_preemptions,
+                             spec=req.spec if self.spec else None)
 
     # ---- offline --------------------------------------------------------------------------
 

@@ -182,7 +182,9 @@ class KVCacheManager:
         attention reads it: a request admitted in the same step may already share them."""
         seq.table.extend(self.pool.allocate(self.blocks_needed(seq, num_tokens)))
         if self.cache.config.enable_prefix_caching and not self.window:
-            while len(seq.names) < num_tokens // self.bs:
+            # only blocks full of known tokens get a name: positions past len(tokens) hold draft
+            # tokens under verification, which may be rejected
+            while len(seq.names) < min(num_tokens, len(tokens)) // self.bs:
                 i = len(seq.names)
                 name = block_hash(seq.names[-1] if seq.names else b"", tokens[i * self.bs:(i + 1) * self.bs])
                 self.pool.name(seq.table[i], name)

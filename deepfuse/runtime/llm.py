@@ -6,6 +6,7 @@ import os
 from ..errors import DeepfuseError
 from .engine import Engine, RequestOutput, SamplingParams
 from .kv_cache import CacheConfig
+from .spec import SpecConfig
 
 
 class LLM:
@@ -13,11 +14,13 @@ class LLM:
     artifact directory (loaded and verified, never recompiled); quant: None or "int4"
     (4-bit weights; with dtype="bf16" the fastest decode on CPU). Engine settings:
     block_size and num_blocks size the paged KV cache; max_num_tokens is the token budget
-    of one step (and the prefill chunk); max_num_seqs caps the batch."""
+    of one step (and the prefill chunk); max_num_seqs caps the batch; spec: a SpecConfig for
+    speculative decoding (same outputs, fewer steps when drafts are accepted)."""
 
     def __init__(self, model: str = "smollm2", target: str = "cpu", dtype: str = "f32",
                  block_size: int = 16, num_blocks: int = 1024, max_num_tokens: int = 512, max_num_seqs: int = 64,
-                 enable_prefix_caching: bool = True, artifact: str | None = None, quant: str | None = None):
+                 enable_prefix_caching: bool = True, artifact: str | None = None, quant: str | None = None,
+                 spec: SpecConfig | None = None):
         from ..compiler import compile
         from .loader import load
 
@@ -29,7 +32,7 @@ class LLM:
             raise DeepfuseError("this model has no tokenizer; pass token ids to Engine.generate instead")
         self.tokenizer = self.model.tokenizer
         self.engine = Engine(self.model, CacheConfig(block_size, num_blocks, enable_prefix_caching),
-                             max_num_tokens, max_num_seqs)
+                             max_num_tokens, max_num_seqs, spec)
 
     def generate(self, prompts: str | list[str] | list[list[int]],
                  params: SamplingParams | list[SamplingParams] | None = None, on_token=None,

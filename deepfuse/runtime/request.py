@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from ..errors import DeepfuseError
 from .kv_cache import SeqBlocks
+from .spec import SpecStats
 
 
 @dataclass
@@ -66,6 +67,7 @@ class RequestOutput:
     logprobs: list[dict[int, float]] | None = None  # per token: {token id: logprob}, sampled token included
     num_cached_tokens: int = 0  # prompt tokens served by the prefix cache
     num_preemptions: int = 0
+    spec: SpecStats | None = None  # speculative decoding: drafts verified and accepted
 
     @property
     def tpot_s(self) -> float:
@@ -94,6 +96,8 @@ class Request:
     finish: str | None = None
     num_cached_tokens: int = 0
     num_preemptions: int = 0
+    draft: list[int] = field(default_factory=list)  # draft tokens to verify in the next step
+    spec: SpecStats = field(default_factory=SpecStats)
 
     @property
     def remaining(self) -> int:

@@ -3,7 +3,8 @@
 Continuous batching under a token budget (max_num_tokens per step), first come first
 served:
 1. Running requests go first, oldest first. A decoding request takes one token of the
-   budget; a request still in its prompt takes what is left, up to its remainder
+   budget, plus its draft tokens under speculative decoding (as many as fit); a request
+   still in its prompt takes what is left, up to its remainder
    (chunked prefill), so a long prompt never holds decoding requests for more than one
    budget-sized step.
 2. Waiting requests are then admitted while budget, sequence slots (max_num_seqs) and
@@ -58,7 +59,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            n = min(req.remaining, budget)
+            n = min(req.remaining + (len(req.draft) if req.remaining == 1 else 0), budget)
             while not self.kv.can_allocate(req.kv, req.computed + n) and self.running[-1] is not req:
                 self._preempt(self.running[-1])
                 preempted = True

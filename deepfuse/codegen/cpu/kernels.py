@@ -59,13 +59,13 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
 
 
-def last_rows(x: torch.Tensor, query_lens: torch.Tensor) -> torch.Tensor:
-    """x[T,D] -> [S,D], each sequence's last row; no copy when every sequence has one row."""
-    return x if x.shape[0] == query_lens.shape[0] else x.index_select(0, query_lens.cumsum(0) - 1)
+def take_rows(x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """x[T,D] -> x[rows] [R,D]; rows are strictly increasing, so R == T means every row, no copy."""
+    return x if x.shape[0] == rows.shape[0] else x.index_select(0, rows)
 
 
-def packed_logits(x: torch.Tensor, packed: torch.Tensor, query_lens: torch.Tensor) -> torch.Tensor:
-    return packed_linear(last_rows(x, query_lens), packed).float()
+def packed_logits(x: torch.Tensor, packed: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    return packed_linear(take_rows(x, rows), packed).float()
 
 
 HALF = (torch.bfloat16, torch.float16)
@@ -292,8 +292,8 @@ def _qkv_attention(attrs: dict) -> Kernel:
 
 @factory("logits")
 def _logits(attrs: dict) -> Kernel:
-    def logits(x: torch.Tensor, w: torch.Tensor, query_lens: torch.Tensor) -> torch.Tensor:
-        return F.linear(last_rows(x, query_lens), w).float()
+    def logits(x: torch.Tensor, w: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        return F.linear(take_rows(x, rows), w).float()
 
     return logits
 

@@ -91,10 +91,8 @@ def emit_gemm(node: Node, name: str, arch: str) -> list[dict]:
                                                                         ["in", first_w])]
     requires = []
     if op == "logits":
-        params += weight + [("qlens_ptr", _ptr(node, "in", 2), ["in", 2])]
-        rows, m = T.ROWS_LAST, ["shape", 2, 0]
-        consts["SMAX"] = SMAX
-        requires = [[2, 0, SMAX, "sequences per step (at most)"]]
+        params += weight + [("rows_ptr", _ptr(node, "in", 2), ["in", 2])]
+        rows, m = T.ROWS_TAKE, ["shape", 2, 0]
     elif op in ("rms_norm_linear", "add_rms_norm_linear"):
         add = op == "add_rms_norm_linear"
         if add:

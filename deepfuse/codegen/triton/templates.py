@@ -10,7 +10,7 @@ from __future__ import annotations
 HEADER = "import triton\nimport triton.language as tl\n\n\n"
 
 # GEMM y[M,N] = A[M,K] @ W[N,K]^T with A produced by a prologue:
-#   plain: A = x rows;  last: A = each sequence's last row of x (logits);
+#   plain: A = x rows;  take: A = x[rows] (logits: the sampled rows);
 #   norm: A = rms_norm(x) (or of s = x + res, with s stored by the pid_n == 0 programs);
 #   swiglu: A = silu(x[:, :K]) * x[:, K:]
 GEMM = """
@@ -43,10 +43,7 @@ LOAD_B_Q4 = """        wmask = (rn[None, :] < $N) & k_ok[:, None]
         b = (q * sc + mn).to(x_ptr.dtype.element_ty)
 """
 ROWS_PLAIN = "    xrow = rm\n"
-ROWS_LAST = """    sidx = tl.arange(0, SMAX)
-    qlen = tl.load(qlens_ptr + sidx, mask=sidx < M, other=0)
-    xrow = tl.sum(tl.where(sidx[None, :] <= rm[:, None], qlen[None, :], 0), axis=1) - 1
-"""
+ROWS_TAKE = "    xrow = tl.load(rows_ptr + rm, mask=row_ok, other=0)\n"
 X_TILE = "tl.load(x_ptr + xrow[:, None] * $XW + kk[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)"
 R_TILE = "tl.load(res_ptr + xrow[:, None] * $XW + kk[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)"
 LOAD_PLAIN = f"        a = {X_TILE}\n"

@@ -1,0 +1,185 @@
+"""Speculative decoding: drafters propose tokens, the target verifies them in its normal step.
+
+A decoding request's chunk becomes [last token, d1..dk]; the step samples all k+1 rows
+(step input sample_rows), each with the randomness of its own position. The engine keeps
+d1..dj while d_i equals the target's token at row i-1, then appends the target's token at
+row j: for a deterministic drafter this is exactly rejection sampling with a one-hot
+proposal, so greedy and seeded sampled outputs are the tokens decoding without drafts
+gives (the target draws position p's token with the same key either way). Rejected drafts'
+KV slots are simply overwritten later: `computed` advances past accepted tokens only.
+
+    engine = Engine(model, spec=SpecConfig(method="ngram", num_draft_tokens=5))
+
+Confidence-scheduled verification (schedule="confidence", the default): each step, the
+drafts to verify are chosen to maximise expected tokens per unit of step time. Draft i of
+a sequence is expected to be accepted with the product of its drafter's confidences up to
+i; the step's time comes from a latency model (tokens in the step -> ms) measured when the
+engine starts, cached on disk, and corrected with every step's measured time. Drafts are
+added most-confident first while the ratio improves. schedule="fixed" verifies k each step.
+"""
+from __future__ import annotations
+
+import bisect
+import heapq
+import json
+import os
+from dataclasses import dataclass
+
+from ..errors import DeepfuseError
+
+METHODS = ("ngram",)
+SCHEDULES = ("confidence", "fixed")
+
+
+@dataclass(frozen=True)
+class SpecConfig:
+    """method: "ngram" (prompt lookup, no extra weights). num_draft_tokens: k, the most drafts
+    verified per sequence and step. max_ngram/min_ngram: the suffix lengths looked up."""
+
+    method: str = "ngram"
+    num_draft_tokens: int = 5
+    max_ngram: int = 4
+    min_ngram: int = 1
+    schedule: str = "confidence"
+
+    def __post_init__(self) -> None:
+        if self.schedule not in SCHEDULES:
+            raise DeepfuseError(f"unknown schedule {self.schedule!r} (available: {', '.join(SCHEDULES)})")
+        if self.method not in METHODS:
+            raise DeepfuseError(f"unknown speculative method {self.method!r} (available: {', '.join(METHODS)})")
+        if self.num_draft_tokens < 1:
+            raise DeepfuseError(f"num_draft_tokens must be >= 1, got {self.num_draft_tokens}")
+        if not 1 <= self.min_ngram <= self.max_ngram:
+            raise DeepfuseError(f"need 1 <= min_ngram <= max_ngram, got {self.min_ngram}, {self.max_ngram}")
+
+
+@dataclass
+class Draft:
+    tokens: list[int]
+    confidence: list[float]  # per token, the drafter's estimate that the target agrees
+
+
+class NgramDrafter:
+    """Prompt lookup: the longest suffix of the sequence (max_ngram .. min_ngram tokens) that
+    occurred earlier in it; the tokens that followed its latest earlier occurrence are the
+    draft. Confidence: the request's running acceptance rate of this drafter, per position."""
+
+    def __init__(self, config: SpecConfig):
+        self.config = config
+
+    def propose(self, tokens: list[int], k: int, accept_rate: float) -> Draft:
+        n_max = min(self.config.max_ngram, len(tokens) - 1)
+        for n in range(n_max, self.config.min_ngram - 1, -1):
+            suffix = tokens[-n:]
+            # latest earlier occurrence whose continuation exists
+            for start in range(len(tokens) - n - 1, -1, -1):
+                if tokens[start:start + n] == suffix:
+                    follow = tokens[start + n:start + n + k]
+                    if follow:
+                        conf, c = [], 1.0
+                        for _ in follow:
+                            c *= accept_rate
+                            conf.append(c)
+                        return Draft(follow, conf)
+        return Draft([], [])
+
+
+def make_drafter(config: SpecConfig) -> NgramDrafter:
+    return NgramDrafter(config)
+
+
+@dataclass
+class SpecStats:
+    """Per request (RequestOutput.spec) and overall (Engine.spec_stats)."""
+
+    verifications: int = 0  # (sequence, step) pairs that verified at least one draft
+    drafted: int = 0  # draft tokens verified
+    accepted: int = 0  # of which accepted
+    recent_rate: float = 0.5  # acceptance rate, exponentially weighted (half weight on the last verification)
+
+    def add(self, drafted: int, accepted: int) -> None:
+        self.verifications += 1
+        self.drafted += drafted
+        self.accepted += accepted
+        self.recent_rate = 0.5 * self.recent_rate + 0.5 * accepted / drafted
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens a verifying sequence gains per step: its accepted drafts + the target's own token."""
+        return (self.accepted + self.verifications) / self.verifications if self.verifications else 0.0
+
+    @property
+    def verified_per_step(self) -> float:
+        return self.drafted / self.verifications if self.verifications else 0.0
+
+
+class LatencyModel:
+    """Step time (ms) as a function of tokens in the step: measured points, linear in between
+    (and beyond the last, at its slope); observe() moves the two points around a measured step
+    toward it, each by its share of the interpolation."""
+
+    def __init__(self, points: dict[int, float]):
+        self.tokens = sorted(points)
+        self.ms = [points[t] for t in self.tokens]
+
+    def predict(self, tokens: int) -> float:
+        t, ms = self.tokens, self.ms
+        if len(t) == 1:
+            return ms[0]
+        i = min(max(bisect.bisect_left(t, tokens), 1), len(t) - 1)
+        slope = (ms[i] - ms[i - 1]) / (t[i] - t[i - 1])
+        return max(ms[i - 1] + slope * (tokens - t[i - 1]), 1e-3)
+
+    def observe(self, tokens: int, ms: float, weight: float = 0.1) -> None:
+        t = self.tokens
+        err = ms - self.predict(tokens)
+        if len(t) == 1 or tokens <= t[0]:
+            self.ms[0] += weight * err
+            return
+        i = min(bisect.bisect_left(t, tokens), len(t) - 1)
+        share = min(1.0, (tokens - t[i - 1]) / (t[i] - t[i - 1]))  # 1: at (or past) point i
+        self.ms[i] += weight * err * share
+        self.ms[i - 1] += weight * err * (1 - share)
+
+    def to_json(self) -> dict:
+        return {str(t): m for t, m in zip(self.tokens, self.ms)}
+
+    def save(self, path: str) -> None:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "w") as f:
+            json.dump(self.to_json(), f)
+
+    @staticmethod
+    def load(path: str) -> LatencyModel | None:
+        try:
+            with open(path) as f:
+                return LatencyModel({int(k): float(v) for k, v in json.load(f).items()})
+        except (OSError, ValueError):
+            return None
+
+
+def choose_drafts(drafts: list[Draft], base_tokens: int, gain: float, latency: LatencyModel) -> list[int]:
+    """How many of each sequence's drafts to verify. base_tokens: the step's tokens without
+    drafts; gain: tokens the step yields without drafts (one per decoding sequence). Adds the
+    next draft of the sequence whose next draft is most likely accepted (the product of its
+    confidences so far) while expected tokens per ms improves."""
+    counts = [0] * len(drafts)
+    heap = [(-d.confidence[0], s) for s, d in enumerate(drafts) if d.tokens]
+    heapq.heapify(heap)
+    tokens, expected = base_tokens, gain
+    best = expected / latency.predict(tokens)
+    while heap:
+        neg, s = heapq.heappop(heap)
+        ratio = (expected - neg) / latency.predict(tokens + 1)
+        if ratio <= best:
+            break
+        best, expected, tokens = ratio, expected - neg, tokens + 1
+        counts[s] += 1
+        d = drafts[s]
+        if counts[s] < len(d.tokens):
+            heapq.heappush(heap, (-d.confidence[counts[s]], s))
+    return counts

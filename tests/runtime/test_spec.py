@@ -1,0 +1,147 @@
+"""Speculative decoding: multi-row sampling, the n-gram drafter, identical outputs with and
+without drafts (greedy and seeded sampling, SmolLM2), the target distribution at temperature 1,
+metrics, and bad configuration."""
+import pytest
+import torch
+
+import deepfuse
+from deepfuse.errors import DeepfuseError
+from deepfuse.ir import interpret
+from deepfuse.runtime.batch import SeqChunk, build_step
+from deepfuse.runtime.engine import Engine, SamplingParams
+from deepfuse.runtime.kv_cache import CacheConfig, KVCache
+from deepfuse.models import Llama
+from deepfuse.runtime.spec import Draft, LatencyModel, NgramDrafter, SpecConfig, choose_drafts
+
+PASSAGE = ("The quick brown fox jumps over the lazy dog. The dog was not amused, and the fox ran away into the "
+           "forest, where it met a wise old owl who told it a story about the moon and the stars.")
+CODE = "def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n    return a - b\n\n\ndef mul(a, b):\n"
+
+
+def test_a_chunk_samples_its_last_rows_like_one_token_steps(tiny_model):
+    art = deepfuse.compile(tiny_model)
+    c = tiny_model.config
+    cache = lambda: KVCache(c.num_layers, c.num_kv_heads, c.head_dim, torch.float32, CacheConfig(4, 16))
+    seq = [5, 17, 99, 3, 42, 7]
+    many = build_step([SeqChunk(seq, 0, [], samples=3), SeqChunk([9, 2], 0, [])], cache())
+    assert many["sample_rows"].tolist() == [3, 4, 5, 7]
+    logits, _ = art(many)
+    for i, n in enumerate((4, 5, 6)):
+        one, _ = art(build_step([SeqChunk(seq[:n], 0, [])], cache()))
+        torch.testing.assert_close(logits[i], one[0], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(logits, interpret(art.graph, build_step(
+        [SeqChunk(seq, 0, [], samples=3), SeqChunk([9, 2], 0, [])], cache()))[0], atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="cannot sample its last 3"):
+        build_step([SeqChunk([1, 2], 0, [], samples=3)], cache())
+
+
+def test_ngram_drafter_continues_the_latest_earlier_occurrence():
+    d = NgramDrafter(SpecConfig(num_draft_tokens=3, max_ngram=3))
+    toks = [1, 2, 3, 4, 5, 9, 1, 2, 3, 7, 8, 1, 2, 3]
+    draft = d.propose(toks, 3, 0.5)
+    assert draft.tokens == [7, 8, 1] and draft.confidence == [0.5, 0.25, 0.125]
+    assert d.propose([1, 2, 3, 4], 3, 0.5).tokens == []  # nothing repeats
+
+
+@pytest.mark.parametrize("bad,match", [(dict(num_draft_tokens=0), "num_draft_tokens must be >= 1"),
+                                       (dict(method="medusa"), "unknown speculative method"),
+                                       (dict(min_ngram=3, max_ngram=2), "min_ngram"),
+                                       (dict(schedule="sometimes"), "unknown schedule")])
+def test_bad_spec_config_is_refused(bad, match):
+    with pytest.raises(DeepfuseError, match=match):
+        SpecConfig(**bad)
+
+
+@pytest.mark.slow
+def test_smollm2_outputs_are_identical_with_speculation(smollm2, smollm2_compiled):
+    _, tok = smollm2
+    prompts = [tok.encode(tok.render_chat([{"role": "user", "content": "Repeat this text exactly: " + PASSAGE}])),
+               tok.encode(CODE), tok.encode("The three primary colors are")]
+    params = [SamplingParams(temperature=0, max_tokens=40), SamplingParams(temperature=0, max_tokens=40),
+              SamplingParams(temperature=0.8, top_p=0.95, seed=7, max_tokens=40)]
+    plain = Engine(smollm2_compiled).generate(prompts, params)
+    eng = Engine(smollm2_compiled, spec=SpecConfig(num_draft_tokens=5))
+    spec = eng.generate(prompts, params)
+    for a, b in zip(plain, spec):
+        assert a.token_ids == b.token_ids and a.finish_reason == b.finish_reason
+    assert spec[0].spec.acceptance_rate > 0.5 and spec[0].spec.mean_accepted_length > 2
+    assert eng.spec_stats.drafted > 0 and eng.stats.steps < sum(len(o.token_ids) for o in plain)
+
+
+class FixedDrafter:
+    """Always proposes the same tokens (a deterministic drafter the target often rejects)."""
+
+    def __init__(self, tokens):
+        self.tokens = tokens
+
+    def propose(self, tokens, k, accept_rate):
+        return Draft(self.tokens[:k], [accept_rate] * min(k, len(self.tokens)))
+
+
+def test_temperature_one_keeps_the_target_distribution(tiny_model):
+    """A tiny model with a peaked head (lm_head x20), so its exact next-token probabilities
+    are far from uniform. The second token of each request is verified against a fixed
+    draft; over 2000 seeds, among requests whose first token is the most common one, the
+    second token's frequencies match the model's exact softmax (total variation within 3
+    sigma of sampling noise), and every token equals decoding without drafts."""
+    weights = dict(tiny_model.weights)
+    weights["lm_head.weight"] = weights["lm_head.weight"] * 20
+    art = deepfuse.compile(Llama(tiny_model.config, weights))
+    c = tiny_model.config
+    prompt = [5, 17, 99, 3, 5, 17, 99]
+    cache = lambda: KVCache(c.num_layers, c.num_kv_heads, c.head_dim, torch.float32, CacheConfig(4, 16))
+    first_probs = torch.softmax(art(build_step([SeqChunk(prompt, 0, [])], cache()))[0][0], -1)
+    t1 = int(first_probs.argmax())
+    probs = torch.softmax(art(build_step([SeqChunk(prompt + [t1], 0, [])], cache()))[0][0], -1)
+    draft = [int(i) for i in probs.topk(2).indices.flip(0)]  # the runner-up, then the favourite
+    n = 2000
+    params = [SamplingParams(temperature=1.0, seed=s, max_tokens=3) for s in range(n)]  # token 2 is verified
+    config = dict(cache=CacheConfig(4, 8192), max_num_tokens=4096, max_num_seqs=512)
+    eng = Engine(art, spec=SpecConfig(num_draft_tokens=2, schedule="fixed"), **config)
+    eng.drafter = FixedDrafter(draft)
+    outs = eng.generate([prompt] * n, params)
+    assert eng.spec_stats.verifications >= n and 0 < eng.spec_stats.acceptance_rate < 1
+    seconds = torch.tensor([o.token_ids[1] for o in outs if o.token_ids[0] == t1])
+    m = len(seconds)
+    assert m > n * 0.3
+    freq = torch.bincount(seconds, minlength=c.vocab_size).float() / m
+    tv = 0.5 * float((freq - probs).abs().sum())
+    bound = 3 * 0.5 * float(torch.sqrt(probs * (1 - probs) / m).sum())
+    assert tv < bound, (tv, bound)
+    plain = Engine(art, **config).generate([prompt] * n, params)
+    assert [o.token_ids for o in plain] == [o.token_ids for o in outs]
+
+
+def test_confidence_schedule_verifies_drafts_only_when_they_pay():
+    """Cheap extra tokens (a flat latency curve) make every likely draft worth verifying; a
+    steep one (each token costs a whole step) makes none worth it; low confidence stops early."""
+    drafts = [Draft([1, 2, 3], [0.9, 0.81, 0.73]), Draft([4, 5], [0.2, 0.04]), Draft([], [])]
+    flat = LatencyModel({1: 10.0, 64: 11.0})
+    assert choose_drafts(drafts, 3, 3.0, flat) == [3, 2, 0]
+    steep = LatencyModel({1: 10.0, 2: 20.0, 64: 640.0})
+    assert choose_drafts(drafts, 3, 3.0, steep) == [0, 0, 0]
+    mid = LatencyModel({1: 10.0, 16: 16.0})  # +0.4 ms per token on a 10 ms step
+    assert choose_drafts(drafts, 3, 3.0, mid) == [3, 1, 0]
+
+
+def test_latency_model_interpolates_and_learns():
+    m = LatencyModel({1: 10.0, 4: 16.0})
+    assert m.predict(1) == 10.0 and m.predict(2) == 12.0 and m.predict(8) == 24.0
+    m.observe(4, 26.0, weight=0.5)
+    assert m.predict(4) == 21.0 and m.predict(1) == 10.0
+    err = 22.0 - (10.0 + 11.0 / 3)  # predicted 13.67 at 2 tokens
+    m.observe(2, 22.0, weight=1.0)  # a third of the way from 1 to 4: a third of the error goes to 4
+    assert m.ms == pytest.approx([10.0 + 2 / 3 * err, 21.0 + 1 / 3 * err])
+
+
+def test_engine_with_confidence_schedule_keeps_greedy_outputs(tiny_model, tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path))  # the latency table cache goes under ~/.cache
+    art = deepfuse.compile(tiny_model)
+    prompt = [5, 17, 99, 3, 5, 17, 99, 3, 5, 17]
+    p = [SamplingParams(temperature=0, max_tokens=24)] * 3
+    plain = Engine(art).generate([prompt] * 3, p)
+    eng = Engine(art, spec=SpecConfig(num_draft_tokens=4))
+    assert eng.latency is not None and eng.latency.tokens[0] == 1
+    assert [o.token_ids for o in eng.generate([prompt] * 3, p)] == [o.token_ids for o in plain]
+    cached = list((tmp_path / ".cache" / "deepfuse" / "latency").iterdir())
+    assert len(cached) == 1 and Engine(art, spec=SpecConfig()).latency.tokens == eng.latency.tokens

@@ -29,6 +29,8 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--top-k", type=int, default=0)
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--speculate", type=int, default=0, metavar="K",
+                   help="speculative decoding with the n-gram drafter, up to K drafts per step (same output)")
     c = sub.add_parser("compile", help="compile a model into an artifact directory")
     _add_model_args(c)
     c.add_argument("--target", default="cpu")
@@ -44,8 +46,11 @@ def _parser() -> argparse.ArgumentParser:
 def _generate(args: argparse.Namespace) -> None:
     from .runtime.engine import SamplingParams
     from .runtime.llm import LLM
+    from .runtime.spec import SpecConfig
 
-    llm = LLM(artifact=args.artifact) if args.artifact else LLM(args.model, dtype=args.dtype, quant=args.quant)
+    spec = SpecConfig(num_draft_tokens=args.speculate) if args.speculate else None
+    llm = LLM(artifact=args.artifact, spec=spec) if args.artifact else \
+        LLM(args.model, dtype=args.dtype, quant=args.quant, spec=spec)
     tok = llm.tokenizer
     prompt = args.prompt if args.no_chat else tok.render_chat([{"role": "user", "content": args.prompt}])
     params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
@@ -67,8 +72,9 @@ def _generate(args: argparse.Namespace) -> None:
         raise out.error
     sys.stdout.write(out.text[shown:] + "\n")
     n = len(out.token_ids)
+    spec_note = f", drafts accepted {out.spec.acceptance_rate:.0%}" if out.spec is not None else ""
     print(f"[{n} tokens, {out.total_s:.2f}s, first token {out.ttft_s * 1000:.0f} ms, "
-          f"finish: {out.finish_reason}]", file=sys.stderr)
+          f"finish: {out.finish_reason}{spec_note}]", file=sys.stderr)
 
 
 def _compile(args: argparse.Namespace) -> None:

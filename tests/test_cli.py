@@ -66,6 +66,11 @@ def test_generate_from_artifact_and_prompt_too_long(capsys, artifact_dir):
     assert rc == 2 and out == "" and "exceeds the context (max_model_len 8192)" in last_line(err)
     rc, _, err = run_main(capsys, "generate", "--artifact", str(artifact_dir), "--temperature", "-1", "hi")
     assert rc == 2 and "temperature must be a finite number >= 0" in last_line(err)
+    rc, out, err = run_main(capsys, "generate", "--artifact", str(artifact_dir), "--no-chat", "--max-tokens", "8",
+                            "--speculate", "4", "The three primary colors are")
+    assert rc == 0 and out == " the primary colors of the RGB color model\n" and "drafts accepted" in err
+    rc, _, err = run_main(capsys, "generate", "--artifact", str(artifact_dir), "--speculate", "-2", "hi")
+    assert rc == 2 and "num_draft_tokens must be >= 1" in last_line(err)
 
 
 def test_tampered_and_foreign_artifacts_refused(capsys, artifact_dir, tmp_path):

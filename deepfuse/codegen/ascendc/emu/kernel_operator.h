@@ -1,0 +1,296 @@
+// deepfuse's CPU emulation of the AscendC API subset its emitted kernels use. NOT the hardware:
+// a strict model of the rules a kernel must keep on Ascend 950 (arch 3510), so generated kernels
+// compile with g++ and are checked numerically and for misuse:
+//   - the unified buffer (UB) holds at most UB_BYTES (248 KB by default) of queue/buffer space;
+//   - DataCopy moves whole 32-byte blocks: a count whose bytes are not a multiple of 32 is the
+//     hardware's silent round-down, reported here as an error (use DataCopyPad for tails);
+//   - UB tensors start 32-byte aligned; a GM<->UB copy needs the UB side aligned;
+//   - a queue holds at most its depth of enqueued tensors; DeQue needs a prior EnQue;
+//   - a tensor allocated from a queue must go back (FreeTensor) before it is allocated again.
+// Errors throw deepfuse_emu::Error with a message; the harness prints it and exits 3.
+// Pipe synchronisation, timing and the cube unit's fractal layouts are not modelled.
+#pragma once
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <deque>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#define __aicore__
+#define __global__
+#define __gm__
+typedef uint8_t* GM_ADDR;
+
+namespace deepfuse_emu {
+struct Error : std::runtime_error {
+  explicit Error(const std::string& m) : std::runtime_error(m) {}
+};
+inline size_t& ub_limit() { static size_t v = 248 * 1024; return v; }
+inline int64_t& block_idx() { static int64_t v = 0; return v; }
+inline int64_t& block_num() { static int64_t v = 1; return v; }
+constexpr size_t BLOCK = 32;
+}  // namespace deepfuse_emu
+
+namespace AscendC {
+using deepfuse_emu::Error;
+using half = _Float16;
+
+inline int64_t GetBlockIdx() { return deepfuse_emu::block_idx(); }
+inline int64_t GetBlockNum() { return deepfuse_emu::block_num(); }
+
+enum class QuePosition { VECIN, VECOUT, VECCALC };
+enum class RoundMode { CAST_NONE, CAST_RINT };
+
+template <typename T>
+class LocalTensor {
+ public:
+  LocalTensor() = default;
+  LocalTensor(T* p, uint32_t n, const void* owner) : ptr_(p), size_(n), owner_(owner) {}
+  T GetValue(uint32_t i) const { check(i); return ptr_[i]; }
+  void SetValue(uint32_t i, T v) { check(i); ptr_[i] = v; }
+  T* data() const { return ptr_; }
+  uint32_t GetSize() const { return size_; }
+  const void* owner() const { return owner_; }
+  LocalTensor operator[](uint32_t off) const { check(off); return LocalTensor(ptr_ + off, size_ - off, owner_); }
+  template <typename U>
+  LocalTensor<U> ReinterpretCast() const { return LocalTensor<U>((U*)ptr_, size_ * sizeof(T) / sizeof(U), owner_); }
+
+ private:
+  void check(uint32_t i) const {
+    if (ptr_ == nullptr) throw Error("use of an unallocated LocalTensor");
+    if (i >= size_) throw Error("LocalTensor index " + std::to_string(i) + " past its " + std::to_string(size_) + " elements");
+  }
+  T* ptr_ = nullptr;
+  uint32_t size_ = 0;
+  const void* owner_ = nullptr;
+};
+
+template <typename T>
+class GlobalTensor {
+ public:
+  void SetGlobalBuffer(__gm__ T* p, uint64_t n) { ptr_ = p; size_ = n; }
+  GlobalTensor operator[](uint64_t off) const {
+    if (off > size_) throw Error("GlobalTensor offset " + std::to_string(off) + " past its " + std::to_string(size_) + " elements");
+    GlobalTensor g; g.ptr_ = ptr_ + off; g.size_ = size_ - off; return g;
+  }
+  T GetValue(uint64_t i) const { if (i >= size_) throw Error("GlobalTensor read out of range"); return ptr_[i]; }
+  void SetValue(uint64_t i, T v) { if (i >= size_) throw Error("GlobalTensor write out of range"); ptr_[i] = v; }
+  T* data() const { return ptr_; }
+  uint64_t GetSize() const { return size_; }
+
+ private:
+  T* ptr_ = nullptr;
+  uint64_t size_ = 0;
+};
+
+// ---- unified buffer: TPipe hands out 32-byte aligned regions; TQue/TBuf own them ----------
+class TPipe;
+inline TPipe*& current_pipe() { static TPipe* p = nullptr; return p; }
+
+class TPipe {
+ public:
+  TPipe() : ub_(deepfuse_emu::ub_limit() + deepfuse_emu::BLOCK) { current_pipe() = this; }
+  uint8_t* carve(size_t bytes, const char* what) {
+    size_t aligned = (bytes + deepfuse_emu::BLOCK - 1) / deepfuse_emu::BLOCK * deepfuse_emu::BLOCK;
+    if (used_ + aligned > deepfuse_emu::ub_limit())
+      throw Error(std::string("unified buffer overflow: ") + what + " asks " + std::to_string(aligned) + " bytes, " +
+                  std::to_string(deepfuse_emu::ub_limit() - used_) + " of " + std::to_string(deepfuse_emu::ub_limit()) + " left");
+    uint8_t* base = ub_.data() + (deepfuse_emu::BLOCK - (uintptr_t)ub_.data() % deepfuse_emu::BLOCK) % deepfuse_emu::BLOCK;
+    uint8_t* p = base + used_;
+    used_ += aligned;
+    return p;
+  }
+  template <class Q>
+  void InitBuffer(Q& q, int num, uint32_t bytes) { q.init(*this, num, bytes); }
+  template <class B>
+  void InitBuffer(B& buf, uint32_t bytes) { buf.init(*this, 1, bytes); }
+  size_t used() const { return used_; }
+
+ private:
+  std::vector<uint8_t> ub_;
+  size_t used_ = 0;
+};
+
+template <QuePosition POS, int DEPTH>
+class TQue {
+ public:
+  void init(TPipe& pipe, int num, uint32_t bytes) {
+    if (num < 1 || num > 2) throw Error("TQue buffer count must be 1 or 2 (double buffering), got " + std::to_string(num));
+    for (int i = 0; i < num; i++) slots_.push_back({pipe.carve(bytes, "TQue"), bytes, false});
+  }
+  template <typename T>
+  LocalTensor<T> AllocTensor() {
+    for (auto& s : slots_)
+      if (!s.busy) { s.busy = true; return LocalTensor<T>((T*)s.ptr, s.bytes / sizeof(T), this); }
+    throw Error("AllocTensor on a queue whose buffers are all in use (FreeTensor missing?)");
+  }
+  template <typename T>
+  void EnQue(const LocalTensor<T>& t) {
+    if (t.owner() != this) throw Error("EnQue of a tensor from another queue");
+    if ((int)queued_.size() >= DEPTH) throw Error("EnQue past the queue depth " + std::to_string(DEPTH));
+    queued_.push_back((uint8_t*)t.data());
+  }
+  template <typename T>
+  LocalTensor<T> DeQue() {
+    if (queued_.empty()) throw Error("DeQue before EnQue: the queue is empty");
+    uint8_t* p = queued_.front();
+    queued_.pop_front();
+    for (auto& s : slots_)
+      if (s.ptr == p) return LocalTensor<T>((T*)p, s.bytes / sizeof(T), this);
+    throw Error("DeQue of an unknown buffer");
+  }
+  template <typename T>
+  void FreeTensor(const LocalTensor<T>& t) {
+    for (auto& s : slots_)
+      if (s.ptr == (uint8_t*)t.data()) {
+        if (!s.busy) throw Error("FreeTensor of a buffer that is not allocated");
+        s.busy = false;
+        return;
+      }
+    throw Error("FreeTensor of a tensor from another queue");
+  }
+
+ private:
+  struct Slot { uint8_t* ptr; uint32_t bytes; bool busy; };
+  std::vector<Slot> slots_;
+  std::deque<uint8_t*> queued_;
+};
+
+template <QuePosition POS>
+class TBuf {
+ public:
+  void init(TPipe& pipe, int, uint32_t bytes) { ptr_ = pipe.carve(bytes, "TBuf"); bytes_ = bytes; }
+  template <typename T>
+  LocalTensor<T> Get() const { return LocalTensor<T>((T*)ptr_, bytes_ / sizeof(T), this); }
+
+ private:
+  uint8_t* ptr_ = nullptr;
+  uint32_t bytes_ = 0;
+};
+template <QuePosition POS>
+void init_tbuf(TPipe& pipe, TBuf<POS>& b, uint32_t bytes) { b.init(pipe, 1, bytes); }
+
+// ---- data movement -------------------------------------------------------------------------
+inline void check_ub_aligned(const void* p, const char* what) {
+  if ((uintptr_t)p % deepfuse_emu::BLOCK != 0) throw Error(std::string(what) + ": unified-buffer address not 32-byte aligned");
+}
+
+template <typename T>
+void DataCopy(const LocalTensor<T>& dst, const GlobalTensor<T>& src, uint32_t count) {
+  if (count * sizeof(T) % deepfuse_emu::BLOCK != 0)
+    throw Error("DataCopy of " + std::to_string(count) + " elements (" + std::to_string(count * sizeof(T)) +
+                " bytes) is not whole 32-byte blocks: the hardware rounds it down silently; use DataCopyPad");
+  check_ub_aligned(dst.data(), "DataCopy GM->UB");
+  if (count > dst.GetSize() || count > src.GetSize()) throw Error("DataCopy GM->UB past a tensor's end");
+  std::memcpy(dst.data(), src.data(), count * sizeof(T));
+}
+template <typename T>
+void DataCopy(const GlobalTensor<T>& dst, const LocalTensor<T>& src, uint32_t count) {
+  if (count * sizeof(T) % deepfuse_emu::BLOCK != 0)
+    throw Error("DataCopy of " + std::to_string(count) + " elements (" + std::to_string(count * sizeof(T)) +
+                " bytes) is not whole 32-byte blocks: the hardware rounds it down silently; use DataCopyPad");
+  check_ub_aligned(src.data(), "DataCopy UB->GM");
+  if (count > src.GetSize() || count > dst.GetSize()) throw Error("DataCopy UB->GM past a tensor's end");
+  std::memcpy(dst.data(), src.data(), count * sizeof(T));
+}
+
+struct DataCopyExtParams {
+  uint16_t blockCount; uint32_t blockLen; uint32_t srcStride; uint32_t dstStride; uint32_t rsv;
+};
+template <typename T>
+struct DataCopyPadExtParams { bool isPad; uint8_t leftPadding; uint8_t rightPadding; T paddingValue; };
+
+// blockCount rows of blockLen bytes; GM strides in bytes, UB rows padded to 32 bytes
+template <typename T>
+void DataCopyPad(const LocalTensor<T>& dst, const GlobalTensor<T>& src, const DataCopyExtParams& p,
+                 const DataCopyPadExtParams<T>& pad) {
+  check_ub_aligned(dst.data(), "DataCopyPad GM->UB");
+  uint32_t row = (p.blockLen + deepfuse_emu::BLOCK - 1) / deepfuse_emu::BLOCK * deepfuse_emu::BLOCK;
+  if ((uint64_t)p.blockCount * row > dst.GetSize() * sizeof(T)) throw Error("DataCopyPad GM->UB past the UB tensor");
+  const uint8_t* s = (const uint8_t*)src.data();
+  uint8_t* d = (uint8_t*)dst.data();
+  for (uint32_t r = 0; r < p.blockCount; r++) {
+    uint64_t off = (uint64_t)r * (p.blockLen + p.srcStride);
+    if ((off + p.blockLen) > src.GetSize() * sizeof(T)) throw Error("DataCopyPad GM->UB reads past the global tensor");
+    std::memcpy(d + r * row, s + off, p.blockLen);
+    if (pad.isPad)
+      for (uint32_t b = p.blockLen; b < row; b += sizeof(T)) *(T*)(d + r * row + b) = pad.paddingValue;
+  }
+}
+template <typename T>
+void DataCopyPad(const GlobalTensor<T>& dst, const LocalTensor<T>& src, const DataCopyExtParams& p) {
+  check_ub_aligned(src.data(), "DataCopyPad UB->GM");
+  uint32_t row = (p.blockLen + deepfuse_emu::BLOCK - 1) / deepfuse_emu::BLOCK * deepfuse_emu::BLOCK;
+  if ((uint64_t)p.blockCount * row > src.GetSize() * sizeof(T)) throw Error("DataCopyPad UB->GM past the UB tensor");
+  uint8_t* d = (uint8_t*)dst.data();
+  const uint8_t* s = (const uint8_t*)src.data();
+  for (uint32_t r = 0; r < p.blockCount; r++) {
+    uint64_t off = (uint64_t)r * (p.blockLen + p.dstStride);
+    if ((off + p.blockLen) > dst.GetSize() * sizeof(T)) throw Error("DataCopyPad UB->GM writes past the global tensor");
+    std::memcpy(d + off, s + r * row, p.blockLen);
+  }
+}
+
+// ---- vector unit (count elements; operands are UB tensors) -------------------------------
+template <typename T>
+inline void check_count(const LocalTensor<T>& t, uint32_t n, const char* op) {
+  if (n > t.GetSize()) throw Error(std::string(op) + " of " + std::to_string(n) + " elements on a tensor of " + std::to_string(t.GetSize()));
+}
+#define DEEPFUSE_BINARY(NAME, EXPR)                                                                   \
+  template <typename T>                                                                             \
+  void NAME(const LocalTensor<T>& d, const LocalTensor<T>& a, const LocalTensor<T>& b, uint32_t n) { \
+    check_count(d, n, #NAME); check_count(a, n, #NAME); check_count(b, n, #NAME);                  \
+    for (uint32_t i = 0; i < n; i++) { T x = a.data()[i], y = b.data()[i]; d.data()[i] = (EXPR); }  \
+  }
+DEEPFUSE_BINARY(Add, x + y)
+DEEPFUSE_BINARY(Sub, x - y)
+DEEPFUSE_BINARY(Mul, x * y)
+DEEPFUSE_BINARY(Div, x / y)
+DEEPFUSE_BINARY(Max, x > y ? x : y)
+#define DEEPFUSE_SCALAR(NAME, EXPR)                                                      \
+  template <typename T>                                                                \
+  void NAME(const LocalTensor<T>& d, const LocalTensor<T>& a, T s, uint32_t n) {       \
+    check_count(d, n, #NAME); check_count(a, n, #NAME);                                \
+    for (uint32_t i = 0; i < n; i++) { T x = a.data()[i]; d.data()[i] = (EXPR); }      \
+  }
+DEEPFUSE_SCALAR(Adds, x + s)
+DEEPFUSE_SCALAR(Muls, x * s)
+#define DEEPFUSE_UNARY(NAME, EXPR)                                                   \
+  template <typename T>                                                            \
+  void NAME(const LocalTensor<T>& d, const LocalTensor<T>& a, uint32_t n) {        \
+    check_count(d, n, #NAME); check_count(a, n, #NAME);                            \
+    for (uint32_t i = 0; i < n; i++) { T x = a.data()[i]; d.data()[i] = (EXPR); }  \
+  }
+DEEPFUSE_UNARY(Exp, (T)std::exp((float)x))
+DEEPFUSE_UNARY(Sqrt, (T)std::sqrt((float)x))
+DEEPFUSE_UNARY(Reciprocal, (T)(1.0f / (float)x))
+template <typename T>
+void Duplicate(const LocalTensor<T>& d, T v, uint32_t n) {
+  check_count(d, n, "Duplicate");
+  for (uint32_t i = 0; i < n; i++) d.data()[i] = v;
+}
+// dst[0] = sum(src[0:n]); work is scratch of at least n elements (as the hardware needs)
+template <typename T>
+void ReduceSum(const LocalTensor<T>& d, const LocalTensor<T>& s, const LocalTensor<T>& work, uint32_t n) {
+  check_count(s, n, "ReduceSum"); check_count(work, n, "ReduceSum work");
+  float acc = 0.0f;
+  for (uint32_t i = 0; i < n; i++) acc += (float)s.data()[i];
+  d.data()[0] = (T)acc;
+}
+template <typename D, typename S>
+void Cast(const LocalTensor<D>& d, const LocalTensor<S>& s, RoundMode, uint32_t n) {
+  check_count(d, n, "Cast"); check_count(s, n, "Cast");
+  for (uint32_t i = 0; i < n; i++) d.data()[i] = (D)s.data()[i];
+}
+}  // namespace AscendC
+
+// the launch loop: runs a kernel once per block index, as the AI cores would
+namespace deepfuse_emu {
+template <typename F>
+void launch(int64_t blocks, F&& body) {
+  block_num() = blocks;
+  for (int64_t b = 0; b < blocks; b++) { block_idx() = b; body(); }
+}
+}  // namespace deepfuse_emu

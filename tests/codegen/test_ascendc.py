@@ -7,8 +7,8 @@ import shutil
 import pytest
 import torch
 
-from deepfuse.codegen.ascendc.emit import emit_rms_norm
-from deepfuse.codegen.ascendc.emulate import rms_norm_tiling, run
+from deepfuse.codegen.ascendc.emit import emit_rms_norm, emit_swiglu
+from deepfuse.codegen.ascendc.emulate import rms_norm_tiling, rows_tiling, run
 from deepfuse.errors import DeepfuseError
 from deepfuse.frontend import Spec, ops, trace
 from deepfuse.ir import interpret
@@ -88,3 +88,12 @@ def test_a_kernel_that_does_not_compile_is_named():
     k = broken(emit_rms_norm(g.nodes[0], "norm_typo"), "ReduceSum(sum, work, work, 576);", "ReduceSum(sum, wrk, 576);")
     with pytest.raises(DeepfuseError, match="AscendC kernel norm_typo does not compile against the emulator"):
         launch(g, k, rows=3, cores=2)
+
+
+@pytest.mark.parametrize("i", [1536, 100], ids=["DataCopy", "DataCopyPad"])
+def test_swiglu_kernel_matches_the_interpreter(i):
+    g = trace(lambda x: ops.swiglu(x), Spec("x", "f32", ("T", 2 * i)))
+    kernel = dataclasses.replace(emit_swiglu(g.nodes[0], f"swiglu_{i}"), block_dim=3)
+    x = torch.randn(5, 2 * i)
+    got = run(kernel, [x], [(5, i)], rows_tiling(5, 3))
+    torch.testing.assert_close(got[0], interpret(g, {"x": x})[0], atol=1e-5, rtol=1e-5)

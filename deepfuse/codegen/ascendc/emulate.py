@@ -109,3 +109,8 @@ def run(kernel: AscendKernel, ins: list[torch.Tensor], out_shapes: list[tuple], 
 def rms_norm_tiling(rows: int, cores: int, eps: float) -> bytes:
     """The host tiling of the rms_norm kernels: rows, rowsPerCore, eps."""
     return struct.pack("<IIf", rows, -(-rows // cores), eps)
+
+
+def rows_tiling(rows: int, cores: int) -> bytes:
+    """The host tiling of row-wise kernels without attributes (swiglu): rows, rowsPerCore."""
+    return struct.pack("<II", rows, -(-rows // cores))

@@ -114,7 +114,7 @@ def check_kernels(model, dtype: str, device, dry: bool, steps: dict) -> list[dic
         env = list(runner.base)
         for name, s in plan["inputs"].items():
             env[s] = inputs[name]
-        for p, kernels, ref in runner.launches:
+        for p, kernels, _ in runner.launches:
             ins = [env[i] for i in p["in"]]
             peer = make_kernel(p["op"], p["attrs"])
             want = peer(*ins)
@@ -128,8 +128,8 @@ def check_kernels(model, dtype: str, device, dry: bool, steps: dict) -> list[dic
                     err = max(float((a.float() - b.float()).abs().max() / (b.float().abs().max() + 1e-6))
                               for a, b in zip(got, want) if a.is_floating_point()) if p["op"] != "sample" else \
                         float((got[0] != want[0]).float().mean())
-                    t_tri = bench(lambda: runner._run(p, kernels, ins), dry)
-                    t_peer = bench(lambda: peer(*ins), dry)
+                    t_tri = bench(lambda p=p, kernels=kernels, ins=ins: runner._run(p, kernels, ins), dry)
+                    t_peer = bench(lambda peer=peer, ins=ins: peer(*ins), dry)
                     nbytes, flops = cost(p, ins, got)
                     rows.append({"step": step_name, "op": p["op"], "kernels": names,
                                  "max_rel_err": err, "triton_us": t_tri, "torch_us": t_peer,

@@ -12,7 +12,7 @@ from .errors import DeepfuseError
 from .frontend import Spec, trace
 from .runtime.engine import RequestOutput, SamplingParams
 from .runtime.llm import LLM
-from .runtime.spec import SpecConfig
 from .runtime.loader import load
+from .runtime.spec import SpecConfig
 
 __all__ = ["LLM", "DeepfuseError", "RequestOutput", "SamplingParams", "Spec", "SpecConfig", "compile", "load", "trace"]

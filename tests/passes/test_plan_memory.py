@@ -63,7 +63,7 @@ def test_cpu_executor_writes_into_planned_buffers_and_matches_the_interpreter(ti
     ex = art.runner
     planned = [p for p in ex.planned if p is not None]
     assert {p["op"] for p in planned} >= {"embedding", "add_rms_norm_linear", "qkv_attention", "swiglu_linear"}
-    for step in range(2):  # a second step of the same size reuses the same views
+    for _ in range(2):  # a second step of the same size reuses the same views
         a, b = step_inputs(tiny_model.config), step_inputs(tiny_model.config)
         torch.testing.assert_close(art(b)[0], interpret(art.graph, a)[0], atol=1e-4, rtol=1e-4)
     arena = {t.data_ptr() for t in ex.buffers.storage}

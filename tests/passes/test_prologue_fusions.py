@@ -7,8 +7,16 @@ import deepfuse
 from deepfuse.compiler import trace_model
 from deepfuse.frontend import Spec, ops, trace
 from deepfuse.ir import interpret, print_graph
-from deepfuse.passes import (PassManager, cleanup_passes, fuse_norm_linear, fuse_qkv_attention, fuse_swiglu_linear,
-                             fusion_passes, prologue_passes, quant_passes)
+from deepfuse.passes import (
+    PassManager,
+    cleanup_passes,
+    fuse_norm_linear,
+    fuse_qkv_attention,
+    fuse_swiglu_linear,
+    fusion_passes,
+    prologue_passes,
+    quant_passes,
+)
 from deepfuse.passes.check import check_numerics
 from deepfuse.runtime.batch import SeqChunk, build_step
 from deepfuse.runtime.kv_cache import CacheConfig, KVCache

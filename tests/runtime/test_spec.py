@@ -7,10 +7,10 @@ import torch
 import deepfuse
 from deepfuse.errors import DeepfuseError
 from deepfuse.ir import interpret
+from deepfuse.models import Llama
 from deepfuse.runtime.batch import SeqChunk, build_step
 from deepfuse.runtime.engine import Engine, SamplingParams
 from deepfuse.runtime.kv_cache import CacheConfig, KVCache
-from deepfuse.models import Llama
 from deepfuse.runtime.spec import Draft, LatencyModel, NgramDrafter, SpecConfig, choose_drafts
 
 PASSAGE = ("The quick brown fox jumps over the lazy dog. The dog was not amused, and the fox ran away into the "

@@ -139,7 +139,7 @@ def emit_rms_norm(node: Node, name: str, cores: int = 32) -> AscendKernel:
     if add:
         compute_in += (f"        LocalTensor<{ct}> sLocal = outQueueS.AllocTensor<{ct}>();\n"
                        f"        Add(sLocal, xLocal, resLocal, {d});\n")
-        compute_out = f"        outQueueS.EnQue(sLocal);\n" + compute_out
+        compute_out = "        outQueueS.EnQue(sLocal);\n" + compute_out
     copy_out = "".join(f"        LocalTensor<{ct}> {o}Local = outQueue{o.upper()}.DeQue<{ct}>();\n"
                        f"        {copy_row(f'{o}Gm{at}', f'{o}Local', d, size, True)}\n"
                        f"        outQueue{o.upper()}.FreeTensor({o}Local);\n" for o in (["s", "y"] if add else ["y"]))

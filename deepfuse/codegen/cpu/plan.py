@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from ...ir import Graph, Value
 from ...passes.plan_memory import VIEW_OPS, plan_memory
-from .out_kernels import OUT_FACTORIES
 from .kernels import PREPACKED, PREPACKED_Q4
+from .out_kernels import OUT_FACTORIES
 
 # kernels that write into planned buffers, or allocate their result: none returns a view of an
 # input; every other kernel (a reference fallback, say) might, so it counts as a view op

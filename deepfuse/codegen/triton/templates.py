@@ -47,7 +47,7 @@ ROWS_TAKE = "    xrow = tl.load(rows_ptr + rm, mask=row_ok, other=0)\n"
 X_TILE = "tl.load(x_ptr + xrow[:, None] * $XW + kk[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)"
 R_TILE = "tl.load(res_ptr + xrow[:, None] * $XW + kk[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)"
 LOAD_PLAIN = f"        a = {X_TILE}\n"
-NORM_PRE = f"""    ss = tl.zeros((BM,), dtype=tl.float32)
+NORM_PRE = """    ss = tl.zeros((BM,), dtype=tl.float32)
     for k0 in range(0, $K, BK):
         kk = k0 + rk
         k_ok = kk < $K

@@ -72,8 +72,21 @@ class Llama:
         if missing:
             raise ValueError(f"checkpoint lacks {len(missing)} weights, e.g. {missing[0]}")
 
-    def weight_names(self) -> list[str]:
-        c = self.config
+    def first_layers(self, n: int) -> Llama:
+        """The first n decoder layers with the model's final norm and head: a self-drafter for
+        speculative decoding (same tokenizer and vocabulary, a fraction of the cost)."""
+        import dataclasses
+
+        if not 1 <= n < self.config.num_layers:
+            raise ValueError(f"a draft of the first {n} layers needs 1 <= n < {self.config.num_layers}")
+        cfg = dataclasses.replace(self.config, num_layers=n,
+                                  dense_layers=tuple(i for i in self.config.dense_layers if i < n))
+        keep = set(self.weight_names(cfg))
+        return Llama(cfg, {k: v for k, v in self.weights.items() if k in keep})
+
+    def weight_names(self, config: LlamaConfig | None = None) -> list[str]:
+        """The HF weight names of this model, or of `config`'s shape of it."""
+        c = config or self.config
         names = ["model.embed_tokens.weight", "model.norm.weight"]
         if not c.tie_embeddings:
             names.append("lm_head.weight")

@@ -32,7 +32,7 @@ from .batch import SeqChunk, StepBuffers
 from .kv_cache import CacheConfig, KVCache, KVCacheManager
 from .request import Request, RequestOutput, SamplingParams
 from .scheduler import Scheduler, SchedulerConfig
-from .spec import Draft, LatencyModel, SpecConfig, SpecStats, choose_drafts, make_drafter
+from .spec import LatencyModel, ModelDrafter, NgramDrafter, SpecConfig, SpecStats, choose_drafts
 
 __all__ = ["Engine", "EngineStats", "RequestOutput", "SamplingParams"]
 
@@ -47,7 +47,7 @@ class EngineStats:
 
 class Engine:
     def __init__(self, model: CompiledModel, cache: CacheConfig | None = None, max_num_tokens: int = 512,
-                 max_num_seqs: int = 64, spec: SpecConfig | None = None):
+                 max_num_seqs: int = 64, spec: SpecConfig | None = None, draft_model: CompiledModel | None = None):
         self.model = model
         c = model.config
         self.cache = KVCache(c.num_layers, c.num_kv_heads, c.head_dim, DTYPES[model.dtype], cache or CacheConfig())
@@ -60,7 +60,7 @@ class Engine:
         self.requests: dict[str, Request] = {}
         self.stats = EngineStats()
         self.spec = spec
-        self.drafter = make_drafter(spec) if spec else None
+        self.drafter = self._make_drafter(spec, draft_model) if spec else None
         self.spec_stats = SpecStats()
         self.latency = self._latency_model() if spec and spec.schedule == "confidence" else None
         self._next_id = 0
@@ -170,16 +170,16 @@ class Engine:
         if self.drafter is None:
             return
         k = self.spec.num_draft_tokens
-        decoding, drafts, base = [], [], 0
+        decoding, ks, base = [], [], 0
         for req in self.scheduler.running:
             if req.remaining != 1:
                 base += req.remaining
                 continue
             # no drafts past max_tokens or the context: they could never be kept
             room = min(k, req.params.max_tokens - len(req.generated) - 1, self.max_model_len - len(req.tokens))
-            rate = req.spec.recent_rate
             decoding.append(req)
-            drafts.append(self.drafter.propose(req.tokens, room, rate) if room > 0 else Draft([], []))
+            ks.append(max(room, 0))
+        drafts = self.drafter.propose_batch(decoding, ks)
         if self.latency is None:
             counts = [len(d.tokens) for d in drafts]
         else:
@@ -187,6 +187,18 @@ class Engine:
             counts = choose_drafts(drafts, base, float(len(decoding)), self.latency)
         for req, d, n in zip(decoding, drafts, counts):
             req.draft = d.tokens[:n]
+
+    def _make_drafter(self, spec: SpecConfig, draft_model: CompiledModel | None):
+        if spec.method == "ngram":
+            return NgramDrafter(spec)
+        if draft_model is None:
+            raise DeepfuseError('speculative method "draft" needs a draft_model (LLM builds one from '
+                                'SpecConfig.draft_layers)')
+        if draft_model.config.vocab_size != self.model.config.vocab_size:
+            raise DeepfuseError(f"the draft model's vocabulary ({draft_model.config.vocab_size} tokens) differs from "
+                                f"the target's ({self.model.config.vocab_size}): its tokens cannot be verified")
+        return ModelDrafter(draft_model, self.kv, self.cache.config, self.scheduler.config.max_num_tokens,
+                            self.scheduler.config.max_num_seqs, self.buffers.max_blocks)
 
     def _latency_model(self) -> LatencyModel:
         """Step time by tokens per step, for confidence scheduling: read from the on-disk cache

@@ -24,15 +24,29 @@ class LLM:
         from ..compiler import compile
         from .loader import load
 
+        draft = None
         if artifact is not None or os.path.isfile(os.path.join(model, "manifest.json")):
             self.model = load(artifact or model)
+            if spec is not None and spec.method == "draft":
+                raise DeepfuseError('speculative method "draft" needs the model itself, not an artifact')
         else:
-            self.model = compile(model, target=target, dtype=dtype, quant=quant)
+            from ..models import load_model
+
+            source, tok = load_model(model)
+            self.model = compile(source, target=target, dtype=dtype, quant=quant, tokenizer=tok)
+            if spec is not None and spec.method == "draft":
+                if spec.draft_layers < 1:
+                    raise DeepfuseError("SpecConfig.draft_layers must be >= 1 for the draft method")
+                try:
+                    first = source.first_layers(spec.draft_layers)
+                except ValueError as e:
+                    raise DeepfuseError(str(e)) from None
+                draft = compile(first, target=target, dtype=dtype, quant=quant)
         if self.model.tokenizer is None:
             raise DeepfuseError("this model has no tokenizer; pass token ids to Engine.generate instead")
         self.tokenizer = self.model.tokenizer
         self.engine = Engine(self.model, CacheConfig(block_size, num_blocks, enable_prefix_caching),
-                             max_num_tokens, max_num_seqs, spec)
+                             max_num_tokens, max_num_seqs, spec, draft)
 
     def generate(self, prompts: str | list[str] | list[list[int]],
                  params: SamplingParams | list[SamplingParams] | None = None, on_token=None,

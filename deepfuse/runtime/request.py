@@ -97,6 +97,7 @@ class Request:
     num_cached_tokens: int = 0
     num_preemptions: int = 0
     draft: list[int] = field(default_factory=list)  # draft tokens to verify in the next step
+    draft_computed: int = 0  # tokens whose KV a draft model (spec.ModelDrafter) has in its cache
     spec: SpecStats = field(default_factory=SpecStats)
 
     @property

@@ -27,20 +27,23 @@ from dataclasses import dataclass
 
 from ..errors import DeepfuseError
 
-METHODS = ("ngram",)
+METHODS = ("ngram", "draft")
 SCHEDULES = ("confidence", "fixed")
 
 
 @dataclass(frozen=True)
 class SpecConfig:
-    """method: "ngram" (prompt lookup, no extra weights). num_draft_tokens: k, the most drafts
-    verified per sequence and step. max_ngram/min_ngram: the suffix lengths looked up."""
+    """method: "ngram" (prompt lookup, no extra weights) or "draft" (a smaller compiled model
+    over the same vocabulary, passed to the Engine as draft_model; LLM builds one from the
+    target's first draft_layers layers). num_draft_tokens: k, the most drafts verified per
+    sequence and step. max_ngram/min_ngram: the suffix lengths looked up."""
 
     method: str = "ngram"
     num_draft_tokens: int = 5
     max_ngram: int = 4
     min_ngram: int = 1
     schedule: str = "confidence"
+    draft_layers: int = 0
 
     def __post_init__(self) -> None:
         if self.schedule not in SCHEDULES:
@@ -59,7 +62,18 @@ class Draft:
     confidence: list[float]  # per token, the drafter's estimate that the target agrees
 
 
-class NgramDrafter:
+class Drafter:
+    """Proposes drafts for a batch of decoding requests (each with room for ks[i] tokens)."""
+
+    def propose_batch(self, requests: list, ks: list[int]) -> list[Draft]:
+        return [self.propose(r.tokens, k, r.spec.recent_rate) if k > 0 else Draft([], [])
+                for r, k in zip(requests, ks)]
+
+    def propose(self, tokens: list[int], k: int, accept_rate: float) -> Draft:
+        raise NotImplementedError
+
+
+class NgramDrafter(Drafter):
     """Prompt lookup: the longest suffix of the sequence (max_ngram .. min_ngram tokens) that
     occurred earlier in it; the tokens that followed its latest earlier occurrence are the
     draft. Confidence: the request's running acceptance rate of this drafter, per position."""
@@ -84,8 +98,73 @@ class NgramDrafter:
         return Draft([], [])
 
 
-def make_drafter(config: SpecConfig) -> NgramDrafter:
-    return NgramDrafter(config)
+class ModelDrafter(Drafter):
+    """Drafts greedily with a smaller compiled model over the target's vocabulary (the
+    target's first N layers, say); a draft token's confidence is the running product of the
+    draft model's probabilities for its tokens. Its KV cache has its own tensors but the
+    target's block ids, so each request's block table serves both. Each round first runs
+    the tokens the draft model has not seen (the prompt once, then the tokens accepted since),
+    then k - 1 one-token steps; all requests of a round share its steps."""
+
+    def __init__(self, draft, kv, cache_config, max_num_tokens: int, max_num_seqs: int, max_blocks: int):
+        from ..ir import DTYPES
+        from .batch import StepBuffers
+        from .kv_cache import KVCache
+
+        c = draft.config
+        self.model, self.kv, self.budget, self.max_seqs = draft, kv, max_num_tokens, max_num_seqs
+        self.cache = KVCache(c.num_layers, c.num_kv_heads, c.head_dim, DTYPES[draft.dtype], cache_config)
+        self.buffers = StepBuffers(max_num_tokens, max_num_seqs, max_blocks)
+
+    def _run(self, chunks) -> tuple[list[int], list[float]]:
+        """One draft-model step; each chunk's greedy next token and its probability."""
+        import torch
+
+        logits, nxt = self.model(self.buffers.fill(chunks, self.cache))
+        probs = torch.softmax(logits, -1).gather(1, nxt[:, None]).flatten()
+        return nxt.tolist(), probs.tolist()
+
+    def propose_batch(self, requests: list, ks: list[int]) -> list[Draft]:
+        from .batch import SeqChunk
+
+        drafts = [Draft([], []) for _ in requests]
+        live = []
+        for i, (r, k) in enumerate(zip(requests, ks)):
+            end = len(r.tokens) + k - 1  # positions the draft steps write
+            if k > 0 and self.kv.can_allocate(r.kv, end):
+                self.kv.allocate(r.kv, r.tokens, end)
+                live.append(i)
+        # a request not scheduled since its last round has nothing new: its last token runs again
+        pending = {i: min(requests[i].draft_computed, len(requests[i].tokens) - 1) for i in live}
+        while pending:  # catch up: the tokens the draft model has not seen, ending with the last one
+            chunks, owners, budget = [], [], self.budget
+            for i, start in pending.items():
+                r = requests[i]
+                n = min(len(r.tokens) - start, budget)
+                if n <= 0 or len(chunks) == self.max_seqs:
+                    break
+                chunks.append(SeqChunk(r.tokens[start:start + n], start, r.kv.table))
+                owners.append((i, start + n))
+                budget -= n
+            toks, probs = self._run(chunks)
+            for (i, end), tok, p in zip(owners, toks, probs):
+                if end == len(requests[i].tokens):
+                    del pending[i]
+                    drafts[i] = Draft([tok], [p])
+                else:
+                    pending[i] = end
+        for i in live:
+            requests[i].draft_computed = len(requests[i].tokens)
+        for j in range(1, max((ks[i] for i in live), default=0)):
+            more = [i for i in live if ks[i] > j]
+            chunks = [SeqChunk([drafts[i].tokens[-1]], len(requests[i].tokens) + j - 1, requests[i].kv.table)
+                      for i in more]
+            toks, probs = self._run(chunks)
+            for i, tok, p in zip(more, toks, probs):
+                drafts[i].tokens.append(tok)
+                drafts[i].confidence.append(drafts[i].confidence[-1] * p)
+        return drafts
+
 
 
 @dataclass

@@ -11,7 +11,7 @@ from deepfuse.models import Llama
 from deepfuse.runtime.batch import SeqChunk, build_step
 from deepfuse.runtime.engine import Engine, SamplingParams
 from deepfuse.runtime.kv_cache import CacheConfig, KVCache
-from deepfuse.runtime.spec import Draft, LatencyModel, NgramDrafter, SpecConfig, choose_drafts
+from deepfuse.runtime.spec import Draft, Drafter, LatencyModel, NgramDrafter, SpecConfig, choose_drafts
 
 PASSAGE = ("The quick brown fox jumps over the lazy dog. The dog was not amused, and the fox ran away into the "
            "forest, where it met a wise old owl who told it a story about the moon and the stars.")
@@ -69,9 +69,16 @@ def test_smollm2_outputs_are_identical_with_speculation(smollm2, smollm2_compile
     # the confidence schedule verifies what the (machine-dependent) latency table says pays; same tokens
     confident = Engine(smollm2_compiled, spec=SpecConfig(num_draft_tokens=5)).generate(prompts, params)
     assert [o.token_ids for o in confident] == [o.token_ids for o in plain]
+    # a self-drafter: SmolLM2's first 8 of 30 layers and its head
+    model, _ = smollm2
+    draft = deepfuse.compile(model.first_layers(8))
+    eng = Engine(smollm2_compiled, spec=SpecConfig(method="draft", num_draft_tokens=3, schedule="fixed"),
+                 draft_model=draft)
+    assert [o.token_ids for o in eng.generate(prompts, params)] == [o.token_ids for o in plain]
+    assert eng.spec_stats.drafted > 0 and eng.spec_stats.accepted > 0
 
 
-class FixedDrafter:
+class FixedDrafter(Drafter):
     """Always proposes the same tokens (a deterministic drafter the target often rejects)."""
 
     def __init__(self, tokens):
@@ -148,3 +155,37 @@ def test_engine_with_confidence_schedule_keeps_greedy_outputs(tiny_model, tmp_pa
     assert [o.token_ids for o in eng.generate([prompt] * 3, p)] == [o.token_ids for o in plain]
     cached = list((tmp_path / ".cache" / "deepfuse" / "latency").iterdir())
     assert len(cached) == 1 and Engine(art, spec=SpecConfig()).latency.tokens == eng.latency.tokens
+
+
+def test_draft_model_drafter_keeps_outputs_and_a_copy_of_the_target_is_always_right(tiny_model):
+    target = deepfuse.compile(tiny_model)
+    prompts = [[5, 17, 99, 3, 42], [9, 2, 64, 1, 7, 7, 8], [100]]
+    params = [SamplingParams(temperature=0, max_tokens=20), SamplingParams(temperature=0, max_tokens=12),
+              SamplingParams(temperature=0.9, seed=3, max_tokens=16)]
+    plain = Engine(target).generate(prompts, params)
+    half = Engine(target, spec=SpecConfig(method="draft", num_draft_tokens=3, schedule="fixed"),
+                  draft_model=deepfuse.compile(tiny_model.first_layers(1)))
+    assert [o.token_ids for o in half.generate(prompts, params)] == [o.token_ids for o in plain]
+    assert half.spec_stats.drafted > 0
+    same = Engine(target, spec=SpecConfig(method="draft", num_draft_tokens=4, schedule="fixed"),
+                  draft_model=deepfuse.compile(tiny_model))
+    outs = same.generate(prompts[:2], params[:2])  # greedy drafts of the target itself are never wrong
+    assert [o.token_ids for o in outs] == [o.token_ids for o in plain[:2]]
+    assert same.spec_stats.acceptance_rate == 1.0 and same.spec_stats.mean_accepted_length > 3
+
+
+def test_draft_model_with_another_vocabulary_or_none_is_refused(tiny_model, tmp_path):
+    from transformers import LlamaForCausalLM
+
+    from deepfuse.models import load_model
+    from tests.conftest import tiny_hf_config
+
+    LlamaForCausalLM(tiny_hf_config(vocab_size=64)).save_pretrained(tmp_path)
+    other = deepfuse.compile(load_model(str(tmp_path), with_tokenizer=False)[0])
+    target = deepfuse.compile(tiny_model)
+    with pytest.raises(DeepfuseError, match=r"vocabulary \(64 tokens\) differs from the target's \(128\)"):
+        Engine(target, spec=SpecConfig(method="draft"), draft_model=other)
+    with pytest.raises(DeepfuseError, match="needs a draft_model"):
+        Engine(target, spec=SpecConfig(method="draft"))
+    with pytest.raises(ValueError, match="1 <= n < 2"):
+        tiny_model.first_layers(2)

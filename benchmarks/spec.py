@@ -42,10 +42,10 @@ def prompts(tok, n: int) -> list[list[int]]:
     return out
 
 
-def run(art, batch: list[list[int]], tokens: int, spec) -> tuple[float, list, dict]:
+def run(art, batch: list[list[int]], tokens: int, spec, draft=None) -> tuple[float, list, dict]:
     from deepfuse.runtime.engine import Engine, SamplingParams
 
-    eng = Engine(art, spec=spec)
+    eng = Engine(art, spec=spec, draft_model=draft)
     eng.generate(batch[:1], [SamplingParams(temperature=0, max_tokens=4)])  # warm-up
     params = [SamplingParams(temperature=0, max_tokens=tokens) for _ in batch]
     t = time.perf_counter()
@@ -64,6 +64,7 @@ def main() -> None:
     ap.add_argument("--dtype", default="f32")
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--k", type=int, default=5)
+    ap.add_argument("--draft-layers", type=int, default=8, help="the self-drafter: the target's first N layers")
     args = ap.parse_args()
     import deepfuse
     from deepfuse.models import load_model
@@ -71,13 +72,17 @@ def main() -> None:
 
     model, tok = load_model("smollm2")
     art = deepfuse.compile(model, dtype=args.dtype, tokenizer=tok)
-    rows, results = [], {}
+    draft = deepfuse.compile(model.first_layers(args.draft_layers), dtype=args.dtype)
+    rows, results, self_rows = [], {}, []
     for bs in (1, 16):
         batch = prompts(tok, bs)
         base, base_tokens, _ = run(art, batch, args.tokens, None)
         fixed, fixed_tokens, fstats = run(art, batch, args.tokens, SpecConfig(num_draft_tokens=args.k, schedule="fixed"))
         conf, conf_tokens, cstats = run(art, batch, args.tokens, SpecConfig(num_draft_tokens=args.k))
-        same = fixed_tokens == base_tokens and conf_tokens == base_tokens
+        selfd, self_tokens, sstats = run(art, batch, args.tokens, SpecConfig(method="draft", num_draft_tokens=3), draft)
+        same = fixed_tokens == base_tokens and conf_tokens == base_tokens and self_tokens == base_tokens
+        results[f"batch {bs} self-drafter"] = {"tok_s": selfd, "vs_none": selfd / base, **sstats}
+        self_rows.append((bs, selfd, selfd / base, sstats))
         results[f"batch {bs}"] = {"no_spec_tok_s": base, "fixed_tok_s": fixed, "confidence_tok_s": conf,
                                   "fixed_vs_none": fixed / base, "confidence_vs_none": conf / base,
                                   "confidence_vs_fixed": conf / fixed, "identical_outputs": same,
@@ -92,6 +97,11 @@ def main() -> None:
         print(f"{bs:5d} {base:11.1f} {fixed:12.1f} {conf:11.1f} {fixed / base:10.2f}x {conf / base:9.2f}x "
               f"{conf / fixed:10.2f}x {f['acceptance_rate']:5.2f}/{c['acceptance_rate']:4.2f} "
               f"{f['verified_per_step']:8.2f}/{c['verified_per_step']:<8.2f} {str(same):>5s}")
+    print(f"\nself-drafter (first {args.draft_layers} of {model.config.num_layers} layers + head, k <= 3, "
+          f"confidence-scheduled):")
+    for bs, tps, ratio, s in self_rows:
+        print(f"  batch {bs:2d}: {tps:6.1f} tok/s, {ratio:.2f}x no spec, accept {s['acceptance_rate']:.2f}, "
+              f"{s['mean_accepted_length']:.2f} tokens per verification")
     os.makedirs(os.path.join(os.path.dirname(__file__), "results"), exist_ok=True)
     with open(os.path.join(os.path.dirname(__file__), "results", "spec.json"), "w") as f:
         json.dump({"dtype": args.dtype, "tokens": args.tokens, "k": args.k, "results": results}, f, indent=1)

@@ -198,7 +198,8 @@ class Engine:
             raise DeepfuseError(f"the draft model's vocabulary ({draft_model.config.vocab_size} tokens) differs from "
                                 f"the target's ({self.model.config.vocab_size}): its tokens cannot be verified")
         return ModelDrafter(draft_model, self.kv, self.cache.config, self.scheduler.config.max_num_tokens,
-                            self.scheduler.config.max_num_seqs, self.buffers.max_blocks)
+                            self.scheduler.config.max_num_seqs, self.buffers.max_blocks,
+                            cost=draft_model.config.num_layers / self.model.config.num_layers)
 
     def _latency_model(self) -> LatencyModel:
         """Step time by tokens per step, for confidence scheduling: read from the on-disk cache

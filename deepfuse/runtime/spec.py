@@ -23,6 +23,7 @@ import bisect
 import heapq
 import json
 import os
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
 from ..errors import DeepfuseError
@@ -62,15 +63,11 @@ class Draft:
     confidence: list[float]  # per token, the drafter's estimate that the target agrees
 
 
-class Drafter:
+class Drafter(ABC):
     """Proposes drafts for a batch of decoding requests (each with room for ks[i] tokens)."""
 
-    def propose_batch(self, requests: list, ks: list[int]) -> list[Draft]:
-        return [self.propose(r.tokens, k, r.spec.recent_rate) if k > 0 else Draft([], [])
-                for r, k in zip(requests, ks)]
-
-    def propose(self, tokens: list[int], k: int, accept_rate: float) -> Draft:
-        raise NotImplementedError
+    @abstractmethod
+    def propose_batch(self, requests: list, ks: list[int]) -> list[Draft]: ...
 
 
 class NgramDrafter(Drafter):
@@ -80,6 +77,10 @@ class NgramDrafter(Drafter):
 
     def __init__(self, config: SpecConfig):
         self.config = config
+
+    def propose_batch(self, requests: list, ks: list[int]) -> list[Draft]:
+        return [self.propose(r.tokens, k, r.spec.recent_rate) if k > 0 else Draft([], [])
+                for r, k in zip(requests, ks)]
 
     def propose(self, tokens: list[int], k: int, accept_rate: float) -> Draft:
         n_max = min(self.config.max_ngram, len(tokens) - 1)

@@ -84,8 +84,8 @@ class FixedDrafter(Drafter):
     def __init__(self, tokens):
         self.tokens = tokens
 
-    def propose(self, tokens, k, accept_rate):
-        return Draft(self.tokens[:k], [accept_rate] * min(k, len(self.tokens)))
+    def propose_batch(self, requests, ks):
+        return [Draft(self.tokens[:k], [r.spec.recent_rate] * min(k, len(self.tokens))) for r, k in zip(requests, ks)]
 
 
 def test_temperature_one_keeps_the_target_distribution(tiny_model):

@@ -12,6 +12,7 @@ import struct
 import subprocess
 import tempfile
 
+import numpy as np
 import torch
 
 from ...errors import DeepfuseError
@@ -100,8 +101,7 @@ def run(kernel: AscendKernel, ins: list[torch.Tensor], out_shapes: list[tuple], 
             raise DeepfuseError(f"AscendC kernel {kernel.name} failed in the emulator: {msg}")
         for i, (kind, j) in enumerate(kernel.args):
             if kind == "out":
-                data = torch.from_numpy(__import__("numpy").fromfile(os.path.join(d, f"arg{i}.bin"),
-                                                                     dtype="float32"))
+                data = torch.from_numpy(np.fromfile(os.path.join(d, f"arg{i}.bin"), dtype=np.float32))
                 outs[j] = data.view(out_shapes[j]).clone()
     return outs
 

@@ -23,9 +23,11 @@ Kernel = Callable[..., Any]
 FACTORIES: dict[str, Callable[[dict], Kernel]] = {}
 
 
-def factory(op: str) -> Callable:
+def factory(op: str, registry: dict[str, Callable[[dict], Kernel]] = FACTORIES) -> Callable:
+    """Decorator: registers a kernel factory for `op` (in FACTORIES unless told otherwise)."""
+
     def wrap(fn: Callable[[dict], Kernel]) -> Callable[[dict], Kernel]:
-        FACTORIES[op] = fn
+        registry[op] = fn
         return fn
 
     return wrap

@@ -10,17 +10,13 @@ from collections.abc import Callable
 
 import torch
 
-from .kernels import FACTORIES, Kernel, rms_rows, swiglu_rows
+from .kernels import FACTORIES, Kernel, factory, rms_rows, swiglu_rows
 
 OUT_FACTORIES: dict[str, Callable[[dict], Kernel]] = {}
 
 
 def out_factory(op: str) -> Callable:
-    def wrap(fn: Callable[[dict], Kernel]) -> Callable[[dict], Kernel]:
-        OUT_FACTORIES[op] = fn
-        return fn
-
-    return wrap
+    return factory(op, OUT_FACTORIES)
 
 
 def mm_into(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> None:

@@ -14,6 +14,7 @@ from ...ir import Graph
 from ..cpu.plan import build_plan as slot_plan
 from .emit import EMITTERS, PREPARE, emittable
 
+PLACEHOLDER = "DEEPFUSE_KERNEL_NAME"  # emitted as the name, replaced by op + hash of the spec
 ARCH_DESCRIPTIONS = {"sm90": "NVIDIA Hopper (sm_90a), Triton kernels", "sm100": "NVIDIA Blackwell (sm_100a), Triton kernels"}
 
 
@@ -31,9 +32,10 @@ def build_plan(g: Graph, arch: str) -> dict:
             continue
         # a kernel is named by its op and a hash of its spec (source, tiles, launch options), so
         # the layers' identical kernels are one kernel (one compile, one cubin)
-        draft = EMITTERS[n.op](n, "KERNEL", arch)
-        digest = hashlib.sha256(json.dumps(draft, sort_keys=True).encode()).hexdigest()[:10]
-        p["kernels"] = EMITTERS[n.op](n, f"{n.op}_{digest}", arch)
+        specs = EMITTERS[n.op](n, PLACEHOLDER, arch)
+        digest = hashlib.sha256(json.dumps(specs, sort_keys=True).encode()).hexdigest()[:10]
+        # the specs' own order stays (a kernel's signature follows its parameters)
+        p["kernels"] = json.loads(json.dumps(specs).replace(PLACEHOLDER, f"{n.op}_{digest}"))
         if n.op in PREPARE:
             p["prepare"] = {"fn": PREPARE[n.op], "block": p["kernels"][0]["constexprs"]["BM"]}
         if n.op == "qkv_attention":

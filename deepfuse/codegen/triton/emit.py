@@ -168,11 +168,11 @@ def emit_fused_moe(node: Node, name: str, arch: str) -> list[dict]:
     dt = PTR[x.dtype]
     pairs = ["tmp_shape", 2, 0]  # T * KT (the sentinel row id)
     blocks = ["cdiv", ["tmp_shape", 0, 0], consts["BM"]]
-    up = _spec(name + "_up", _source(name + "_up", T.MOE_UP, KT=kt, I=i, D=d),
+    up = _spec(name + "_up", _source(name + "_up", T.MOE_UP, MOE_ROWS=T.MOE_ROWS, KT=kt, I=i, D=d),
                [("x_ptr", dt, ["in", 0]), ("w13_ptr", dt, ["in", 2]), ("rows_ptr", "*i32", ["tmp", 0]),
                 ("block_expert_ptr", "*i32", ["tmp", 1]), ("h_ptr", dt, ["tmp", 4]), ("M", "i32", pairs)],
                consts, [blocks, ["cdiv", ["const", i], consts["BN"]], 1], tiles)
-    down = _spec(name + "_down", _source(name + "_down", T.MOE_DOWN, I=i, D=d),
+    down = _spec(name + "_down", _source(name + "_down", T.MOE_DOWN, MOE_ROWS=T.MOE_ROWS, I=i, D=d),
                  [("h_ptr", dt, ["tmp", 4]), ("w2_ptr", dt, ["in", 3]), ("rows_ptr", "*i32", ["tmp", 0]),
                   ("block_expert_ptr", "*i32", ["tmp", 1]), ("weights_ptr", "*fp32", ["tmp", 3]),
                   ("ys_ptr", dt, ["tmp", 5]), ("M", "i32", pairs)],

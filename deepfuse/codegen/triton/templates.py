@@ -207,16 +207,17 @@ def $NAME(logits_ptr, y_ptr, BV: tl.constexpr):
 
 # fused MoE over (token, expert) pairs sorted by expert and padded so each BM block of rows
 # belongs to one expert (moe_align in runner.py): rows[i] = t * KT + j, or the sentinel M
-MOE_UP = """
-@triton.jit
-def $NAME(x_ptr, w13_ptr, rows_ptr, block_expert_ptr, h_ptr, M,
-          BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
-    pid_m = tl.program_id(0)
+MOE_ROWS = """    pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     r = pid_m * BM + tl.arange(0, BM)
     pair = tl.load(rows_ptr + r)
     ok = pair < M
-    tok = (pair // $KT).to(tl.int64)
+"""
+MOE_UP = """
+@triton.jit
+def $NAME(x_ptr, w13_ptr, rows_ptr, block_expert_ptr, h_ptr, M,
+          BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+$MOE_ROWS    tok = (pair // $KT).to(tl.int64)
     e = tl.load(block_expert_ptr + pid_m).to(tl.int64)
     rn = pid_n * BN + tl.arange(0, BN)
     rk = tl.arange(0, BK)
@@ -242,12 +243,7 @@ MOE_DOWN = """
 @triton.jit
 def $NAME(h_ptr, w2_ptr, rows_ptr, block_expert_ptr, weights_ptr, ys_ptr, M,
           BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    r = pid_m * BM + tl.arange(0, BM)
-    pair = tl.load(rows_ptr + r)
-    ok = pair < M
-    e = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+$MOE_ROWS    e = tl.load(block_expert_ptr + pid_m).to(tl.int64)
     rn = pid_n * BN + tl.arange(0, BN)
     rk = tl.arange(0, BK)
     n_ok = rn < $D

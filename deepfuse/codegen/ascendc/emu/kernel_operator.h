@@ -169,8 +169,6 @@ class TBuf {
   uint8_t* ptr_ = nullptr;
   uint32_t bytes_ = 0;
 };
-template <QuePosition POS>
-void init_tbuf(TPipe& pipe, TBuf<POS>& b, uint32_t bytes) { b.init(pipe, 1, bytes); }
 
 // ---- data movement -------------------------------------------------------------------------
 inline void check_ub_aligned(const void* p, const char* what) {

@@ -53,7 +53,18 @@ def _triton(arch: str) -> Callable[[], Target]:
     return make
 
 
-TARGETS: dict[str, Callable[[], Target]] = {"cpu": _cpu, "sm90": _triton("sm90"), "sm100": _triton("sm100")}
+def _ascend() -> Target:
+    from ..ir import OPS
+    from .ascendc import DESCRIPTION, build_plan
+    from .ascendc.project import project_files
+    from .ascendc.runner import EmulatorRunner
+
+    # every op is allowed: those without an emitter run their reference (a host step)
+    return Target("ascend950", DESCRIPTION, frozenset(OPS), build_plan, EmulatorRunner, project_files)
+
+
+TARGETS: dict[str, Callable[[], Target]] = {"cpu": _cpu, "sm90": _triton("sm90"), "sm100": _triton("sm100"),
+                                            "ascend950": _ascend}
 
 
 def get_target(name: str) -> Target:

@@ -1,3 +1,77 @@
-"""AscendC for Ascend 950 (arch 3510): emitters (emit.py) and a strict CPU emulator of the
-AscendC API subset they use (emu/kernel_operator.h, run by emulate.py with g++). Started:
-rms_norm, add_rms_norm and swiglu; not yet a compile target (see docs/targets.md)."""
+"""The ascend950 target (Huawei Ascend 950, AscendC): fused graph -> AscendC kernels (vector
+kernels on the AI vector cores, GEMMs on the cube cores through the Matmul API) -> a CANN
+project (kernel sources, host launch code, tiling, CMake; see project.py).
+
+The plan is the CPU plan's slot layout plus, per launch, the kernels emitted for its node (in
+launch order, with their argument forms and tiling expressions) and the scratch tensors they
+share. A launch without kernels runs its op's reference: on this machine, in the emulator
+runner; in the CANN project's host code, it is listed as a host step. No Ascend compiler runs
+here: the kernels are checked by compiling them with g++ against emu/ (runner.py).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+
+from ...ir import Graph, Node
+from ..cpu.plan import build_plan as slot_plan
+from .emit import emit_argmax, emit_gather, emit_rms_norm
+from .emit_attention import emit_qkv_attention
+from .emit_gemm import emit_gemm
+# from .emit_moe import emit_fused_moe
+
+PLACEHOLDER = "DEEPFUSE_KERNEL_NAME"  # emitted as the name, replaced by op + hash of the kernels
+DESCRIPTION = "Huawei Ascend 950 (arch 3510), AscendC kernels (checked in deepfuse's CPU emulator)"
+
+
+def _single(fn):
+    return lambda node, name: {"kernels": [fn(node, name)], "tmps": []}
+
+
+EMITTERS = {
+    "embedding": _single(emit_gather),
+    "rms_norm": _single(emit_rms_norm),
+    "add_rms_norm": _single(emit_rms_norm),
+    "linear": emit_gemm,
+    "logits": emit_gemm,
+    "rms_norm_linear": emit_gemm,
+    "add_rms_norm_linear": emit_gemm,
+    "swiglu_linear": emit_gemm,
+    "qkv_attention": emit_qkv_attention,
+#    "fused_moe": emit_fused_moe,
+    "sample": _single(emit_argmax),
+}
+
+
+def emittable(node: Node) -> bool:
+    """f32 graphs; int4 projections and head dims that are not whole 32-byte rows go to the reference."""
+    if node.op not in EMITTERS or "group_size" in node.attrs:
+        return False
+    if any(v.type.dtype not in ("f32", "i32", "i64") for v in node.inputs + node.outputs):
+        return False
+    if node.op == "qkv_attention":
+        return node.attrs["head_dim"] % 16 == 0
+    return True
+
+
+def build_plan(g: Graph) -> dict:
+    plan = slot_plan(g)
+    plan["arch"] = "ascend950"
+    counter = 0
+    for n, p in zip(g.nodes, plan["launches"]):
+        p["in_shape"] = [list(v.type.shape) for v in n.inputs]
+        p["out_dtype"] = [v.type.dtype for v in n.outputs]
+        p["node"] = f"%{counter} ({n.op})"
+        counter += len(n.outputs)
+        if not emittable(n):
+            continue
+        emitted = EMITTERS[n.op](n, PLACEHOLDER)
+        kernels = [k.to_json() for k in emitted["kernels"]]
+        # named by op and a hash of the kernels, so the layers' identical kernels are one kernel
+        digest = hashlib.sha256(json.dumps(kernels, sort_keys=True).encode()).hexdigest()[:10]
+        p["kernels"] = json.loads(json.dumps(kernels).replace(PLACEHOLDER, f"{n.op}_{digest}"))
+        p["tmps"] = emitted["tmps"]
+    return plan
+
+
+__all__ = ["DESCRIPTION", "EMITTERS", "build_plan", "emittable"]

@@ -10,10 +10,12 @@
 // Errors throw deepfuse_emu::Error with a message; the harness prints it and exits 3.
 // Pipe synchronisation, timing and the cube unit's fractal layouts are not modelled.
 #pragma once
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <deque>
+#include <map>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -31,31 +33,75 @@ inline size_t& ub_limit() { static size_t v = 248 * 1024; return v; }
 inline int64_t& block_idx() { static int64_t v = 0; return v; }
 inline int64_t& block_num() { static int64_t v = 1; return v; }
 constexpr size_t BLOCK = 32;
+// unsynchronised hand-overs between the AI core's pipes (scalar S, vector V, copy-in MTE2,
+// copy-out MTE3) that the kernel has not yet waited for: a bit per HardEvent
+// per UB buffer (its TQue / TBuf), the events written there and not yet waited for
+inline std::map<const void*, unsigned>& pending() { static std::map<const void*, unsigned> v; return v; }
 }  // namespace deepfuse_emu
 
 namespace AscendC {
 using deepfuse_emu::Error;
 using half = _Float16;
 
+// ---- pipe synchronisation: SetFlag/WaitFlag on a HardEvent hands work from one pipe to another.
+// Queue tensors are synchronised by EnQue/DeQue; TBuf tensors and scalar reads are not, so:
+// a scalar GetValue after a vector op needs V_S; a vector op after a scalar SetValue needs S_V;
+// a vector op after a GM->UB copy into a TBuf needs MTE2_V; a UB->GM copy of a TBuf tensor after a
+// vector op needs V_MTE3. The emulator reports each missing wait.
+enum class HardEvent : unsigned { V_S = 1, S_V = 2, MTE2_V = 4, V_MTE3 = 8, S_MTE3 = 16 };
+typedef int event_t;
+inline const char* event_name(HardEvent e) {
+  switch (e) {
+    case HardEvent::V_S: return "V_S"; case HardEvent::S_V: return "S_V"; case HardEvent::MTE2_V: return "MTE2_V";
+    case HardEvent::V_MTE3: return "V_MTE3"; default: return "S_MTE3";
+  }
+}
+inline void raise_event(const void* buf, HardEvent e) { deepfuse_emu::pending()[buf] |= (unsigned)e; }
+inline void need_synced(const void* buf, HardEvent e, const std::string& what) {
+  auto it = deepfuse_emu::pending().find(buf);
+  if (it != deepfuse_emu::pending().end() && (it->second & (unsigned)e))
+    throw Error(what + " without a WaitFlag<HardEvent::" + event_name(e) + ">: a pipe race on the hardware");
+}
+inline unsigned& flags_set() { static unsigned v = 0; return v; }
+template <HardEvent E>
+void SetFlag(event_t) { flags_set() |= (unsigned)E; }
+template <HardEvent E>
+void WaitFlag(event_t) {
+  if (!(flags_set() & (unsigned)E)) throw Error(std::string("WaitFlag<") + event_name(E) + "> without its SetFlag");
+  flags_set() &= ~(unsigned)E;
+  for (auto& kv : deepfuse_emu::pending()) kv.second &= ~(unsigned)E;
+}
+enum PipeType { PIPE_S, PIPE_V, PIPE_MTE2, PIPE_MTE3, PIPE_ALL };
+template <PipeType P>
+void PipeBarrier() { if (P == PIPE_ALL) deepfuse_emu::pending().clear(); }
+
 inline int64_t GetBlockIdx() { return deepfuse_emu::block_idx(); }
 inline int64_t GetBlockNum() { return deepfuse_emu::block_num(); }
 
-enum class QuePosition { VECIN, VECOUT, VECCALC };
+// TPosition: where a tensor lives (GM; the vector unit's UB queues; the cube unit's L1 / L0 levels)
+enum class TPosition { GM, VECIN, VECOUT, VECCALC, A1, A2, B1, B2, CO1, CO2 };
+using QuePosition = TPosition;
 enum class RoundMode { CAST_NONE, CAST_RINT };
 
 template <typename T>
 class LocalTensor {
  public:
   LocalTensor() = default;
-  LocalTensor(T* p, uint32_t n, const void* owner) : ptr_(p), size_(n), owner_(owner) {}
-  T GetValue(uint32_t i) const { check(i); return ptr_[i]; }
-  void SetValue(uint32_t i, T v) { check(i); ptr_[i] = v; }
+  LocalTensor(T* p, uint32_t n, const void* owner, bool queued = false)
+      : ptr_(p), size_(n), owner_(owner), queued_(queued) {}
+  T GetValue(uint32_t i) const {
+    check(i);
+    need_synced(owner_, HardEvent::V_S, "a scalar GetValue of a vector op's result");
+    return ptr_[i];
+  }
+  void SetValue(uint32_t i, T v) { check(i); ptr_[i] = v; raise_event(owner_, HardEvent::S_V); raise_event(owner_, HardEvent::S_MTE3); }
+  bool queued() const { return queued_; }
   T* data() const { return ptr_; }
   uint32_t GetSize() const { return size_; }
   const void* owner() const { return owner_; }
-  LocalTensor operator[](uint32_t off) const { check(off); return LocalTensor(ptr_ + off, size_ - off, owner_); }
+  LocalTensor operator[](uint32_t off) const { check(off); return LocalTensor(ptr_ + off, size_ - off, owner_, queued_); }
   template <typename U>
-  LocalTensor<U> ReinterpretCast() const { return LocalTensor<U>((U*)ptr_, size_ * sizeof(T) / sizeof(U), owner_); }
+  LocalTensor<U> ReinterpretCast() const { return LocalTensor<U>((U*)ptr_, size_ * sizeof(T) / sizeof(U), owner_, queued_); }
 
  private:
   void check(uint32_t i) const {
@@ -65,6 +111,7 @@ class LocalTensor {
   T* ptr_ = nullptr;
   uint32_t size_ = 0;
   const void* owner_ = nullptr;
+  bool queued_ = false;
 };
 
 template <typename T>
@@ -76,7 +123,7 @@ class GlobalTensor {
     GlobalTensor g; g.ptr_ = ptr_ + off; g.size_ = size_ - off; return g;
   }
   T GetValue(uint64_t i) const { if (i >= size_) throw Error("GlobalTensor read out of range"); return ptr_[i]; }
-  void SetValue(uint64_t i, T v) { if (i >= size_) throw Error("GlobalTensor write out of range"); ptr_[i] = v; }
+  void SetValue(uint64_t i, T v) const { if (i >= size_) throw Error("GlobalTensor write out of range"); ptr_[i] = v; }
   T* data() const { return ptr_; }
   uint64_t GetSize() const { return size_; }
 
@@ -107,11 +154,14 @@ class TPipe {
   template <class B>
   void InitBuffer(B& buf, uint32_t bytes) { buf.init(*this, 1, bytes); }
   size_t used() const { return used_; }
+  event_t FetchEventID(HardEvent) { return 0; }
 
  private:
   std::vector<uint8_t> ub_;
   size_t used_ = 0;
 };
+
+inline TPipe* GetTPipePtr() { return current_pipe(); }
 
 template <QuePosition POS, int DEPTH>
 class TQue {
@@ -123,7 +173,7 @@ class TQue {
   template <typename T>
   LocalTensor<T> AllocTensor() {
     for (auto& s : slots_)
-      if (!s.busy) { s.busy = true; return LocalTensor<T>((T*)s.ptr, s.bytes / sizeof(T), this); }
+      if (!s.busy) { s.busy = true; return LocalTensor<T>((T*)s.ptr, s.bytes / sizeof(T), this, true); }
     throw Error("AllocTensor on a queue whose buffers are all in use (FreeTensor missing?)");
   }
   template <typename T>
@@ -138,7 +188,7 @@ class TQue {
     uint8_t* p = queued_.front();
     queued_.pop_front();
     for (auto& s : slots_)
-      if (s.ptr == p) return LocalTensor<T>((T*)p, s.bytes / sizeof(T), this);
+      if (s.ptr == p) return LocalTensor<T>((T*)p, s.bytes / sizeof(T), this, true);
     throw Error("DeQue of an unknown buffer");
   }
   template <typename T>
@@ -158,12 +208,21 @@ class TQue {
   std::deque<uint8_t*> queued_;
 };
 
+// a queue whose buffers are copied in and straight out again (no vector stage)
+template <QuePosition SRC, QuePosition DST, int DEPTH>
+class TQueBind : public TQue<SRC, DEPTH> {};
+
 template <QuePosition POS>
 class TBuf {
  public:
   void init(TPipe& pipe, int, uint32_t bytes) { ptr_ = pipe.carve(bytes, "TBuf"); bytes_ = bytes; }
   template <typename T>
   LocalTensor<T> Get() const { return LocalTensor<T>((T*)ptr_, bytes_ / sizeof(T), this); }
+  template <typename T>
+  LocalTensor<T> Get(uint32_t count) const {
+    if (count * sizeof(T) > bytes_) throw Error("TBuf::Get of " + std::to_string(count) + " elements past its " + std::to_string(bytes_) + " bytes");
+    return LocalTensor<T>((T*)ptr_, count, this);
+  }
 
  private:
   uint8_t* ptr_ = nullptr;
@@ -174,6 +233,29 @@ class TBuf {
 inline void check_ub_aligned(const void* p, const char* what) {
   if ((uintptr_t)p % deepfuse_emu::BLOCK != 0) throw Error(std::string(what) + ": unified-buffer address not 32-byte aligned");
 }
+// a vector op reads its sources (scalar writes and TBuf copy-ins must be waited for) and
+// writes its destination (scalar reads and TBuf copy-outs of it must then wait)
+template <typename T>
+void vec_src(const LocalTensor<T>& t, const char* op) {
+  need_synced(t.owner(), HardEvent::S_V, std::string("vector ") + op + " of a scalar SetValue's data");
+  need_synced(t.owner(), HardEvent::MTE2_V, std::string("vector ") + op + " of data copied into a TBuf");
+}
+template <typename T>
+void vec_dst(const LocalTensor<T>& t, const char* op) {
+  vec_src(t, op);
+  raise_event(t.owner(), HardEvent::V_S);
+  raise_event(t.owner(), HardEvent::V_MTE3);
+}
+template <typename T>
+void copied_in(const LocalTensor<T>& dst) {
+  if (!dst.queued()) raise_event(dst.owner(), HardEvent::MTE2_V);
+}
+template <typename T>
+void copying_out(const LocalTensor<T>& src) {
+  if (src.queued()) return;
+  need_synced(src.owner(), HardEvent::V_MTE3, "a copy-out of a vector op's result from a TBuf");
+  need_synced(src.owner(), HardEvent::S_MTE3, "a copy-out of a scalar SetValue's data from a TBuf");
+}
 
 template <typename T>
 void DataCopy(const LocalTensor<T>& dst, const GlobalTensor<T>& src, uint32_t count) {
@@ -183,6 +265,7 @@ void DataCopy(const LocalTensor<T>& dst, const GlobalTensor<T>& src, uint32_t co
   check_ub_aligned(dst.data(), "DataCopy GM->UB");
   if (count > dst.GetSize() || count > src.GetSize()) throw Error("DataCopy GM->UB past a tensor's end");
   std::memcpy(dst.data(), src.data(), count * sizeof(T));
+  copied_in(dst);
 }
 template <typename T>
 void DataCopy(const GlobalTensor<T>& dst, const LocalTensor<T>& src, uint32_t count) {
@@ -190,8 +273,20 @@ void DataCopy(const GlobalTensor<T>& dst, const LocalTensor<T>& src, uint32_t co
     throw Error("DataCopy of " + std::to_string(count) + " elements (" + std::to_string(count * sizeof(T)) +
                 " bytes) is not whole 32-byte blocks: the hardware rounds it down silently; use DataCopyPad");
   check_ub_aligned(src.data(), "DataCopy UB->GM");
+  copying_out(src);
   if (count > src.GetSize() || count > dst.GetSize()) throw Error("DataCopy UB->GM past a tensor's end");
   std::memcpy(dst.data(), src.data(), count * sizeof(T));
+}
+
+// a UB -> UB move, on the vector pipe
+template <typename T>
+void DataCopy(const LocalTensor<T>& dst, const LocalTensor<T>& src, uint32_t count) {
+  vec_src(src, "DataCopy UB->UB"); vec_dst(dst, "DataCopy UB->UB");
+  if (count * sizeof(T) % deepfuse_emu::BLOCK != 0) throw Error("DataCopy UB->UB of a count that is not whole 32-byte blocks");
+  check_ub_aligned(dst.data(), "DataCopy UB->UB");
+  check_ub_aligned(src.data(), "DataCopy UB->UB");
+  if (count > dst.GetSize() || count > src.GetSize()) throw Error("DataCopy UB->UB past a tensor's end");
+  std::memmove(dst.data(), src.data(), count * sizeof(T));
 }
 
 struct DataCopyExtParams {
@@ -216,10 +311,12 @@ void DataCopyPad(const LocalTensor<T>& dst, const GlobalTensor<T>& src, const Da
     if (pad.isPad)
       for (uint32_t b = p.blockLen; b < row; b += sizeof(T)) *(T*)(d + r * row + b) = pad.paddingValue;
   }
+  copied_in(dst);
 }
 template <typename T>
 void DataCopyPad(const GlobalTensor<T>& dst, const LocalTensor<T>& src, const DataCopyExtParams& p) {
   check_ub_aligned(src.data(), "DataCopyPad UB->GM");
+  copying_out(src);
   uint32_t row = (p.blockLen + deepfuse_emu::BLOCK - 1) / deepfuse_emu::BLOCK * deepfuse_emu::BLOCK;
   if ((uint64_t)p.blockCount * row > src.GetSize() * sizeof(T)) throw Error("DataCopyPad UB->GM past the UB tensor");
   uint8_t* d = (uint8_t*)dst.data();
@@ -234,12 +331,13 @@ void DataCopyPad(const GlobalTensor<T>& dst, const LocalTensor<T>& src, const Da
 // ---- vector unit (count elements; operands are UB tensors) -------------------------------
 template <typename T>
 inline void check_count(const LocalTensor<T>& t, uint32_t n, const char* op) {
+  check_ub_aligned(t.data(), op);
   if (n > t.GetSize()) throw Error(std::string(op) + " of " + std::to_string(n) + " elements on a tensor of " + std::to_string(t.GetSize()));
 }
 #define DEEPFUSE_BINARY(NAME, EXPR)                                                                   \
   template <typename T>                                                                             \
   void NAME(const LocalTensor<T>& d, const LocalTensor<T>& a, const LocalTensor<T>& b, uint32_t n) { \
-    check_count(d, n, #NAME); check_count(a, n, #NAME); check_count(b, n, #NAME);                  \
+    vec_src(a, #NAME); vec_src(b, #NAME); vec_dst(d, #NAME); check_count(d, n, #NAME); check_count(a, n, #NAME); check_count(b, n, #NAME); \
     for (uint32_t i = 0; i < n; i++) { T x = a.data()[i], y = b.data()[i]; d.data()[i] = (EXPR); }  \
   }
 DEEPFUSE_BINARY(Add, x + y)
@@ -250,45 +348,76 @@ DEEPFUSE_BINARY(Max, x > y ? x : y)
 #define DEEPFUSE_SCALAR(NAME, EXPR)                                                      \
   template <typename T>                                                                \
   void NAME(const LocalTensor<T>& d, const LocalTensor<T>& a, T s, uint32_t n) {       \
-    check_count(d, n, #NAME); check_count(a, n, #NAME);                                \
+    vec_src(a, #NAME); vec_dst(d, #NAME); check_count(d, n, #NAME); check_count(a, n, #NAME); \
     for (uint32_t i = 0; i < n; i++) { T x = a.data()[i]; d.data()[i] = (EXPR); }      \
   }
 DEEPFUSE_SCALAR(Adds, x + s)
 DEEPFUSE_SCALAR(Muls, x * s)
+DEEPFUSE_SCALAR(Maxs, x > s ? x : s)
+DEEPFUSE_SCALAR(Mins, x < s ? x : s)
+// dst += src * s (the vector unit's fused multiply-add by a scalar)
+template <typename T>
+void Axpy(const LocalTensor<T>& d, const LocalTensor<T>& a, T s, uint32_t n) {
+  vec_src(a, "Axpy"); vec_dst(d, "Axpy"); check_count(d, n, "Axpy"); check_count(a, n, "Axpy");
+  for (uint32_t i = 0; i < n; i++) d.data()[i] = d.data()[i] + a.data()[i] * s;
+}
 #define DEEPFUSE_UNARY(NAME, EXPR)                                                   \
   template <typename T>                                                            \
   void NAME(const LocalTensor<T>& d, const LocalTensor<T>& a, uint32_t n) {        \
-    check_count(d, n, #NAME); check_count(a, n, #NAME);                            \
+    vec_src(a, #NAME); vec_dst(d, #NAME); check_count(d, n, #NAME); check_count(a, n, #NAME); \
     for (uint32_t i = 0; i < n; i++) { T x = a.data()[i]; d.data()[i] = (EXPR); }  \
   }
 DEEPFUSE_UNARY(Exp, (T)std::exp((float)x))
 DEEPFUSE_UNARY(Sqrt, (T)std::sqrt((float)x))
 DEEPFUSE_UNARY(Reciprocal, (T)(1.0f / (float)x))
+DEEPFUSE_UNARY(Sin, (T)std::sin((float)x))
+DEEPFUSE_UNARY(Cos, (T)std::cos((float)x))
 template <typename T>
 void Duplicate(const LocalTensor<T>& d, T v, uint32_t n) {
-  check_count(d, n, "Duplicate");
+  vec_dst(d, "Duplicate"); check_count(d, n, "Duplicate");
   for (uint32_t i = 0; i < n; i++) d.data()[i] = v;
 }
 // dst[0] = sum(src[0:n]); work is scratch of at least n elements (as the hardware needs)
 template <typename T>
 void ReduceSum(const LocalTensor<T>& d, const LocalTensor<T>& s, const LocalTensor<T>& work, uint32_t n) {
-  check_count(s, n, "ReduceSum"); check_count(work, n, "ReduceSum work");
+  vec_src(s, "ReduceSum"); vec_dst(work, "ReduceSum"); vec_dst(d, "ReduceSum"); check_count(s, n, "ReduceSum"); check_count(work, n, "ReduceSum work");
   float acc = 0.0f;
   for (uint32_t i = 0; i < n; i++) acc += (float)s.data()[i];
   d.data()[0] = (T)acc;
 }
+// dst[0] = max(src[0:n]); with calIndex, dst[1] holds the first maximum's index (its bits as T)
+template <typename T>
+void ReduceMax(const LocalTensor<T>& d, const LocalTensor<T>& s, const LocalTensor<T>& work, uint32_t n,
+               bool calIndex = false) {
+  vec_src(s, "ReduceMax"); vec_dst(work, "ReduceMax"); vec_dst(d, "ReduceMax"); check_count(s, n, "ReduceMax"); check_count(work, n, "ReduceMax work"); check_count(d, calIndex ? 2 : 1, "ReduceMax");
+  if (n == 0) throw Error("ReduceMax of 0 elements");
+  uint32_t best = 0;
+  for (uint32_t i = 1; i < n; i++)
+    if (s.data()[i] > s.data()[best]) best = i;
+  d.data()[0] = s.data()[best];
+  if (calIndex) {
+    static_assert(sizeof(T) == 4, "ReduceMax index in a 32-bit lane");
+    std::memcpy(&d.data()[1], &best, sizeof(best));
+  }
+}
 template <typename D, typename S>
 void Cast(const LocalTensor<D>& d, const LocalTensor<S>& s, RoundMode, uint32_t n) {
-  check_count(d, n, "Cast"); check_count(s, n, "Cast");
+  vec_src(s, "Cast"); vec_dst(d, "Cast"); check_count(d, n, "Cast"); check_count(s, n, "Cast");
   for (uint32_t i = 0; i < n; i++) d.data()[i] = (D)s.data()[i];
 }
 }  // namespace AscendC
 
 // the launch loop: runs a kernel once per block index, as the AI cores would
 namespace deepfuse_emu {
+// each block starts with its own pipes idle (no pending hand-overs, no flags set)
 template <typename F>
 void launch(int64_t blocks, F&& body) {
   block_num() = blocks;
-  for (int64_t b = 0; b < blocks; b++) { block_idx() = b; body(); }
+  for (int64_t b = 0; b < blocks; b++) {
+    block_idx() = b;
+    pending().clear();
+    AscendC::flags_set() = 0;
+    body();
+  }
 }
 }  // namespace deepfuse_emu

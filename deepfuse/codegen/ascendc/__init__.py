@@ -18,7 +18,7 @@ from ..cpu.plan import build_plan as slot_plan
 from .emit import emit_argmax, emit_gather, emit_rms_norm
 from .emit_attention import emit_qkv_attention
 from .emit_gemm import emit_gemm
-# from .emit_moe import emit_fused_moe
+from .emit_moe import emit_fused_moe
 
 PLACEHOLDER = "DEEPFUSE_KERNEL_NAME"  # emitted as the name, replaced by op + hash of the kernels
 DESCRIPTION = "Huawei Ascend 950 (arch 3510), AscendC kernels (checked in deepfuse's CPU emulator)"
@@ -38,7 +38,7 @@ EMITTERS = {
     "add_rms_norm_linear": emit_gemm,
     "swiglu_linear": emit_gemm,
     "qkv_attention": emit_qkv_attention,
-#    "fused_moe": emit_fused_moe,
+    "fused_moe": emit_fused_moe,
     "sample": _single(emit_argmax),
 }
 

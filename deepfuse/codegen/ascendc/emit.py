@@ -210,13 +210,15 @@ private:
 """
 
 
-def emit_swiglu(node: Node, name: str, x_arg: list | None = None, y_arg: list | None = None) -> AscendKernel:
-    """swiglu(x[T, 2I]) -> [T, I]: gate and up halves of each row in separate queues."""
-    i = node.inputs[0].type.shape[1] // 2
+def emit_swiglu(node: Node, name: str, x_arg: list | None = None, y_arg: list | None = None, *,
+                i: int | None = None, rows=None) -> AscendKernel:
+    """swiglu(x[T, 2I]) -> [T, I]: gate and up halves of each row in separate queues. i / rows
+    override the node's (fused_moe runs it over its expert rows)."""
+    i = i or node.inputs[0].type.shape[1] // 2
     row_bytes = align(i * 4)
     if 7 * row_bytes > UB_BYTES:
         raise ValueError(f"{name}: a row of {i} does not fit the unified buffer")
-    fields = rows_tiling(["shape", 0, 0], AIV_CORES)
+    fields = rows_tiling(rows or ["shape", 0, 0], AIV_CORES)
     src = source(name, f"silu(gate) * up over rows of [gate | up], {i} floats each", fields, SWIGLU, ["x", "y"],
                  I=i, ROW_BYTES=row_bytes,
                  COPY_GATE=copy_row("gateLocal", f"xGm[(uint64_t)row * {2 * i}]", i, 4, False),
@@ -240,7 +242,7 @@ $PROCESS_ROWS
 private:
     __aicore__ inline void CopyIn(uint32_t row)
     {
-        uint64_t id = (uint64_t)idsGm.GetValue(row);
+        uint64_t id = (uint64_t)idsGm.GetValue(row) / $DIV;
         LocalTensor<float> rowLocal = queue.AllocTensor<float>();
         $COPY_IN
         queue.EnQue(rowLocal);
@@ -261,15 +263,17 @@ private:
 """
 
 
-def emit_gather(node: Node, name: str, ids_index: int = 1, y_arg: list | None = None) -> AscendKernel:
-    """y[r] = table[ids[r]] for table[V,D] (embedding) or x[T,D] with sample_rows (take_rows)."""
-    d, it = node.inputs[0].type.shape[1], CTYPE[node.inputs[ids_index].type.dtype]
-    fields = rows_tiling(["shape", ids_index, 0], AIV_CORES, [["tableRows", "uint32_t", ["shape", 0, 0]]])
+def emit_gather(node: Node, name: str, ids_index: int = 1, y_arg: list | None = None, *, ids_arg: list | None = None,
+                rows=None, div: int = 1, ids_dtype: str | None = None) -> AscendKernel:
+    """y[r] = table[ids[r] / div] for table[V,D] (embedding) or x[T,D] with sample_rows (take_rows);
+    ids_arg / rows / div / ids_dtype override the node's (fused_moe gathers by its sorted pairs)."""
+    d, it = node.inputs[0].type.shape[1], CTYPE[ids_dtype or node.inputs[ids_index].type.dtype]
+    fields = rows_tiling(rows or ["shape", ids_index, 0], AIV_CORES, [["tableRows", "uint32_t", ["shape", 0, 0]]])
     src = source(name, f"rows of a [N, {d}] table gathered by index", fields, GATHER, ["table", "ids", "y"],
-                 STAGES="            CopyIn(row);\n            CopyOut(row);\n", D=d, IT=it, ROW_BYTES=align(d * 4),
+                 STAGES="            CopyIn(row);\n            CopyOut(row);\n", D=d, IT=it, DIV=div, ROW_BYTES=align(d * 4),
                  COPY_IN=copy_row("rowLocal", f"tableGm[id * {d}]", d, 4, False),
                  COPY_OUT=copy_row(f"yGm[(uint64_t)row * {d}]", "rowLocal", d, 4, True))
-    return AscendKernel(name, src, [["in", 0], ["in", ids_index], y_arg or ["out", 0]], fields, AIV_CORES)
+    return AscendKernel(name, src, [["in", 0], ids_arg or ["in", ids_index], y_arg or ["out", 0]], fields, AIV_CORES)
 
 
 ARGMAX = """\

@@ -328,6 +328,11 @@ void DataCopyPad(const GlobalTensor<T>& dst, const LocalTensor<T>& src, const Da
   }
 }
 
+// scalar writes to GM go through the data cache; a kernel flushes them before its consumers run
+enum class CacheLine { SINGLE_CACHE_LINE, ENTIRE_DATA_CACHE };
+template <typename T, CacheLine C>
+void DataCacheCleanAndInvalid(const GlobalTensor<T>&) {}
+
 // ---- vector unit (count elements; operands are UB tensors) -------------------------------
 template <typename T>
 inline void check_count(const LocalTensor<T>& t, uint32_t n, const char* op) {

@@ -23,7 +23,7 @@ def last_line(err: str) -> str:
 @pytest.mark.parametrize("argv,message", [
     (["generate", "--model", "nope", "hi"], "error: unknown model 'nope'"),
     (["generate", "--model", "/no/such/model.gguf", "hi"], "error: GGUF file not found: /no/such/model.gguf"),
-    (["compile", "--target", "tpu9", "-o", "/tmp/x"], "error: unknown target 'tpu9' (available: cpu, sm100, sm90)"),
+    (["compile", "--target", "tpu9", "-o", "/tmp/x"], "error: unknown target 'tpu9' (available: ascend950, cpu, sm100, sm90)"),
     (["generate", "--artifact", "/no/such/dir", "hi"], "error: artifact directory not found"),
 ])
 def test_bad_input_one_line_exit_2(capsys, argv, message):
@@ -109,7 +109,7 @@ def test_tampered_and_foreign_artifacts_refused(capsys, artifact_dir, tmp_path):
 def test_subprocess_error_has_no_traceback():
     r = subprocess.run([sys.executable, "-m", "deepfuse.cli", "compile", "--target", "nope", "-o", "/tmp/x"],
                        capture_output=True, text=True)
-    assert r.returncode == 2 and r.stderr.strip() == "error: unknown target 'nope' (available: cpu, sm100, sm90)"
+    assert r.returncode == 2 and r.stderr.strip() == "error: unknown target 'nope' (available: ascend950, cpu, sm100, sm90)"
 
 
 def test_ir_dump_dir(capsys, tmp_path):

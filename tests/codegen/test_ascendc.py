@@ -1,19 +1,34 @@
-"""AscendC (ascend950) kernels against the IR interpreter in deepfuse's CPU emulator of the
-AscendC API (g++), and the emulator's strictness: misaligned copies, unified-buffer overflow,
-DeQue before EnQue. An emulator, not the hardware: see docs/targets.md."""
+"""ascend950 (AscendC): every emitted kernel kind against the IR interpreter in deepfuse's CPU
+emulator of the AscendC API (g++), the generated host launch code run the same way, the CANN
+project in the artifact, and the emulator's strictness (misaligned copies, unified-buffer and
+L0 overflow, DeQue before EnQue, missing pipe synchronisation). An emulator, not the
+hardware: see docs/targets.md."""
 import dataclasses
+import json
 import shutil
 
 import pytest
 import torch
 
+import deepfuse
+from deepfuse.cli import main
+from deepfuse.codegen.ascendc import build_plan
 from deepfuse.codegen.ascendc.emit import emit_rms_norm, emit_swiglu
-from deepfuse.codegen.ascendc.emulate import rms_norm_tiling, rows_tiling, run
+from deepfuse.codegen.ascendc.emulate import launch
+from deepfuse.codegen.ascendc.kernel import pack
+from deepfuse.codegen.ascendc.runner import EmulatorRunner
+from deepfuse.codegen.targets import get_target
+from deepfuse.compiler import trace_model
 from deepfuse.errors import DeepfuseError
 from deepfuse.frontend import Spec, ops, trace
 from deepfuse.ir import interpret
+from deepfuse.models import load_model
+from deepfuse.passes import PassManager
+from tests.codegen.test_triton import mixed_step, tiny
 
 pytestmark = pytest.mark.skipif(shutil.which("g++") is None, reason="the AscendC emulator needs g++")
+KINDS = {"embedding", "rms_norm_linear", "add_rms_norm_linear", "qkv_attention", "linear", "swiglu_linear",
+         "add_rms_norm", "logits", "sample"}
 
 
 def norm_graph(d: int, add: bool):
@@ -25,14 +40,21 @@ def norm_graph(d: int, add: bool):
     return trace(lambda x: ops.rms_norm(x, w, eps=1e-5), Spec("x", "f32", ("T", d)))
 
 
-def launch(g, kernel, rows: int, cores: int, ub_bytes: int = 248 * 1024):
+def run_node(g, kernel, ins: dict, ub_bytes: int = 248 * 1024) -> list[torch.Tensor]:
+    """Launches one kernel of the graph's single node on its inputs; returns the node's outputs."""
     node = g.nodes[0]
-    ins = {"x": torch.randn(rows, node.inputs[0].type.shape[1])}
-    if len(node.inputs) == 3:
-        ins["r"] = torch.randn_like(ins["x"])
     args = [ins[v.name] if v.name in ins else g.weights[v.name] for v in node.inputs]
-    outs = run(kernel, args, [tuple(ins["x"].shape)] * len(node.outputs), rms_norm_tiling(rows, cores, 1e-5), ub_bytes)
-    return outs, interpret(g, ins)
+    outs = [torch.zeros(tuple(ins["x"].shape[:1]) + tuple(v.type.shape[1:])) for v in node.outputs]
+    tensors = [{"in": args, "out": outs}[kind][i] for kind, i in kernel.args]
+    launch(kernel, tensors, pack(kernel.tiling, [tuple(t.shape) for t in args]), ub_bytes)
+    return outs
+
+
+def norm_inputs(g, rows: int) -> dict:
+    ins = {"x": torch.randn(rows, g.nodes[0].inputs[0].type.shape[1])}
+    if len(g.nodes[0].inputs) == 3:
+        ins["r"] = torch.randn_like(ins["x"])
+    return ins
 
 
 @pytest.mark.parametrize("add", [False, True], ids=["rms_norm", "add_rms_norm"])
@@ -41,59 +63,204 @@ def test_norm_kernels_match_the_interpreter(d, add):
     g = norm_graph(d, add)
     kernel = dataclasses.replace(emit_rms_norm(g.nodes[0], f"norm_{d}_{int(add)}"), block_dim=4)
     assert ("DataCopyPad" in kernel.source) == (d == 100)
-    got, want = launch(g, kernel, rows=7, cores=4)  # 7 rows over 4 cores: the last core gets one
-    for a, b in zip(got, want):
+    ins = norm_inputs(g, 7)
+    kernel.tiling[1][2] = ["cdiv", ["shape", 0, 0], 4]  # 7 rows over 4 cores: the last core gets one
+    for a, b in zip(run_node(g, kernel, ins), interpret(g, ins)):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
-
-
-def test_generated_source_has_the_public_kernel_structure():
-    src = emit_rms_norm(norm_graph(576, True).nodes[0], "add_rms_norm_576").source
-    for part in ('extern "C" __global__ __aicore__ void add_rms_norm_576(GM_ADDR x', "TPipe pipe;",
-                 "TQue<QuePosition::VECIN, BUFFER_NUM>", "TQue<QuePosition::VECOUT, BUFFER_NUM>",
-                 "TBuf<QuePosition::VECCALC>", "CopyIn(row);", "Compute();", "CopyOut(row);", "GetBlockIdx()",
-                 ".EnQue(", ".DeQue<float>()", ".FreeTensor(", "ReduceSum(", "struct add_rms_norm_576_tiling"):
-        assert part in src, part
-
-
-def broken(kernel, old: str, new: str):
-    assert old in kernel.source
-    return dataclasses.replace(kernel, name=kernel.name, source=kernel.source.replace(old, new, 1), block_dim=2)
-
-
-def test_emulator_reports_a_copy_that_is_not_whole_32_byte_blocks():
-    g = norm_graph(100, False)
-    k = emit_rms_norm(g.nodes[0], "norm_misaligned")
-    k = broken(k, "DataCopyPad(xLocal, xGm[(uint64_t)row * 100], DataCopyExtParams{1, 400, 0, 0, 0}, "
-                  "DataCopyPadExtParams<float>{false, 0, 0, 0});", "DataCopy(xLocal, xGm[(uint64_t)row * 100], 100);")
-    with pytest.raises(DeepfuseError, match="not whole 32-byte blocks.*DataCopyPad"):
-        launch(g, k, rows=3, cores=2)
-
-
-def test_emulator_reports_unified_buffer_overflow():
-    g = norm_graph(576, True)
-    k = dataclasses.replace(emit_rms_norm(g.nodes[0], "norm_overflow"), block_dim=2)
-    with pytest.raises(DeepfuseError, match="unified buffer overflow"):
-        launch(g, k, rows=3, cores=2, ub_bytes=8 * 1024)
-
-
-def test_emulator_reports_dequeue_before_enqueue():
-    g = norm_graph(576, False)
-    k = broken(emit_rms_norm(g.nodes[0], "norm_no_enque"), "        inQueueX.EnQue(xLocal);\n", "")
-    with pytest.raises(DeepfuseError, match="DeQue before EnQue"):
-        launch(g, k, rows=3, cores=2)
-
-
-def test_a_kernel_that_does_not_compile_is_named():
-    g = norm_graph(576, False)
-    k = broken(emit_rms_norm(g.nodes[0], "norm_typo"), "ReduceSum(sum, work, work, 576);", "ReduceSum(sum, wrk, 576);")
-    with pytest.raises(DeepfuseError, match="AscendC kernel norm_typo does not compile against the emulator"):
-        launch(g, k, rows=3, cores=2)
 
 
 @pytest.mark.parametrize("i", [1536, 100], ids=["DataCopy", "DataCopyPad"])
 def test_swiglu_kernel_matches_the_interpreter(i):
     g = trace(lambda x: ops.swiglu(x), Spec("x", "f32", ("T", 2 * i)))
-    kernel = dataclasses.replace(emit_swiglu(g.nodes[0], f"swiglu_{i}"), block_dim=3)
+    kernel = emit_swiglu(g.nodes[0], f"swiglu_{i}")
     x = torch.randn(5, 2 * i)
-    got = run(kernel, [x], [(5, i)], rows_tiling(5, 3))
-    torch.testing.assert_close(got[0], interpret(g, {"x": x})[0], atol=1e-5, rtol=1e-5)
+    got = torch.zeros(5, i)
+    launch(kernel, [x, got], pack(kernel.tiling, [(5, 2 * i)]))
+    torch.testing.assert_close(got, interpret(g, {"x": x})[0], atol=1e-5, rtol=1e-5)
+
+
+@pytest.fixture(scope="module", params=[{}, {"hidden_size": 96, "num_attention_heads": 6, "num_key_value_heads": 2}],
+                ids=["gqa2", "gqa3"])
+def model(request, tmp_path_factory):
+    return tiny(tmp_path_factory, **request.param)
+
+
+def step_matches(model, via_host: bool = False):
+    g, _ = PassManager(get_target("ascend950").pipeline()).run(trace_model(model))
+    plan = build_plan(g)
+    a, b = mixed_step(model.config), mixed_step(model.config)
+    got, want = EmulatorRunner(plan, g.weights, via_host=via_host)(b), interpret(g, a)
+    torch.testing.assert_close(got[0], want[0], atol=1e-5, rtol=1e-5)
+    assert torch.equal(got[1], want[1])
+    for i in range(model.config.num_layers):
+        torch.testing.assert_close(b[f"kv_cache.{i}"], a[f"kv_cache.{i}"], atol=1e-5, rtol=1e-5)
+    return plan
+
+
+def test_every_kernel_kind_matches_the_interpreter(model):
+    """A mixed step (a 20-token prefill over two cache blocks, a 2-token prefill, a decode at
+    position 17 over cached keys) through every kernel: fp32 within 1e-5."""
+    plan = step_matches(model)
+    assert {p["op"] for p in plan["launches"] if p.get("kernels")} == KINDS
+    assert all(p.get("kernels") for p in plan["launches"])
+    gemms = [k for p in plan["launches"] for k in p["kernels"] if k["core"] == "aic"]
+    assert gemms and all("Matmul<A_TYPE, B_TYPE, C_TYPE, BIAS_TYPE>" in k["source"] for k in gemms)
+
+
+def test_generated_host_code_launches_the_step(tiny_model):
+    """The artifact's host/deepfuse_launch.cpp (tiling from the step's shapes, aclrt copies,
+    ACLRT_LAUNCH_KERNEL) compiled against the emulated aclrt runs the same step."""
+    step_matches(tiny_model, via_host=True)
+
+
+def test_sliding_window_attention(tmp_path):
+    from transformers import MistralConfig, MistralForCausalLM
+
+    torch.manual_seed(1)
+    MistralForCausalLM(MistralConfig(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                     num_attention_heads=4, num_key_value_heads=2, sliding_window=6,
+                                     max_position_embeddings=256, head_dim=16)).save_pretrained(tmp_path)
+    model, _ = load_model(str(tmp_path), with_tokenizer=False)
+    plan = step_matches(model)
+    att = next(p for p in plan["launches"] if p["op"] == "qkv_attention")["kernels"][1]
+    assert "pos - 6 + 1" in att["source"]
+
+
+@pytest.fixture(scope="module", params=["qwen3_moe", "mixtral"])
+def moe_dir(request, tmp_path_factory):
+    from tests.models import test_moe_families
+
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp(request.param)
+    getattr(test_moe_families, request.param)().eval().save_pretrained(path)
+    return str(path)
+
+
+def test_fused_moe_kernels_match_the_interpreter(moe_dir):
+    """Qwen3-MoE (q/k head norms in the RoPE kernel) and Mixtral: fused_moe as router GEMM,
+    routing, sort by expert, gather, grouped GEMMs, SwiGLU and combine."""
+    model, _ = load_model(moe_dir, with_tokenizer=False)
+    plan = step_matches(model)
+    moe = [p for p in plan["launches"] if p["op"] == "fused_moe"]
+    assert moe and all(len(p["kernels"]) == 8 for p in moe)
+    assert all(p.get("kernels") for p in plan["launches"])
+
+
+def test_compile_ascend950_artifact_cli(moe_dir, smollm2, tmp_path):
+    smollm2[1].backend.save(f"{moe_dir}/tokenizer.json")  # a tokenizer for the random checkpoint
+    out = tmp_path / "moe-ascend"
+    assert main(["compile", "--model", moe_dir, "--target", "ascend950", "-o", str(out)]) == 0
+    manifest = json.loads((out / "manifest.json").read_text())
+    plan = json.loads((out / "plan.json").read_text())
+    names = {k["name"] for p in plan["launches"] for k in p.get("kernels", [])}
+    assert manifest["target"] == "ascend950"
+    assert {f"kernels/{n}.cpp" for n in names} | {"CMakeLists.txt", "host/deepfuse_launch.cpp",
+                                                  "host/deepfuse_launch.h"} <= set(manifest["files"])
+    cmake = (out / "CMakeLists.txt").read_text()
+    assert "ascendc_library(deepfuse_kernels" in cmake and all(f"kernels/{n}.cpp" in cmake for n in names)
+    host = (out / "host/deepfuse_launch.cpp").read_text()
+    assert all(f"ACLRT_LAUNCH_KERNEL({n})" in host for n in names)
+    art = deepfuse.load(str(out))
+    assert art.target == "ascend950"
+
+
+def test_smollm2_ascend950_artifact_runs_in_the_emulator(smollm2):
+    """The real model's sizes (D 576, I 1536, V 49152, 9 q / 3 kv heads of 64): every launch a
+    kernel, layers sharing kernels, and a step (a 5-token prefill and a decode at position 20)
+    in the emulator within 1e-5 of the interpreter's largest logit."""
+    from deepfuse.runtime.batch import SeqChunk, build_step
+    from deepfuse.runtime.kv_cache import CacheConfig, KVCache
+
+    model, tok = smollm2
+    art = deepfuse.compile(model, target="ascend950", tokenizer=tok)
+    assert all(p.get("kernels") for p in art.plan["launches"])
+    names = {k["name"] for p in art.plan["launches"] for k in p["kernels"]}
+    assert len(names) <= 20 and all(f"kernels/{n}.cpp" in art.files for n in names)  # layers share kernels
+    att = next(p for p in art.plan["launches"] if p["op"] == "qkv_attention")
+    assert "3 q heads per kv head" in att["kernels"][1]["source"]
+    c = model.config
+
+    def step():
+        cache = KVCache(c.num_layers, c.num_kv_heads, c.head_dim, torch.float32, CacheConfig(block_size=16, num_blocks=4))
+        torch.manual_seed(1)
+        for i in range(c.num_layers):
+            cache.layers[i].normal_()
+        return build_step([SeqChunk([1, 2, 3, 4, 5], 0, [0]), SeqChunk([9], 20, [1, 2])], cache)
+
+    got, want = art(step()), interpret(art.graph, step())
+    assert (got[0] - want[0]).abs().max() <= 1e-5 * want[0].abs().max()
+    assert torch.equal(got[1], want[1])
+
+
+def test_kernels_refuse_a_step_they_were_not_built_for(tiny_model):
+    g, _ = PassManager(get_target("ascend950").pipeline()).run(trace_model(tiny_model))
+    runner = EmulatorRunner(build_plan(g), g.weights)
+    from deepfuse.runtime.batch import SeqChunk, build_step
+    from deepfuse.runtime.kv_cache import CacheConfig, KVCache
+
+    c = tiny_model.config
+    cache = KVCache(c.num_layers, c.num_kv_heads, c.head_dim, torch.float32, CacheConfig(block_size=8, num_blocks=4))
+    with pytest.raises(DeepfuseError, match="was built for KV-cache block size 16, the step has 8"):
+        runner(build_step([SeqChunk([1, 2, 3], 0, [0])], cache))
+
+
+# ---- the emulator's strictness ----------------------------------------------------------------
+
+def broken(kernel, old: str, new: str, name: str):
+    assert old in kernel.source
+    return dataclasses.replace(kernel, name=name, source=kernel.source.replace(old, new, 1).replace(kernel.name, name))
+
+
+def test_emulator_reports_a_copy_that_is_not_whole_32_byte_blocks():
+    g = norm_graph(100, False)
+    k = broken(emit_rms_norm(g.nodes[0], "norm_misaligned"),
+               "DataCopyPad(xLocal, xGm[(uint64_t)row * 100], DataCopyExtParams{1, 400, 0, 0, 0}, "
+               "DataCopyPadExtParams<float>{false, 0, 0, 0});", "DataCopy(xLocal, xGm[(uint64_t)row * 100], 100);",
+               "norm_misaligned")
+    with pytest.raises(DeepfuseError, match="not whole 32-byte blocks.*DataCopyPad"):
+        run_node(g, k, norm_inputs(g, 3))
+
+
+def test_emulator_reports_unified_buffer_overflow():
+    g = norm_graph(576, True)
+    with pytest.raises(DeepfuseError, match="unified buffer overflow"):
+        run_node(g, emit_rms_norm(g.nodes[0], "norm_overflow"), norm_inputs(g, 3), ub_bytes=8 * 1024)
+
+
+def test_emulator_reports_dequeue_before_enqueue():
+    g = norm_graph(576, False)
+    k = broken(emit_rms_norm(g.nodes[0], "norm_no_enque"), "        inQueueX.EnQue(xLocal);\n", "", "norm_no_enque2")
+    with pytest.raises(DeepfuseError, match="DeQue before EnQue"):
+        run_node(g, k, norm_inputs(g, 3))
+
+
+def test_emulator_reports_a_missing_pipe_synchronisation():
+    """A scalar read of ReduceSum's result without waiting for the vector pipe is a race on the
+    hardware; so is a vector op on weights copied into a TBuf without waiting for MTE2."""
+    g = norm_graph(576, False)
+    k = emit_rms_norm(g.nodes[0], "norm_sync")
+    no_vs = broken(k, "        WaitPipe<HardEvent::V_S>();\n", "", "norm_no_v_s")
+    with pytest.raises(DeepfuseError, match="scalar GetValue of a vector op's result without a "
+                                            r"WaitFlag<HardEvent::V_S>: a pipe race"):
+        run_node(g, no_vs, norm_inputs(g, 3))
+    no_mte2 = broken(k, "        WaitPipe<HardEvent::MTE2_V>();\n", "", "norm_no_mte2_v")
+    with pytest.raises(DeepfuseError, match="data copied into a TBuf without a WaitFlag<HardEvent::MTE2_V>"):
+        run_node(g, no_mte2, norm_inputs(g, 3))
+
+
+def test_emulator_checks_the_matmul_tiling_against_l0(tiny_model):
+    g, _ = PassManager(get_target("ascend950").pipeline()).run(trace_model(tiny_model))
+    plan = build_plan(g)
+    p = next(p for p in plan["launches"] if p["op"] == "linear")
+    fields = {f: i for i, (f, _, _) in enumerate(p["kernels"][0]["tiling"])}
+    p["kernels"][0]["tiling"][fields["baseK"]][2] = 256  # 128 x 256 fp32, double-buffered: 256 KB > L0A's 64 KB
+    with pytest.raises(DeepfuseError, match="the A base tile overflows L0A"):
+        EmulatorRunner(plan, g.weights)(mixed_step(tiny_model.config))
+
+
+def test_a_kernel_that_does_not_compile_is_named():
+    g = norm_graph(576, False)
+    k = broken(emit_rms_norm(g.nodes[0], "norm_typo"), "ReduceSum(sum, work, work, 576);", "ReduceSum(sum, wrk, 576);",
+               "norm_typo")
+    with pytest.raises(DeepfuseError, match="AscendC kernel norm_typo does not compile against the emulator"):
+        run_node(g, k, norm_inputs(g, 3))

@@ -299,7 +299,7 @@ def emit_qkv_attention(node: Node, name: str) -> dict:
                       STAGES="            CopyIn(row);\n            Compute(row);\n            CopyOut(row);\n",
                       W=w, W_BYTES=align(w * 4), Q=qs, QK=qs + ks, KV=ks, HD=hd, HD_BYTES=align(hd * 4), HALF=half,
                       HALF_PAD=half_pad, HALF_BYTES=half_pad * 4, HEADS_QK=h + hkv, BLOCK=BLOCK, PT=dt[1], ST=dt[3],
-                      CACHE_ROWS=bs * ks, COPY_IN=copy_row("x", "qkvGm[(uint64_t)row * %d]" % w, w, 4, False), **norm)
+                      CACHE_ROWS=bs * ks, COPY_IN=copy_row("x", f"qkvGm[(uint64_t)row * {w}]", w, 4, False), **norm)
     rope_args = [["in", 0], ["in", 1], ["in", 2], ["in", 3]] + ([["in", 7], ["in", 8]] if norms else []) + [["tmp", 0]]
     requires = [[2, 2, bs, "KV-cache block size"]]
     rope = AscendKernel(name + "_rope", rope_src, rope_args, rope_fields, AIV_CORES, requires=requires)

@@ -17,8 +17,8 @@ from __future__ import annotations
 
 from ...ir import Node
 from .emit import emit_gather, emit_swiglu, source
-from .kernel import AIV_CORES, BLOCK, AscendKernel, align, copy_row, rows_tiling
 from .emit_gemm import emit_grouped_matmul, emit_matmul
+from .kernel import AIV_CORES, BLOCK, AscendKernel, align, copy_row, rows_tiling
 
 ROUTE = """\
 class Kernel_$NAME {

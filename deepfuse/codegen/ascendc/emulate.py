@@ -1,6 +1,12 @@
-"""Runs emitted AscendC kernels on the CPU: each kernel is compiled with g++ against deepfuse's
-emulation of the AscendC API (emu/) into a shared library, cached by source, and launched
-through ctypes on torch tensors' memory, once per AI core (GetBlockIdx = 0 .. block_dim-1).
+"""Runs emitted AscendC kernels on the CPU with g++ and deepfuse's emulation of the AscendC API
+(emu/). Each kernel compiles once (cached by source) into an object that defines
+`aclrtlaunch_<name>(blockDim, stream, args..., workspace, tiling)` -- the launch function CANN's
+ascendc_library generates -- looping the kernel over its AI cores (GetBlockIdx = 0 .. blockDim-1).
+
+    launch(kernel, tensors, tiling)   one kernel on torch tensors' memory (through ctypes)
+    load_project(files)               the artifact's host launch code (host/deepfuse_launch.cpp)
+                                      linked with its kernels: the same objects, called by the
+                                      generated aclrt code instead of by Python
 
 The emulator is strict where the hardware is: unified-buffer capacity, 32-byte DataCopy rules,
 queue misuse, missing pipe synchronisation and the cube's buffer limits; a violation fails the
@@ -23,76 +29,134 @@ from .kernel import UB_BYTES, AscendKernel
 EMU_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "emu")
 CACHE = os.path.join(tempfile.gettempdir(), "deepfuse-ascendc-emu")
 
-HARNESS = """\
+RUNTIME = """\
 #include "kernel_operator.h"
-#include "kernel.cpp"
-#include <cstdio>
-
-extern "C" int deepfuse_launch(uint8_t** args, uint8_t* workspace, uint8_t* tiling, int64_t blocks, size_t ub,
-                               char* err, int errlen) {
-    deepfuse_emu::ub_limit() = ub;
-    try {
-        deepfuse_emu::launch(blocks, [&] { KERNEL_CALL; });
-    } catch (const std::exception& e) {
-        std::snprintf(err, errlen, "%s", e.what());
-        return 3;
-    }
-    return 0;
-}
+extern "C" const char* deepfuse_emu_error() { return deepfuse_emu::last_error().c_str(); }
+extern "C" void deepfuse_emu_set_ub(size_t bytes) { deepfuse_emu::ub_limit() = bytes; }
 """
 _LOADED: dict[str, ctypes.CDLL] = {}
 
 
-def _emu_sources() -> str:
-    parts = []
+def _emu_key() -> str:
+    h = hashlib.sha256()
     for root, _, files in sorted(os.walk(EMU_DIR)):
         for f in sorted(files):
-            with open(os.path.join(root, f)) as fh:
-                parts.append(fh.read())
-    return "".join(parts)
+            with open(os.path.join(root, f), "rb") as fh:
+                h.update(fh.read())
+    return h.hexdigest()
+
+
+def _gxx(args: list[str], what: str) -> None:
+    if shutil.which("g++") is None:
+        raise DeepfuseError("the AscendC emulator needs g++ (apt install g++)")
+    r = subprocess.run(["g++", "-std=c++17", "-O1", "-fPIC", "-I", EMU_DIR, "-I", os.path.join(EMU_DIR, "host"), *args],
+                       capture_output=True, text=True)
+    if r.returncode != 0:
+        first = next((line for line in r.stderr.splitlines() if "error" in line), r.stderr.strip()[:300])
+        raise DeepfuseError(f"{what} does not compile against the emulator: {first}")
+
+
+def _cached(key: str, name: str, make) -> str:
+    """The path of `name` in the cache directory for `key`, made by make(tmp_path) if missing."""
+    out = os.path.join(CACHE, hashlib.sha256((key + _emu_key()).encode()).hexdigest()[:16])
+    path = os.path.join(out, name)
+    if not os.path.exists(path):
+        os.makedirs(out, exist_ok=True)
+        tmp = f"{path}.{os.getpid()}.tmp"
+        make(out, tmp)
+        os.replace(tmp, path)
+    return path
+
+
+def launch_decl(kernel: AscendKernel) -> str:
+    params = "".join(f"void* a{i}, " for i in range(len(kernel.args)))
+    return f"uint32_t aclrtlaunch_{kernel.name}(uint32_t blockDim, aclrtStream stream, {params}void* workspace, void* tiling)"
+
+
+def launch_header(kernel: AscendKernel) -> str:
+    """aclrtlaunch_<name>.h as CANN's ascendc_library generates it."""
+    return ("#pragma once\n#include \"acl/acl.h\"\n#ifndef ACLRT_LAUNCH_KERNEL\n"
+            "#define ACLRT_LAUNCH_KERNEL(kernel_func) aclrtlaunch_##kernel_func\n#endif\n"
+            f"extern \"C\" {launch_decl(kernel)};\n")
+
+
+def kernel_object(kernel: AscendKernel) -> str:
+    """The kernel compiled with its emulated aclrtlaunch_<name> (cached); returns the .o path."""
+    args = "".join(f"(GM_ADDR)a{i}, " for i in range(len(kernel.args)))
+    tu = (f"#include \"kernel_operator.h\"\n#include \"acl/acl.h\"\n#include \"kernel.cpp\"\n"
+          f"extern \"C\" {launch_decl(kernel)} {{\n"
+          f"    (void)stream;\n"
+          f"    return deepfuse_emu::run_blocks(blockDim, [&] {{ {kernel.name}({args}(GM_ADDR)workspace, "
+          f"(GM_ADDR)tiling); }});\n}}\n")
+
+    def make(out: str, tmp: str) -> None:
+        with open(os.path.join(out, "kernel.cpp"), "w") as f:
+            f.write(kernel.source)
+        with open(os.path.join(out, "launch.cpp"), "w") as f:
+            f.write(tu)
+        _gxx(["-I", out, "-c", os.path.join(out, "launch.cpp"), "-o", tmp], f"AscendC kernel {kernel.name}")
+
+    return _cached(kernel.source + tu, "kernel.o", make)
+
+
+def _runtime_object() -> str:
+    def make(out: str, tmp: str) -> None:
+        with open(os.path.join(out, "runtime.cpp"), "w") as f:
+            f.write(RUNTIME)
+        _gxx(["-c", os.path.join(out, "runtime.cpp"), "-o", tmp], "the emulator runtime")
+
+    return _cached(RUNTIME, "runtime.o", make)
+
+
+def _load(path: str) -> ctypes.CDLL:
+    if path not in _LOADED:
+        _LOADED[path] = ctypes.CDLL(path)
+    return _LOADED[path]
 
 
 def build(kernel: AscendKernel) -> str:
-    """Compiles kernel + harness into a shared library (cached by source); returns its path."""
-    if shutil.which("g++") is None:
-        raise DeepfuseError("the AscendC emulator needs g++ (apt install g++)")
-    call = f"{kernel.name}(" + "".join(f"args[{i}], " for i in range(len(kernel.args))) + "workspace, tiling)"
-    key = hashlib.sha256((kernel.source + call + _emu_sources()).encode()).hexdigest()[:16]
-    out = os.path.join(CACHE, key)
-    lib = os.path.join(out, "kernel.so")
-    if os.path.exists(lib):
-        return lib
-    os.makedirs(out, exist_ok=True)
-    with open(os.path.join(out, "kernel.cpp"), "w") as f:
-        f.write(kernel.source)
-    with open(os.path.join(out, "harness.cpp"), "w") as f:
-        f.write(HARNESS)
-    tmp = f"{lib}.{os.getpid()}.tmp"
-    cmd = ["g++", "-std=c++17", "-O1", "-shared", "-fPIC", "-I", EMU_DIR, "-I", out, f"-DKERNEL_CALL={call}",
-           os.path.join(out, "harness.cpp"), "-o", tmp]
-    r = subprocess.run(cmd, capture_output=True, text=True)
-    if r.returncode != 0:
-        first = next((line for line in r.stderr.splitlines() if "error" in line), r.stderr.strip()[:300])
-        raise DeepfuseError(f"AscendC kernel {kernel.name} does not compile against the emulator: {first}")
-    os.replace(tmp, lib)
-    return lib
+    """The kernel as a shared library exporting aclrtlaunch_<name> (cached); returns its path."""
+    obj = kernel_object(kernel)
+    return _cached(obj, "kernel.so", lambda out, tmp: _gxx(["-shared", obj, _runtime_object(), "-o", tmp],
+                                                            f"AscendC kernel {kernel.name}"))
+
+
+def _check(lib: ctypes.CDLL, rc: int, what: str) -> None:
+    if rc != 0:
+        lib.deepfuse_emu_error.restype = ctypes.c_char_p
+        raise DeepfuseError(f"{what} failed in the emulator: {lib.deepfuse_emu_error().decode()}")
 
 
 def launch(kernel: AscendKernel, tensors: list[torch.Tensor], tiling: bytes, ub_bytes: int = UB_BYTES) -> None:
     """Runs the kernel over its block_dim cores on `tensors` (one per GM argument, contiguous CPU
     memory, written in place)."""
-    path = build(kernel)
-    if path not in _LOADED:
-        _LOADED[path] = ctypes.CDLL(path)
-    fn = _LOADED[path].deepfuse_launch
     for t in tensors:
         if not t.is_contiguous() or t.device.type != "cpu":
             raise DeepfuseError(f"{kernel.name}: the emulator needs contiguous CPU tensors")
-    ptrs = (ctypes.c_void_p * max(1, len(tensors)))(*[t.data_ptr() for t in tensors])
+    lib = _load(build(kernel))
+    lib.deepfuse_emu_set_ub(ctypes.c_size_t(ub_bytes))
     workspace = ctypes.create_string_buffer(max(kernel.workspace, 32))
     tiling_buf = ctypes.create_string_buffer(tiling, max(len(tiling), 4))
-    err = ctypes.create_string_buffer(512)
-    rc = fn(ptrs, workspace, tiling_buf, ctypes.c_int64(kernel.block_dim), ctypes.c_size_t(ub_bytes), err,
-            ctypes.c_int(512))
-    if rc != 0:
-        raise DeepfuseError(f"AscendC kernel {kernel.name} failed in the emulator: {err.value.decode()}")
+    fn = getattr(lib, f"aclrtlaunch_{kernel.name}")
+    rc = fn(ctypes.c_uint32(kernel.block_dim), None, *[ctypes.c_void_p(t.data_ptr()) for t in tensors], workspace,
+            tiling_buf)
+    _check(lib, rc, f"AscendC kernel {kernel.name}")
+
+
+def load_project(files: dict[str, bytes], kernels: list[AscendKernel]) -> ctypes.CDLL:
+    """The artifact's host launch library built against the emulator (kernels' objects + the
+    generated host/deepfuse_launch.cpp + emulated aclrt) and loaded."""
+    objs = [kernel_object(k) for k in kernels]
+    host = files["host/deepfuse_launch.cpp"].decode() + files["host/deepfuse_launch.h"].decode()
+
+    def make(out: str, tmp: str) -> None:
+        for k in kernels:
+            with open(os.path.join(out, f"aclrtlaunch_{k.name}.h"), "w") as f:
+                f.write(launch_header(k))
+        for name in ("host/deepfuse_launch.cpp", "host/deepfuse_launch.h"):
+            with open(os.path.join(out, os.path.basename(name)), "wb") as f:
+                f.write(files[name])
+        _gxx(["-shared", "-I", out, os.path.join(out, "deepfuse_launch.cpp"), *objs, _runtime_object(), "-o", tmp],
+             "the generated host launch code")
+
+    return _load(_cached(host + "".join(objs), "project.so", make))

@@ -1,26 +1,49 @@
 """Runs an ascend950 plan on this machine: each launch's AscendC kernels in deepfuse's CPU
 emulator (emulate.py), or its op's torch reference where the plan has no kernel. This is how
 the kernels are checked against the interpreter; it is not a fast way to run a model.
+
+via_host=True launches the kernels through the artifact's generated host code
+(host/deepfuse_launch.cpp, built against the emulated aclrt) instead of from Python, so the
+host code's tiling and argument order are checked too.
 """
 from __future__ import annotations
+
+import ctypes
 
 import torch
 
 from ...errors import DeepfuseError
 from ...ir import DTYPES, OPS
 from ..triton.runner import sizes_of
-from .emulate import launch
+from .emulate import launch, load_project
 from .kernel import AscendKernel, pack
+from .project import MAX_ARGS, MAX_DIMS, kernels_of, project_files
+
+Ptrs = ctypes.c_void_p * MAX_ARGS
+Shapes = (ctypes.c_int64 * MAX_DIMS) * MAX_ARGS
+
+
+class LaunchArgs(ctypes.Structure):
+    """host/deepfuse_launch.h's DeepfuseLaunchArgs."""
+    _fields_ = [("in_", Ptrs), ("out", Ptrs), ("tmp", Ptrs), ("in_shape", Shapes), ("tmp_shape", Shapes),
+                ("workspace", ctypes.c_void_p), ("tiling", ctypes.c_void_p)]
 
 
 class EmulatorRunner:
-    def __init__(self, plan: dict, weights: dict[str, torch.Tensor]):
+    def __init__(self, plan: dict, weights: dict[str, torch.Tensor], via_host: bool = False):
         self.plan = plan
         self.base: list = [None] * plan["num_slots"]
         for name, s in plan["params"].items():
             self.base[s] = weights[name].contiguous()
         self.launches = [(p, [AscendKernel(**k) for k in p.get("kernels", [])], OPS[p["op"]].reference)
                          for p in plan["launches"]]
+        self.host = None
+        if via_host:
+            self.host = load_project(project_files(plan), list(kernels_of(plan).values()))
+            self.host.deepfuse_workspace_bytes.restype = ctypes.c_uint64
+            self.host.deepfuse_tiling_bytes.restype = ctypes.c_uint64
+            self.workspace = torch.zeros(max(self.host.deepfuse_workspace_bytes(), 32), dtype=torch.uint8)
+            self.tiling = torch.zeros(self.host.deepfuse_tiling_bytes(), dtype=torch.uint8)
 
     def __call__(self, inputs: dict[str, torch.Tensor]) -> list[torch.Tensor]:
         env = list(self.base)
@@ -29,11 +52,11 @@ class EmulatorRunner:
             if t.device.type != "cpu" or not t.is_contiguous():
                 raise DeepfuseError(f"the ascend950 emulator takes contiguous CPU inputs; {name} is not")
             env[s] = t
-        for p, kernels, ref in self.launches:
-            ins = [env[i] for i in p["in"]]
-            sampled = p["op"] == "sample" and bool((ins[1] > 0).any())
+        for i, (p, kernels, ref) in enumerate(self.launches):
+            ins = [env[j] for j in p["in"]]
+            sampled = p["op"] == "sample" and bool((ins[1] > 0).any())  # the kernel is greedy argmax
             if kernels and not sampled:
-                outs = self._run(p, kernels, ins)
+                outs = self._run(i, p, kernels, ins)
             else:
                 res = ref(*ins, **p["attrs"])
                 outs = list(res) if isinstance(res, (tuple, list)) else [res]
@@ -43,17 +66,37 @@ class EmulatorRunner:
                 env[s] = None
         return [env[s] for s in self.plan["outputs"]]
 
-    def _run(self, p: dict, kernels: list[AscendKernel], ins: list[torch.Tensor]) -> list[torch.Tensor]:
+    def _run(self, index: int, p: dict, kernels: list[AscendKernel], ins: list[torch.Tensor]) -> list[torch.Tensor]:
         ins = [t.contiguous() for t in ins]
         shapes = sizes_of(p["out_shape"], ins, p["in_shape"])
         outs = [torch.zeros(s, dtype=DTYPES[d]) for s, d in zip(shapes, p["out_dtype"])]
-        tmp_shapes = sizes_of([t["shape"] for t in p["tmps"]], ins, p["in_shape"])
+        tmp_shapes = [tuple(s) for s in sizes_of([t["shape"] for t in p["tmps"]], ins, p["in_shape"])]
         tmps = [torch.zeros(s, dtype=DTYPES[t["dtype"]]) for s, t in zip(tmp_shapes, p["tmps"])]
-        in_shapes = [tuple(t.shape) for t in ins]
         for k in kernels:
             for i, axis, n, what in k.requires:
                 if ins[i].shape[axis] != n:
                     raise DeepfuseError(f"{k.name} ({p['node']}) was built for {what} {n}, the step has {ins[i].shape[axis]}")
+        if self.host is not None:
+            self._run_host(index, p, ins, outs, tmps)
+            return outs
+        in_shapes = [tuple(t.shape) for t in ins]
+        for k in kernels:
             tensors = [{"in": ins, "out": outs, "tmp": tmps}[kind][i] for kind, i in k.args]
-            launch(k, tensors, pack(k.tiling, in_shapes, [tuple(s) for s in tmp_shapes]))
+            launch(k, tensors, pack(k.tiling, in_shapes, tmp_shapes))
         return outs
+
+    def _run_host(self, index: int, p: dict, ins, outs, tmps) -> None:
+        a = LaunchArgs()
+        for field, tensors in (("in_", ins), ("out", outs), ("tmp", tmps)):
+            for j, t in enumerate(tensors):
+                getattr(a, field)[j] = t.data_ptr()
+        for field, tensors in (("in_shape", ins), ("tmp_shape", tmps)):
+            for j, t in enumerate(tensors):
+                for d, n in enumerate(t.shape):
+                    getattr(a, field)[j][d] = n
+        a.workspace, a.tiling = self.workspace.data_ptr(), self.tiling.data_ptr()
+        rc = self.host.deepfuse_launch(index, None, ctypes.byref(a))
+        if rc != 0:
+            self.host.deepfuse_emu_error.restype = ctypes.c_char_p
+            raise DeepfuseError(f"launch {index} {p['node']} failed through the host code (aclError {rc}): "
+                                f"{self.host.deepfuse_emu_error().decode()}")

@@ -414,6 +414,7 @@ void Cast(const LocalTensor<D>& d, const LocalTensor<S>& s, RoundMode, uint32_t 
 
 // the launch loop: runs a kernel once per block index, as the AI cores would
 namespace deepfuse_emu {
+inline std::string& last_error() { static std::string v; return v; }
 // each block starts with its own pipes idle (no pending hand-overs, no flags set)
 template <typename F>
 void launch(int64_t blocks, F&& body) {
@@ -424,5 +425,16 @@ void launch(int64_t blocks, F&& body) {
     AscendC::flags_set() = 0;
     body();
   }
+}
+// a kernel launch over `blocks` AI cores: 0 on success, 3 with last_error() set on a violation
+template <typename F>
+uint32_t run_blocks(int64_t blocks, F&& body) {
+  try {
+    launch(blocks, body);
+  } catch (const std::exception& e) {
+    last_error() = e.what();
+    return 3;
+  }
+  return 0;
 }
 }  // namespace deepfuse_emu

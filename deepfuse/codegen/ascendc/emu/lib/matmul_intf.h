@@ -7,12 +7,7 @@
 // layout conversions the hardware performs between GM, L1 and L0 are not modelled.
 #pragma once
 #include "kernel_operator.h"
-
-// the tiling the host computes for a Matmul object (deepfuse's fields, by their CANN names)
-struct TCubeTiling {
-  int32_t usedCoreNum, M, N, Ka, Kb, singleCoreM, singleCoreN, singleCoreK, baseM, baseN, baseK;
-  int32_t depthA1, depthB1, stepM, stepN, stepKa, stepKb, isBias, iterateOrder, dbL0A, dbL0B, dbL0C;
-};
+#include "kernel_tiling/kernel_tiling.h"
 
 namespace deepfuse_emu {
 constexpr int64_t L0A_BYTES = 64 * 1024, L0B_BYTES = 64 * 1024, L0C_BYTES = 256 * 1024;

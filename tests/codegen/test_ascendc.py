@@ -25,6 +25,7 @@ from deepfuse.ir import interpret
 from deepfuse.models import load_model
 from deepfuse.passes import PassManager
 from tests.codegen.test_triton import mixed_step, tiny
+from tests.helpers import greedy_with
 
 pytestmark = pytest.mark.skipif(shutil.which("g++") is None, reason="the AscendC emulator needs g++")
 KINDS = {"embedding", "rms_norm_linear", "add_rms_norm_linear", "qkv_attention", "linear", "swiglu_linear",
@@ -134,6 +135,16 @@ def moe_dir(request, tmp_path_factory):
     path = tmp_path_factory.mktemp(request.param)
     getattr(test_moe_families, request.param)().eval().save_pretrained(path)
     return str(path)
+
+
+def test_greedy_decoding_gives_the_cpu_targets_tokens(tiny_model):
+    """Greedy decoding with an ascend950 artifact (its kernels in the emulator): the CPU
+    target's tokens, through a prompt step and decode steps over 16-token cache blocks."""
+    prompt = [5, 17, 99, 3, 42, 7, 64, 1, 9, 11, 23, 31, 40, 2, 8, 77, 101, 6]
+    want = greedy_with(deepfuse.compile(tiny_model), tiny_model.config, prompt, 6, block_size=16)
+    got = greedy_with(deepfuse.compile(tiny_model, target="ascend950"), tiny_model.config, prompt, 6, block_size=16)
+    assert got[0] == want[0]
+    torch.testing.assert_close(got[1], want[1], atol=1e-5, rtol=1e-5)
 
 
 def test_fused_moe_kernels_match_the_interpreter(moe_dir):

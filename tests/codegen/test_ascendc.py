@@ -24,6 +24,8 @@ from deepfuse.frontend import Spec, ops, trace
 from deepfuse.ir import interpret
 from deepfuse.models import load_model
 from deepfuse.passes import PassManager
+from deepfuse.runtime.batch import SeqChunk, build_step
+from deepfuse.runtime.kv_cache import CacheConfig, KVCache
 from tests.codegen.test_triton import mixed_step, tiny
 from tests.helpers import greedy_with
 
@@ -157,6 +159,49 @@ def test_fused_moe_kernels_match_the_interpreter(moe_dir):
     assert all(p.get("kernels") for p in plan["launches"])
 
 
+HALF_TOLERANCE = {"bf16": 1.6e-2, "f16": 2e-3}  # of the largest |value|: about two units in the last place
+
+
+@pytest.mark.parametrize("family,dtype", [("llama", "bf16"), ("llama", "f16"), ("qwen3_moe", "bf16"),
+                                          ("mixtral", "f16")])
+def test_half_precision_kernels(family, dtype, tiny_model, tmp_path):
+    """bf16 / f16 graphs: the kernels read and write the model's dtype and compute in fp32 in UB
+    (the cube accumulates in fp32); logits and KV cache within HALF_TOLERANCE of the
+    interpreter's largest value. The reference rounds after every bf16 op (logits included),
+    so greedy tokens must agree only where the reference's top logits are not within tolerance."""
+    if family == "llama":
+        model = tiny_model
+    else:
+        from tests.models import test_moe_families
+
+        torch.manual_seed(0)
+        getattr(test_moe_families, family)().eval().save_pretrained(tmp_path)
+        model, _ = load_model(str(tmp_path), with_tokenizer=False)
+    torch_dtype = {"bf16": torch.bfloat16, "f16": torch.float16}[dtype]
+    g, _ = PassManager(get_target("ascend950").pipeline()).run(trace_model(model, dtype))
+    plan = build_plan(g)
+    assert all(p.get("kernels") for p in plan["launches"])
+
+    def step():
+        c = model.config
+        cache = KVCache(c.num_layers, c.num_kv_heads, c.head_dim, torch_dtype, CacheConfig(block_size=16, num_blocks=8))
+        torch.manual_seed(1)
+        for i in range(c.num_layers):
+            cache.layers[i].normal_()
+        return build_step([SeqChunk(list(range(5, 25)), 0, [0, 1]), SeqChunk([9, 2], 0, [3]),
+                           SeqChunk([7], 17, [4, 5])], cache)
+
+    a, b = step(), step()
+    got, want = EmulatorRunner(plan, g.weights)(b), interpret(g, a)
+    tol = HALF_TOLERANCE[dtype]
+    assert (got[0] - want[0]).abs().max() <= tol * want[0].abs().max()
+    for i in range(model.config.num_layers):
+        ka, kb = a[f"kv_cache.{i}"].float(), b[f"kv_cache.{i}"].float()
+        assert (kb - ka).abs().max() <= tol * ka.abs().max()
+    chosen = want[0].gather(1, got[1][:, None])[:, 0]
+    assert bool((chosen >= want[0].max(-1).values - tol * want[0].abs().max()).all())
+
+
 def test_compile_ascend950_artifact_cli(moe_dir, smollm2, tmp_path):
     smollm2[1].backend.save(f"{moe_dir}/tokenizer.json")  # a tokenizer for the random checkpoint
     out = tmp_path / "moe-ascend"
@@ -179,9 +224,6 @@ def test_smollm2_ascend950_artifact_runs_in_the_emulator(smollm2):
     """The real model's sizes (D 576, I 1536, V 49152, 9 q / 3 kv heads of 64): every launch a
     kernel, layers sharing kernels, and a step (a 5-token prefill and a decode at position 20)
     in the emulator within 1e-5 of the interpreter's largest logit."""
-    from deepfuse.runtime.batch import SeqChunk, build_step
-    from deepfuse.runtime.kv_cache import CacheConfig, KVCache
-
     model, tok = smollm2
     art = deepfuse.compile(model, target="ascend950", tokenizer=tok)
     assert all(p.get("kernels") for p in art.plan["launches"])
@@ -206,9 +248,6 @@ def test_smollm2_ascend950_artifact_runs_in_the_emulator(smollm2):
 def test_kernels_refuse_a_step_they_were_not_built_for(tiny_model):
     g, _ = PassManager(get_target("ascend950").pipeline()).run(trace_model(tiny_model))
     runner = EmulatorRunner(build_plan(g), g.weights)
-    from deepfuse.runtime.batch import SeqChunk, build_step
-    from deepfuse.runtime.kv_cache import CacheConfig, KVCache
-
     c = tiny_model.config
     cache = KVCache(c.num_layers, c.num_kv_heads, c.head_dim, torch.float32, CacheConfig(block_size=8, num_blocks=4))
     with pytest.raises(DeepfuseError, match="was built for KV-cache block size 16, the step has 8"):

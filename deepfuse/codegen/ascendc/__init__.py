@@ -19,6 +19,7 @@ from .emit import emit_argmax, emit_gather, emit_rms_norm
 from .emit_attention import emit_qkv_attention
 from .emit_gemm import emit_gemm
 from .emit_moe import emit_fused_moe
+from .kernel import FLOATS
 
 PLACEHOLDER = "DEEPFUSE_KERNEL_NAME"  # emitted as the name, replaced by op + hash of the kernels
 DESCRIPTION = "Huawei Ascend 950 (arch 3510), AscendC kernels (checked in deepfuse's CPU emulator)"
@@ -44,11 +45,14 @@ EMITTERS = {
 
 
 def emittable(node: Node) -> bool:
-    """f32 graphs; int4 projections and head dims that are not whole 32-byte rows go to the reference."""
+    """f32 / bf16 / f16 graphs; int4 projections, group-limited MoE routing and head dims that are
+    not multiples of 16 go to the reference (a host step)."""
     if node.op not in EMITTERS or "group_size" in node.attrs:
         return False
-    if any(v.type.dtype not in ("f32", "i32", "i64") for v in node.inputs + node.outputs):
+    if any(v.type.dtype not in FLOATS + ("i32", "i64") for v in node.inputs + node.outputs):
         return False
+    if node.op == "fused_moe":
+        return node.attrs.get("n_group", 1) == 1
     if node.op == "qkv_attention":
         return node.attrs["head_dim"] % 16 == 0
     return True

@@ -15,7 +15,20 @@ import torch
 
 from ...ir import Node
 from .emit import source
-from .kernel import AIV_CORES, BLOCK, CTYPE, KV_BLOCK, UB_BYTES, AscendKernel, align, copy_row, rows_tiling
+from .kernel import (
+    AIV_CORES,
+    BLOCK,
+    CTYPE,
+    KV_BLOCK,
+    SIZE,
+    UB_BYTES,
+    AscendKernel,
+    align,
+    copy_row,
+    from_f32,
+    rows_tiling,
+    to_f32,
+)
 
 ROPE = """\
 class Kernel_$NAME {
@@ -25,13 +38,14 @@ public:
                                 const ${NAME}_tiling& t)
     {
 $ROWS_INIT        vOffset = (uint64_t)t.cacheBlocks * $CACHE_ROWS;
-        qkvGm.SetGlobalBuffer((__gm__ float*)qkv, (uint64_t)t.rows * $W);
+        qkvGm.SetGlobalBuffer((__gm__ $T*)qkv, (uint64_t)t.rows * $W);
         posGm.SetGlobalBuffer((__gm__ $PT*)positions, t.rows);
         slotGm.SetGlobalBuffer((__gm__ $ST*)slots, t.rows);
-        cacheGm.SetGlobalBuffer((__gm__ float*)cache, 2 * vOffset);
-        qGm.SetGlobalBuffer((__gm__ float*)q, (uint64_t)t.rows * $Q);
+        cacheGm.SetGlobalBuffer((__gm__ $T*)cache, 2 * vOffset);
+        qGm.SetGlobalBuffer((__gm__ $T*)q, (uint64_t)t.rows * $Q);
         pipe.InitBuffer(inQueue, BUFFER_NUM, $W_BYTES);
         pipe.InitBuffer(outQueue, BUFFER_NUM, $W_BYTES);
+$HALF_INIT
         pipe.InitBuffer(freqBuf, $HALF_BYTES * 4);  // inv_freq | freqs | cos | sin
         pipe.InitBuffer(workBuf, $HD_BYTES);
         pipe.InitBuffer(sumBuf, $BLOCK);
@@ -45,25 +59,25 @@ $PROCESS_ROWS
 private:
     __aicore__ inline void CopyIn(uint32_t row)
     {
-        LocalTensor<float> x = inQueue.AllocTensor<float>();
+        LocalTensor<$T> x = inQueue.AllocTensor<$T>();
         $COPY_IN
         inQueue.EnQue(x);
     }
     __aicore__ inline void Compute(uint32_t row)
     {
-        LocalTensor<float> x = inQueue.DeQue<float>();
-        LocalTensor<float> y = outQueue.AllocTensor<float>();
-        LocalTensor<float> f = freqBuf.Get<float>();
+        LocalTensor<$T> x = inQueue.DeQue<$T>();
+        LocalTensor<$T> y = outQueue.AllocTensor<$T>();
+$TO_F32        LocalTensor<float> f = freqBuf.Get<float>();
         float pos = (float)posGm.GetValue(row);
         Muls(f[$HALF_PAD], f, pos, $HALF);
         Cos(f[2 * $HALF_PAD], f[$HALF_PAD], $HALF);
         Sin(f[3 * $HALF_PAD], f[$HALF_PAD], $HALF);
         for (uint32_t h = 0; h < $HEADS_QK; h++) {
-            LocalTensor<float> src = x[h * $HD];
-$NORM_COMPUTE            Rotate(y[h * $HD], src, f[2 * $HALF_PAD], f[3 * $HALF_PAD]);
+            LocalTensor<float> src = xf[h * $HD];
+$NORM_COMPUTE            Rotate(yf[h * $HD], src, f[2 * $HALF_PAD], f[3 * $HALF_PAD]);
         }
-        DataCopy(y[$QK], x[$QK], $KV);  // v as it is
-        outQueue.EnQue(y);
+        DataCopy(yf[$QK], xf[$QK], $KV);  // v as it is
+$FROM_F32        outQueue.EnQue(y);
         inQueue.FreeTensor(x);
     }
     // rotate-half RoPE of one head: [x1 cos - x2 sin | x2 cos + x1 sin]
@@ -80,7 +94,7 @@ $NORM_COMPUTE            Rotate(y[h * $HD], src, f[2 * $HALF_PAD], f[3 * $HALF_P
     }
 $NORM_FN    __aicore__ inline void CopyOut(uint32_t row)
     {
-        LocalTensor<float> y = outQueue.DeQue<float>();
+        LocalTensor<$T> y = outQueue.DeQue<$T>();
         uint64_t slot = (uint64_t)slotGm.GetValue(row);
         DataCopy(qGm[(uint64_t)row * $Q], y, $Q);
         DataCopy(cacheGm[slot * $KV], y[$Q], $KV);
@@ -91,8 +105,8 @@ $NORM_FN    __aicore__ inline void CopyOut(uint32_t row)
     TPipe pipe;
     TQue<QuePosition::VECIN, BUFFER_NUM> inQueue;
     TQue<QuePosition::VECOUT, BUFFER_NUM> outQueue;
-    TBuf<QuePosition::VECCALC> freqBuf, workBuf, sumBuf$NORM_BUFS;
-    GlobalTensor<float> qkvGm, cacheGm, qGm$NORM_GMS;
+    TBuf<QuePosition::VECCALC> freqBuf, workBuf, sumBuf$NORM_BUFS$HALF_BUFS;
+    GlobalTensor<$T> qkvGm, cacheGm, qGm$NORM_GMS;
     GlobalTensor<$PT> posGm;
     GlobalTensor<$ST> slotGm;
     uint32_t first = 0, last = 0;
@@ -126,9 +140,9 @@ public:
         seqs = t.seqs;
         tableStride = t.tableStride;
         vOffset = (uint64_t)t.cacheBlocks * $BS * $KV;
-        qGm.SetGlobalBuffer((__gm__ float*)q, (uint64_t)t.rows * $Q);
-        outGm.SetGlobalBuffer((__gm__ float*)out, (uint64_t)t.rows * $Q);
-        cacheGm.SetGlobalBuffer((__gm__ float*)cache, 2 * vOffset);
+        qGm.SetGlobalBuffer((__gm__ $T*)q, (uint64_t)t.rows * $Q);
+        outGm.SetGlobalBuffer((__gm__ $T*)out, (uint64_t)t.rows * $Q);
+        cacheGm.SetGlobalBuffer((__gm__ $T*)cache, 2 * vOffset);
         tableGm.SetGlobalBuffer((__gm__ $TT*)tables, (uint64_t)t.seqs * t.tableStride);
         seqLenGm.SetGlobalBuffer((__gm__ $LT*)seqLens, t.seqs);
         queryLenGm.SetGlobalBuffer((__gm__ $QLT*)queryLens, t.seqs);
@@ -139,7 +153,7 @@ public:
         pipe.InitBuffer(workBuf, $HD_BYTES);
         pipe.InitBuffer(scoreBuf, $SCORE_BYTES);  // a 32-byte slot per key's dot product
         pipe.InitBuffer(probBuf, $PROB_BYTES);  // a block's scores, then exp(score - max) | correction
-    }
+$HALF_INIT    }
     __aicore__ inline void Process()
     {
         for (uint32_t task = first; task < last; task++) {
@@ -161,11 +175,11 @@ private:
         }
         int64_t pos = (int64_t)seqLenGm.GetValue(seq) - (int64_t)(end - row);
         int64_t lo = $WINDOW > 0 && pos - $WINDOW + 1 > 0 ? pos - $WINDOW + 1 : 0;
-        LocalTensor<float> qLocal = qQueue.AllocTensor<float>();
+        LocalTensor<$T> qLocal = qQueue.AllocTensor<$T>();
         DataCopy(qLocal, qGm[(uint64_t)row * $Q + kvh * $GROUP_HD], $GROUP_HD);
         qQueue.EnQue(qLocal);
-        qLocal = qQueue.DeQue<float>();
-        LocalTensor<float> acc = outQueue.AllocTensor<float>();
+        qLocal = qQueue.DeQue<$T>();
+$LOAD_Q
         Duplicate(acc, 0.0f, $GROUP_HD);
         float m[$GROUP], l[$GROUP];
         for (uint32_t g = 0; g < $GROUP; g++) {
@@ -176,18 +190,18 @@ private:
             uint64_t block = (uint64_t)tableGm.GetValue((uint64_t)seq * tableStride + b);
             int64_t j0 = b * $BS > lo ? b * $BS : lo;
             int64_t j1 = b * $BS + $BS - 1 < pos ? b * $BS + $BS - 1 : pos;
-            LocalTensor<float> kLocal = kQueue.AllocTensor<float>();
-            LocalTensor<float> vLocal = vQueue.AllocTensor<float>();
-            DataCopyExtParams rows{$BS, $HD * 4, ($HKV - 1) * $HD * 4, 0, 0};
+            LocalTensor<$T> kLocal = kQueue.AllocTensor<$T>();
+            LocalTensor<$T> vLocal = vQueue.AllocTensor<$T>();
+            DataCopyExtParams rows{$BS, $HD * $SIZE, ($HKV - 1) * $HD * $SIZE, 0, 0};
             uint64_t at = (block * $BS * $HKV + kvh) * $HD;
-            DataCopyPad(kLocal, cacheGm[at], rows, DataCopyPadExtParams<float>{false, 0, 0, 0});
-            DataCopyPad(vLocal, cacheGm[vOffset + at], rows, DataCopyPadExtParams<float>{false, 0, 0, 0});
+            DataCopyPad(kLocal, cacheGm[at], rows, DataCopyPadExtParams<$T>{false, 0, 0, 0});
+            DataCopyPad(vLocal, cacheGm[vOffset + at], rows, DataCopyPadExtParams<$T>{false, 0, 0, 0});
             kQueue.EnQue(kLocal);
             vQueue.EnQue(vLocal);
-            kLocal = kQueue.DeQue<float>();
-            vLocal = vQueue.DeQue<float>();
-            for (uint32_t g = 0; g < $GROUP; g++) {
-                OnlineSoftmax(qLocal[g * $HD], kLocal, vLocal, acc[g * $HD], (uint32_t)(j0 - b * $BS),
+            kLocal = kQueue.DeQue<$T>();
+            vLocal = vQueue.DeQue<$T>();
+$LOAD_KV            for (uint32_t g = 0; g < $GROUP; g++) {
+                OnlineSoftmax(qf[g * $HD], kf, vf, acc[g * $HD], (uint32_t)(j0 - b * $BS),
                               (uint32_t)(j1 - j0 + 1), m[g], l[g]);
             }
             kQueue.FreeTensor(kLocal);
@@ -197,10 +211,7 @@ private:
             Muls(acc[g * $HD], acc[g * $HD], 1.0f / l[g], $HD);
         }
         qQueue.FreeTensor(qLocal);
-        outQueue.EnQue(acc);
-        acc = outQueue.DeQue<float>();
-        DataCopy(outGm[(uint64_t)row * $Q + kvh * $GROUP_HD], acc, $GROUP_HD);
-        outQueue.FreeTensor(acc);
+$STORE
     }
     // one q head over keys j0 .. j0+n-1 of a block: m, l and acc updated online
     __aicore__ inline void OnlineSoftmax(const LocalTensor<float>& q, const LocalTensor<float>& k,
@@ -246,8 +257,8 @@ private:
     TQue<QuePosition::VECIN, 1> qQueue;
     TQue<QuePosition::VECIN, BUFFER_NUM> kQueue, vQueue;
     TQue<QuePosition::VECOUT, 1> outQueue;
-    TBuf<QuePosition::VECCALC> workBuf, scoreBuf, probBuf;
-    GlobalTensor<float> qGm, outGm, cacheGm;
+    TBuf<QuePosition::VECCALC> workBuf, scoreBuf, probBuf$HALF_BUFS;
+    GlobalTensor<$T> qGm, outGm, cacheGm;
     GlobalTensor<$TT> tableGm;
     GlobalTensor<$LT> seqLenGm;
     GlobalTensor<$QLT> queryLenGm;
@@ -264,57 +275,102 @@ def inv_freq_table(head_dim: int, theta: float) -> str:
 
 
 def emit_qkv_attention(node: Node, name: str) -> dict:
-    """qkv_attention(qkv, positions, kv_cache, slots, block_tables, seq_lens, query_lens[, q_norm, k_norm])."""
+    """qkv_attention(qkv, positions, kv_cache, slots, block_tables, seq_lens, query_lens[, q_norm, k_norm]).
+    bf16 / f16: rows and cache blocks are cast to fp32 in UB; q, k, v are rounded once, after RoPE."""
     a = node.attrs
     hd, h, hkv = a["head_dim"], a["num_heads"], a["num_kv_heads"]
     qs, ks, vs = a["sizes"]
     cache = node.inputs[2].type
     bs = cache.shape[2] if isinstance(cache.shape[2], int) else KV_BLOCK  # a step dim: fixed at compile time
+    dt = node.inputs[0].type.dtype
+    t, size, half = CTYPE[dt], SIZE[dt], dt != "f32"
     w = qs + ks + vs
-    half = hd // 2
+    hp = hd // 2
     norms = len(node.inputs) > 7
-    dt = [CTYPE[v.type.dtype] for v in node.inputs]
-    if 2 * 2 * align(w * 4) + 4 * align(half * 4) + align(hd * 4) + BLOCK > UB_BYTES:
+    it = [CTYPE[v.type.dtype] for v in node.inputs]
+    if 2 * 2 * align(w * size) + (2 * align(w * 4) if half else 0) + 4 * align(hp * 4) + align(hd * 4) + BLOCK \
+            > UB_BYTES:
         raise ValueError(f"{name}: a qkv row of {w} does not fit the unified buffer")
     rope_fields = rows_tiling(["shape", 0, 0], AIV_CORES, [["cacheBlocks", "uint32_t", ["shape", 2, 1]]])
     norm = dict(NORM_PARAMS="", NORM_INIT="", NORM_COMPUTE="", NORM_FN="", NORM_BUFS="", NORM_GMS="")
     if norms:
+        k_raw, k_f32 = align(hd * size) // size, align(hd * 4) // 4  # k_norm's offset after q_norm
+        raw = (f"        pipe.InitBuffer(rawNormBuf, {2 * align(hd * size)});\n"
+               f"        DataCopy(rawNormBuf.Get<{t}>(), qNormGm, {hd});\n"
+               f"        DataCopy(rawNormBuf.Get<{t}>()[{k_raw}], kNormGm, {hd});\n"
+               "        WaitPipe<HardEvent::MTE2_V>();\n"
+               f"        {to_f32('normBuf.Get<float>()', f'rawNormBuf.Get<{t}>()', hd)}\n"
+               f"        {to_f32(f'normBuf.Get<float>()[{k_f32}]', f'rawNormBuf.Get<{t}>()[{k_raw}]', hd)}\n"
+               ) if half else (
+               f"        DataCopy(normBuf.Get<float>(), qNormGm, {hd});\n"
+               f"        DataCopy(normBuf.Get<float>()[{align(hd * 4) // 4}], kNormGm, {hd});\n"
+               "        WaitPipe<HardEvent::MTE2_V>();\n")
         norm = dict(
             NORM_PARAMS="GM_ADDR qNorm, GM_ADDR kNorm, ",
-            NORM_INIT=(f"        qNormGm.SetGlobalBuffer((__gm__ float*)qNorm, {hd});\n"
-                       f"        kNormGm.SetGlobalBuffer((__gm__ float*)kNorm, {hd});\n"
-                       f"        pipe.InitBuffer(normBuf, {2 * align(hd * 4)});\n"
-                       f"        DataCopy(normBuf.Get<float>(), qNormGm, {hd});\n"
-                       f"        DataCopy(normBuf.Get<float>()[{align(hd * 4) // 4}], kNormGm, {hd});\n"
-                       "        WaitPipe<HardEvent::MTE2_V>();\n"),
+            NORM_INIT=(f"        qNormGm.SetGlobalBuffer((__gm__ {t}*)qNorm, {hd});\n"
+                       f"        kNormGm.SetGlobalBuffer((__gm__ {t}*)kNorm, {hd});\n"
+                       f"        pipe.InitBuffer(normBuf, {2 * align(hd * 4)});\n" + raw),
             NORM_COMPUTE=(f"            HeadNorm(src, normBuf.Get<float>()[h < {h} ? 0 : {align(hd * 4) // 4}]);\n"),
             NORM_FN=NORM_FN.replace("$HD", str(hd)).replace("$EPS", f"{float(a['qk_norm_eps']):.9e}f"),
-            NORM_BUFS=", normBuf", NORM_GMS=", qNormGm, kNormGm")
-    half_pad = align(half * 4) // 4
+            NORM_BUFS=", normBuf" + (", rawNormBuf" if half else ""), NORM_GMS=", qNormGm, kNormGm")
+    half_pad = align(hp * 4) // 4
+    if half:
+        to_f = ("        LocalTensor<float> xf = xfBuf.Get<float>();\n        LocalTensor<float> yf = yfBuf.Get<float>();\n"
+                f"        {to_f32('xf', 'x', w)}\n")
+        from_f = f"        {from_f32('y', 'yf', w)}\n"
+        rope_half = dict(HALF_INIT=(f"        pipe.InitBuffer(xfBuf, {align(w * 4)});\n"
+                                    f"        pipe.InitBuffer(yfBuf, {align(w * 4)});\n"), HALF_BUFS=", xfBuf, yfBuf")
+    else:
+        to_f, from_f = "        LocalTensor<float> xf = x;\n        LocalTensor<float> yf = y;\n", ""
+        rope_half = dict(HALF_INIT="", HALF_BUFS="")
     body = ROPE.replace("class Kernel_$NAME", "constexpr float INV_FREQ[$HALF] = {" + inv_freq_table(hd, a["theta"])
                         + "};\n\nclass Kernel_$NAME")
     rope_params = ["qkv", "positions", "cache", "slots"] + (["qNorm", "kNorm"] if norms else []) + ["q"]
-    rope_src = source(name + "_rope", f"q/k {'head RMSNorm + ' if norms else ''}RoPE and the paged KV-cache write",
+    rope_src = source(name + "_rope", f"q/k {'head RMSNorm + ' if norms else ''}RoPE and the paged KV-cache write, {dt}",
                       rope_fields, body, rope_params,
                       STAGES="            CopyIn(row);\n            Compute(row);\n            CopyOut(row);\n",
-                      W=w, W_BYTES=align(w * 4), Q=qs, QK=qs + ks, KV=ks, HD=hd, HD_BYTES=align(hd * 4), HALF=half,
-                      HALF_PAD=half_pad, HALF_BYTES=half_pad * 4, HEADS_QK=h + hkv, BLOCK=BLOCK, PT=dt[1], ST=dt[3],
-                      CACHE_ROWS=bs * ks, COPY_IN=copy_row("x", f"qkvGm[(uint64_t)row * {w}]", w, 4, False), **norm)
+                      T=t, W=w, W_BYTES=align(w * size), Q=qs, QK=qs + ks, KV=ks, HD=hd, HD_BYTES=align(hd * 4),
+                      HALF=hp, HALF_PAD=half_pad, HALF_BYTES=half_pad * 4, HEADS_QK=h + hkv, BLOCK=BLOCK, PT=it[1],
+                      ST=it[3], CACHE_ROWS=bs * ks, TO_F32=to_f, FROM_F32=from_f,
+                      COPY_IN=copy_row("x", f"qkvGm[(uint64_t)row * {w}]", w, size, False, t), **norm, **rope_half)
     rope_args = [["in", 0], ["in", 1], ["in", 2], ["in", 3]] + ([["in", 7], ["in", 8]] if norms else []) + [["tmp", 0]]
     requires = [[2, 2, bs, "KV-cache block size"]]
     rope = AscendKernel(name + "_rope", rope_src, rope_args, rope_fields, AIV_CORES, requires=requires)
 
     group = h // hkv
+    ghd = group * hd
     tasks = ["mul", ["shape", 0, 0], hkv]
     att_fields = [["rows", "uint32_t", ["shape", 0, 0]], ["tasks", "uint32_t", tasks],
                   ["tasksPerCore", "uint32_t", ["cdiv", tasks, AIV_CORES]], ["seqs", "uint32_t", ["shape", 6, 0]],
                   ["tableStride", "uint32_t", ["shape", 4, 1]], ["cacheBlocks", "uint32_t", ["shape", 2, 1]]]
-    att_src = source(name, f"paged GQA attention, {group} q heads per kv head, online softmax", att_fields, ATTENTION,
-                     ["q", "cache", "tables", "seqLens", "queryLens", "out"],
-                     Q=qs, KV=ks, HD=hd, HD_BYTES=align(hd * 4), HKV=hkv, GROUP=group, GROUP_HD=group * hd,
-                     GROUP_BYTES=align(group * hd * 4), BS=bs, BLOCK_BYTES=align(bs * hd * 4),
+    if half:
+        load_q = ("        LocalTensor<float> qf = qfBuf.Get<float>();\n"
+                  f"        {to_f32('qf', 'qLocal', ghd)}\n        LocalTensor<float> acc = accBuf.Get<float>();\n")
+        load_kv = ("            LocalTensor<float> kf = kfBuf.Get<float>();\n"
+                   "            LocalTensor<float> vf = vfBuf.Get<float>();\n"
+                   f"            {to_f32('kf', 'kLocal', bs * hd)}\n            {to_f32('vf', 'vLocal', bs * hd)}\n")
+        store = (f"        LocalTensor<{t}> o = outQueue.AllocTensor<{t}>();\n        {from_f32('o', 'acc', ghd)}\n"
+                 "        outQueue.EnQue(o);\n")
+        att_half = dict(HALF_INIT=f"        pipe.InitBuffer(qfBuf, {align(ghd * 4)});\n"
+                                  f"        pipe.InitBuffer(accBuf, {align(ghd * 4)});\n"
+                                  f"        pipe.InitBuffer(kfBuf, {align(bs * hd * 4)});\n"
+                                  f"        pipe.InitBuffer(vfBuf, {align(bs * hd * 4)});\n",
+                        HALF_BUFS=", qfBuf, accBuf, kfBuf, vfBuf")
+    else:
+        load_q = "        LocalTensor<float> qf = qLocal;\n        LocalTensor<float> acc = outQueue.AllocTensor<float>();\n"
+        load_kv = "            LocalTensor<float> kf = kLocal;\n            LocalTensor<float> vf = vLocal;\n"
+        store = "        outQueue.EnQue(acc);\n"
+        att_half = dict(HALF_INIT="", HALF_BUFS="")
+    store += (f"        LocalTensor<{t}> out = outQueue.DeQue<{t}>();\n"
+              f"        DataCopy(outGm[(uint64_t)row * {qs} + kvh * {ghd}], out, {ghd});\n"
+              "        outQueue.FreeTensor(out);\n")
+    att_src = source(name, f"paged GQA attention, {group} q heads per kv head, online softmax, {dt}", att_fields,
+                     ATTENTION, ["q", "cache", "tables", "seqLens", "queryLens", "out"],
+                     T=t, SIZE=size, Q=qs, KV=ks, HD=hd, HD_BYTES=align(hd * 4), HKV=hkv, GROUP=group, GROUP_HD=ghd,
+                     GROUP_BYTES=align(ghd * size), BS=bs, BLOCK_BYTES=align(bs * hd * size),
                      SCORE_BYTES=bs * BLOCK, PROB_BYTES=align((bs + 1) * 4), WINDOW=int(a.get("window", 0)),
-                     SCALE=f"{float(a['scale']):.9e}f", TT=dt[4], LT=dt[5], QLT=dt[6])
+                     SCALE=f"{float(a['scale']):.9e}f", TT=it[4], LT=it[5], QLT=it[6], LOAD_Q=load_q, LOAD_KV=load_kv,
+                     STORE=store, **att_half)
     att = AscendKernel(name, att_src, [["tmp", 0], ["in", 2], ["in", 4], ["in", 5], ["in", 6], ["out", 0]],
                        att_fields, AIV_CORES, requires=requires)
-    return {"kernels": [rope, att], "tmps": [{"shape": [node.inputs[0].type.shape[0], qs], "dtype": "f32"}]}
+    return {"kernels": [rope, att], "tmps": [{"shape": [node.inputs[0].type.shape[0], qs], "dtype": dt}]}

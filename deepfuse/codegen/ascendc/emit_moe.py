@@ -18,7 +18,7 @@ from __future__ import annotations
 from ...ir import Node
 from .emit import emit_gather, emit_swiglu, source
 from .emit_gemm import emit_grouped_matmul, emit_matmul
-from .kernel import AIV_CORES, BLOCK, AscendKernel, align, copy_row, rows_tiling
+from .kernel import AIV_CORES, BLOCK, CTYPE, SIZE, AscendKernel, align, copy_row, from_f32, rows_tiling, to_f32
 
 ROUTE = """\
 class Kernel_$NAME {
@@ -156,43 +156,42 @@ public:
     __aicore__ inline Kernel_$NAME() {}
     __aicore__ inline void Init(GM_ADDR ys, GM_ADDR pos, GM_ADDR weights, GM_ADDR y, const ${NAME}_tiling& t)
     {
-$ROWS_INIT        ysGm.SetGlobalBuffer((__gm__ float*)ys, (uint64_t)t.rows * $KT * $D);
+$ROWS_INIT        ysGm.SetGlobalBuffer((__gm__ $T*)ys, (uint64_t)t.rows * $KT * $D);
         posGm.SetGlobalBuffer((__gm__ int32_t*)pos, (uint64_t)t.rows * $KT);
         weightGm.SetGlobalBuffer((__gm__ float*)weights, (uint64_t)t.rows * $KT);
-        yGm.SetGlobalBuffer((__gm__ float*)y, (uint64_t)t.rows * $D);
+        yGm.SetGlobalBuffer((__gm__ $T*)y, (uint64_t)t.rows * $D);
         pipe.InitBuffer(inQueue, BUFFER_NUM, $ROW_BYTES);
         pipe.InitBuffer(outQueue, 1, $ROW_BYTES);
-    }
+$HALF_INIT    }
 $PROCESS_ROWS
 private:
     // y[row] = sum over the token's KT pairs of weight * the expert's output row
     __aicore__ inline void Compute(uint32_t row)
     {
-        LocalTensor<float> acc = outQueue.AllocTensor<float>();
-        Duplicate(acc, 0.0f, $D);
+$ACC        Duplicate(acc, 0.0f, $D);
         for (uint32_t j = 0; j < $KT; j++) {
             uint64_t p = (uint64_t)posGm.GetValue((uint64_t)row * $KT + j);
             float w = weightGm.GetValue((uint64_t)row * $KT + j);
-            LocalTensor<float> ysLocal = inQueue.AllocTensor<float>();
+            LocalTensor<$T> ysLocal = inQueue.AllocTensor<$T>();
             $COPY_IN
             inQueue.EnQue(ysLocal);
-            ysLocal = inQueue.DeQue<float>();
-            Axpy(acc, ysLocal, w, $D);
+            ysLocal = inQueue.DeQue<$T>();
+$YS_F32            Axpy(acc, yf, w, $D);
             inQueue.FreeTensor(ysLocal);
         }
-        outQueue.EnQue(acc);
-    }
+$STORE    }
     __aicore__ inline void CopyOut(uint32_t row)
     {
-        LocalTensor<float> acc = outQueue.DeQue<float>();
+        LocalTensor<$T> acc = outQueue.DeQue<$T>();
         $COPY_OUT
         outQueue.FreeTensor(acc);
     }
 
     TPipe pipe;
     TQue<QuePosition::VECIN, BUFFER_NUM> inQueue;
-    TQue<QuePosition::VECOUT, 1> outQueue;
-    GlobalTensor<float> ysGm, weightGm, yGm;
+    TQue<QuePosition::VECOUT, 1> outQueue;$HALF_BUFS
+    GlobalTensor<$T> ysGm, yGm;
+    GlobalTensor<float> weightGm;
     GlobalTensor<int32_t> posGm;
     uint32_t first = 0, last = 0;
 };
@@ -228,10 +227,14 @@ def emit_route(node: Node, name: str, experts: int, kt: int) -> AscendKernel:
 
 
 def emit_fused_moe(node: Node, name: str) -> dict:
-    """fused_moe(x, router_w, w13[E',2I,D], w2[E',D,I][, score_bias]) -> y[T,D] (see module doc)."""
+    """fused_moe(x, router_w, w13[E',2I,D], w2[E',D,I][, score_bias]) -> y[T,D] (see module doc).
+    bf16 / f16: router logits and routing weights in fp32, expert rows in the model's dtype,
+    the combine accumulated in fp32 and rounded once."""
     a = node.attrs
     x, router, w13 = node.inputs[0].type, node.inputs[1].type, node.inputs[2].type
     t, d = x.shape
+    dt = x.dtype
+    ct, size, half = CTYPE[dt], SIZE[dt], dt != "f32"
     experts, n_all, two_i = router.shape[0], w13.shape[0], w13.shape[1]
     kt = a["top_k"] + a.get("num_shared", 0)
     pairs = ["mul", ["shape", 0, 0], kt]
@@ -241,11 +244,11 @@ def emit_fused_moe(node: Node, name: str) -> dict:
             {"shape": [t, kt], "dtype": "i32"},          # 3 pairs sorted by expert
             {"shape": [t, kt], "dtype": "i32"},          # 4 each pair's sorted row
             {"shape": [n_all + 1], "dtype": "i32"},      # 5 expert row offsets
-            {"shape": [t, kt, d], "dtype": "f32"},       # 6 gathered rows
-            {"shape": [t, kt, two_i], "dtype": "f32"},   # 7 gate | up
-            {"shape": [t, kt, two_i // 2], "dtype": "f32"},  # 8 swiglu
-            {"shape": [t, kt, d], "dtype": "f32"}]       # 9 expert outputs
-    router_mm = emit_matmul(name + "_router", ["shape", 0, 0], experts, d, ["in", 0], ["in", 1], ["tmp", 0])
+            {"shape": [t, kt, d], "dtype": dt},          # 6 gathered rows
+            {"shape": [t, kt, two_i], "dtype": dt},      # 7 gate | up
+            {"shape": [t, kt, two_i // 2], "dtype": dt},  # 8 swiglu
+            {"shape": [t, kt, d], "dtype": dt}]          # 9 expert outputs
+    router_mm = emit_matmul(name + "_router", ["shape", 0, 0], experts, d, ["in", 0], ["in", 1], ["tmp", 0], dt, "f32")
     route = emit_route(node, name + "_route", experts, kt)
     sort_fields = [["pairs", "uint32_t", pairs]]
     sort = AscendKernel(name + "_sort", source(name + "_sort", f"MoE pairs sorted by expert ({n_all} experts)",
@@ -253,16 +256,29 @@ def emit_fused_moe(node: Node, name: str) -> dict:
                         [["tmp", 1], ["tmp", 3], ["tmp", 4], ["tmp", 5]], sort_fields, 1)
     gather = emit_gather(node, name + "_gather", ids_arg=["tmp", 3], y_arg=["tmp", 6], rows=pairs, div=kt,
                          ids_dtype="i32")
-    up = emit_grouped_matmul(name + "_up", pairs, n_all, two_i, d, ["tmp", 6], ["in", 2], ["tmp", 7], ["tmp", 5])
+    up = emit_grouped_matmul(name + "_up", pairs, n_all, two_i, d, ["tmp", 6], ["in", 2], ["tmp", 7], ["tmp", 5], dt)
     swiglu = emit_swiglu(node, name + "_swiglu", ["tmp", 7], ["tmp", 8], i=two_i // 2, rows=pairs)
     down = emit_grouped_matmul(name + "_down", pairs, n_all, d, two_i // 2, ["tmp", 8], ["in", 3], ["tmp", 9],
-                               ["tmp", 5])
+                               ["tmp", 5], dt)
+    if half:
+        acc = "        LocalTensor<float> acc = accBuf.Get<float>();\n"
+        ys_f32 = (f"            LocalTensor<float> yf = ysBuf.Get<float>();\n"
+                  f"            {to_f32('yf', 'ysLocal', d)}\n")
+        store = (f"        LocalTensor<{ct}> o = outQueue.AllocTensor<{ct}>();\n        {from_f32('o', 'acc', d)}\n"
+                 "        outQueue.EnQue(o);\n")
+        half_init = f"        pipe.InitBuffer(accBuf, {align(d * 4)});\n        pipe.InitBuffer(ysBuf, {align(d * 4)});\n"
+        half_bufs = "\n    TBuf<QuePosition::VECCALC> accBuf, ysBuf;"
+    else:
+        acc = "        LocalTensor<float> acc = outQueue.AllocTensor<float>();\n"
+        ys_f32 = "            LocalTensor<float> yf = ysLocal;\n"
+        store, half_init, half_bufs = "        outQueue.EnQue(acc);\n", "", ""
     combine_fields = rows_tiling(["shape", 0, 0], AIV_CORES)
-    combine = AscendKernel(name, source(name, f"MoE combine: weighted sum of each token's {kt} expert rows",
+    combine = AscendKernel(name, source(name, f"MoE combine: weighted sum of each token's {kt} expert rows, {dt}",
                                         combine_fields, COMBINE, ["ys", "pos", "weights", "y"],
                                         STAGES="            Compute(row);\n            CopyOut(row);\n",
-                                        KT=kt, D=d, ROW_BYTES=align(d * 4),
-                                        COPY_IN=copy_row("ysLocal", f"ysGm[p * {d}]", d, 4, False),
-                                        COPY_OUT=copy_row(f"yGm[(uint64_t)row * {d}]", "acc", d, 4, True)),
+                                        KT=kt, D=d, T=ct, ROW_BYTES=align(d * size), ACC=acc, YS_F32=ys_f32,
+                                        STORE=store, HALF_INIT=half_init, HALF_BUFS=half_bufs,
+                                        COPY_IN=copy_row("ysLocal", f"ysGm[p * {d}]", d, size, False, ct),
+                                        COPY_OUT=copy_row(f"yGm[(uint64_t)row * {d}]", "acc", d, size, True)),
                            [["tmp", 9], ["tmp", 4], ["tmp", 2], ["out", 0]], combine_fields, AIV_CORES)
     return {"kernels": [router_mm, route, sort, gather, up, swiglu, down, combine], "tmps": tmps}

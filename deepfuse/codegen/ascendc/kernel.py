@@ -20,8 +20,9 @@ BLOCK = 32  # DataCopy granule and UB alignment, bytes
 AIC_CORES = 32  # cube cores launched by a matmul kernel
 AIV_CORES = 64  # vector cores: two per cube core
 KV_BLOCK = 16  # the paged cache's block size the attention kernels are built for
-CTYPE = {"f32": "float", "i32": "int32_t", "i64": "int64_t"}
-SIZE = {"f32": 4, "i32": 4, "i64": 8}
+CTYPE = {"f32": "float", "bf16": "bfloat16_t", "f16": "half", "i32": "int32_t", "i64": "int64_t"}
+SIZE = {"f32": 4, "bf16": 2, "f16": 2, "i32": 4, "i64": 8}
+FLOATS = ("f32", "bf16", "f16")  # activation dtypes the kernels take; bf16 / f16 compute in fp32 in UB
 FIELD_FORMAT = {"uint32_t": "I", "int32_t": "i", "float": "f"}
 
 # a scalar read after vector work (or the reverse) must wait for the other pipe: the idiom of
@@ -113,6 +114,16 @@ def copy_row(dst: str, src: str, d: int, size: int, to_gm: bool, ct: str = "floa
     if to_gm:
         return f"DataCopyPad({dst}, {src}, {params});"
     return f"DataCopyPad({dst}, {src}, {params}, DataCopyPadExtParams<{ct}>{{false, 0, 0, 0}});"
+
+
+def to_f32(dst: str, src: str, n: int) -> str:
+    """Widening Cast of a bf16 / f16 UB tensor into fp32 (exact)."""
+    return f"Cast({dst}, {src}, RoundMode::CAST_NONE, {n});"
+
+
+def from_f32(dst: str, src: str, n: int) -> str:
+    """Narrowing Cast of fp32 into bf16 / f16, rounding to nearest even (as torch does)."""
+    return f"Cast({dst}, {src}, RoundMode::CAST_RINT, {n});"
 
 
 def rows_tiling(rows_expr, cores: int, extra: list[list] = ()) -> list[list]:

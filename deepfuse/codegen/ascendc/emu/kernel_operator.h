@@ -42,6 +42,22 @@ inline std::map<const void*, unsigned>& pending() { static std::map<const void*,
 namespace AscendC {
 using deepfuse_emu::Error;
 using half = _Float16;
+// bf16 in 16 bits: from float rounding to nearest even (NaN kept quiet), to float exactly
+struct bfloat16_t {
+  uint16_t bits = 0;
+  bfloat16_t() = default;
+  bfloat16_t(float f) {
+    uint32_t u;
+    std::memcpy(&u, &f, 4);
+    bits = (u & 0x7fffffffu) > 0x7f800000u ? (uint16_t)((u >> 16) | 0x40u) : (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+  }
+  operator float() const {
+    uint32_t u = (uint32_t)bits << 16;
+    float f;
+    std::memcpy(&f, &u, 4);
+    return f;
+  }
+};
 
 // ---- pipe synchronisation: SetFlag/WaitFlag on a HardEvent hands work from one pipe to another.
 // Queue tensors are synchronised by EnQue/DeQue; TBuf tensors and scalar reads are not, so:
@@ -406,9 +422,10 @@ void ReduceMax(const LocalTensor<T>& d, const LocalTensor<T>& s, const LocalTens
   }
 }
 template <typename D, typename S>
-void Cast(const LocalTensor<D>& d, const LocalTensor<S>& s, RoundMode, uint32_t n) {
+void Cast(const LocalTensor<D>& d, const LocalTensor<S>& s, RoundMode mode, uint32_t n) {
+  if (sizeof(D) < sizeof(S) && mode == RoundMode::CAST_NONE) throw Error("Cast to a narrower type needs a rounding mode (CAST_RINT)");
   vec_src(s, "Cast"); vec_dst(d, "Cast"); check_count(d, n, "Cast"); check_count(s, n, "Cast");
-  for (uint32_t i = 0; i < n; i++) d.data()[i] = (D)s.data()[i];
+  for (uint32_t i = 0; i < n; i++) d.data()[i] = (D)(float)s.data()[i];
 }
 }  // namespace AscendC
 

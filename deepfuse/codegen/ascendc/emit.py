@@ -6,7 +6,7 @@ entry with GM_ADDR arguments, a workspace and a tiling pointer; a kernel class w
 Process and CopyIn -> Compute -> CopyOut stages over TQue double buffers (BUFFER_NUM = 2);
 rows split across AI vector cores by GetBlockIdx; DataCopy for whole 32-byte blocks and
 DataCopyPad for rows whose bytes are not; SetFlag/WaitFlag where the scalar unit reads
-vector results. f32 only.
+vector results. fp32, bf16 or f16 in GM; bf16 / f16 rows are computed in fp32 in UB.
 """
 from __future__ import annotations
 

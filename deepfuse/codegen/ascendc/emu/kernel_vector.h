@@ -1,0 +1,85 @@
+// deepfuse's CPU emulation of the AscendC vector unit (included by kernel_operator.h): the
+// element-wise, scalar, reduction and cast ops its kernels use, over UB tensors, each taking
+// part in the pipe-synchronisation model (vec_src / vec_dst) and checking counts and alignment.
+#pragma once
+
+namespace AscendC {
+// ---- vector unit (count elements; operands are UB tensors) -------------------------------
+template <typename T>
+inline void check_count(const LocalTensor<T>& t, uint32_t n, const char* op) {
+  check_ub_aligned(t.data(), op);
+  if (n > t.GetSize()) throw Error(std::string(op) + " of " + std::to_string(n) + " elements on a tensor of " + std::to_string(t.GetSize()));
+}
+#define DEEPFUSE_BINARY(NAME, EXPR)                                                                   \
+  template <typename T>                                                                             \
+  void NAME(const LocalTensor<T>& d, const LocalTensor<T>& a, const LocalTensor<T>& b, uint32_t n) { \
+    vec_src(a, #NAME); vec_src(b, #NAME); vec_dst(d, #NAME); check_count(d, n, #NAME); check_count(a, n, #NAME); check_count(b, n, #NAME); \
+    for (uint32_t i = 0; i < n; i++) { T x = a.data()[i], y = b.data()[i]; d.data()[i] = (EXPR); }  \
+  }
+DEEPFUSE_BINARY(Add, x + y)
+DEEPFUSE_BINARY(Sub, x - y)
+DEEPFUSE_BINARY(Mul, x * y)
+DEEPFUSE_BINARY(Div, x / y)
+DEEPFUSE_BINARY(Max, x > y ? x : y)
+#define DEEPFUSE_SCALAR(NAME, EXPR)                                                      \
+  template <typename T>                                                                \
+  void NAME(const LocalTensor<T>& d, const LocalTensor<T>& a, T s, uint32_t n) {       \
+    vec_src(a, #NAME); vec_dst(d, #NAME); check_count(d, n, #NAME); check_count(a, n, #NAME); \
+    for (uint32_t i = 0; i < n; i++) { T x = a.data()[i]; d.data()[i] = (EXPR); }      \
+  }
+DEEPFUSE_SCALAR(Adds, x + s)
+DEEPFUSE_SCALAR(Muls, x * s)
+DEEPFUSE_SCALAR(Maxs, x > s ? x : s)
+DEEPFUSE_SCALAR(Mins, x < s ? x : s)
+// dst += src * s (the vector unit's fused multiply-add by a scalar)
+template <typename T>
+void Axpy(const LocalTensor<T>& d, const LocalTensor<T>& a, T s, uint32_t n) {
+  vec_src(a, "Axpy"); vec_dst(d, "Axpy"); check_count(d, n, "Axpy"); check_count(a, n, "Axpy");
+  for (uint32_t i = 0; i < n; i++) d.data()[i] = d.data()[i] + a.data()[i] * s;
+}
+#define DEEPFUSE_UNARY(NAME, EXPR)                                                   \
+  template <typename T>                                                            \
+  void NAME(const LocalTensor<T>& d, const LocalTensor<T>& a, uint32_t n) {        \
+    vec_src(a, #NAME); vec_dst(d, #NAME); check_count(d, n, #NAME); check_count(a, n, #NAME); \
+    for (uint32_t i = 0; i < n; i++) { T x = a.data()[i]; d.data()[i] = (EXPR); }  \
+  }
+DEEPFUSE_UNARY(Exp, (T)std::exp((float)x))
+DEEPFUSE_UNARY(Sqrt, (T)std::sqrt((float)x))
+DEEPFUSE_UNARY(Reciprocal, (T)(1.0f / (float)x))
+DEEPFUSE_UNARY(Sin, (T)std::sin((float)x))
+DEEPFUSE_UNARY(Cos, (T)std::cos((float)x))
+template <typename T>
+void Duplicate(const LocalTensor<T>& d, T v, uint32_t n) {
+  vec_dst(d, "Duplicate"); check_count(d, n, "Duplicate");
+  for (uint32_t i = 0; i < n; i++) d.data()[i] = v;
+}
+// dst[0] = sum(src[0:n]); work is scratch of at least n elements (as the hardware needs)
+template <typename T>
+void ReduceSum(const LocalTensor<T>& d, const LocalTensor<T>& s, const LocalTensor<T>& work, uint32_t n) {
+  vec_src(s, "ReduceSum"); vec_dst(work, "ReduceSum"); vec_dst(d, "ReduceSum"); check_count(s, n, "ReduceSum"); check_count(work, n, "ReduceSum work");
+  float acc = 0.0f;
+  for (uint32_t i = 0; i < n; i++) acc += (float)s.data()[i];
+  d.data()[0] = (T)acc;
+}
+// dst[0] = max(src[0:n]); with calIndex, dst[1] holds the first maximum's index (its bits as T)
+template <typename T>
+void ReduceMax(const LocalTensor<T>& d, const LocalTensor<T>& s, const LocalTensor<T>& work, uint32_t n,
+               bool calIndex = false) {
+  vec_src(s, "ReduceMax"); vec_dst(work, "ReduceMax"); vec_dst(d, "ReduceMax"); check_count(s, n, "ReduceMax"); check_count(work, n, "ReduceMax work"); check_count(d, calIndex ? 2 : 1, "ReduceMax");
+  if (n == 0) throw Error("ReduceMax of 0 elements");
+  uint32_t best = 0;
+  for (uint32_t i = 1; i < n; i++)
+    if (s.data()[i] > s.data()[best]) best = i;
+  d.data()[0] = s.data()[best];
+  if (calIndex) {
+    static_assert(sizeof(T) == 4, "ReduceMax index in a 32-bit lane");
+    std::memcpy(&d.data()[1], &best, sizeof(best));
+  }
+}
+template <typename D, typename S>
+void Cast(const LocalTensor<D>& d, const LocalTensor<S>& s, RoundMode mode, uint32_t n) {
+  if (sizeof(D) < sizeof(S) && mode == RoundMode::CAST_NONE) throw Error("Cast to a narrower type needs a rounding mode (CAST_RINT)");
+  vec_src(s, "Cast"); vec_dst(d, "Cast"); check_count(d, n, "Cast"); check_count(s, n, "Cast");
+  for (uint32_t i = 0; i < n; i++) d.data()[i] = (D)(float)s.data()[i];
+}
+}  // namespace AscendC

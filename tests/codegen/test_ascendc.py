@@ -28,6 +28,7 @@ from deepfuse.runtime.batch import SeqChunk, build_step
 from deepfuse.runtime.kv_cache import CacheConfig, KVCache
 from tests.codegen.test_triton import mixed_step, tiny
 from tests.helpers import greedy_with
+from tests.models.test_deepseek_moe_routing import make_block, routing, weights
 
 pytestmark = pytest.mark.skipif(shutil.which("g++") is None, reason="the AscendC emulator needs g++")
 KINDS = {"embedding", "rms_norm_linear", "add_rms_norm_linear", "qkv_attention", "linear", "swiglu_linear",
@@ -157,6 +158,27 @@ def test_fused_moe_kernels_match_the_interpreter(moe_dir):
     moe = [p for p in plan["launches"] if p["op"] == "fused_moe"]
     assert moe and all(len(p["kernels"]) == 8 for p in moe)
     assert all(p.get("kernels") for p in plan["launches"])
+
+
+def test_deepseek_v3_moe_block_matches_transformers():
+    """DeepSeek-V3 routing in the kernels: sigmoid scores, score-correction bias, group-limited
+    top-k (4 groups, best 2), routed scaling, a shared expert folded in as an always-on expert;
+    against transformers' DeepseekV3MoE with the same weights."""
+    cfg, m = make_block()
+    w = weights(m)
+
+    def fn(x):
+        routed = ops.moe(x, ops.linear(x, w["router"]), w["w13"], w["w2"], w["bias"], **routing(cfg))
+        return ops.add(routed, ops.linear(ops.swiglu(ops.linear(x, w["shared_w13"])), w["shared_w2"]))
+
+    g, _ = PassManager(get_target("ascend950").pipeline()).run(trace(fn, Spec("x", "f32", ("T", 64)), weights=w))
+    assert g.op_counts() == {"fused_moe": 1}
+    route = build_plan(g)["launches"][0]["kernels"][1]["source"]
+    assert "groupScore" in route and "Reciprocal" in route  # group-limited, sigmoid
+    x = torch.randn(9, 64)
+    with torch.no_grad():
+        want = m(x[None])[0]
+    torch.testing.assert_close(EmulatorRunner(build_plan(g), g.weights)({"x": x})[0], want, atol=1e-5, rtol=1e-5)
 
 
 HALF_TOLERANCE = {"bf16": 1.6e-2, "f16": 2e-3}  # of the largest |value|: about two units in the last place

@@ -13,6 +13,11 @@ from deepfuse.passes.decompose import decompose_unsupported
 
 @pytest.fixture(scope="module")
 def block():
+    return make_block()
+
+
+def make_block():
+    """(config, transformers' DeepseekV3MoE) with random weights and score bias."""
     from transformers import DeepseekV3Config
     from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3MoE
 

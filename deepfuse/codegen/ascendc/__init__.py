@@ -45,14 +45,12 @@ EMITTERS = {
 
 
 def emittable(node: Node) -> bool:
-    """f32 / bf16 / f16 graphs; int4 projections, group-limited MoE routing and head dims that are
-    not multiples of 16 go to the reference (a host step)."""
+    """f32 / bf16 / f16 graphs; int4 projections and head dims that are not multiples of 16 go to
+    the reference (a host step)."""
     if node.op not in EMITTERS or "group_size" in node.attrs:
         return False
     if any(v.type.dtype not in FLOATS + ("i32", "i64") for v in node.inputs + node.outputs):
         return False
-    if node.op == "fused_moe":
-        return node.attrs.get("n_group", 1) == 1
     if node.op == "qkv_attention":
         return node.attrs["head_dim"] % 16 == 0
     return True

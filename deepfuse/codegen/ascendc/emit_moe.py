@@ -10,8 +10,8 @@
     _swiglu    h[P,I] = silu(gate) * up                            vector
     _down      ys[P,D] = h . w2[e]^T over each expert's rows        cube, grouped
     _combine   y[t] = sum_j weights[t,j] * ys[pos[t*KT+j]]          vector
-P = T*KT pairs, KT = top_k + num_shared. Group-limited routing (n_group > 1, DeepSeek-V3) has
-no kernel yet: such a node runs its reference.
+P = T*KT pairs, KT = top_k + num_shared. Group-limited routing (n_group > 1, DeepSeek-V3: groups
+ranked by their two best scores) runs in the routing kernel on the scalar unit.
 """
 from __future__ import annotations
 
@@ -53,7 +53,7 @@ private:
         LocalTensor<float> work = workBuf.Get<float>();
         LocalTensor<float> m = maxBuf.Get<float>();
 $SCORES        inQueue.FreeTensor(x);
-$CHOICE        LocalTensor<int32_t> ids = idsBuf.Get<int32_t>();
+$CHOICE$GROUPS        LocalTensor<int32_t> ids = idsBuf.Get<int32_t>();
         LocalTensor<float> weights = weightBuf.Get<float>();
         float w[$KT];
         float total = 0.0f;
@@ -87,6 +87,42 @@ $CHOICE        LocalTensor<int32_t> ids = idsBuf.Get<int32_t>();
     GlobalTensor<int32_t> idsGm;
     uint32_t first = 0, last = 0;
 };
+"""
+# group-limited routing (DeepSeek-V3): groups rank by the sum of their two best choice values;
+# the experts of all but the best TOPK_GROUP groups leave the choice (scalar unit)
+GROUPS = """\
+        WaitPipe<HardEvent::V_S>();
+        float groupScore[$NG];
+        bool keep[$NG];
+        for (uint32_t g = 0; g < $NG; g++) {
+            float best = -INFINITY, second = -INFINITY;
+            for (uint32_t e = g * $GE; e < (g + 1) * $GE; e++) {
+                float v = choice.GetValue(e);
+                if (v > best) {
+                    second = best;
+                    best = v;
+                } else if (v > second) {
+                    second = v;
+                }
+            }
+            groupScore[g] = best + second;
+            keep[g] = false;
+        }
+        for (uint32_t k = 0; k < $TOPK_GROUP; k++) {
+            int32_t pick = -1;
+            for (uint32_t g = 0; g < $NG; g++) {
+                if (!keep[g] && (pick < 0 || groupScore[g] > groupScore[pick])) {
+                    pick = (int32_t)g;
+                }
+            }
+            keep[pick] = true;
+        }
+        for (uint32_t g = 0; g < $NG; g++) {
+            for (uint32_t e = g * $GE; !keep[g] && e < (g + 1) * $GE; e++) {
+                choice.SetValue(e, -INFINITY);
+            }
+        }
+        WaitPipe<HardEvent::S_V>();
 """
 SOFTMAX = """\
         ReduceMax(m, x, work, $E);
@@ -209,13 +245,16 @@ def emit_route(node: Node, name: str, experts: int, kt: int) -> AscendKernel:
     scores = (SOFTMAX if a.get("scoring", "softmax") == "softmax" else SIGMOID).replace("$E", str(experts))
     choice = (f"        Add(choice, score, biasBuf.Get<float>(), {experts});\n" if bias
               else f"        Adds(choice, score, 0.0f, {experts});\n")
+    n_group = a.get("n_group", 1)
+    groups = "" if n_group == 1 else GROUPS.replace("$NG", str(n_group)).replace("$GE", str(experts // n_group)) \
+        .replace("$TOPK_GROUP", str(a["topk_group"]))
     fields = rows_tiling(["shape", 0, 0], AIV_CORES)
     params = ["logits"] + (["bias"] if bias else []) + ["ids", "weights"]
     src = source(name, f"MoE routing: {a.get('scoring', 'softmax')} over {experts} experts, top-{top_k}", fields,
                  ROUTE, params, STAGES="            CopyIn(row);\n            Compute(row);\n",
                  E=experts, KT=kt, TOPK=top_k, E_BYTES=e_bytes, KT_BYTES=align(kt * 4), BLOCK=BLOCK,
                  COPY_IN=copy_row("x", f"logitGm[(uint64_t)row * {experts}]", experts, 4, False), SCORES=scores,
-                 CHOICE=choice, WEIGHT=weight,
+                 CHOICE=choice, GROUPS=groups, WEIGHT=weight,
                  BIAS_PARAM="GM_ADDR bias, " if bias else "", BIAS_BUF=", biasBuf" if bias else "",
                  BIAS_GM=", biasGm" if bias else "",
                  BIAS_INIT=(f"        biasGm.SetGlobalBuffer((__gm__ float*)bias, {experts});\n"

@@ -13,7 +13,7 @@ import torch
 import deepfuse
 from deepfuse.cli import main
 from deepfuse.codegen.ascendc import build_plan
-from deepfuse.codegen.ascendc.emit import emit_rms_norm, emit_swiglu
+from deepfuse.codegen.ascendc.emit import emit_argmax, emit_rms_norm, emit_swiglu
 from deepfuse.codegen.ascendc.emulate import launch
 from deepfuse.codegen.ascendc.kernel import pack
 from deepfuse.codegen.ascendc.runner import EmulatorRunner
@@ -224,6 +224,33 @@ def test_half_precision_kernels(family, dtype, tiny_model, tmp_path):
     assert bool((chosen >= want[0].max(-1).values - tol * want[0].abs().max()).all())
 
 
+@pytest.mark.parametrize("dtype", ["f32", "bf16"])
+def test_int4_projection_kernels(dtype, tmp_path_factory):
+    """--quant int4: linear_q4 and the int4 prologue forms as vector-core kernels that unpack the
+    Q4_1 nibbles in UB (And / ShiftRight planes, GatherMask'd x); fp32 within 1e-5 of the
+    largest logit, bf16 within HALF_TOLERANCE."""
+    model = tiny(tmp_path_factory, hidden_size=128, intermediate_size=256)  # K in whole 64-element repeats
+    g, _ = PassManager(get_target("ascend950").pipeline(quant="int4")).run(trace_model(model, dtype))
+    plan = build_plan(g)
+    q4 = [p for p in plan["launches"] if "group_size" in p["attrs"]]
+    assert {p["op"] for p in q4} == {"add_rms_norm_linear", "rms_norm_linear", "linear_q4", "swiglu_linear"}
+    assert all(p.get("kernels") for p in plan["launches"])
+    torch_dtype = {"f32": torch.float32, "bf16": torch.bfloat16}[dtype]
+
+    def step():
+        c = model.config
+        cache = KVCache(c.num_layers, c.num_kv_heads, c.head_dim, torch_dtype, CacheConfig(block_size=16, num_blocks=8))
+        torch.manual_seed(1)
+        for i in range(c.num_layers):
+            cache.layers[i].normal_()
+        return build_step([SeqChunk(list(range(5, 25)), 0, [0, 1]), SeqChunk([7], 17, [4, 5])], cache)
+
+    got, want = EmulatorRunner(plan, g.weights)(step()), interpret(g, step())
+    tol = 1e-5 if dtype == "f32" else HALF_TOLERANCE[dtype]
+    assert (got[0] - want[0]).abs().max() <= tol * want[0].abs().max()
+    assert torch.equal(got[1], want[1])
+
+
 def test_compile_ascend950_artifact_cli(moe_dir, smollm2, tmp_path):
     smollm2[1].backend.save(f"{moe_dir}/tokenizer.json")  # a tokenizer for the random checkpoint
     out = tmp_path / "moe-ascend"
@@ -318,6 +345,24 @@ def test_emulator_reports_a_missing_pipe_synchronisation():
     no_mte2 = broken(k, "        WaitPipe<HardEvent::MTE2_V>();\n", "", "norm_no_mte2_v")
     with pytest.raises(DeepfuseError, match="data copied into a TBuf without a WaitFlag<HardEvent::MTE2_V>"):
         run_node(g, no_mte2, norm_inputs(g, 3))
+
+
+def test_emulator_reports_overwriting_a_buffer_still_being_copied_out():
+    """argmax writes each row's index into one TBuf and copies it out; the next row's SetValue
+    must wait for that copy (MTE3_S)."""
+    g = trace(lambda x, t, k, p, s: ops.sample(x, t, k, p, s), Spec("x", "f32", ("R", 100)), Spec("t", "f32", ("R",)),
+              Spec("k", "i64", ("R",)), Spec("p", "f32", ("R",)), Spec("s", "i64", ("R",)))
+    k = emit_argmax(g.nodes[0], "argmax_war")
+    k.tiling[1][2] = ["shape", 0, 0]  # one core takes every row
+    logits = torch.randn(3, 100)
+    y = torch.zeros(3, dtype=torch.int64)
+    launch(dataclasses.replace(k, block_dim=1), [logits, y], pack(k.tiling, [(3, 100)]))
+    assert torch.equal(y, logits.argmax(-1))
+    racy = broken(k, "        WaitPipe<HardEvent::MTE3_S>();  // the previous row's copy-out of `out` is done\n", "",
+                  "argmax_racy")
+    with pytest.raises(DeepfuseError, match="SetValue into a TBuf still being copied out without a "
+                                            "WaitFlag<HardEvent::MTE3_S>"):
+        launch(dataclasses.replace(racy, block_dim=1), [logits, y], pack(k.tiling, [(3, 100)]))
 
 
 def test_emulator_checks_the_matmul_tiling_against_l0(tiny_model):

@@ -34,6 +34,7 @@ EMITTERS = {
     "rms_norm": _single(emit_rms_norm),
     "add_rms_norm": _single(emit_rms_norm),
     "linear": emit_gemm,
+    "linear_q4": emit_gemm,
     "logits": emit_gemm,
     "rms_norm_linear": emit_gemm,
     "add_rms_norm_linear": emit_gemm,
@@ -45,11 +46,14 @@ EMITTERS = {
 
 
 def emittable(node: Node) -> bool:
-    """f32 / bf16 / f16 graphs; int4 projections and head dims that are not multiples of 16 go to
-    the reference (a host step)."""
-    if node.op not in EMITTERS or "group_size" in node.attrs:
+    """f32 / bf16 / f16 graphs; head dims that are not multiples of 16 and int4 shapes the kernel
+    does not tile go to the reference (a host step)."""
+    if node.op not in EMITTERS:
         return False
-    if any(v.type.dtype not in FLOATS + ("i32", "i64") for v in node.inputs + node.outputs):
+    if "group_size" in node.attrs:  # int4: K in whole 64-element repeats, groups of whole 32-byte halves
+        k = 2 * node.inputs[-3].type.shape[1]
+        return k % 64 == 0 and node.attrs["group_size"] % 16 == 0
+    if any(v.type.dtype not in FLOATS + ("i32", "i64", "u8") for v in node.inputs + node.outputs):
         return False
     if node.op == "qkv_attention":
         return node.attrs["head_dim"] % 16 == 0

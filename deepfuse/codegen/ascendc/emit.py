@@ -369,6 +369,7 @@ private:
             }
         }
         LocalTensor<int64_t> out = outBuf.Get<int64_t>();
+        WaitPipe<HardEvent::MTE3_S>();  // the previous row's copy-out of `out` is done
         out.SetValue(0, (int64_t)bestIdx);
         WaitPipe<HardEvent::S_MTE3>();
         DataCopyPad(yGm[row], out, DataCopyExtParams{1, 8, 0, 0, 0});

@@ -105,6 +105,10 @@ def emit_matmul(name: str, m_expr, n: int, k: int, a: list, b: list, c: list, dt
 def emit_gemm(node: Node, name: str) -> dict:
     """-> {"kernels": [...], "tmps": [{"shape", "dtype"}]} for the linear family (see module doc).
     logits come out of L0C in fp32 (the reference rounds bf16 / f16 logits first)."""
+    if "group_size" in node.attrs:  # int4 projection
+        from .emit_q4 import emit_gemm_q4
+
+        return emit_gemm_q4(node, name)
     op, x = node.op, node.inputs[0].type
     dt, rows = x.dtype, ["shape", 0, 0]
     if op == "linear":

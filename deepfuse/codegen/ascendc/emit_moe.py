@@ -57,6 +57,7 @@ $CHOICE$GROUPS        LocalTensor<int32_t> ids = idsBuf.Get<int32_t>();
         LocalTensor<float> weights = weightBuf.Get<float>();
         float w[$KT];
         float total = 0.0f;
+        WaitPipe<HardEvent::MTE3_S>();  // the previous row's copy-out of ids / weights is done
         for (uint32_t k = 0; k < $TOPK; k++) {
             ReduceMax(m, choice, work, $E, true);
             WaitPipe<HardEvent::V_S>();

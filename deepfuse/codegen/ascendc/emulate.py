@@ -20,6 +20,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+import threading
 
 import torch
 
@@ -62,7 +63,7 @@ def _cached(key: str, name: str, make) -> str:
     path = os.path.join(out, name)
     if not os.path.exists(path):
         os.makedirs(out, exist_ok=True)
-        tmp = f"{path}.{os.getpid()}.tmp"
+        tmp = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"  # processes and threads build at once
         make(out, tmp)
         os.replace(tmp, path)
     return path

@@ -9,13 +9,15 @@ host code's tiling and argument order are checked too.
 from __future__ import annotations
 
 import ctypes
+import os
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
 from ...errors import DeepfuseError
 from ...ir import DTYPES, OPS
 from ..triton.runner import sizes_of
-from .emulate import launch, load_project
+from .emulate import build, launch, load_project
 from .kernel import AscendKernel, pack
 from .project import MAX_ARGS, MAX_DIMS, kernels_of, project_files
 
@@ -38,6 +40,7 @@ class EmulatorRunner:
         self.launches = [(p, [AscendKernel(**k) for k in p.get("kernels", [])], OPS[p["op"]].reference)
                          for p in plan["launches"]]
         self.host = None
+        self.built = False
         if via_host:
             self.host = load_project(project_files(plan), list(kernels_of(plan).values()))
             self.host.deepfuse_workspace_bytes.restype = ctypes.c_uint64
@@ -45,7 +48,17 @@ class EmulatorRunner:
             self.workspace = torch.zeros(max(self.host.deepfuse_workspace_bytes(), 32), dtype=torch.uint8)
             self.tiling = torch.zeros(self.host.deepfuse_tiling_bytes(), dtype=torch.uint8)
 
+    def _build(self) -> None:
+        """Compiles every kernel of the plan with g++ (cached), in parallel; on the first step,
+        not at load."""
+        if self.built:
+            return
+        with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+            list(pool.map(build, kernels_of(self.plan).values()))
+        self.built = True
+
     def __call__(self, inputs: dict[str, torch.Tensor]) -> list[torch.Tensor]:
+        self._build()
         env = list(self.base)
         for name, s in self.plan["inputs"].items():
             t = inputs[name]

@@ -66,13 +66,16 @@ struct bfloat16_t {
 // Queue tensors are synchronised by EnQue/DeQue; TBuf tensors and scalar reads are not, so:
 // a scalar GetValue after a vector op needs V_S; a vector op after a scalar SetValue needs S_V;
 // a vector op after a GM->UB copy into a TBuf needs MTE2_V; a UB->GM copy of a TBuf tensor after a
-// vector op needs V_MTE3. The emulator reports each missing wait.
-enum class HardEvent : unsigned { V_S = 1, S_V = 2, MTE2_V = 4, V_MTE3 = 8, S_MTE3 = 16 };
+// vector op needs V_MTE3 (S_MTE3 after a scalar SetValue); and the reverse: a TBuf being copied
+// out must not be overwritten by the scalar unit before MTE3_S, nor by the vector unit before
+// MTE3_V. The emulator reports each missing wait.
+enum class HardEvent : unsigned { V_S = 1, S_V = 2, MTE2_V = 4, V_MTE3 = 8, S_MTE3 = 16, MTE3_S = 32, MTE3_V = 64 };
 typedef int event_t;
 inline const char* event_name(HardEvent e) {
   switch (e) {
     case HardEvent::V_S: return "V_S"; case HardEvent::S_V: return "S_V"; case HardEvent::MTE2_V: return "MTE2_V";
-    case HardEvent::V_MTE3: return "V_MTE3"; default: return "S_MTE3";
+    case HardEvent::V_MTE3: return "V_MTE3"; case HardEvent::S_MTE3: return "S_MTE3";
+    case HardEvent::MTE3_S: return "MTE3_S"; default: return "MTE3_V";
   }
 }
 inline void raise_event(const void* buf, HardEvent e) { deepfuse_emu::pending()[buf] |= (unsigned)e; }
@@ -113,7 +116,13 @@ class LocalTensor {
     need_synced(owner_, HardEvent::V_S, "a scalar GetValue of a vector op's result");
     return ptr_[i];
   }
-  void SetValue(uint32_t i, T v) { check(i); ptr_[i] = v; raise_event(owner_, HardEvent::S_V); raise_event(owner_, HardEvent::S_MTE3); }
+  void SetValue(uint32_t i, T v) {
+    check(i);
+    need_synced(owner_, HardEvent::MTE3_S, "a scalar SetValue into a TBuf still being copied out");
+    ptr_[i] = v;
+    raise_event(owner_, HardEvent::S_V);
+    raise_event(owner_, HardEvent::S_MTE3);
+  }
   bool queued() const { return queued_; }
   T* data() const { return ptr_; }
   uint32_t GetSize() const { return size_; }
@@ -262,6 +271,7 @@ void vec_src(const LocalTensor<T>& t, const char* op) {
 template <typename T>
 void vec_dst(const LocalTensor<T>& t, const char* op) {
   vec_src(t, op);
+  need_synced(t.owner(), HardEvent::MTE3_V, std::string("vector ") + op + " into a TBuf still being copied out");
   raise_event(t.owner(), HardEvent::V_S);
   raise_event(t.owner(), HardEvent::V_MTE3);
 }
@@ -274,6 +284,8 @@ void copying_out(const LocalTensor<T>& src) {
   if (src.queued()) return;
   need_synced(src.owner(), HardEvent::V_MTE3, "a copy-out of a vector op's result from a TBuf");
   need_synced(src.owner(), HardEvent::S_MTE3, "a copy-out of a scalar SetValue's data from a TBuf");
+  raise_event(src.owner(), HardEvent::MTE3_S);
+  raise_event(src.owner(), HardEvent::MTE3_V);
 }
 
 template <typename T>

@@ -21,6 +21,7 @@ DEEPFUSE_BINARY(Sub, x - y)
 DEEPFUSE_BINARY(Mul, x * y)
 DEEPFUSE_BINARY(Div, x / y)
 DEEPFUSE_BINARY(Max, x > y ? x : y)
+DEEPFUSE_BINARY(And, x & y)
 #define DEEPFUSE_SCALAR(NAME, EXPR)                                                      \
   template <typename T>                                                                \
   void NAME(const LocalTensor<T>& d, const LocalTensor<T>& a, T s, uint32_t n) {       \
@@ -28,6 +29,7 @@ DEEPFUSE_BINARY(Max, x > y ? x : y)
     for (uint32_t i = 0; i < n; i++) { T x = a.data()[i]; d.data()[i] = (EXPR); }      \
   }
 DEEPFUSE_SCALAR(Adds, x + s)
+DEEPFUSE_SCALAR(ShiftRight, x >> s)
 DEEPFUSE_SCALAR(Muls, x * s)
 DEEPFUSE_SCALAR(Maxs, x > s ? x : s)
 DEEPFUSE_SCALAR(Mins, x < s ? x : s)
@@ -81,5 +83,19 @@ void Cast(const LocalTensor<D>& d, const LocalTensor<S>& s, RoundMode mode, uint
   if (sizeof(D) < sizeof(S) && mode == RoundMode::CAST_NONE) throw Error("Cast to a narrower type needs a rounding mode (CAST_RINT)");
   vec_src(s, "Cast"); vec_dst(d, "Cast"); check_count(d, n, "Cast"); check_count(s, n, "Cast");
   for (uint32_t i = 0; i < n; i++) d.data()[i] = (D)(float)s.data()[i];
+}
+// GatherMask with a built-in pattern: 1 keeps the even elements, 2 the odd ones, of
+// repeatTimes contiguous 256-byte repeats (the modes deepfuse emits)
+struct GatherMaskParams { uint8_t src0BlockStride; uint16_t repeatTimes; uint16_t src0RepeatStride; uint8_t src1RepeatStride; };
+template <typename T>
+void GatherMask(const LocalTensor<T>& d, const LocalTensor<T>& s, uint8_t pattern, bool reduceMode, uint32_t mask,
+                const GatherMaskParams& p, uint64_t& rsvdCnt) {
+  (void)mask;
+  if (reduceMode || (pattern != 1 && pattern != 2) || p.src0BlockStride != 1 || p.src0RepeatStride != 8)
+    throw Error("GatherMask: the emulator models patterns 1 and 2 over contiguous repeats");
+  uint32_t n = p.repeatTimes * (256 / sizeof(T));
+  vec_src(s, "GatherMask"); vec_dst(d, "GatherMask"); check_count(s, n, "GatherMask"); check_count(d, n / 2, "GatherMask");
+  for (uint32_t i = 0; i < n / 2; i++) d.data()[i] = s.data()[2 * i + (pattern == 2 ? 1 : 0)];
+  rsvdCnt = n / 2;
 }
 }  // namespace AscendC

@@ -167,3 +167,8 @@ def logits(x: Any, w: Any, sample_rows: Any) -> Any:
 def sample(logits: Any, temperature: Any, top_k: Any, top_p: Any, seeds: Any) -> Any:
     """[S] i64 next tokens; greedy where temperature == 0."""
     return apply("sample", logits, temperature, top_k, top_p, seeds)
+
+
+def spec_verify(tokens: Any, draft_tokens: Any) -> Any:
+    """[R] i64: tokens, -1 after each sequence's first rejected draft."""
+    return apply("spec_verify", tokens, draft_tokens)

@@ -207,3 +207,30 @@ def sample(logits, temperature, top_k, top_p, seeds):
         gen = torch.Generator().manual_seed(int(seeds[s]))
         out[s] = torch.multinomial(probs, 1, generator=gen)[0]
     return out
+
+
+def _spec_verify_type(types: list[TensorType], attrs: dict) -> list[TensorType]:
+    tokens, drafts = types
+    expect(tokens.rank == 1 and tokens.dtype == "i64" and drafts == tokens,
+           f"spec_verify wants i64 tokens[R] and draft_tokens[R], got {tokens}, {drafts}")
+    return [tokens]
+
+
+@register("spec_verify", _spec_verify_type)
+def spec_verify(tokens: torch.Tensor, draft_tokens: torch.Tensor) -> torch.Tensor:
+    """Speculative verification in the step. tokens[R]: the target's token at each sample row;
+    draft_tokens[R]: the draft the sequence's next sample row was fed (-1: the row is its
+    sequence's last). -> tokens[R] with -1 at every row after its sequence's first rejected
+    draft: each sequence keeps the tokens of its accepted drafts and the target's token after them.
+    Greedy rows accept a draft equal to the argmax; sampled rows one equal to the draw keyed by
+    (seed, position), which keeps the target's distribution for a drafter's single proposal."""
+    r = tokens.shape[0]
+    if r == 0:
+        return tokens.clone()
+    ends = draft_tokens < 0
+    breaks = ends | (tokens != draft_tokens)  # no later row of this sequence is kept after row i
+    before = torch.cumsum(breaks.long(), 0) - breaks.long()  # breaks in rows < i
+    starts = torch.ones(r, dtype=torch.bool, device=tokens.device)
+    starts[1:] = ends[:-1]
+    first = torch.cummax(torch.where(starts, before, torch.zeros_like(before)), 0).values
+    return torch.where(before == first, tokens, torch.full_like(tokens, -1))

@@ -52,10 +52,10 @@ class LlamaConfig:
 def step_specs(config: LlamaConfig, dtype: str) -> list[Spec]:
     """Inputs of one engine step. T tokens, S sequences, B blocks per table, N blocks of BS slots,
     R sampled rows (sample_rows: indices into the T tokens, strictly increasing) with their
-    sampling parameters."""
+    sampling parameters and the draft each row verifies (draft_tokens; -1: none)."""
     seq = [Spec(n, "i64", ("S",)) for n in ("seq_lens", "query_lens")]
     sampling = [Spec("sample_rows", "i64", ("R",)), Spec("temperature", "f32", ("R",)), Spec("top_k", "i64", ("R",)),
-                Spec("top_p", "f32", ("R",)), Spec("seeds", "i64", ("R",))]
+                Spec("top_p", "f32", ("R",)), Spec("seeds", "i64", ("R",)), Spec("draft_tokens", "i64", ("R",))]
     caches = [Spec(f"kv_cache.{i}", dtype, (2, "N", "BS", config.num_kv_heads, config.head_dim))
               for i in range(config.num_layers)]
     return [Spec("tokens", "i64", ("T",)), Spec("positions", "i64", ("T",)),
@@ -112,8 +112,9 @@ class Llama:
         return ops.add_bias(y, self.weights[name + ".bias"]) if bias else y
 
     def step(self, tokens, positions, slot_mapping, block_tables, seq_lens, query_lens,
-             sample_rows, temperature, top_k, top_p, seeds, *kv_caches):
-        """tokens[T] -> (logits[R,V] f32, next_tokens[R] i64) at sample_rows; writes k/v into kv_caches."""
+             sample_rows, temperature, top_k, top_p, seeds, draft_tokens, *kv_caches):
+        """tokens[T] -> (logits[R,V] f32, next_tokens[R] i64) at sample_rows, next_tokens -1 after a
+        sequence's first rejected draft (spec_verify); writes k/v into kv_caches."""
         c, w = self.config, self.weights
         rope = dict(head_dim=c.head_dim, theta=c.rope_theta)
         h = ops.embedding(w["model.embed_tokens.weight"], tokens)
@@ -144,4 +145,4 @@ class Llama:
         h = ops.rms_norm(h, w["model.norm.weight"], eps=c.rms_norm_eps)
         head = w["model.embed_tokens.weight"] if c.tie_embeddings else w["lm_head.weight"]
         logits = ops.logits(h, head, sample_rows)
-        return logits, ops.sample(logits, temperature, top_k, top_p, seeds)
+        return logits, ops.spec_verify(ops.sample(logits, temperature, top_k, top_p, seeds), draft_tokens)

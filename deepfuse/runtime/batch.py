@@ -3,8 +3,9 @@
 Shapes follow models.llama.step_specs: tokens/positions/slot_mapping [T],
 block_tables [S,B] (unused entries 0), per-sequence [S] tensors, and the sampled rows [R]
 with their sampling parameters (a chunk samples its last `samples` tokens: 1, or k+1 when
-k draft tokens are verified). StepBuffers holds them preallocated (numpy arrays shared
-with torch): no input tensor is allocated per step.
+k draft tokens are verified) and draft_tokens [R], the draft each sampled row verifies.
+StepBuffers holds them preallocated (numpy arrays shared with torch): no input tensor is
+allocated per step.
 """
 from __future__ import annotations
 
@@ -50,7 +51,8 @@ class StepBuffers:
                    "block_tables": i64(max_seqs, max_blocks), "seq_lens": i64(max_seqs),
                    "query_lens": i64(max_seqs), "sample_rows": i64(max_tokens),
                    "temperature": np.zeros(max_tokens, dtype=np.float32), "top_k": i64(max_tokens),
-                   "top_p": np.zeros(max_tokens, dtype=np.float32), "seeds": i64(max_tokens)}
+                   "top_p": np.zeros(max_tokens, dtype=np.float32), "seeds": i64(max_tokens),
+                   "draft_tokens": i64(max_tokens)}
         self.torch = {k: torch.from_numpy(v) for k, v in self.np.items()}
 
     def fill(self, chunks: list[SeqChunk], cache: KVCache) -> dict[str, torch.Tensor]:
@@ -78,13 +80,16 @@ class StepBuffers:
             b["temperature"][r:r + k], b["top_k"][r:r + k], b["top_p"][r:r + k] = c.temperature, c.top_k, c.top_p
             # the row at position p samples the token of position p + 1
             b["seeds"][r:r + k] = [sample_key(c.seed, p + 1) for p in range(c.start + n - k, c.start + n)]
+            # each row but the last verifies the draft the next row was fed
+            b["draft_tokens"][r:r + k - 1] = c.tokens[n - k + 1:]
+            b["draft_tokens"][r + k - 1] = -1
             a += n
             r += k
         v = self.torch
         inputs = {k: v[k][:t] for k in ("tokens", "positions", "slot_mapping")}
         inputs["block_tables"] = v["block_tables"][:s, :width]
         inputs.update({k: v[k][:s] for k in ("seq_lens", "query_lens")})
-        inputs.update({k: v[k][:r] for k in ("sample_rows", "temperature", "top_k", "top_p", "seeds")})
+        inputs.update({k: v[k][:r] for k in ("sample_rows", "temperature", "top_k", "top_p", "seeds", "draft_tokens")})
         for i, layer in enumerate(cache.layers):
             inputs[f"kv_cache.{i}"] = layer
         return inputs

@@ -138,14 +138,12 @@ class Engine:
             self.stats.tokens_computed += n
             req.draft = []
             if chunk.samples > 1:
-                drafts, targets = chunk.tokens[1:], sampled[first:row]
-                accepted = 0
-                while accepted < len(drafts) and drafts[accepted] == targets[accepted]:
-                    accepted += 1
-                req.spec.add(len(drafts), accepted)
-                self.spec_stats.add(len(drafts), accepted)
+                # the step verified the drafts (spec_verify): its tokens are -1 after the first rejection
+                new = [t for t in sampled[first:row] if t >= 0]
+                accepted = len(new) - 1
+                req.spec.add(chunk.samples - 1, accepted)
+                self.spec_stats.add(chunk.samples - 1, accepted)
                 req.computed += 1 + accepted
-                new = drafts[:accepted] + [targets[accepted]]
             else:
                 req.computed += n
                 new = [sampled[first]]

@@ -32,7 +32,7 @@ from tests.models.test_deepseek_moe_routing import make_block, routing, weights
 
 pytestmark = pytest.mark.skipif(shutil.which("g++") is None, reason="the AscendC emulator needs g++")
 KINDS = {"embedding", "rms_norm_linear", "add_rms_norm_linear", "qkv_attention", "linear", "swiglu_linear",
-         "add_rms_norm", "logits", "sample"}
+         "add_rms_norm", "logits", "sample", "spec_verify"}
 
 
 def norm_graph(d: int, add: bool):

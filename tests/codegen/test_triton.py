@@ -23,7 +23,7 @@ from tests.helpers import greedy_with
 
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs Triton's interpreter")
 KINDS = {"embedding", "rms_norm_linear", "add_rms_norm_linear", "qkv_attention", "linear", "swiglu_linear",
-         "add_rms_norm", "logits", "sample"}
+         "add_rms_norm", "logits", "sample", "spec_verify"}
 
 
 def tiny(tmp_path_factory, **over):
@@ -42,14 +42,15 @@ def model(request, tmp_path_factory):
 
 
 def mixed_step(config, cache_blocks=8):
-    """A prefill of 20 tokens over two blocks (one partial), a 2-token prefill, and a decode at
-    position 17 of a sequence whose earlier keys are already cached."""
+    """A prefill of 20 tokens over two blocks (one partial) whose last 3 tokens are drafts the step
+    verifies, a 2-token prefill, and a decode at position 17 of a sequence whose earlier keys
+    are already cached."""
     cache = KVCache(config.num_layers, config.num_kv_heads, config.head_dim, torch.float32,
                     CacheConfig(block_size=16, num_blocks=cache_blocks))
     torch.manual_seed(1)
     for i in range(config.num_layers):
         cache.layers[i].normal_()
-    return build_step([SeqChunk(list(range(5, 25)), 0, [0, 1]), SeqChunk([9, 2], 0, [3]),
+    return build_step([SeqChunk(list(range(5, 25)), 0, [0, 1], samples=4), SeqChunk([9, 2], 0, [3]),
                        SeqChunk([7], 17, [4, 5])], cache)
 
 

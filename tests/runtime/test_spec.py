@@ -189,3 +189,28 @@ def test_draft_model_with_another_vocabulary_or_none_is_refused(tiny_model, tmp_
         Engine(target, spec=SpecConfig(method="draft"))
     with pytest.raises(ValueError, match="1 <= n < 2"):
         tiny_model.first_layers(2)
+
+
+def test_spec_verify_op_keeps_each_sequence_until_its_first_rejected_draft():
+    """The step's spec_verify against the plain loop it replaces, on random groups of rows."""
+    import random
+
+    from deepfuse.ir import OPS
+
+    def loop(tokens, drafts):
+        out, keep = [], True
+        for t, d in zip(tokens, drafts):
+            out.append(t if keep else -1)
+            keep = d < 0 or (keep and t == d)
+        return out
+
+    rng = random.Random(0)
+    for _ in range(500):
+        tokens, drafts = [], []
+        for _ in range(rng.randint(1, 6)):
+            n = rng.randint(1, 5)
+            tokens += [rng.randint(0, 3) for _ in range(n)]
+            drafts += [rng.randint(0, 3) for _ in range(n - 1)] + [-1]
+        got = OPS["spec_verify"].reference(torch.tensor(tokens), torch.tensor(drafts)).tolist()
+        assert got == loop(tokens, drafts)
+    assert OPS["spec_verify"].reference(torch.tensor([], dtype=torch.int64), torch.tensor([], dtype=torch.int64)).numel() == 0

@@ -15,7 +15,7 @@ import json
 
 from ...ir import Graph, Node
 from ..cpu.plan import build_plan as slot_plan
-from .emit import emit_argmax, emit_gather, emit_rms_norm
+from .emit import emit_argmax, emit_gather, emit_rms_norm, emit_spec_verify
 from .emit_attention import emit_qkv_attention
 from .emit_gemm import emit_gemm
 from .emit_moe import emit_fused_moe
@@ -42,6 +42,7 @@ EMITTERS = {
     "qkv_attention": emit_qkv_attention,
     "fused_moe": emit_fused_moe,
     "sample": _single(emit_argmax),
+    "spec_verify": _single(emit_spec_verify),
 }
 
 

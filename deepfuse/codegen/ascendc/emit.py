@@ -395,4 +395,47 @@ def emit_argmax(node: Node, name: str) -> AscendKernel:
     return AscendKernel(name, src, [["in", 0], ["out", 0]], fields, AIV_CORES, notes={"greedy_only": True})
 
 
-__all__ = ["AscendKernel", "SIZE", "emit_argmax", "emit_gather", "emit_rms_norm", "emit_swiglu", "source"]
+SPEC_VERIFY = """\
+class Kernel_$NAME {
+public:
+    __aicore__ inline Kernel_$NAME() {}
+    __aicore__ inline void Init(GM_ADDR tokens, GM_ADDR drafts, GM_ADDR y, const ${NAME}_tiling& t)
+    {
+        rows = t.rows;
+        tokenGm.SetGlobalBuffer((__gm__ int64_t*)tokens, rows);
+        draftGm.SetGlobalBuffer((__gm__ int64_t*)drafts, rows);
+        yGm.SetGlobalBuffer((__gm__ int64_t*)y, rows);
+    }
+    // one core walks the rows in order: a sequence keeps its tokens until its first rejected draft
+    __aicore__ inline void Process()
+    {
+        if (GetBlockIdx() != 0) {
+            return;
+        }
+        bool keep = true;
+        for (uint32_t r = 0; r < rows; r++) {
+            int64_t token = tokenGm.GetValue(r);
+            int64_t draft = draftGm.GetValue(r);
+            yGm.SetValue(r, keep ? token : -1);
+            keep = draft < 0 || (keep && token == draft);
+        }
+        DataCacheCleanAndInvalid<int64_t, CacheLine::ENTIRE_DATA_CACHE>(yGm);
+    }
+
+private:
+    GlobalTensor<int64_t> tokenGm, draftGm, yGm;
+    uint32_t rows = 0;
+};
+"""
+
+
+def emit_spec_verify(node: Node, name: str) -> AscendKernel:
+    """spec_verify(tokens[R], draft_tokens[R]) on one core's scalar unit (R is at most a step's tokens)."""
+    fields = [["rows", "uint32_t", ["shape", 0, 0]]]
+    src = source(name, "speculative verification: tokens kept until each sequence's first rejected draft", fields,
+                 SPEC_VERIFY, ["tokens", "drafts", "y"])
+    return AscendKernel(name, src, [["in", 0], ["in", 1], ["out", 0]], fields, 1)
+
+
+__all__ = ["AscendKernel", "SIZE", "emit_argmax", "emit_gather", "emit_rms_norm", "emit_spec_verify", "emit_swiglu",
+           "source"]

@@ -191,6 +191,13 @@ def emit_sample(node: Node, name: str, arch: str) -> list[dict]:
     return [_spec(name, _source(name, T.ARGMAX, V=v), params, {"BV": 1024}, [["shape", 0, 0], 1, 1], tiles)]
 
 
+def emit_spec_verify(node: Node, name: str, arch: str) -> list[dict]:
+    """One program over the R sample rows (a sequential scan: R is at most a step's tokens)."""
+    params = [("tokens_ptr", "*i64", ["in", 0]), ("drafts_ptr", "*i64", ["in", 1]), ("y_ptr", "*i64", ["out", 0]),
+              ("R", "i32", ["shape", 0, 0])]
+    return [_spec(name, _source(name, T.SPEC_VERIFY), params, {}, [1, 1, 1], tiles_for(arch, "row", node))]
+
+
 EMITTERS = {
     "embedding": emit_embedding,
     "rms_norm": emit_rms_norm,
@@ -204,6 +211,7 @@ EMITTERS = {
     "qkv_attention": emit_qkv_attention,
     "fused_moe": emit_fused_moe,
     "sample": emit_sample,
+    "spec_verify": emit_spec_verify,
 }
 PREPARE = {"fused_moe": "moe_align"}  # ops whose kernels need a torch step first (runner.PREPARE)
 

@@ -205,6 +205,20 @@ def $NAME(logits_ptr, y_ptr, BV: tl.constexpr):
     tl.store(y_ptr + row, idx)
 """
 
+# speculative verification: one program walks the sample rows in order; a sequence's rows are
+# kept until its first rejected draft (drafts < 0 end a sequence)
+SPEC_VERIFY = """
+@triton.jit
+def $NAME(tokens_ptr, drafts_ptr, y_ptr, R):
+    one = tl.arange(0, 1)
+    keep = tl.full((1,), 1, tl.int64)
+    for r in range(0, R):
+        t = tl.load(tokens_ptr + r + one)
+        d = tl.load(drafts_ptr + r + one)
+        tl.store(y_ptr + r + one, tl.where(keep == 1, t, -1))
+        keep = tl.where(d < 0, 1, tl.where(t == d, keep, 0))
+"""
+
 # fused MoE over (token, expert) pairs sorted by expert and padded so each BM block of rows
 # belongs to one expert (moe_align in runner.py): rows[i] = t * KT + j, or the sentinel M
 MOE_ROWS = """    pid_m = tl.program_id(0)

@@ -141,14 +141,17 @@ def emit_linear_q4(name: str, node: Node, x_arg: list, w_index: int, y_arg: list
     groups = k // g
     if k % 64 or g % 16:
         raise ValueError(f"{name}: int4 kernels need K a multiple of 64 and groups of a multiple of 16 (K {k}, group {g})")
-    fixed = align(hk) * 2 + align(k * size) * 2 + align(hk // 2 * 2) * 3 + align(hk * 2) + align(k, 64) * 4 + k * 8
-    nc = max(1, min(8, (UB_BYTES - fixed - 4096) // (k * 4)))
+    # UB besides the chunk's weights: packed rows and x rows (double-buffered), nibble planes and mask,
+    # half staging, fp32 x, x's even|odd, the product, sums and the output row
+    fixed = 2 * align(hk) + 2 * align(k * size) + 3 * align(hk) + align(hk * 2) + (align(k, 64) * 4 if half else 0) \
+        + 2 * k * 4 + 8 * BLOCK + 2 * align(k * size) + 4 * BLOCK
+    nc = max(1, min(8, (UB_BYTES - fixed) // (k * 4)))
     fields = [["rows", "uint32_t", ["shape", 0, 0] if x_arg[0] == "in" else ["tmp_shape", x_arg[1], 0]],
               ["colsPerCore", "uint32_t", cdiv(n, AIV_CORES)]]
     if half:
         x_f32 = f"        LocalTensor<float> xf = xfBuf.Get<float>();\n        {to_f32('xf', 'xLocal', k)}\n"
-        round_w = (f"        {from_f32('halfW', 'w', k)}\n        {to_f32('w', 'halfW', k)}\n"
-                   .replace("halfW", f"roundBuf.Get<{t}>()"))
+        rounded = f"roundBuf.Get<{t}>()"  # the weight rounded to the model's dtype, as the reference rounds it
+        round_w = f"        {from_f32(rounded, 'w', k)}\n        {to_f32('w', rounded, k)}\n"
         store = ("        WaitPipe<HardEvent::S_V>();\n        WaitPipe<HardEvent::MTE3_V>();\n"
                  f"        {from_f32(f'yOut.Get<{t}>()', 'yRow', 'nc')}\n"
                  "        WaitPipe<HardEvent::V_MTE3>();\n"
@@ -166,7 +169,7 @@ def emit_linear_q4(name: str, node: Node, x_arg: list, w_index: int, y_arg: list
                  ["x", "packed", "scales", "mins", "y"],
                  T=t, N=n, K=k, HK=hk, QK=hk // 2, QK_PAD=align(hk // 2 * 2) // 2, GROUPS=groups, HG=g // 2, NC=nc,
                  BLOCK=BLOCK, HK_BYTES=align(hk), X_BYTES=align(k * size), QK_BYTES=align(hk // 2 * 2),
-                 HK_HALF_BYTES=align(hk * 2), XF_BYTES=align(k, 64) * 4, NC_F32_BYTES=align(nc * 4),
+                 HK_HALF_BYTES=align(hk * 2), XF_BYTES=align(k, 64) * 4 if half else BLOCK, NC_F32_BYTES=align(nc * 4),
                  REPEATS=cdiv(k, 64), Y_INIT=y_init, Y_BUF=y_buf, X_F32=x_f32, ROUND_W=round_w, STORE=store,
                  COPY_PACKED=copy_row("pk", f"packedGm[(uint64_t)n * {hk}]", hk, 1, False, "uint8_t"),
                  COPY_X=copy_row("xLocal", f"xGm[(uint64_t)m * {k}]", k, size, False, t))

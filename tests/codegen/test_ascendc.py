@@ -181,6 +181,16 @@ def test_deepseek_v3_moe_block_matches_transformers():
     torch.testing.assert_close(EmulatorRunner(build_plan(g), g.weights)({"x": x})[0], want, atol=1e-5, rtol=1e-5)
 
 
+def random_cache_step(config, dtype, chunks: list, num_blocks: int = 8) -> dict:
+    """The chunks' step inputs over a random-filled KV cache of 16-token blocks in `dtype`."""
+    cache = KVCache(config.num_layers, config.num_kv_heads, config.head_dim, dtype,
+                    CacheConfig(block_size=16, num_blocks=num_blocks))
+    torch.manual_seed(1)
+    for i in range(config.num_layers):
+        cache.layers[i].normal_()
+    return build_step(chunks, cache)
+
+
 HALF_TOLERANCE = {"bf16": 1.6e-2, "f16": 2e-3}  # of the largest |value|: about two units in the last place
 
 
@@ -205,13 +215,8 @@ def test_half_precision_kernels(family, dtype, tiny_model, tmp_path):
     assert all(p.get("kernels") for p in plan["launches"])
 
     def step():
-        c = model.config
-        cache = KVCache(c.num_layers, c.num_kv_heads, c.head_dim, torch_dtype, CacheConfig(block_size=16, num_blocks=8))
-        torch.manual_seed(1)
-        for i in range(c.num_layers):
-            cache.layers[i].normal_()
-        return build_step([SeqChunk(list(range(5, 25)), 0, [0, 1]), SeqChunk([9, 2], 0, [3]),
-                           SeqChunk([7], 17, [4, 5])], cache)
+        return random_cache_step(model.config, torch_dtype, [SeqChunk(list(range(5, 25)), 0, [0, 1]),
+                                                            SeqChunk([9, 2], 0, [3]), SeqChunk([7], 17, [4, 5])])
 
     a, b = step(), step()
     got, want = EmulatorRunner(plan, g.weights)(b), interpret(g, a)
@@ -238,12 +243,8 @@ def test_int4_projection_kernels(dtype, tmp_path_factory):
     torch_dtype = {"f32": torch.float32, "bf16": torch.bfloat16}[dtype]
 
     def step():
-        c = model.config
-        cache = KVCache(c.num_layers, c.num_kv_heads, c.head_dim, torch_dtype, CacheConfig(block_size=16, num_blocks=8))
-        torch.manual_seed(1)
-        for i in range(c.num_layers):
-            cache.layers[i].normal_()
-        return build_step([SeqChunk(list(range(5, 25)), 0, [0, 1]), SeqChunk([7], 17, [4, 5])], cache)
+        return random_cache_step(model.config, torch_dtype, [SeqChunk(list(range(5, 25)), 0, [0, 1]),
+                                                            SeqChunk([7], 17, [4, 5])])
 
     got, want = EmulatorRunner(plan, g.weights)(step()), interpret(g, step())
     tol = 1e-5 if dtype == "f32" else HALF_TOLERANCE[dtype]
@@ -280,14 +281,10 @@ def test_smollm2_ascend950_artifact_runs_in_the_emulator(smollm2):
     assert len(names) <= 20 and all(f"kernels/{n}.cpp" in art.files for n in names)  # layers share kernels
     att = next(p for p in art.plan["launches"] if p["op"] == "qkv_attention")
     assert "3 q heads per kv head" in att["kernels"][1]["source"]
-    c = model.config
 
     def step():
-        cache = KVCache(c.num_layers, c.num_kv_heads, c.head_dim, torch.float32, CacheConfig(block_size=16, num_blocks=4))
-        torch.manual_seed(1)
-        for i in range(c.num_layers):
-            cache.layers[i].normal_()
-        return build_step([SeqChunk([1, 2, 3, 4, 5], 0, [0]), SeqChunk([9], 20, [1, 2])], cache)
+        return random_cache_step(model.config, torch.float32, [SeqChunk([1, 2, 3, 4, 5], 0, [0]),
+                                                               SeqChunk([9], 20, [1, 2])], num_blocks=4)
 
     got, want = art(step()), interpret(art.graph, step())
     assert (got[0] - want[0]).abs().max() <= 1e-5 * want[0].abs().max()

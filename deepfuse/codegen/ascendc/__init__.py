@@ -10,18 +10,14 @@ here: the kernels are checked by compiling them with g++ against emu/ (runner.py
 """
 from __future__ import annotations
 
-import hashlib
-import json
-
 from ...ir import Graph, Node
-from ..cpu.plan import build_plan as slot_plan
+from ..device_plan import PLACEHOLDER, device_plan, named
 from .emit import emit_argmax, emit_gather, emit_rms_norm, emit_spec_verify
 from .emit_attention import emit_qkv_attention
 from .emit_gemm import emit_gemm
 from .emit_moe import emit_fused_moe
 from .kernel import FLOATS
 
-PLACEHOLDER = "DEEPFUSE_KERNEL_NAME"  # emitted as the name, replaced by op + hash of the kernels
 DESCRIPTION = "Huawei Ascend 950 (arch 3510), AscendC kernels (checked in deepfuse's CPU emulator)"
 
 
@@ -62,21 +58,12 @@ def emittable(node: Node) -> bool:
 
 
 def build_plan(g: Graph) -> dict:
-    plan = slot_plan(g)
-    plan["arch"] = "ascend950"
-    counter = 0
+    plan = device_plan(g, "ascend950")
     for n, p in zip(g.nodes, plan["launches"]):
-        p["in_shape"] = [list(v.type.shape) for v in n.inputs]
-        p["out_dtype"] = [v.type.dtype for v in n.outputs]
-        p["node"] = f"%{counter} ({n.op})"
-        counter += len(n.outputs)
         if not emittable(n):
             continue
         emitted = EMITTERS[n.op](n, PLACEHOLDER)
-        kernels = [k.to_json() for k in emitted["kernels"]]
-        # named by op and a hash of the kernels, so the layers' identical kernels are one kernel
-        digest = hashlib.sha256(json.dumps(kernels, sort_keys=True).encode()).hexdigest()[:10]
-        p["kernels"] = json.loads(json.dumps(kernels).replace(PLACEHOLDER, f"{n.op}_{digest}"))
+        p["kernels"] = named(n, [k.to_json() for k in emitted["kernels"]])
         p["tmps"] = emitted["tmps"]
     return plan
 

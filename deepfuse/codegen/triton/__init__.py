@@ -7,35 +7,20 @@ shapes the runner needs to allocate outputs and scratch.
 """
 from __future__ import annotations
 
-import hashlib
-import json
-
 from ...ir import Graph
-from ..cpu.plan import build_plan as slot_plan
+from ..device_plan import PLACEHOLDER, device_plan, named
 from .emit import EMITTERS, PREPARE, emittable
 
-PLACEHOLDER = "DEEPFUSE_KERNEL_NAME"  # emitted as the name, replaced by op + hash of the spec
 ARCH_DESCRIPTIONS = {"sm90": "NVIDIA Hopper (sm_90a), Triton kernels", "sm100": "NVIDIA Blackwell (sm_100a), Triton kernels"}
 
 
 def build_plan(g: Graph, arch: str) -> dict:
     """arch: "sm90", "sm100", or "interpret" (small tiles, for Triton's CPU interpreter)."""
-    plan = slot_plan(g)
-    plan["arch"] = arch
-    counter = 0
+    plan = device_plan(g, arch)
     for n, p in zip(g.nodes, plan["launches"]):
-        p["in_shape"] = [list(v.type.shape) for v in n.inputs]
-        p["out_dtype"] = [v.type.dtype for v in n.outputs]
-        p["node"] = f"%{counter} ({n.op})"
-        counter += len(n.outputs)
         if not emittable(n):
             continue
-        # a kernel is named by its op and a hash of its spec (source, tiles, launch options), so
-        # the layers' identical kernels are one kernel (one compile, one cubin)
-        specs = EMITTERS[n.op](n, PLACEHOLDER, arch)
-        digest = hashlib.sha256(json.dumps(specs, sort_keys=True).encode()).hexdigest()[:10]
-        # the specs' own order stays (a kernel's signature follows its parameters)
-        p["kernels"] = json.loads(json.dumps(specs).replace(PLACEHOLDER, f"{n.op}_{digest}"))
+        p["kernels"] = named(n, EMITTERS[n.op](n, PLACEHOLDER, arch))
         if n.op in PREPARE:
             p["prepare"] = {"fn": PREPARE[n.op], "block": p["kernels"][0]["constexprs"]["BM"]}
         if n.op == "qkv_attention":

@@ -9,12 +9,12 @@ from deepfuse.runtime.kv_cache import CacheConfig, KVCache
 
 
 def greedy_with(step, config, prompt: list[int], n: int, dtype=torch.float32, block_size: int = 4):
-    """step(inputs: dict) -> (logits, next). Returns (tokens, first-step logits)."""
+    """step(inputs: dict) -> (logits, next, hidden). Returns (tokens, first-step logits)."""
     cache = KVCache(config.num_layers, config.num_kv_heads, config.head_dim, dtype,
                     CacheConfig(block_size=block_size, num_blocks=256))
     seq, blocks, start, out, first = list(prompt), [], 0, [], None
     for _ in range(n):
-        logits, nxt = step(build_step([SeqChunk(seq[start:], start, blocks)], cache))
+        logits, nxt, _ = step(build_step([SeqChunk(seq[start:], start, blocks)], cache))
         first = logits if first is None else first
         start = len(seq)
         seq.append(int(nxt[0]))

@@ -24,7 +24,7 @@ from ..models.llama import LlamaConfig
 from ..runtime.tokenizer import Tokenizer
 from .targets import Runner
 
-FORMAT_VERSION = 2  # 2: the step takes draft_tokens and verifies drafts (spec_verify)
+FORMAT_VERSION = 3  # 2: the step takes draft_tokens and verifies drafts (spec_verify); 3: it returns hidden rows
 
 
 def sha256_file(path: str) -> str:

@@ -113,8 +113,10 @@ class Llama:
 
     def step(self, tokens, positions, slot_mapping, block_tables, seq_lens, query_lens,
              sample_rows, temperature, top_k, top_p, seeds, draft_tokens, *kv_caches):
-        """tokens[T] -> (logits[R,V] f32, next_tokens[R] i64) at sample_rows, next_tokens -1 after a
-        sequence's first rejected draft (spec_verify); writes k/v into kv_caches."""
+        """tokens[T] -> (logits[R,V] f32, next_tokens[R] i64, hidden[R,D]) at sample_rows:
+        next_tokens is -1 after a sequence's first rejected draft (spec_verify); hidden is the
+        final-normed hidden state the logits come from (an MTP draft head's input). Writes k/v
+        into kv_caches."""
         c, w = self.config, self.weights
         rope = dict(head_dim=c.head_dim, theta=c.rope_theta)
         h = ops.embedding(w["model.embed_tokens.weight"], tokens)
@@ -145,4 +147,5 @@ class Llama:
         h = ops.rms_norm(h, w["model.norm.weight"], eps=c.rms_norm_eps)
         head = w["model.embed_tokens.weight"] if c.tie_embeddings else w["lm_head.weight"]
         logits = ops.logits(h, head, sample_rows)
-        return logits, ops.spec_verify(ops.sample(logits, temperature, top_k, top_p, seeds), draft_tokens)
+        next_tokens = ops.spec_verify(ops.sample(logits, temperature, top_k, top_p, seeds), draft_tokens)
+        return logits, next_tokens, ops.take_rows(h, sample_rows)

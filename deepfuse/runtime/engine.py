@@ -30,6 +30,7 @@ from ..errors import DeepfuseError
 from ..ir import DTYPES
 from .batch import SeqChunk, StepBuffers
 from .kv_cache import CacheConfig, KVCache, KVCacheManager
+from .mtp import MtpDrafter
 from .request import Request, RequestOutput, SamplingParams
 from .scheduler import Scheduler, SchedulerConfig
 from .spec import LatencyModel, ModelDrafter, NgramDrafter, SpecConfig, SpecStats, choose_drafts
@@ -125,13 +126,14 @@ class Engine:
             chunks.append(SeqChunk(toks, req.computed, req.kv.table, float(p.temperature), p.top_k, p.top_p, req.seed,
                                    samples=n if verify else 1))
         t0 = time.perf_counter()
-        logits, next_tokens = self.model(self.buffers.fill(chunks, self.cache))
+        logits, next_tokens, hidden = self.model(self.buffers.fill(chunks, self.cache))
         now = time.perf_counter()
         if self.latency is not None:
             self.latency.observe(sum(len(c.tokens) for c in chunks), (now - t0) * 1000)
         self.stats.steps += 1
         sampled = next_tokens.tolist()
         finished, row = [], 0
+        keep_hidden = getattr(self.drafter, "needs_hidden", False)
         for (req, n), chunk in zip(scheduled, chunks):
             first, row = row, row + chunk.samples
             start = req.computed
@@ -151,6 +153,8 @@ class Engine:
             self.kv.computed(req.kv, req.computed)
             if req.remaining > 0:
                 continue  # mid-prompt chunk: its sample is not a real token
+            if keep_hidden:  # the state an MTP head drafts from: the row that sampled the last new token
+                req.hidden = hidden[first + len(new) - 1].to(torch.float32, copy=True)
             for j, tok in enumerate(new):
                 self._append(req, tok, logits[first + j], now)
                 if on_token:
@@ -189,6 +193,8 @@ class Engine:
     def _make_drafter(self, spec: SpecConfig, draft_model: CompiledModel | None):
         if spec.method == "ngram":
             return NgramDrafter(spec)
+        if spec.method == "mtp":
+            return MtpDrafter(spec.draft_head, self.model)
         if draft_model is None:
             raise DeepfuseError('speculative method "draft" needs a draft_model (LLM builds one from '
                                 'SpecConfig.draft_layers)')

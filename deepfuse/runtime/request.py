@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+import torch
+
 from ..errors import DeepfuseError
 from .kv_cache import SeqBlocks
 from .spec import SpecStats
@@ -99,6 +101,7 @@ class Request:
     draft: list[int] = field(default_factory=list)  # draft tokens to verify in the next step
     draft_computed: int = 0  # tokens whose KV a draft model (spec.ModelDrafter) has in its cache
     spec: SpecStats = field(default_factory=SpecStats)
+    hidden: torch.Tensor | None = None  # [D] f32, the target's hidden state that sampled tokens[-1] (MTP drafting)
 
     @property
     def remaining(self) -> int:

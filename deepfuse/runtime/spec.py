@@ -28,16 +28,17 @@ from dataclasses import dataclass
 
 from ..errors import DeepfuseError
 
-METHODS = ("ngram", "draft")
+METHODS = ("ngram", "draft", "mtp")
 SCHEDULES = ("confidence", "fixed")
 
 
 @dataclass(frozen=True)
 class SpecConfig:
-    """method: "ngram" (prompt lookup, no extra weights) or "draft" (a smaller compiled model
+    """method: "ngram" (prompt lookup, no extra weights), "draft" (a smaller compiled model
     over the same vocabulary, passed to the Engine as draft_model; LLM builds one from the
-    target's first draft_layers layers). num_draft_tokens: k, the most drafts verified per
-    sequence and step. max_ngram/min_ngram: the suffix lengths looked up."""
+    target's first draft_layers layers) or "mtp" (the draft head file draft_head, trained on
+    the target by `deepfuse train-drafter`; see mtp.py). num_draft_tokens: k, the most drafts
+    verified per sequence and step. max_ngram/min_ngram: the suffix lengths looked up."""
 
     method: str = "ngram"
     num_draft_tokens: int = 5
@@ -45,6 +46,7 @@ class SpecConfig:
     min_ngram: int = 1
     schedule: str = "confidence"
     draft_layers: int = 0
+    draft_head: str = ""
 
     def __post_init__(self) -> None:
         if self.schedule not in SCHEDULES:
@@ -53,6 +55,8 @@ class SpecConfig:
             raise DeepfuseError(f"unknown speculative method {self.method!r} (available: {', '.join(METHODS)})")
         if self.num_draft_tokens < 1:
             raise DeepfuseError(f"num_draft_tokens must be >= 1, got {self.num_draft_tokens}")
+        if self.method == "mtp" and not self.draft_head:
+            raise DeepfuseError('speculative method "mtp" needs draft_head, a file from `deepfuse train-drafter`')
         if not 1 <= self.min_ngram <= self.max_ngram:
             raise DeepfuseError(f"need 1 <= min_ngram <= max_ngram, got {self.min_ngram}, {self.max_ngram}")
 
@@ -139,7 +143,7 @@ class ModelDrafter(Drafter):
         """One draft-model step; each chunk's greedy next token and its probability."""
         import torch
 
-        logits, nxt = self.model(self.buffers.fill(chunks, self.cache))
+        logits, nxt, _ = self.model(self.buffers.fill(chunks, self.cache))
         probs = torch.softmax(logits, -1).gather(1, nxt[:, None]).flatten()
         return nxt.tolist(), probs.tolist()
 

@@ -31,7 +31,7 @@ from tests.helpers import greedy_with
 from tests.models.test_deepseek_moe_routing import make_block, routing, weights
 
 pytestmark = pytest.mark.skipif(shutil.which("g++") is None, reason="the AscendC emulator needs g++")
-KINDS = {"embedding", "rms_norm_linear", "add_rms_norm_linear", "qkv_attention", "linear", "swiglu_linear",
+KINDS = {"embedding", "take_rows", "rms_norm_linear", "add_rms_norm_linear", "qkv_attention", "linear", "swiglu_linear",
          "add_rms_norm", "logits", "sample", "spec_verify"}
 
 

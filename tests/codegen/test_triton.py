@@ -22,7 +22,7 @@ from tests.conftest import tiny_hf_config
 from tests.helpers import greedy_with
 
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs Triton's interpreter")
-KINDS = {"embedding", "rms_norm_linear", "add_rms_norm_linear", "qkv_attention", "linear", "swiglu_linear",
+KINDS = {"embedding", "take_rows", "rms_norm_linear", "add_rms_norm_linear", "qkv_attention", "linear", "swiglu_linear",
          "add_rms_norm", "logits", "sample", "spec_verify"}
 
 

@@ -25,10 +25,11 @@ def test_a_chunk_samples_its_last_rows_like_one_token_steps(tiny_model):
     seq = [5, 17, 99, 3, 42, 7]
     many = build_step([SeqChunk(seq, 0, [], samples=3), SeqChunk([9, 2], 0, [])], cache())
     assert many["sample_rows"].tolist() == [3, 4, 5, 7]
-    logits, _ = art(many)
+    logits, _, hidden = art(many)
     for i, n in enumerate((4, 5, 6)):
-        one, _ = art(build_step([SeqChunk(seq[:n], 0, [])], cache()))
+        one, _, one_hidden = art(build_step([SeqChunk(seq[:n], 0, [])], cache()))
         torch.testing.assert_close(logits[i], one[0], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(hidden[i], one_hidden[0], atol=1e-5, rtol=1e-5)  # the MTP head's input
     torch.testing.assert_close(logits, interpret(art.graph, build_step(
         [SeqChunk(seq, 0, [], samples=3), SeqChunk([9, 2], 0, [])], cache()))[0], atol=1e-5, rtol=1e-5)
     with pytest.raises(ValueError, match="cannot sample its last 3"):

@@ -27,6 +27,7 @@ def _single(fn):
 
 EMITTERS = {
     "embedding": _single(emit_gather),
+    "take_rows": _single(emit_gather),
     "rms_norm": _single(emit_rms_norm),
     "add_rms_norm": _single(emit_rms_norm),
     "linear": emit_gemm,

@@ -200,6 +200,7 @@ def emit_spec_verify(node: Node, name: str, arch: str) -> list[dict]:
 
 EMITTERS = {
     "embedding": emit_embedding,
+    "take_rows": emit_embedding,  # x[rows]: the same gather
     "rms_norm": emit_rms_norm,
     "add_rms_norm": emit_rms_norm,
     "linear": emit_gemm,

@@ -1,0 +1,152 @@
+"""MTP draft head: drafts from the target's own last hidden state, as DeepSeek-V3's multi-token
+prediction module does, with a confidence head that says how likely each draft is accepted.
+
+One step of the head, for a sequence whose target step ended at position t:
+
+    h [N,D]   the target's final-normed hidden state at t (the step's `hidden` output)
+    x [N]     the token at t + 1 (the target's own sample)
+    z  = proj([norm_h(h); norm_e(embed(x))])            [N,D]
+    z  = z + down(silu(gate(norm_m(z))) * up(norm_m(z)))
+    out = norm_o(z)                                      [N,D]
+    logits = out @ lm_head^T                             [N,V]  -> the draft for t + 2
+    confidence = sigmoid(conf([out; log p_max; entropy]))  [N]  P(the target agrees)
+
+Drafting k tokens applies it k times, feeding `out` and the draft back in. The embedding and
+the LM head are the target's (frozen, not stored): the head file holds only its own ~3.3M
+weights (SmolLM2) and probe rows of the target's LM head that identify the model it was
+trained for. `deepfuse train-drafter` trains one (train_drafter.py).
+"""
+from __future__ import annotations
+
+import json
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..errors import DeepfuseError
+from .spec import Draft, Drafter
+
+FORMAT = "deepfuse-mtp-head"
+PROBE_ROWS = 16  # LM-head rows stored to recognise the target
+PROBE_TOLERANCE = 0.05  # relative difference allowed (bf16/f16 rounding of the same weights)
+
+
+class DraftHead(nn.Module):
+    def __init__(self, hidden_size: int, intermediate_size: int, vocab_size: int, eps: float = 1e-5):
+        super().__init__()
+        self.hidden_size, self.intermediate_size, self.vocab_size, self.eps = (
+            hidden_size, intermediate_size, vocab_size, eps)
+        self.norm_h = nn.RMSNorm(hidden_size, eps=eps)
+        self.norm_e = nn.RMSNorm(hidden_size, eps=eps)
+        self.proj = nn.Linear(2 * hidden_size, hidden_size, bias=False)
+        self.norm_m = nn.RMSNorm(hidden_size, eps=eps)
+        self.gate_up = nn.Linear(hidden_size, 2 * intermediate_size, bias=False)
+        self.down = nn.Linear(intermediate_size, hidden_size, bias=False)
+        self.norm_o = nn.RMSNorm(hidden_size, eps=eps)
+        self.conf = nn.Linear(hidden_size + 2, 1)
+        nn.init.zeros_(self.down.weight)  # the MLP starts as the identity on the residual
+
+    def forward(self, h: torch.Tensor, x: torch.Tensor, embed: torch.Tensor, lm_head: torch.Tensor):
+        """h [N,D] f32, x [N] i64, embed [V,D], lm_head [V,D] -> (logits [N,V], out [N,D],
+        confidence logit [N]; sigmoid of it is the probability the target agrees)."""
+        z = self.proj(torch.cat([self.norm_h(h), self.norm_e(F.embedding(x, embed))], -1))
+        gate, up = self.gate_up(self.norm_m(z)).chunk(2, -1)
+        out = self.norm_o(z + self.down(F.silu(gate) * up))
+        logits = F.linear(out, lm_head)
+        logp = torch.log_softmax(logits.detach(), -1)
+        entropy = -(logp.exp() * logp).sum(-1, keepdim=True)
+        features = torch.cat([out.detach(), logp.max(-1, keepdim=True).values, entropy], -1)
+        return logits, out, self.conf(features).squeeze(-1)
+
+    def save(self, path: str, probe: torch.Tensor, metrics: dict | None = None) -> None:
+        """probe: rows of the target's LM head (see target_probe)."""
+        from safetensors.torch import save_file
+
+        tensors = {k: v.detach().contiguous() for k, v in self.state_dict().items()}
+        tensors["target_probe"] = probe.float().contiguous()
+        meta = {"format": FORMAT, "version": "1", "hidden_size": str(self.hidden_size),
+                "intermediate_size": str(self.intermediate_size), "vocab_size": str(self.vocab_size),
+                "eps": repr(self.eps), "metrics": json.dumps(metrics or {})}
+        save_file(tensors, path, metadata=meta)
+
+    @staticmethod
+    def load(path: str) -> tuple[DraftHead, torch.Tensor, dict]:
+        """-> (head, target probe rows, training metrics). Raises DeepfuseError if `path` is not a head file."""
+        from safetensors import safe_open
+
+        try:
+            with safe_open(path, "pt") as f:
+                meta = f.metadata() or {}
+                tensors = {k: f.get_tensor(k) for k in f.keys()}
+        except (OSError, ValueError, RuntimeError) as e:
+            raise DeepfuseError(f"cannot read draft head {path}: {e}") from None
+        if meta.get("format") != FORMAT:
+            raise DeepfuseError(f"{path} is not a deepfuse MTP draft head (train one with `deepfuse train-drafter`)")
+        head = DraftHead(int(meta["hidden_size"]), int(meta["intermediate_size"]), int(meta["vocab_size"]),
+                         float(meta["eps"]))
+        probe = tensors.pop("target_probe")
+        head.load_state_dict(tensors)
+        return head.eval(), probe, json.loads(meta.get("metrics", "{}"))
+
+
+def target_weights(model) -> tuple[torch.Tensor, torch.Tensor]:
+    """The compiled target's embedding table and LM head [V,D], as f32 (the same tensor if tied)."""
+    g = model.graph
+    embed = next((n.inputs[0] for n in g.nodes if n.op == "embedding"), None)
+    head = next((n.inputs[1] for n in g.nodes if n.op == "logits"), None)
+    if embed is None or head is None or embed.name not in g.weights or head.name not in g.weights:
+        raise DeepfuseError("this model's step has no embedding table and LM head an MTP draft head can share")
+    e = g.weights[embed.name].float()
+    return e, (e if head.name == embed.name else g.weights[head.name].float())
+
+
+def target_probe(lm_head: torch.Tensor) -> torch.Tensor:
+    """PROBE_ROWS rows spread over the vocabulary [PROBE_ROWS, D]."""
+    return lm_head[torch.linspace(0, lm_head.shape[0] - 1, PROBE_ROWS).long()].float()
+
+
+def check_head_fits(head: DraftHead, probe: torch.Tensor, lm_head: torch.Tensor, path: str) -> None:
+    if head.vocab_size != lm_head.shape[0]:
+        raise DeepfuseError(f"draft head {path} has a vocabulary of {head.vocab_size} tokens, the target "
+                            f"{lm_head.shape[0]}: its drafts cannot be verified")
+    if head.hidden_size != lm_head.shape[1]:
+        raise DeepfuseError(f"draft head {path} reads hidden states of {head.hidden_size}, the target's are "
+                            f"{lm_head.shape[1]}")
+    mine = target_probe(lm_head)
+    diff = float((mine - probe).norm() / probe.norm().clamp_min(1e-12))
+    if diff > PROBE_TOLERANCE:
+        raise DeepfuseError(f"draft head {path} was trained for another model (its LM-head probe differs "
+                            f"by {diff:.0%} from this model's)")
+
+
+class MtpDrafter(Drafter):
+    """Drafts with a DraftHead from each request's last hidden state (Request.hidden, kept by
+    the engine from every step's `hidden` output). A draft's confidence is the running
+    product of the head's per-token confidences."""
+
+    needs_hidden = True
+
+    def __init__(self, path: str, model):
+        self.head, probe, self.metrics = DraftHead.load(path)
+        self.embed, self.lm_head = target_weights(model)
+        check_head_fits(self.head, probe, self.lm_head, path)
+
+    @torch.inference_mode()
+    def propose_batch(self, requests: list, ks: list[int]) -> list[Draft]:
+        drafts = [Draft([], []) for _ in requests]
+        live = [i for i, (r, k) in enumerate(zip(requests, ks)) if k > 0 and r.hidden is not None]
+        if not live:
+            return drafts
+        h = torch.stack([requests[i].hidden for i in live])
+        x = torch.tensor([requests[i].tokens[-1] for i in live])
+        conf = torch.ones(len(live))
+        for j in range(max(ks[i] for i in live)):
+            logits, h, c = self.head(h, x, self.embed, self.lm_head)
+            x = logits.argmax(-1)
+            conf = conf * torch.sigmoid(c)
+            for row, i in enumerate(live):
+                if ks[i] > j:
+                    drafts[i].tokens.append(int(x[row]))
+                    drafts[i].confidence.append(float(conf[row]))
+        return drafts

@@ -1,10 +1,12 @@
 """Speculative decoding on SmolLM2, one run: output tokens/s without drafts, with the n-gram
 drafter at fixed k, and with confidence-scheduled verification (at most k), at batch 1 and
-batch 16, on workloads where drafting helps (repeat a passage, continue edited code). Same
-process; greedy, so every configuration produces the same tokens (checked). Writes
-benchmarks/results/spec.json.
+batch 16, on workloads where drafting helps (repeat a passage, continue edited code); then the
+self-drafter and the MTP draft head (fixed k and confidence-scheduled). Same process; greedy,
+so every configuration produces the same tokens (checked). Writes benchmarks/results/spec.json.
+The MTP head is --mtp-head, or trained first (`deepfuse train-drafter` defaults, ~8 minutes)
+into ~/.cache/deepfuse/drafters/ and reused.
 
-    python benchmarks/spec.py [--dtype f32] [--tokens 96] [--k 5]
+    python benchmarks/spec.py [--dtype f32] [--tokens 128] [--k 5] [--mtp-head FILE]
 """
 from __future__ import annotations
 
@@ -59,12 +61,25 @@ def run(art, batch: list[list[int]], tokens: int, spec, draft=None) -> tuple[flo
     return gen / dt, [o.token_ids for o in outs], stats
 
 
+def mtp_head(art, dtype: str) -> str:
+    """The cached head for SmolLM2 at this dtype, trained with train-drafter's defaults if missing."""
+    from deepfuse.runtime.train_drafter import TrainConfig, train_drafter
+
+    path = os.path.join(os.path.expanduser("~"), ".cache", "deepfuse", "drafters", f"smollm2-{dtype}.safetensors")
+    if not os.path.exists(path):
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        m = train_drafter(art, path, TrainConfig())
+        print(f"trained {path}: held-out {m['heldout']}")
+    return path
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--dtype", default="f32")
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--k", type=int, default=5)
     ap.add_argument("--draft-layers", type=int, default=8, help="the self-drafter: the target's first N layers")
+    ap.add_argument("--mtp-head", help="an MTP head file (default: train one, cached)")
     args = ap.parse_args()
     import deepfuse
     from deepfuse.models import load_model
@@ -73,14 +88,24 @@ def main() -> None:
     model, tok = load_model("smollm2")
     art = deepfuse.compile(model, dtype=args.dtype, tokenizer=tok)
     draft = deepfuse.compile(model.first_layers(args.draft_layers), dtype=args.dtype)
-    rows, results, self_rows = [], {}, []
+    head = args.mtp_head or mtp_head(art, args.dtype)
+    rows, results, self_rows, mtp_rows = [], {}, [], []
     for bs in (1, 16):
         batch = prompts(tok, bs)
         base, base_tokens, _ = run(art, batch, args.tokens, None)
         fixed, fixed_tokens, fstats = run(art, batch, args.tokens, SpecConfig(num_draft_tokens=args.k, schedule="fixed"))
         conf, conf_tokens, cstats = run(art, batch, args.tokens, SpecConfig(num_draft_tokens=args.k))
         selfd, self_tokens, sstats = run(art, batch, args.tokens, SpecConfig(method="draft", num_draft_tokens=3), draft)
-        same = fixed_tokens == base_tokens and conf_tokens == base_tokens and self_tokens == base_tokens
+        mtp_fixed, mtp_fixed_tokens, mfstats = run(art, batch, args.tokens, SpecConfig(
+            method="mtp", draft_head=head, num_draft_tokens=args.k, schedule="fixed"))
+        mtp_conf, mtp_conf_tokens, mcstats = run(art, batch, args.tokens, SpecConfig(
+            method="mtp", draft_head=head, num_draft_tokens=args.k))
+        same = all(t == base_tokens for t in (fixed_tokens, conf_tokens, self_tokens, mtp_fixed_tokens,
+                                               mtp_conf_tokens))
+        mtp_rows.append((bs, mtp_fixed / base, mtp_conf / base, mfstats, mcstats))
+        results[f"batch {bs} mtp"] = {"fixed_tok_s": mtp_fixed, "confidence_tok_s": mtp_conf,
+                                      "fixed_vs_none": mtp_fixed / base, "confidence_vs_none": mtp_conf / base,
+                                      "fixed": mfstats, "confidence": mcstats}
         results[f"batch {bs} self-drafter"] = {"tok_s": selfd, "vs_none": selfd / base, **sstats}
         self_rows.append((bs, selfd, selfd / base, sstats))
         results[f"batch {bs}"] = {"no_spec_tok_s": base, "fixed_tok_s": fixed, "confidence_tok_s": conf,
@@ -102,6 +127,11 @@ def main() -> None:
     for bs, tps, ratio, s in self_rows:
         print(f"  batch {bs:2d}: {tps:6.1f} tok/s, {ratio:.2f}x no spec, accept {s['acceptance_rate']:.2f}, "
               f"{s['mean_accepted_length']:.2f} tokens per verification")
+    print(f"\nMTP draft head ({head}), k <= {args.k}:")
+    for bs, fx, cf, f, c in mtp_rows:
+        print(f"  batch {bs:2d}: fixed {fx:.2f}x no spec (accept {f['acceptance_rate']:.2f}, "
+              f"{f['mean_accepted_length']:.2f} tokens per verification), confidence {cf:.2f}x "
+              f"(accept {c['acceptance_rate']:.2f}, {c['verified_per_step']:.2f} verified per sequence)")
     os.makedirs(os.path.join(os.path.dirname(__file__), "results"), exist_ok=True)
     with open(os.path.join(os.path.dirname(__file__), "results", "spec.json"), "w") as f:
         json.dump({"dtype": args.dtype, "tokens": args.tokens, "k": args.k, "results": results}, f, indent=1)

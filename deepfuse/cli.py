@@ -1,4 +1,4 @@
-"""The `deepfuse` command: generate, compile, ir.
+"""The `deepfuse` command: generate, compile, ir, train-drafter.
 
 Only generated text goes to stdout; progress and logs go to stderr. A DeepfuseError
 (bad input) prints one line and exits 2.
@@ -31,6 +31,19 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--speculate", type=int, default=0, metavar="K",
                    help="speculative decoding with the n-gram drafter, up to K drafts per step (same output)")
+    g.add_argument("--draft-head", metavar="FILE",
+                   help="with --speculate: draft with this MTP head (from train-drafter) instead of n-grams")
+    t = sub.add_parser("train-drafter", help="train an MTP draft head on the model's own outputs (CPU, minutes)")
+    _add_model_args(t)
+    t.add_argument("-o", "--output", required=True, help="the head file to write (.safetensors)")
+    t.add_argument("--prompts", metavar="FILE.jsonl", help='one prompt per line: "text", {"prompt": "text"} or '
+                   '{"prompt_token_ids": [...]} (default: prompts built from the Python standard library)')
+    t.add_argument("--no-chat", action="store_true", help="do not apply the chat template to text prompts")
+    t.add_argument("--num-prompts", type=int, default=256, help="prompts built when --prompts is not given")
+    t.add_argument("--max-tokens", type=int, default=96, help="greedy continuation per prompt")
+    t.add_argument("--minutes", type=float, default=4.0, help="training time (after the data is generated)")
+    t.add_argument("--steps", type=int, default=100_000, help="at most this many training batches")
+    t.add_argument("--depth", type=int, default=3, help="chained draft steps trained per example")
     c = sub.add_parser("compile", help="compile a model into an artifact directory")
     _add_model_args(c)
     c.add_argument("--target", default="cpu")
@@ -44,11 +57,15 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _generate(args: argparse.Namespace) -> None:
+    from .errors import DeepfuseError
     from .runtime.engine import SamplingParams
     from .runtime.llm import LLM
     from .runtime.spec import SpecConfig
 
-    spec = SpecConfig(num_draft_tokens=args.speculate) if args.speculate else None
+    if args.draft_head and not args.speculate:
+        raise DeepfuseError("--draft-head needs --speculate K (the most drafts verified per step)")
+    method = dict(method="mtp", draft_head=args.draft_head) if args.draft_head else {}
+    spec = SpecConfig(num_draft_tokens=args.speculate, **method) if args.speculate else None
     llm = LLM(artifact=args.artifact, spec=spec) if args.artifact else \
         LLM(args.model, dtype=args.dtype, quant=args.quant, spec=spec)
     tok = llm.tokenizer
@@ -75,6 +92,65 @@ def _generate(args: argparse.Namespace) -> None:
     spec_note = f", drafts accepted {out.spec.acceptance_rate:.0%}" if out.spec is not None else ""
     print(f"[{n} tokens, {out.total_s:.2f}s, first token {out.ttft_s * 1000:.0f} ms, "
           f"finish: {out.finish_reason}{spec_note}]", file=sys.stderr)
+
+
+def read_prompts(path: str, tokenizer, chat: bool) -> list[list[int]]:
+    """A JSONL prompts file -> token ids; a bad line raises DeepfuseError naming it."""
+    import json
+
+    from .errors import DeepfuseError
+
+    out = []
+    with open(path) as f:
+        for i, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                item = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise DeepfuseError(f"{path} line {i}: not JSON ({e.msg})") from None
+            if isinstance(item, dict) and isinstance(item.get("prompt_token_ids"), list):
+                out.append([int(t) for t in item["prompt_token_ids"]])
+                continue
+            text = item.get("prompt") if isinstance(item, dict) else item
+            if not isinstance(text, str) or not text:
+                raise DeepfuseError(f'{path} line {i}: want "text", {{"prompt": "text"}} or {{"prompt_token_ids": [...]}}')
+            if tokenizer is None:
+                raise DeepfuseError(f"{path} line {i}: a text prompt, but the model has no tokenizer")
+            out.append(tokenizer.encode(tokenizer.render_chat([{"role": "user", "content": text}]) if chat else text))
+    if not out:
+        raise DeepfuseError(f"{path} has no prompts")
+    return out
+
+
+def _train_drafter(args: argparse.Namespace) -> None:
+    import json
+
+    from .compiler import compile
+    from .errors import DeepfuseError
+    from .models import load_model
+    from .runtime.train_drafter import TrainConfig, train_drafter
+
+    try:
+        model, tok = load_model(args.model)
+    except DeepfuseError:  # no tokenizer: token-id prompts still work
+        if not args.prompts:
+            raise
+        model, tok = load_model(args.model, with_tokenizer=False)
+    prompts = read_prompts(args.prompts, tok, not args.no_chat) if args.prompts else None
+    config = TrainConfig(num_prompts=args.num_prompts, max_tokens=args.max_tokens, seconds=args.minutes * 60,
+                         steps=args.steps, depth=args.depth)
+    art = compile(model, dtype=args.dtype, quant=args.quant, tokenizer=tok)
+    log = lambda msg: print(msg, file=sys.stderr)
+    m = train_drafter(art, args.output, config, prompts=prompts, log=log)
+    held = m["heldout"]
+    log(f"wrote {args.output}: {m['steps']} steps in {m['train_seconds']} s on {m['train_positions']} positions "
+        f"(data {m['data_seconds']} s)")
+    if held:
+        log(f"held-out drafting, {held['drafts']} drafts at {held['positions']} positions: acceptance "
+            f"{held['acceptance_rate']:.1%}, mean accepted length {held['mean_accepted_length']:.2f}, first draft "
+            f"right {held['first_draft_accuracy']:.1%} (confidence {held['first_draft_mean_confidence']:.2f})")
+    print(json.dumps({k: m[k] for k in ("steps", "train_positions", "heldout")}))
 
 
 def _compile(args: argparse.Namespace) -> None:
@@ -125,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
 
     args = _parser().parse_args(argv)
     try:
-        {"generate": _generate, "compile": _compile, "ir": _ir}[args.cmd](args)
+        {"generate": _generate, "compile": _compile, "ir": _ir, "train-drafter": _train_drafter}[args.cmd](args)
     except DeepfuseError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -64,6 +64,8 @@ class Engine:
         self.drafter = self._make_drafter(spec, draft_model) if spec else None
         self.spec_stats = SpecStats()
         self.latency = self._latency_model() if spec and spec.schedule == "confidence" else None
+        # keep Request.hidden, the hidden state that sampled each request's last token (MTP drafting, training)
+        self.keep_hidden = bool(getattr(self.drafter, "needs_hidden", False))
         self._next_id = 0
 
     # ---- requests -------------------------------------------------------------------------
@@ -133,7 +135,6 @@ class Engine:
         self.stats.steps += 1
         sampled = next_tokens.tolist()
         finished, row = [], 0
-        keep_hidden = getattr(self.drafter, "needs_hidden", False)
         for (req, n), chunk in zip(scheduled, chunks):
             first, row = row, row + chunk.samples
             start = req.computed
@@ -153,7 +154,7 @@ class Engine:
             self.kv.computed(req.kv, req.computed)
             if req.remaining > 0:
                 continue  # mid-prompt chunk: its sample is not a real token
-            if keep_hidden:  # the state an MTP head drafts from: the row that sampled the last new token
+            if self.keep_hidden:  # the state an MTP head drafts from: the row that sampled the last new token
                 req.hidden = hidden[first + len(new) - 1].to(torch.float32, copy=True)
             for j, tok in enumerate(new):
                 self._append(req, tok, logits[first + j], now)

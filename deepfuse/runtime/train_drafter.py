@@ -1,15 +1,14 @@
 """Trains an MTP draft head (mtp.py) on CPU by distillation from the target's own outputs.
 
-1. The target generates greedy continuations of the prompts (Engine).
-2. One pass over each prompt + continuation, every row sampled, gives per position t the
-   target's hidden state h_t and its greedy next token y_t.
-3. The head learns y_{t+j} from (h_t, x_{t+1}, ..., x_{t+j}), j = 1..depth, chained through its
-   own output state as at drafting time (teacher-forced tokens x): cross-entropy over the full
-   vocabulary through the target's frozen LM head, plus binary cross-entropy of the confidence
-   head against "the head's argmax is y".
-4. A held-out tenth of the sequences measures what drafting would get: on generated text (where
-   the target's greedy path is known), k drafts chained from the head's own tokens, counted
-   until the first that differs from the target's.
+1. The target generates greedy continuations of the prompts (Engine, keeping Request.hidden):
+   each generated token g_i comes with the hidden state h_i of the row that sampled it, exactly
+   the state the head drafts from at inference.
+2. The head learns g_{i+j} from (h_i, g_i, ..., g_{i+j-1}), j = 1..depth, chained through its own
+   output state as when drafting (teacher-forced tokens): cross-entropy over the full vocabulary
+   through the target's frozen LM head, plus binary cross-entropy of the confidence head against
+   "the head's argmax is the target's token".
+3. A held-out tenth of the continuations measures what drafting would get: k drafts chained
+   from the head's own tokens, counted until the first that differs from the target's.
 
     metrics = train_drafter(model, "head.safetensors", TrainConfig(seconds=180))
 """
@@ -27,9 +26,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from ..errors import DeepfuseError
-from ..ir import DTYPES
-from .batch import SeqChunk, build_step
-from .kv_cache import CacheConfig, KVCache
+from .kv_cache import CacheConfig
 from .mtp import DraftHead, target_probe, target_weights
 
 CORPUS_MODULES = (
@@ -48,16 +45,18 @@ CODE_TASKS = ("Explain what this function does:\n", "Add comments to this functi
 @dataclass(frozen=True)
 class TrainConfig:
     """num_prompts continuations of max_tokens tokens are the data; training runs `steps`
-    batches or `seconds`, whichever ends first; depth: chained head steps trained per example;
+    batches or `seconds`, whichever ends first (the learning rate warms up over 20 batches, then
+    decays to 0 on a cosine over that budget); depth: chained head steps trained per example;
     intermediate_size: the head's MLP width (0: the target's)."""
 
-    num_prompts: int = 128
+    num_prompts: int = 256
     max_tokens: int = 96
     depth: int = 3
     steps: int = 100_000
-    seconds: float = 180.0
+    seconds: float = 240.0
     batch_size: int = 256
-    lr: float = 1e-3
+    lr: float = 2e-3
+    weight_decay: float = 0.01
     intermediate_size: int = 0
     eval_drafts: int = 5
     seed: int = 0
@@ -112,59 +111,45 @@ def corpus_prompts(tokenizer, n: int, seed: int = 0) -> list[list[int]]:
     return out
 
 
-def continue_greedily(model, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
-    """prompt + the target's greedy continuation, per prompt."""
+def greedy_states(model, prompts: list[list[int]], max_tokens: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per prompt: the target's greedy continuation g [n] i64 and the hidden states h [n,D] f32
+    that sampled each of its tokens (Request.hidden after each step)."""
     from .engine import Engine, SamplingParams
 
     eng = Engine(model, CacheConfig(16, 4096), max_num_tokens=512, max_num_seqs=64)
-    outs = eng.generate(prompts, [SamplingParams(temperature=0, max_tokens=max_tokens)] * len(prompts),
-                        use_tqdm=True)
-    bad = [o.error for o in outs if o.error is not None]
-    if bad:
-        raise DeepfuseError(f"{len(bad)} prompts could not run: {bad[0]}")
-    return [list(p) + o.token_ids for p, o in zip(prompts, outs)]
+    eng.keep_hidden = True
+    keep = eng.max_model_len - max_tokens  # a long prompt keeps its end
+    ids = [eng.add_request(p[-keep:], SamplingParams(temperature=0, max_tokens=max_tokens)) for p in prompts]
+    got: dict[str, list] = {i: [] for i in ids}
 
+    def record(rid: str, token: int) -> None:
+        got[rid].append((eng.requests[rid].hidden, token))
 
-@torch.inference_mode()
-def hidden_states(model, sequences: list[list[int]], budget: int = 512) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Per sequence (each at most `budget` tokens): (h [L,D] f32, y [L] i64), the target's final
-    hidden state and greedy next token at every position, from steps that sample every row."""
-    c = model.config
-    out, i = [], 0
-    while i < len(sequences):
-        group = [sequences[i]]
-        while i + len(group) < len(sequences) and sum(map(len, group)) + len(sequences[i + len(group)]) <= budget:
-            group.append(sequences[i + len(group)])
-        blocks = sum(-(-len(s) // 16) for s in group)
-        cache = KVCache(c.num_layers, c.num_kv_heads, c.head_dim, DTYPES[model.dtype], CacheConfig(16, blocks))
-        logits, _, hidden = model(build_step([SeqChunk(s, 0, [], samples=len(s)) for s in group], cache))
-        a = 0
-        for s in group:
-            out.append((hidden[a:a + len(s)].float().clone(), logits[a:a + len(s)].argmax(-1)))
-            a += len(s)
-        i += len(group)
-    return out
+    with tqdm(total=len(ids), desc="generating", unit="req", leave=False) as bar:
+        while eng.has_unfinished():
+            bar.update(len(eng.step(record)))
+    return [(torch.tensor([t for _, t in got[i]]), torch.stack([h for h, _ in got[i]])) for i in ids]
 
 
 class Examples:
-    """Flat arrays over sequences: h [P,D], x [P] (the sequence's tokens), y [P] (the target's
-    next token); `starts` are positions t with t + depth inside their sequence."""
+    """Flat arrays over the continuations: g [P] tokens, h [P,D] the state that sampled each;
+    `starts` are indices i with i + depth in the same continuation. An example at i drafts
+    from (h_i, g_i) and should predict g_{i+1}, then g_{i+2}, ... (the target's greedy path)."""
 
-    def __init__(self, sequences, states, depth: int):
-        self.h = torch.cat([h for h, _ in states])
-        self.x = torch.cat([torch.tensor(s) for s in sequences])
-        self.y = torch.cat([y for _, y in states])
+    def __init__(self, states: list[tuple[torch.Tensor, torch.Tensor]], depth: int):
+        self.g = torch.cat([g for g, _ in states])
+        self.h = torch.cat([h for _, h in states])
         starts, a = [], 0
-        for s in sequences:
-            starts += range(a, a + len(s) - depth)
-            a += len(s)
+        for g, _ in states:
+            starts += range(a, a + len(g) - depth)
+            a += len(g)
         self.starts = torch.tensor(starts, dtype=torch.long)
 
     def batch(self, idx: torch.Tensor, depth: int):
-        """idx [N] into starts -> h [N,D], x [N,depth] (tokens t+1..t+depth), y [N,depth] (targets)."""
-        t = self.starts[idx]
-        js = t[:, None] + torch.arange(1, depth + 1)
-        return self.h[t], self.x[js], self.y[js]
+        """idx [N] into starts -> h [N,D], x [N,depth] (the tokens fed), y [N,depth] (the targets)."""
+        i = self.starts[idx]
+        js = i[:, None] + torch.arange(depth + 1)
+        return self.h[i], self.g[js[:, :-1]], self.g[js[:, 1:]]
 
 
 def head_loss(head, embed, lm_head, h, x, y):
@@ -179,21 +164,18 @@ def head_loss(head, embed, lm_head, h, x, y):
 
 
 @torch.inference_mode()
-def evaluate(head, embed, lm_head, sequences, states, prompt_lens, k: int) -> dict:
-    """Drafting on generated text: at each position t whose next token was generated, k drafts
+def evaluate(head, embed, lm_head, examples: Examples, k: int) -> dict:
+    """Drafting on held-out continuations: at every index with k tokens after it, k drafts
     chained from the head's own tokens; accepted = drafts before the first that differs from
     the target's greedy tokens. Also the first draft's mean confidence vs its accuracy."""
-    rows = [(si, t) for si, s in enumerate(sequences) for t in range(prompt_lens[si] - 1, len(s) - 1 - k)]
-    if not rows:
+    if len(examples.starts) == 0:
         return {}
     accepted, conf1, hit1 = [], [], []
-    for a in range(0, len(rows), 512):
-        part = rows[a:a + 512]
-        h = torch.stack([states[si][0][t] for si, t in part])
-        x = torch.tensor([sequences[si][t + 1] for si, t in part])
-        want = torch.tensor([sequences[si][t + 2:t + 2 + k] for si, t in part])
-        alive = torch.ones(len(part), dtype=torch.bool)
-        n = torch.zeros(len(part))
+    for a in range(0, len(examples.starts), 512):
+        h, x, want = examples.batch(torch.arange(a, min(a + 512, len(examples.starts))), k)
+        x = x[:, 0]
+        alive = torch.ones(len(x), dtype=torch.bool)
+        n = torch.zeros(len(x))
         for j in range(k):
             logits, h, c = head(h, x, embed, lm_head)
             x = logits.argmax(-1)
@@ -204,7 +186,7 @@ def evaluate(head, embed, lm_head, sequences, states, prompt_lens, k: int) -> di
             n += alive.float()
         accepted.append(n)
     n = torch.cat(accepted)
-    return {"positions": len(rows), "drafts": k, "acceptance_rate": float(n.mean() / k),
+    return {"positions": len(n), "drafts": k, "acceptance_rate": float(n.mean() / k),
             "mean_accepted_length": float(n.mean() + 1), "first_draft_accuracy": float(torch.cat(hit1).mean()),
             "first_draft_mean_confidence": float(torch.cat(conf1).mean())}
 
@@ -218,45 +200,42 @@ def train_drafter(model, out_path: str, config: TrainConfig = TrainConfig(),
     torch.manual_seed(config.seed)
     t0 = time.perf_counter()
     prompts = prompts if prompts is not None else corpus_prompts(model.tokenizer, config.num_prompts, config.seed)
-    prompts = [p[-(448 - config.max_tokens):] for p in prompts]  # prompt + continuation fit one 512-token pass
     log(f"generating {len(prompts)} greedy continuations of up to {config.max_tokens} tokens")
-    seqs = continue_greedily(model, prompts, config.max_tokens)
-    states = hidden_states(model, seqs)
-    prompt_lens = [len(p) for p in prompts]
+    states = greedy_states(model, prompts, config.max_tokens)
     t_data = time.perf_counter() - t0
-    order = list(range(len(seqs)))
+    order = list(range(len(states)))
     random.Random(config.seed).shuffle(order)
-    n_eval = max(1, len(seqs) // 10)
-    train_ids, eval_ids = order[n_eval:] or order, order[:n_eval]
-    train_set = Examples([seqs[i] for i in train_ids], [states[i] for i in train_ids], config.depth)
-    held = ([seqs[i] for i in eval_ids], [states[i] for i in eval_ids], [prompt_lens[i] for i in eval_ids])
+    n_eval = max(1, len(states) // 10) if len(states) > 1 else 0
+    train_set = Examples([states[i] for i in order[n_eval:]], config.depth)
+    held = Examples([states[i] for i in order[:n_eval]], config.eval_drafts)
     if len(train_set.starts) == 0:
-        raise DeepfuseError(f"sequences are too short for depth {config.depth}")
+        raise DeepfuseError(f"continuations are too short for depth {config.depth}: raise max_tokens")
 
     embed, lm_head = target_weights(model)
     c = model.config
     head = DraftHead(c.hidden_size, config.intermediate_size or c.intermediate_size, c.vocab_size, c.rms_norm_eps)
-    before = evaluate(head.eval(), embed, lm_head, *held, config.eval_drafts)
-    opt = torch.optim.AdamW(head.parameters(), lr=config.lr, weight_decay=0.0)
+    before = evaluate(head.eval(), embed, lm_head, held, config.eval_drafts)
+    opt = torch.optim.AdamW(head.parameters(), lr=config.lr, weight_decay=config.weight_decay)
     gen = torch.Generator().manual_seed(config.seed)
-    log(f"training on {len(train_set.starts)} positions ({len(train_ids)} sequences), depth {config.depth}; "
-        f"{len(eval_ids)} sequences held out")
+    log(f"training on {len(train_set.starts)} positions ({len(states) - n_eval} continuations), depth "
+        f"{config.depth}; {n_eval} continuations held out")
     flush = torch.set_flush_denormal(True)  # softmax gradients underflow: denormal matmuls are ~15x slower
     head.train()
     steps, t_train, losses = 0, time.perf_counter(), []
     try:
         with tqdm(total=config.steps if config.steps < 100_000 else None, desc="training", unit="step",
                   leave=False) as bar:
-            while steps < config.steps and time.perf_counter() - t_train < config.seconds:
+            while steps == 0 or (steps < config.steps and time.perf_counter() - t_train < config.seconds):
                 idx = torch.randint(len(train_set.starts), (config.batch_size,), generator=gen)
-                lr = config.lr * min(1.0, (steps + 1) / 20)  # warm-up
+                done = max(steps / config.steps, (time.perf_counter() - t_train) / config.seconds)
+                lr = config.lr * min(1.0, (steps + 1) / 20) * 0.5 * (1 + math.cos(math.pi * min(done, 1.0)))
                 for group in opt.param_groups:
                     group["lr"] = lr
                 loss, acc = head_loss(head, embed, lm_head, *train_set.batch(idx, config.depth))
                 opt.zero_grad()
                 loss.backward()
                 opt.step()
-                losses.append(float(loss))
+                losses.append(loss.item())
                 steps += 1
                 bar.update()
                 bar.set_postfix(loss=f"{loss.item():.3f}", top1=f"{acc:.2f}")
@@ -264,8 +243,8 @@ def train_drafter(model, out_path: str, config: TrainConfig = TrainConfig(),
         if flush:
             torch.set_flush_denormal(False)
     head.eval()
-    after = evaluate(head, embed, lm_head, *held, config.eval_drafts)
-    metrics = {"config": asdict(config), "sequences": len(seqs), "train_positions": len(train_set.starts),
+    after = evaluate(head, embed, lm_head, held, config.eval_drafts)
+    metrics = {"config": asdict(config), "sequences": len(states), "train_positions": len(train_set.starts),
                "steps": steps, "data_seconds": round(t_data, 1),
                "train_seconds": round(time.perf_counter() - t_train, 1),
                "first_loss": losses[0], "last_loss": sum(losses[-10:]) / len(losses[-10:]),

@@ -41,3 +41,17 @@ def hf_greedy(hf_model, prompt: list[int], n: int):
             out.append(nxt)
             ids = torch.tensor([[nxt]])
     return out, first
+
+
+def with_sinks(model, window: int = 0, seed: int = 0):
+    """The model with gpt-oss-style learned attention sinks (random logits, N(0, 2^2) per head)
+    and optionally a sliding window."""
+    import dataclasses
+
+    from deepfuse.models import Llama
+
+    c = dataclasses.replace(model.config, attention_sinks=True, sliding_window=window)
+    gen = torch.Generator().manual_seed(seed)
+    sinks = {f"model.layers.{i}.self_attn.sinks": 2 * torch.randn(c.num_heads, generator=gen)
+             for i in range(c.num_layers)}
+    return Llama(c, {**model.weights, **sinks})

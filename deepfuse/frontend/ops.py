@@ -136,22 +136,25 @@ def rope(x: Any, positions: Any, *, head_dim: int, theta: float) -> Any:
 
 def attention(q: Any, k: Any, v: Any, kv_cache: Any, slot_mapping: Any, block_tables: Any,
               seq_lens: Any, query_lens: Any, *, num_heads: int, num_kv_heads: int,
-              head_dim: int, scale: float, window: int = 0, write_kv: bool = True) -> Any:
+              head_dim: int, scale: float, window: int = 0, write_kv: bool = True, sinks: Any = None) -> Any:
     """Paged-KV causal GQA attention; writes k/v into kv_cache[2,N,BS,Hkv,hd] first
-    (write_kv=False: an earlier op of the step wrote them)."""
-    return apply("attention", q, k, v, kv_cache, slot_mapping, block_tables, seq_lens,
-                 query_lens, num_heads=num_heads, num_kv_heads=num_kv_heads,
-                 head_dim=head_dim, scale=float(scale), window=window, **({} if write_kv else {"write_kv": False}))
+    (write_kv=False: an earlier op of the step wrote them). sinks: f32[H] learned sink logits."""
+    extra = ({} if write_kv else {"write_kv": False}) | ({} if sinks is None else {"sinks": True})
+    return apply("attention", q, k, v, kv_cache, slot_mapping, block_tables, seq_lens, query_lens,
+                 *([] if sinks is None else [sinks]), num_heads=num_heads, num_kv_heads=num_kv_heads,
+                 head_dim=head_dim, scale=float(scale), window=window, **extra)
 
 
 def qkv_attention(qkv: Any, positions: Any, kv_cache: Any, slot_mapping: Any, block_tables: Any, seq_lens: Any,
                   query_lens: Any, *norms: Any, sizes: list[int], head_dim: int, theta: float, num_heads: int,
-                  num_kv_heads: int, scale: float, window: int = 0, qk_norm_eps: float | None = None) -> Any:
+                  num_kv_heads: int, scale: float, window: int = 0, qk_norm_eps: float | None = None,
+                  sinks: Any = None) -> Any:
     """attention over qkv_rope_cache's outputs, as one op: qkv[T,Q+K+V] -> [T,H*hd]."""
-    extra = {} if qk_norm_eps is None else {"qk_norm_eps": float(qk_norm_eps)}
+    extra = ({} if qk_norm_eps is None else {"qk_norm_eps": float(qk_norm_eps)}) | \
+        ({} if sinks is None else {"sinks": True})
     return apply("qkv_attention", qkv, positions, kv_cache, slot_mapping, block_tables, seq_lens, query_lens, *norms,
-                 sizes=list(sizes), head_dim=head_dim, theta=float(theta), num_heads=num_heads,
-                 num_kv_heads=num_kv_heads, scale=float(scale), window=window, **extra)
+                 *([] if sinks is None else [sinks]), sizes=list(sizes), head_dim=head_dim, theta=float(theta),
+                 num_heads=num_heads, num_kv_heads=num_kv_heads, scale=float(scale), window=window, **extra)
 
 
 def take_rows(x: Any, rows: Any) -> Any:

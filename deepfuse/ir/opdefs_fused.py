@@ -134,29 +134,43 @@ def qkv_rope_cache(qkv, positions, kv_cache, slot_mapping, *norms, sizes: list[i
 ATTENTION_ATTRS = ("num_heads", "num_kv_heads", "head_dim", "scale", "window")
 
 
+def split_extra(extra: list, normed: bool, sinks: bool) -> tuple[list, list]:
+    """qkv_attention's inputs after the seventh -> ([q_norm, k_norm] or [], [sink_logits] or [])."""
+    n = 2 if normed else 0
+    return list(extra[:n]), list(extra[n:n + 1]) if sinks else []
+
+
 def _qkv_attention_type(types: list[TensorType], attrs: dict) -> list[TensorType]:
-    qkv, pos, cache, slots, tables, lens, qlens, *norms = types
+    qkv, pos, cache, slots, tables, lens, qlens, *extra = types
+    norms, sinks = split_extra(extra, "qk_norm_eps" in attrs, attrs.get("sinks", False))
+    expect(len(norms) + len(sinks) == len(extra), f"qkv_attention has {len(extra)} extra inputs, expected "
+                                                    f"{len(norms) + len(sinks)}")
     q, k, v = _qkv_rope_cache_type([qkv, pos, cache, slots, *norms], attrs)
-    return OPS["attention"].infer([q, k, v, cache, slots, tables, lens, qlens], attrs)
+    return OPS["attention"].infer([q, k, v, cache, slots, tables, lens, qlens, *sinks], attrs)
 
 
 @register("qkv_attention", _qkv_attention_type, side_effect=True)
-def qkv_attention(qkv, positions, kv_cache, slot_mapping, block_tables, seq_lens, query_lens, *norms, sizes: list[int],
+def qkv_attention(qkv, positions, kv_cache, slot_mapping, block_tables, seq_lens, query_lens, *extra, sizes: list[int],
                   head_dim: int, theta: float, num_heads: int, num_kv_heads: int, scale: float,
-                  window: int = 0, qk_norm_eps: float | None = None) -> torch.Tensor:
-    """qkv[T,Q+K+V] -> [T,H*hd]: split, (head norms,) RoPE on q and k, the paged KV-cache write, then attention."""
+                  window: int = 0, qk_norm_eps: float | None = None, sinks: bool = False) -> torch.Tensor:
+    """qkv[T,Q+K+V] -> [T,H*hd]: split, (head norms,) RoPE on q and k, the paged KV-cache write, then
+    attention (with sinks). extra: q_norm, k_norm when qk_norm_eps is set, then sink_logits when sinks."""
+    norms, sink = split_extra(extra, qk_norm_eps is not None, sinks)
     q, k, v = qkv_rope_cache(qkv, positions, kv_cache, slot_mapping, *norms, sizes=sizes, head_dim=head_dim, theta=theta,
                              qk_norm_eps=qk_norm_eps)
-    return attention(q, k, v, kv_cache, slot_mapping, block_tables, seq_lens, query_lens, num_heads=num_heads,
-                     num_kv_heads=num_kv_heads, head_dim=head_dim, scale=scale, window=window, write_kv=False)
+    return attention(q, k, v, kv_cache, slot_mapping, block_tables, seq_lens, query_lens, *sink, num_heads=num_heads,
+                     num_kv_heads=num_kv_heads, head_dim=head_dim, scale=scale, window=window, write_kv=False,
+                     sinks=sinks)
 
 
 @decomposition("qkv_attention")
-def _qkv_attention_decomp(qkv, positions, kv_cache, slot_mapping, block_tables, seq_lens, query_lens, *norms, sizes,
-                          head_dim, theta, num_heads, num_kv_heads, scale, window=0, qk_norm_eps=None):
+def _qkv_attention_decomp(qkv, positions, kv_cache, slot_mapping, block_tables, seq_lens, query_lens, *extra, sizes,
+                          head_dim, theta, num_heads, num_kv_heads, scale, window=0, qk_norm_eps=None, sinks=False):
     from ..frontend import ops
 
+    norms, sink = split_extra(extra, qk_norm_eps is not None, sinks)
     q, k, v = ops.qkv_rope_cache(qkv, positions, kv_cache, slot_mapping, *norms, sizes=sizes, head_dim=head_dim,
                                  theta=theta, qk_norm_eps=qk_norm_eps)
     return ops.attention(q, k, v, kv_cache, slot_mapping, block_tables, seq_lens, query_lens, num_heads=num_heads,
-                         num_kv_heads=num_kv_heads, head_dim=head_dim, scale=scale, window=window, write_kv=False)
+                         num_kv_heads=num_kv_heads, head_dim=head_dim, scale=scale, window=window, write_kv=False,
+                         sinks=sink[0] if sink else None)

@@ -78,8 +78,13 @@ def rope(x: torch.Tensor, pos: torch.Tensor, *, head_dim: int, theta: float) -> 
 
 
 def _attention_type(types: list[TensorType], attrs: dict) -> list[TensorType]:
-    q, k, v, cache, slots, tables, lens, qlens = types
+    q, k, v, cache, slots, tables, lens, qlens, *sinks = types
     h, hkv, hd = attrs["num_heads"], attrs["num_kv_heads"], attrs["head_dim"]
+    if attrs.get("sinks"):
+        expect(len(sinks) == 1 and sinks[0].shape == (h,) and sinks[0].dtype in ("f32", "bf16", "f16"),
+               f"attention sinks must be one float [{h}] input, got {sinks}")
+    else:
+        expect(not sinks, f"attention takes 8 inputs without sinks=True, got {len(types)}")
     expect(q.shape[1:] == (h * hd,), f"attention q {q} does not match {h} heads of {hd}")
     expect(k.shape[1:] == (hkv * hd,) and v.shape[1:] == (hkv * hd,), f"attention k/v {k}, {v} do not match {hkv} kv heads")
     expect(h % hkv == 0, f"num_heads {h} not a multiple of num_kv_heads {hkv}")
@@ -119,12 +124,14 @@ def causal_mask(n_query: int, length: int, window: int) -> torch.Tensor:
 
 
 @register("attention", _attention_type, side_effect=True)
-def attention(q, k, v, kv_cache, slot_mapping, block_tables, seq_lens, query_lens, *,
+def attention(q, k, v, kv_cache, slot_mapping, block_tables, seq_lens, query_lens, sink_logits=None, *,
               num_heads: int, num_kv_heads: int, head_dim: int, scale: float, window: int = 0,
-              write_kv: bool = True):
+              write_kv: bool = True, sinks: bool = False):
     """Writes k/v into the paged cache, then causal (optionally sliding-window) GQA
     attention of each sequence's new queries over its cached keys. q[T,H*hd] -> [T,H*hd].
-    write_kv=False: an earlier op of the step (qkv_rope_cache) has written them."""
+    write_kv=False: an earlier op of the step (qkv_rope_cache) has written them.
+    sinks=True: sink_logits[H] f32 (gpt-oss's learned attention sinks) join each head's softmax
+    as one more logit whose value is zero: p_j = exp(s_j) / (exp(sink) + sum_i exp(s_i))."""
     if write_kv:
         write_kv_rows(kv_cache, k, v, slot_mapping)
     out = torch.zeros_like(q)
@@ -140,7 +147,12 @@ def attention(q, k, v, kv_cache, slot_mapping, block_tables, seq_lens, query_len
         qs = q[a:b].float().view(b - a, num_heads, head_dim)
         scores = torch.einsum("qhd,khd->hqk", qs, keys) * scale
         scores.masked_fill_(~causal_mask(b - a, length, window), float("-inf"))
-        o = torch.einsum("hqk,khd->qhd", scores.softmax(-1), vals)
+        if sinks:
+            column = sink_logits.float().view(num_heads, 1, 1).expand(num_heads, b - a, 1)
+            probs = torch.cat([scores, column], -1).softmax(-1)[..., :-1]
+        else:
+            probs = scores.softmax(-1)
+        o = torch.einsum("hqk,khd->qhd", probs, vals)
         out[a:b] = o.reshape(b - a, -1).to(q.dtype)
     return out
 

@@ -1,6 +1,7 @@
 """Hugging Face checkpoint directory (config.json + *.safetensors) -> (LlamaConfig, weights)."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 
@@ -64,6 +65,8 @@ def load_hf_dir(path: str) -> tuple[LlamaConfig, dict[str, torch.Tensor]]:
             weights.update({k: v.float() for k, v in load_file(os.path.join(path, f)).items()})
         except Exception as e:
             raise DeepfuseError(f"cannot read {os.path.join(path, f)} ({e}); the file is corrupt") from None
+    if any(k.endswith("self_attn.sinks") for k in weights):  # learned attention sinks (gpt-oss's layout)
+        config = dataclasses.replace(config, attention_sinks=True)
     return config, normalize_expert_weights(config, weights)
 
 

@@ -32,6 +32,7 @@ class LlamaConfig:
     qk_norm: bool = False  # Qwen3: RMSNorm of each q and k head before RoPE
     qkv_bias: bool = False  # Qwen2: biases on the q, k and v projections
     o_bias: bool = False  # Llama with attention_bias: a bias on o_proj too
+    attention_sinks: bool = False  # gpt-oss: a learned sink logit per head (self_attn.sinks [H])
     num_experts: int = 0  # 0: dense SwiGLU MLP in every layer
     experts_per_token: int = 0
     moe_intermediate_size: int = 0
@@ -101,6 +102,8 @@ class Llama:
                 names += [p + f"self_attn.{n}_proj.bias" for n in "qkv"]
             if c.o_bias:
                 names.append(p + "self_attn.o_proj.bias")
+            if c.attention_sinks:
+                names.append(p + "self_attn.sinks")
             if c.is_moe_layer(i):
                 names += [p + "mlp.gate.weight", p + "mlp.experts.gate_up_proj", p + "mlp.experts.down_proj"]
             else:
@@ -132,7 +135,8 @@ class Llama:
             v = self.proj(x, p + "self_attn.v_proj", c.qkv_bias)
             a = ops.attention(q, k, v, kv_caches[i], slot_mapping, block_tables, seq_lens, query_lens,
                               num_heads=c.num_heads, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim,
-                              scale=1.0 / math.sqrt(c.head_dim), window=c.sliding_window)
+                              scale=1.0 / math.sqrt(c.head_dim), window=c.sliding_window,
+                              sinks=w[p + "self_attn.sinks"] if c.attention_sinks else None)
             h = ops.add(h, self.proj(a, p + "self_attn.o_proj", c.o_bias))
             x = ops.rms_norm(h, w[p + "post_attention_layernorm.weight"], eps=c.rms_norm_eps)
             if c.is_moe_layer(i):

@@ -27,18 +27,22 @@ def _fuse(m):
     out = ops.qkv_attention(m["qkv"], m["pos"], m["cache"], m["slots"], m["tables"], m["lens"], m["qlens"], *norms,
                             sizes=r["sizes"], head_dim=r["head_dim"], theta=r["theta"], num_heads=a["num_heads"],
                             num_kv_heads=a["num_kv_heads"], scale=a["scale"], window=a.get("window", 0),
-                            qk_norm_eps=r.get("qk_norm_eps"))
+                            qk_norm_eps=r.get("qk_norm_eps"), sinks=m.values.get("sinks"))
     return None, None, None, out  # the cache-writing op's q, k, v are read by the attention alone
 
 
-def _rule(name: str, rope: Op) -> Rule:
+def _rule(name: str, rope: Op, sinks: bool = False) -> Rule:
+    tail, attrs = ([Var("sinks")], {"write_kv": False, "sinks": True}) if sinks else ([], {"write_kv": False})
     return Rule(name, Op("attention", rope, Op("qkv_rope_cache", name="rope", out=1),
-                         Op("qkv_rope_cache", name="rope", out=2), cache, slots, tables, lens, qlens, name="att",
-                         attrs={"write_kv": False}),
+                         Op("qkv_rope_cache", name="rope", out=2), cache, slots, tables, lens, qlens, *tail, name="att",
+                         attrs=attrs),
                 _fuse, replaces=("rope", "att"))
 
 
 QKV_ATTENTION = _rule("qkv_attention", ROPE)
 QKV_ATTENTION_NORMED = _rule("qkv_attention_qk_norm", ROPE_NORMED)  # Qwen3: head norms in the prologue
+QKV_ATTENTION_SINKS = _rule("qkv_attention_sinks", ROPE, sinks=True)  # gpt-oss: learned sink logits
+QKV_ATTENTION_NORMED_SINKS = _rule("qkv_attention_qk_norm_sinks", ROPE_NORMED, sinks=True)
 
-fuse_qkv_attention = rule_pass("fuse_qkv_attention", [QKV_ATTENTION, QKV_ATTENTION_NORMED])
+fuse_qkv_attention = rule_pass("fuse_qkv_attention", [QKV_ATTENTION, QKV_ATTENTION_NORMED, QKV_ATTENTION_SINKS,
+                                                       QKV_ATTENTION_NORMED_SINKS])

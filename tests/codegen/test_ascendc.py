@@ -27,7 +27,7 @@ from deepfuse.passes import PassManager
 from deepfuse.runtime.batch import SeqChunk, build_step
 from deepfuse.runtime.kv_cache import CacheConfig, KVCache
 from tests.codegen.test_triton import mixed_step, tiny
-from tests.helpers import greedy_with
+from tests.helpers import greedy_with, with_sinks
 from tests.models.test_deepseek_moe_routing import make_block, routing, weights
 
 pytestmark = pytest.mark.skipif(shutil.which("g++") is None, reason="the AscendC emulator needs g++")
@@ -115,6 +115,13 @@ def test_generated_host_code_launches_the_step(tiny_model):
     """The artifact's host/deepfuse_launch.cpp (tiling from the step's shapes, aclrt copies,
     ACLRT_LAUNCH_KERNEL) compiled against the emulated aclrt runs the same step."""
     step_matches(tiny_model, via_host=True)
+
+
+def test_attention_sinks_with_a_sliding_window(tiny_model):
+    """gpt-oss-style sink logits start each head's online softmax; window 6 cuts the decode at 17."""
+    plan = step_matches(with_sinks(tiny_model, window=6))
+    att = next(p for p in plan["launches"] if p["op"] == "qkv_attention")["kernels"][1]
+    assert "sinkGm.GetValue" in att["source"] and att["args"][-1] == ["in", 7]
 
 
 def test_sliding_window_attention(tmp_path):

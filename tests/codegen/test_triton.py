@@ -19,7 +19,7 @@ from deepfuse.passes import PassManager
 from deepfuse.runtime.batch import SeqChunk, build_step
 from deepfuse.runtime.kv_cache import CacheConfig, KVCache
 from tests.conftest import tiny_hf_config
-from tests.helpers import greedy_with
+from tests.helpers import greedy_with, with_sinks
 
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs Triton's interpreter")
 KINDS = {"embedding", "take_rows", "rms_norm_linear", "add_rms_norm_linear", "qkv_attention", "linear", "swiglu_linear",
@@ -35,9 +35,11 @@ def tiny(tmp_path_factory, **over):
     return load_model(str(path), with_tokenizer=False)[0]
 
 
-@pytest.fixture(scope="module", params=[{}, {"hidden_size": 96, "num_attention_heads": 6, "num_key_value_heads": 2}],
-            ids=["gqa2", "gqa3"])
+@pytest.fixture(scope="module", params=[{}, {"hidden_size": 96, "num_attention_heads": 6, "num_key_value_heads": 2},
+                                        "sinks"], ids=["gqa2", "gqa3", "sinks_window8"])
 def model(request, tmp_path_factory):
+    if request.param == "sinks":  # learned attention sinks with a sliding window: the decode at 17 sees 10..17
+        return with_sinks(tiny(tmp_path_factory), window=8)
     return tiny(tmp_path_factory, **request.param)
 
 

@@ -66,7 +66,7 @@ def test_decompose_expands_unsupported_ops(tiny_model):
     g = decompose_unsupported(set(OPS) - {"swiglu", "logits"})(g)
     verify(g)
     counts = g.op_counts()
-    assert "swiglu" not in counts and "logits" not in counts and counts["take_rows"] == 1
+    assert "swiglu" not in counts and "logits" not in counts and counts["take_rows"] == 2  # logits + hidden
     prompt = [1, 2, 3, 4]
     assert greedy_with(lambda i: interpret(g, i), tiny_model.config, prompt, 6)[0] == \
         greedy_with(lambda i: interpret(ref, i), tiny_model.config, prompt, 6)[0]

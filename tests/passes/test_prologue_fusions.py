@@ -90,7 +90,8 @@ def test_qkv_attention_golden_ir_numerics_and_idempotence():
               "lens": torch.tensor([5, 2], dtype=torch.int32), "qlens": torch.tensor([5, 2], dtype=torch.int32)}
     after = check_numerics(fuse_qkv_attention, g, inputs)
     assert print_graph(after) == QKV_ATTENTION_AFTER
-    assert fuse_qkv_attention.fn.fired == {"qkv_attention": 1, "qkv_attention_qk_norm": 0}
+    assert fuse_qkv_attention.fn.fired == {"qkv_attention": 1, "qkv_attention_qk_norm": 0, "qkv_attention_sinks": 0,
+                                           "qkv_attention_qk_norm_sinks": 0}
     assert print_graph(fuse_qkv_attention(after.copy())) == QKV_ATTENTION_AFTER
 
 

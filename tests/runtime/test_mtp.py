@@ -149,3 +149,10 @@ def test_cli_trains_a_head_from_a_prompts_file(tiny_dir, tmp_path, capsys):
     bad.write_text('{"prompt": 3}\n')
     assert main(["train-drafter", "--model", tiny_dir, "--prompts", str(bad), "-o", str(out)]) == 2
     assert "line 1" in capsys.readouterr().err
+
+
+def test_cli_draft_head_needs_speculate(capsys):
+    from deepfuse.cli import main
+
+    assert main(["generate", "--draft-head", "h.safetensors", "hello"]) == 2
+    assert "--draft-head needs --speculate" in capsys.readouterr().err

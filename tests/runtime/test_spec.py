@@ -54,7 +54,7 @@ def test_bad_spec_config_is_refused(bad, match):
 
 
 @pytest.mark.slow
-def test_smollm2_outputs_are_identical_with_speculation(smollm2, smollm2_compiled):
+def test_smollm2_outputs_are_identical_with_speculation(smollm2, smollm2_compiled, tmp_path):
     _, tok = smollm2
     prompts = [tok.encode(tok.render_chat([{"role": "user", "content": "Repeat this text exactly: " + PASSAGE}])),
                tok.encode(CODE), tok.encode("The three primary colors are")]
@@ -77,6 +77,15 @@ def test_smollm2_outputs_are_identical_with_speculation(smollm2, smollm2_compile
                  draft_model=draft)
     assert [o.token_ids for o in eng.generate(prompts, params)] == [o.token_ids for o in plain]
     assert eng.spec_stats.drafted > 0  # untrained, its drafts are rarely right (see benchmarks/spec.py)
+    # an MTP head after a few training steps (how good it is: benchmarks/spec.py)
+    from deepfuse.runtime.train_drafter import TrainConfig, train_drafter
+
+    head = str(tmp_path / "head.safetensors")
+    train_drafter(smollm2_compiled, head, TrainConfig(num_prompts=8, max_tokens=24, steps=3), log=lambda *_: None)
+    eng = Engine(smollm2_compiled, spec=SpecConfig(method="mtp", draft_head=head, num_draft_tokens=3,
+                                                   schedule="fixed"))
+    assert [o.token_ids for o in eng.generate(prompts, params)] == [o.token_ids for o in plain]
+    assert eng.spec_stats.drafted > 0
 
 
 class FixedDrafter(Drafter):

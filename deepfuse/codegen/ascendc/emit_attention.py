@@ -133,7 +133,7 @@ class Kernel_$NAME {
 public:
     __aicore__ inline Kernel_$NAME() {}
     __aicore__ inline void Init(GM_ADDR q, GM_ADDR cache, GM_ADDR tables, GM_ADDR seqLens, GM_ADDR queryLens, GM_ADDR out,
-                                const ${NAME}_tiling& t)
+                                ${SINK_PARAM}const ${NAME}_tiling& t)
     {
         first = GetBlockIdx() * t.tasksPerCore;
         last = first + t.tasksPerCore < t.tasks ? first + t.tasksPerCore : t.tasks;
@@ -146,7 +146,7 @@ public:
         tableGm.SetGlobalBuffer((__gm__ $TT*)tables, (uint64_t)t.seqs * t.tableStride);
         seqLenGm.SetGlobalBuffer((__gm__ $LT*)seqLens, t.seqs);
         queryLenGm.SetGlobalBuffer((__gm__ $QLT*)queryLens, t.seqs);
-        pipe.InitBuffer(qQueue, 1, $GROUP_BYTES);
+$SINK_INIT        pipe.InitBuffer(qQueue, 1, $GROUP_BYTES);
         pipe.InitBuffer(kQueue, BUFFER_NUM, $BLOCK_BYTES);
         pipe.InitBuffer(vQueue, BUFFER_NUM, $BLOCK_BYTES);
         pipe.InitBuffer(outQueue, 1, $GROUP_BYTES);
@@ -183,9 +183,7 @@ $LOAD_Q
         Duplicate(acc, 0.0f, $GROUP_HD);
         float m[$GROUP], l[$GROUP];
         for (uint32_t g = 0; g < $GROUP; g++) {
-            m[g] = -INFINITY;
-            l[g] = 0.0f;
-        }
+$SOFTMAX_INIT        }
         for (int64_t b = lo / $BS; b <= pos / $BS; b++) {
             uint64_t block = (uint64_t)tableGm.GetValue((uint64_t)seq * tableStride + b);
             int64_t j0 = b * $BS > lo ? b * $BS : lo;
@@ -264,8 +262,11 @@ $STORE
     GlobalTensor<$QLT> queryLenGm;
     uint32_t first = 0, last = 0, seqs = 0, tableStride = 0;
     uint64_t vOffset = 0;
-};
+$SINK_GM};
 """
+# the online softmax starts empty, or (learned sinks) at the sink logit with weight exp(0) = 1
+SOFTMAX_EMPTY = "            m[g] = -INFINITY;\n            l[g] = 0.0f;\n"
+SOFTMAX_SINK = "            m[g] = (float)sinkGm.GetValue(kvh * $GROUP + g);\n            l[g] = 1.0f;\n"
 
 
 def inv_freq_table(head_dim: int, theta: float) -> str:
@@ -275,8 +276,9 @@ def inv_freq_table(head_dim: int, theta: float) -> str:
 
 
 def emit_qkv_attention(node: Node, name: str) -> dict:
-    """qkv_attention(qkv, positions, kv_cache, slots, block_tables, seq_lens, query_lens[, q_norm, k_norm]).
-    bf16 / f16: rows and cache blocks are cast to fp32 in UB; q, k, v are rounded once, after RoPE."""
+    """qkv_attention(qkv, positions, kv_cache, slots, block_tables, seq_lens, query_lens[, q_norm, k_norm][, sinks]).
+    bf16 / f16: rows and cache blocks are cast to fp32 in UB; q, k, v are rounded once, after RoPE.
+    Sinks (f32 [H]) are read as scalars: they start each head's online softmax."""
     a = node.attrs
     hd, h, hkv = a["head_dim"], a["num_heads"], a["num_kv_heads"]
     qs, ks, vs = a["sizes"]
@@ -286,7 +288,7 @@ def emit_qkv_attention(node: Node, name: str) -> dict:
     t, size, half = CTYPE[dt], SIZE[dt], dt != "f32"
     w = qs + ks + vs
     hp = hd // 2
-    norms = len(node.inputs) > 7
+    norms, sinks = "qk_norm_eps" in a, a.get("sinks", False)
     it = [CTYPE[v.type.dtype] for v in node.inputs]
     if 2 * 2 * align(w * size) + (2 * align(w * 4) if half else 0) + 4 * align(hp * 4) + align(hd * 4) + BLOCK \
             > UB_BYTES:
@@ -364,13 +366,19 @@ def emit_qkv_attention(node: Node, name: str) -> dict:
     store += (f"        LocalTensor<{t}> out = outQueue.DeQue<{t}>();\n"
               f"        DataCopy(outGm[(uint64_t)row * {qs} + kvh * {ghd}], out, {ghd});\n"
               "        outQueue.FreeTensor(out);\n")
-    att_src = source(name, f"paged GQA attention, {group} q heads per kv head, online softmax, {dt}", att_fields,
-                     ATTENTION, ["q", "cache", "tables", "seqLens", "queryLens", "out"],
+    st = CTYPE[node.inputs[-1].type.dtype]
+    sink = dict(SINK_PARAM="GM_ADDR sinks, ", SINK_INIT=f"        sinkGm.SetGlobalBuffer((__gm__ {st}*)sinks, {h});\n",
+                SINK_GM=f"    GlobalTensor<{st}> sinkGm;\n", SOFTMAX_INIT=SOFTMAX_SINK.replace("$GROUP", str(group))) \
+        if sinks else dict(SINK_PARAM="", SINK_INIT="", SINK_GM="", SOFTMAX_INIT=SOFTMAX_EMPTY)
+    att_src = source(name, f"paged GQA attention, {group} q heads per kv head, online softmax"
+                     f"{' with sinks' if sinks else ''}, {dt}", att_fields,
+                     ATTENTION, ["q", "cache", "tables", "seqLens", "queryLens", "out"] + (["sinks"] if sinks else []),
                      T=t, SIZE=size, Q=qs, KV=ks, HD=hd, HD_BYTES=align(hd * 4), HKV=hkv, GROUP=group, GROUP_HD=ghd,
                      GROUP_BYTES=align(ghd * size), BS=bs, BLOCK_BYTES=align(bs * hd * size),
                      SCORE_BYTES=bs * BLOCK, PROB_BYTES=align((bs + 1) * 4), WINDOW=int(a.get("window", 0)),
                      SCALE=f"{float(a['scale']):.9e}f", TT=it[4], LT=it[5], QLT=it[6], LOAD_Q=load_q, LOAD_KV=load_kv,
-                     STORE=store, **att_half)
-    att = AscendKernel(name, att_src, [["tmp", 0], ["in", 2], ["in", 4], ["in", 5], ["in", 6], ["out", 0]],
+                     STORE=store, **att_half, **sink)
+    att_args = [["tmp", 0], ["in", 2], ["in", 4], ["in", 5], ["in", 6], ["out", 0]]
+    att = AscendKernel(name, att_src, att_args + ([["in", len(node.inputs) - 1]] if sinks else []),
                        att_fields, AIV_CORES, requires=requires)
     return {"kernels": [rope, att], "tmps": [{"shape": [node.inputs[0].type.shape[0], qs], "dtype": dt}]}

@@ -84,33 +84,54 @@ class StepLayout:
                          and self.groups[0].rows.tolist() == list(range(len(dec))))
 
 
+def sink_sdpa(q, k, v, mask: torch.Tensor | None, scale: float, sinks: torch.Tensor) -> torch.Tensor:
+    """SDPA with learned sink logits: q[B,H,Lq,hd], k/v[B,Hkv,Lk,hd], mask broadcastable to
+    [B,H,Lq,Lk] (True: attend) or None, sinks[H] -> [B,H,Lq,hd]. Each head's softmax has one
+    more logit, sinks[h], whose value is zero. Explicit math: torch's SDPA has no sink input."""
+    g = q.shape[1] // k.shape[1]
+    scores = (q.float() @ k.float().repeat_interleave(g, 1).transpose(-1, -2)) * scale
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    column = sinks.float().view(1, -1, 1, 1).expand(*scores.shape[:3], 1)
+    probs = torch.cat([scores, column], -1).softmax(-1)[..., :-1]
+    return (probs @ v.float().repeat_interleave(g, 1)).to(q.dtype)
+
+
 @factory("attention")
 def _attention(attrs: dict) -> Kernel:
     h, hkv, hd = attrs["num_heads"], attrs["num_kv_heads"], attrs["head_dim"]
     scale, window, writes = attrs["scale"], attrs.get("window", 0), attrs.get("write_kv", True)
 
-    def decode(q, cache, tables, g: DecodeGroup) -> torch.Tensor:
+    def sdpa(q, k, v, mask, causal: bool, sinks) -> torch.Tensor:
+        if sinks is None:
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale,
+                                                  enable_gqa=h != hkv)
+        if causal:
+            mask = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device).tril()
+        return sink_sdpa(q, k, v, mask, scale, sinks)
+
+    def decode(q, cache, tables, g: DecodeGroup, sinks) -> torch.Tensor:
         """One group of one-token sequences in one SDPA call: q[G,H*hd] -> [G,H*hd]."""
         n = q.shape[0]
         keys, vals = gather_blocks(cache, tables[:, : g.blocks])
         keys = keys.view(n, -1, hkv, hd)[:, : g.length].transpose(1, 2)
         vals = vals.view(n, -1, hkv, hd)[:, : g.length].transpose(1, 2)
-        o = F.scaled_dot_product_attention(q.view(n, h, 1, hd), keys, vals, attn_mask=g.mask, scale=scale,
-                                           enable_gqa=h != hkv)
-        return o.view(n, h * hd)
+        return sdpa(q.view(n, h, 1, hd), keys, vals, g.mask, False, sinks).view(n, h * hd)
 
-    def attention(q, k, v, cache, slots, tables, seq_lens, query_lens, out: torch.Tensor | None = None):
-        """out: a planned buffer [T,H*hd] to write into (else one is allocated)."""
+    def attention(q, k, v, cache, slots, tables, seq_lens, query_lens, *sink, out: torch.Tensor | None = None):
+        """out: a planned buffer [T,H*hd] to write into (else one is allocated). sink: the
+        sink logits [H] when attrs["sinks"]."""
+        sinks = sink[0] if sink else None
         if writes:
             write_kv(cache, k, v, slots)
         lay = _LAYOUTS.get(seq_lens, query_lens, cache.shape[2], window)
         if lay.in_order:
-            o = decode(q, cache, tables, lay.groups[0])
+            o = decode(q, cache, tables, lay.groups[0], sinks)
             return o if out is None else out.copy_(o)
         if out is None:
             out = torch.empty(q.shape, dtype=q.dtype)
         for g in lay.groups:
-            out[g.rows] = decode(q[g.rows], cache, tables[g.seqs], g)
+            out[g.rows] = decode(q[g.rows], cache, tables[g.seqs], g, sinks)
         for s, a, n, length in lay.prefills:
             whole = n == length and not window  # a prompt in one chunk: plain causal, upper half skipped
             if whole:  # its keys are exactly this step's k/v rows: no gather from the cache
@@ -120,9 +141,8 @@ def _attention(attrs: dict) -> Kernel:
                 keys, vals = (t.view(-1, hkv, hd)[:length] for t in gather_blocks(cache, tables[s, :nb]))
             # 4-D operands: torch's CPU flash kernel (3-D ones fall back to a ~5x slower path)
             qs = q[a:a + n].view(1, n, h, hd).transpose(1, 2)
-            o = F.scaled_dot_product_attention(qs, keys.transpose(0, 1)[None], vals.transpose(0, 1)[None],
-                                               attn_mask=None if whole else causal_mask(n, length, window).to(q.device),
-                                               is_causal=whole, scale=scale, enable_gqa=h != hkv)
+            o = sdpa(qs, keys.transpose(0, 1)[None], vals.transpose(0, 1)[None],
+                     None if whole else causal_mask(n, length, window).to(q.device), whole, sinks)
             out[a:a + n] = o[0].transpose(0, 1).reshape(n, h * hd)
         return out
 

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from ...ir import OPS
+from ...ir.opdefs_fused import split_extra
 from ...ir.opdefs_llm import rope_cos_sin, write_kv
 from ...ir.opdefs_moe import route, routing_attrs
 from ...ir.opdefs_quant import dequantize_q4, unpack_q4
@@ -285,9 +286,10 @@ def _qkv_attention(attrs: dict) -> Kernel:
     rope_cache = _qkv_rope_cache({k: attrs[k] for k in ("sizes", "head_dim", "theta", "qk_norm_eps") if k in attrs})
     attend = FACTORIES["attention"]({**attrs, "write_kv": False})
 
-    def qkv_attention(qkv, pos, cache, slots, tables, seq_lens, query_lens, *norms, out=None):
+    def qkv_attention(qkv, pos, cache, slots, tables, seq_lens, query_lens, *extra, out=None):
+        norms, sink = split_extra(extra, "qk_norm_eps" in attrs, attrs.get("sinks", False))
         q, k, v = rope_cache(qkv, pos, cache, slots, *norms)
-        return attend(q, k, v, cache, slots, tables, seq_lens, query_lens, out=out)
+        return attend(q, k, v, cache, slots, tables, seq_lens, query_lens, *sink, out=out)
 
     return qkv_attention
 

@@ -129,7 +129,8 @@ def emit_qkv_attention(node: Node, name: str, arch: str) -> list[dict]:
     bs = cache.shape[2] if isinstance(cache.shape[2], int) else tiles_for(arch, "attention", node)["block_size"]
     qw, kw = a["sizes"][0], a["sizes"][1]
     rope_tiles = tiles_for(arch, "row", node)
-    normed = len(node.inputs) == 9  # Qwen3's q_norm, k_norm after the seven attention inputs
+    normed = "qk_norm_eps" in a  # Qwen3's q_norm, k_norm after the seven attention inputs
+    sinks = a.get("sinks", False)  # then gpt-oss's sink logits [H]
     norm = lambda w: Template(T.HEAD_NORM).safe_substitute(W=w, EPS=repr(float(a["qk_norm_eps"]))) if normed else ""
     rope = _source(name + "_rope", T.ROPE_CACHE, HALF=hd // 2, HD=hd, LOG2_THETA=repr(math.log2(a["theta"])),
                    W=qkv.shape[1], H=h, HKV=hkv, QW=qw, KW=kw, NORM_PARAMS="qn_ptr, kn_ptr, " if normed else "",
@@ -144,12 +145,16 @@ def emit_qkv_attention(node: Node, name: str, arch: str) -> list[dict]:
     gp = pow2(g)
     bq = max(1, att_tiles["rows"] // gp)
     att = _source(name, T.PAGED_ATTENTION, G=g, HD=hd, QW=qw, HKV=hkv, BS=bs, SCALE=repr(float(a["scale"])),
-                  WINDOW=a.get("window", 0))
+                  WINDOW=a.get("window", 0), SINK_PARAM="sinks_ptr, " if sinks else "",
+                  SOFTMAX_INIT=T.SOFTMAX_SINK if sinks else T.SOFTMAX_EMPTY)
     att_params = [("q_ptr", PTR[qkv.dtype], ["tmp", 0]), ("cache_ptr", PTR[cache.dtype], ["in", 2]),
                   ("tables_ptr", PTR[tables.dtype], ["in", 4]), ("lens_ptr", PTR[lens.dtype], ["in", 5]),
-                  ("qlens_ptr", PTR[qlens.dtype], ["in", 6]), ("out_ptr", _ptr(node, "out", 0), ["out", 0]),
-                  ("S", "i32", ["shape", 6, 0]), ("table_stride", "i32", ["stride", 4, 0]),
-                  ("v_off", "i64", ["half_numel", 2])]
+                  ("qlens_ptr", PTR[qlens.dtype], ["in", 6]), ("out_ptr", _ptr(node, "out", 0), ["out", 0])]
+    if sinks:
+        last = len(node.inputs) - 1
+        att_params.append(("sinks_ptr", _ptr(node, "in", last), ["in", last]))
+    att_params += [("S", "i32", ["shape", 6, 0]), ("table_stride", "i32", ["stride", 4, 0]),
+                   ("v_off", "i64", ["half_numel", 2])]
     att_spec = _spec(name, att, att_params, {"BQ": bq, "GP": gp, "SMAX": SMAX},
                      [["shape", 6, 0], hkv, ["cdiv", ["shape", 0, 0], bq]], att_tiles)
     att_spec["requires"] = [[2, 2, bs, "KV-cache block size"], [6, 0, SMAX, "sequences per step (at most)"]]

@@ -134,10 +134,11 @@ HEAD_NORM = """        rstd = 1.0 / tl.sqrt((tl.sum(x1 * x1, axis=0) + tl.sum(x2
 
 # paged attention over the cache: one program per (sequence, kv head, block of BQ queries);
 # its BQ x GP rows (GP: the GQA group padded to a power of two) share every K/V tile; online
-# softmax over cache blocks; causal and sliding-window masks from absolute positions
+# softmax over cache blocks; causal and sliding-window masks from absolute positions. $SOFTMAX_INIT
+# starts the online softmax: empty, or (with learned sinks) at the sink logit with weight 1.
 PAGED_ATTENTION = """
 @triton.jit
-def $NAME(q_ptr, cache_ptr, tables_ptr, lens_ptr, qlens_ptr, out_ptr, S, table_stride, v_off,
+def $NAME(q_ptr, cache_ptr, tables_ptr, lens_ptr, qlens_ptr, out_ptr, ${SINK_PARAM}S, table_stride, v_off,
           BQ: tl.constexpr, GP: tl.constexpr, SMAX: tl.constexpr):
     s = tl.program_id(0)
     hk = tl.program_id(1)
@@ -157,9 +158,7 @@ def $NAME(q_ptr, cache_ptr, tables_ptr, lens_ptr, qlens_ptr, out_ptr, S, table_s
         d = tl.arange(0, $HD)
         qrow = (q_start + qi).to(tl.int64)
         q = tl.load(q_ptr + qrow[:, None] * $QW + head[:, None] * $HD + d[None, :], mask=row_ok[:, None], other=0.0)
-        m_i = tl.full((BQ * GP,), -1.0e30, dtype=tl.float32)
-        l_i = tl.zeros((BQ * GP,), dtype=tl.float32)
-        acc = tl.zeros((BQ * GP, $HD), dtype=tl.float32)
+$SOFTMAX_INIT        acc = tl.zeros((BQ * GP, $HD), dtype=tl.float32)
         last = tl.minimum(length, length - n_q + (qb + 1) * BQ)
         first = 0
         if $WINDOW > 0:
@@ -185,6 +184,14 @@ def $NAME(q_ptr, cache_ptr, tables_ptr, lens_ptr, qlens_ptr, out_ptr, S, table_s
         o = acc / l_i[:, None]
         tl.store(out_ptr + qrow[:, None] * $QW + head[:, None] * $HD + d[None, :], o.to(out_ptr.dtype.element_ty),
                  mask=row_ok[:, None])
+"""
+
+SOFTMAX_EMPTY = """        m_i = tl.full((BQ * GP,), -1.0e30, dtype=tl.float32)
+        l_i = tl.zeros((BQ * GP,), dtype=tl.float32)
+"""
+# the sink is one more logit whose value is zero: running max = sink, running sum = exp(0) = 1
+SOFTMAX_SINK = """        m_i = tl.load(sinks_ptr + head, mask=row_ok, other=0.0).to(tl.float32)
+        l_i = tl.full((BQ * GP,), 1.0, dtype=tl.float32)
 """
 
 # greedy sampling: the argmax of each row of logits[S,V], in chunks of BV

@@ -7,8 +7,9 @@
    output state as when drafting (teacher-forced tokens): cross-entropy over the full vocabulary
    through the target's frozen LM head, plus binary cross-entropy of the confidence head against
    "the head's argmax is the target's token".
-3. A held-out tenth of the continuations measures what drafting would get: k drafts chained
-   from the head's own tokens, counted until the first that differs from the target's.
+3. A held-out tenth of the continuations calibrates the confidence head (Platt scaling) and
+   measures what drafting would get: k drafts chained from the head's own tokens, counted
+   until the first that differs from the target's.
 
     metrics = train_drafter(model, "head.safetensors", TrainConfig(seconds=180))
 """
@@ -191,6 +192,42 @@ def evaluate(head, embed, lm_head, examples: Examples, k: int) -> dict:
             "first_draft_mean_confidence": float(torch.cat(conf1).mean())}
 
 
+def calibrate(head, embed, lm_head, examples: Examples, k: int, steps: int = 200) -> None:
+    """Platt scaling of the confidence head on the held-out continuations, drafting as at
+    inference (chained from the head's own tokens): fits a, b so that sigmoid(a * c + b) is the
+    chance draft j is right given drafts 1..j-1 were, then folds them into head.conf. Training
+    on seen data leaves the head over-confident; the schedule needs honest probabilities."""
+    logits_c, hits = [], []
+    with torch.inference_mode():
+        for a in range(0, len(examples.starts), 512):
+            h, x, want = examples.batch(torch.arange(a, min(a + 512, len(examples.starts))), k)
+            x, alive = x[:, 0], torch.ones(len(x), dtype=torch.bool)
+            for j in range(k):
+                logits, h, c = head(h, x, embed, lm_head)
+                x = logits.argmax(-1)
+                hit = x == want[:, j]
+                logits_c.append(c[alive])
+                hits.append(hit[alive].float())
+                alive &= hit
+    c, y = torch.cat(logits_c), torch.cat(hits)
+    if len(y) == 0 or y.min() == y.max():
+        return  # nothing to fit against
+    ab = torch.tensor([1.0, 0.0], requires_grad=True)
+    opt = torch.optim.LBFGS([ab], max_iter=steps)
+
+    def closure():
+        opt.zero_grad()
+        loss = F.binary_cross_entropy_with_logits(ab[0] * c + ab[1], y)
+        loss.backward()
+        return loss
+
+    opt.step(closure)
+    a, b = ab.detach()
+    with torch.no_grad():
+        head.conf.weight.mul_(a)
+        head.conf.bias.mul_(a).add_(b)
+
+
 def train_drafter(model, out_path: str, config: TrainConfig = TrainConfig(),
                   prompts: list[list[int]] | None = None, log=print) -> dict:
     """Generates data with `model` (a CompiledModel), trains a DraftHead, saves it to out_path
@@ -243,12 +280,14 @@ def train_drafter(model, out_path: str, config: TrainConfig = TrainConfig(),
         if flush:
             torch.set_flush_denormal(False)
     head.eval()
+    uncalibrated = evaluate(head, embed, lm_head, held, config.eval_drafts).get("first_draft_mean_confidence")
+    calibrate(head, embed, lm_head, held, config.eval_drafts)
     after = evaluate(head, embed, lm_head, held, config.eval_drafts)
     metrics = {"config": asdict(config), "sequences": len(states), "train_positions": len(train_set.starts),
                "steps": steps, "data_seconds": round(t_data, 1),
                "train_seconds": round(time.perf_counter() - t_train, 1),
                "first_loss": losses[0], "last_loss": sum(losses[-10:]) / len(losses[-10:]),
-               "heldout_untrained": before, "heldout": after}
+               "heldout_untrained": before, "heldout": after, "uncalibrated_first_confidence": uncalibrated}
     if not all(map(math.isfinite, losses)):
         raise DeepfuseError("training diverged (non-finite loss); lower the learning rate")
     head.save(out_path, target_probe(lm_head), metrics)

@@ -57,6 +57,8 @@ def test_training_learns_the_targets_next_tokens(trained):
     before, after = m["heldout_untrained"], m["heldout"]
     assert after["positions"] > 0 and after["first_draft_accuracy"] > before["first_draft_accuracy"] + 0.1
     assert after["mean_accepted_length"] > before["mean_accepted_length"]
+    # calibrated on the held-out drafts: the first draft's confidence is near its accuracy
+    assert abs(after["first_draft_mean_confidence"] - after["first_draft_accuracy"]) < 0.2
     head, probe, stored = DraftHead.load(path)
     assert stored["heldout"] == after and probe.shape == (16, 64)
     assert sum(p.numel() for p in head.parameters()) < 64 * 64 * 10  # the head is small: no vocab-sized matrix

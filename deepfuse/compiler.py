@@ -39,5 +39,5 @@ def compile(model: str | Llama, target: str = "cpu", dtype: str = "f32", fuse: b
         files = tgt.binaries(plan)
         bar.update()
     passes = [vars(r) for r in reports]
-    return CompiledModel(graph, plan, target, dtype, model.config, tokenizer, tgt.runner(plan, graph.weights), passes,
+    return CompiledModel(graph, plan, target, dtype, model.config, tokenizer, tgt.make_runner(plan, graph.weights, files), passes,
                          quant, files)

@@ -26,6 +26,10 @@ class Target:
     build: Callable[[Graph], dict]  # final graph -> launch plan (JSON-able)
     runner: Callable[[dict, dict[str, torch.Tensor]], Runner]  # (plan, weights) -> step function
     binaries: Callable[[dict], dict[str, bytes]] = lambda plan: {}  # plan -> artifact files (kernels/...)
+    runs_binaries: bool = False  # the runner takes those files as a third argument (Triton: cubins)
+
+    def make_runner(self, plan: dict, weights: dict[str, torch.Tensor], files: dict[str, bytes]) -> Runner:
+        return self.runner(plan, weights, files) if self.runs_binaries else self.runner(plan, weights)
 
     def pipeline(self, fuse: bool = True, quant: str | None = None) -> list[Pass]:
         passes = cleanup_passes() + (fusion_passes() if fuse else []) + quant_passes(quant)
@@ -48,7 +52,7 @@ def _triton(arch: str) -> Callable[[], Target]:
 
         # every op is allowed: those without an emitter run their torch reference on the device
         return Target(arch, ARCH_DESCRIPTIONS[arch], frozenset(OPS), lambda g: build_plan(g, arch), TritonRunner,
-                      compile_binaries)
+                      compile_binaries, runs_binaries=True)
 
     return make
 

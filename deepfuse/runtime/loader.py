@@ -62,5 +62,10 @@ def load(directory: str, target: str | None = None) -> CompiledModel:
     with open(os.path.join(directory, "plan.json")) as f:
         plan = json.load(f)
     tok = Tokenizer.load(directory) if "tokenizer.json" in m["files"] else None
+    files = {}
+    for name in m["files"]:
+        if name.startswith("kernels/"):
+            with open(os.path.join(directory, name), "rb") as f:
+                files[name] = f.read()
     return CompiledModel(graph, plan, m["target"], m["dtype"], LlamaConfig.from_dict(m["model"]["config"]),
-                         tok, tgt.runner(plan, graph.weights), m["passes"], m.get("quant"))
+                         tok, tgt.make_runner(plan, graph.weights, files), m["passes"], m.get("quant"), files)

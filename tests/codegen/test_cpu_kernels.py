@@ -10,17 +10,22 @@ from deepfuse.runtime.batch import SeqChunk, build_step
 from deepfuse.runtime.kv_cache import CacheConfig, KVCache
 
 
+@pytest.mark.parametrize("sinks", [False, True])
 @pytest.mark.parametrize("window", [0, 5])
 @pytest.mark.parametrize("h,hkv", [(4, 4), (6, 2), (4, 1)])
-def test_attention_kernel(window, h, hkv):
+def test_attention_kernel(window, h, hkv, sinks):
     torch.manual_seed(0)
     hd = 16
-    attrs = dict(num_heads=h, num_kv_heads=hkv, head_dim=hd, scale=1 / math.sqrt(hd), window=window)
+    attrs = dict(num_heads=h, num_kv_heads=hkv, head_dim=hd, scale=1 / math.sqrt(hd), window=window,
+                 **({"sinks": True} if sinks else {}))
+    sink = [torch.randn(h) * 2] if sinks else []
     cache = KVCache(1, hkv, hd, torch.float32, CacheConfig(block_size=4, num_blocks=64))
     cache2 = KVCache(1, hkv, hd, torch.float32, CacheConfig(block_size=4, num_blocks=64))
-    blocks, blocks2 = [[], [], []], [[], [], []]
-    # step 1: three prompts of ragged lengths; step 2: decode one token each; step 3: mixed
-    for step in ([(0, 7), (0, 3), (0, 9)], [(7, 1), (3, 1), (9, 1)], [(8, 1), (4, 5), (10, 1)]):
+    blocks, blocks2 = [[], [], [], []], [[], [], [], []]
+    # step 1: prompts of ragged lengths; step 2: decode one token each; step 3: mixed; step 4: short
+    # chunks continuing cached sequences (speculative verification), grouped with padding, and a decode
+    for step in ([(0, 7), (0, 3), (0, 9), (0, 2)], [(7, 1), (3, 1), (9, 1), (2, 1)], [(8, 1), (4, 5), (10, 1), (3, 2)],
+                 [(9, 4), (9, 3), (11, 1), (5, 6)]):
         chunks = [SeqChunk([1] * n, start, blocks[s]) for s, (start, n) in enumerate(step)]
         chunks2 = [SeqChunk([1] * n, start, blocks2[s]) for s, (start, n) in enumerate(step)]
         inp, inp2 = build_step(chunks, cache), build_step(chunks2, cache2)
@@ -28,7 +33,8 @@ def test_attention_kernel(window, h, hkv):
         q, k, v = torch.randn(T, h * hd), torch.randn(T, hkv * hd), torch.randn(T, hkv * hd)
 
         def args(i, q=q, k=k, v=v):
-            return q, k, v, i["kv_cache.0"], i["slot_mapping"], i["block_tables"], i["seq_lens"], i["query_lens"]
+            return (q, k, v, i["kv_cache.0"], i["slot_mapping"], i["block_tables"], i["seq_lens"], i["query_lens"],
+                    *sink)
 
         want = OPS["attention"].reference(*args(inp), **attrs)
         got = make_kernel("attention", attrs)(*args(inp2))

@@ -10,7 +10,7 @@ import deepfuse
 from deepfuse.codegen.targets import get_target
 from deepfuse.codegen.triton import build_plan
 from deepfuse.codegen.triton.aot import compile_all
-from deepfuse.codegen.triton.runner import TritonRunner, grid_of
+from deepfuse.codegen.triton.runner import TritonRunner, grid_of, load_binary
 from deepfuse.compiler import trace_model
 from deepfuse.errors import DeepfuseError
 from deepfuse.ir import interpret
@@ -112,6 +112,26 @@ def test_aot_cubins_and_ptx_use_the_tensor_core_of_each_arch(artifacts):
                 assert mma in ptx, f"{name} on {arch} has no {mma}"
         manifest = json.load(open(os.path.join(path, "manifest.json")))
         assert all(f"kernels/{n}.cubin" in manifest["files"] for n in names)
+
+
+def test_artifact_cubins_load_as_triton_compiled_kernels(artifacts, tmp_path):
+    """What a GPU run of a loaded artifact launches: each kernel's cubin as a Triton
+    CompiledKernel (metadata, signature order and binary checked; launching needs the GPU)."""
+    for arch in ("sm90", "sm100"):
+        loaded = deepfuse.load(artifacts[1][arch][1])
+        assert loaded.runner.kernel_source == "interpret"  # no GPU here: the same kernels, interpreted
+        specs = {spec["name"]: spec for p in loaded.plan["launches"] for spec in p.get("kernels", [])}
+        for name, spec in specs.items():
+            k = load_binary(spec, loaded.files, str(tmp_path))
+            assert k.name == name and k.metadata.target.arch == int(arch[2:]) and k.metadata.target.backend == "cuda"
+            assert k.kernel == loaded.files[f"kernels/{name}.cubin"] and k.metadata.num_warps == spec["num_warps"]
+            assert k.src.fn.arg_names == list(spec["signature"])
+    files = dict(loaded.files)
+    meta = json.loads(files[f"kernels/{name}.json"])
+    meta["triton"]["target"]["arch"] = 80
+    files[f"kernels/{name}.json"] = json.dumps(meta).encode()
+    with pytest.raises(DeepfuseError, match="expected GPUTarget"):
+        load_binary(spec, files, str(tmp_path))
 
 
 def test_sm90_artifact_loads_and_runs_in_the_interpreter_like_the_cpu_build(tmp_path, tiny_model):

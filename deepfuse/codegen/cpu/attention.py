@@ -3,8 +3,10 @@
 Prefill chunks run one SDPA each (4-d operands: torch's flash path; a whole prompt in one
 chunk attends to its own k/v rows, plainly causal). Decoding sequences are grouped by
 length and each group runs one SDPA over blocks gathered as rows of the contiguous k and
-v halves of the cache. Host-side facts about the step (StepLayout) are computed once per
-step and shared by all layers.
+v halves of the cache; so are short chunks that continue a cached sequence (speculative
+verification: the last token and its drafts), padded to the group's widest with a causal
+mask. Host-side facts about the step (StepLayout) are computed once per step and shared by
+all layers.
 """
 from __future__ import annotations
 
@@ -28,21 +30,29 @@ def gather_blocks(cache: torch.Tensor, tables: torch.Tensor) -> tuple[torch.Tens
     return k.view(*tables.shape, -1), v.view(*tables.shape, -1)
 
 
+SHORT_CHUNK = 16  # chunks of at most this many tokens that continue a cached sequence are grouped
+
+
 @dataclass
 class DecodeGroup:
-    """Decoding sequences of similar length, attended in one SDPA call padded to the longest."""
+    """Sequences of similar length with few new tokens each, attended in one SDPA call padded
+    to the longest (and, for chunks of several tokens, to the widest)."""
 
     seqs: torch.Tensor  # their indices among the step's sequences [G]
-    rows: torch.Tensor  # their query rows [G]
+    rows: torch.Tensor  # their query rows [G], or [G,W] for W-token chunks (padding repeats a row)
     blocks: int  # table columns to gather
     length: int  # longest length in the group
-    mask: torch.Tensor | None  # [G,1,1,length] bool, None when no padding or window
+    mask: torch.Tensor | None  # [G,1,W,length] bool, None when no padding, window or chunk
+    valid: torch.Tensor | None = None  # [G,W] bool: which entries of rows are real queries (W > 1)
 
 
 def decode_groups(seqs: list[int], rows: list[int], lens: list[int], block_size: int, window: int,
-                  slack: float = 0.6, max_groups: int = 4, device: torch.device | str = "cpu") -> list[DecodeGroup]:
+                  slack: float = 0.6, max_groups: int = 4, device: torch.device | str = "cpu",
+                  widths: list[int] | None = None) -> list[DecodeGroup]:
     """Sorts sequences by length and starts a new group when a length falls below `slack` of
-    its group's longest (at most max_groups): padding waste stays bounded at large batches."""
+    its group's longest (at most max_groups): padding waste stays bounded at large batches.
+    rows: each sequence's first query row; widths: its number of queries (default 1 each)."""
+    widths = widths or [1] * len(seqs)
     order = sorted(range(len(seqs)), key=lambda i: -lens[i])
     parts: list[list[int]] = []
     for i in order:
@@ -53,15 +63,29 @@ def decode_groups(seqs: list[int], rows: list[int], lens: list[int], block_size:
     groups = []
     for part in parts:
         dl = torch.tensor([lens[i] for i in part])
-        longest = int(dl[0])
-        mask = None
-        if len(part) > 1 and int(dl[-1]) != longest or window:
-            j = torch.arange(longest)[None, :]
-            first = (dl - window).clamp_(min=0) if window else torch.zeros_like(dl)
-            mask = ((j < dl[:, None]) & (j >= first[:, None]))[:, None, None, :].to(device)
-        groups.append(DecodeGroup(torch.tensor([seqs[i] for i in part], device=device),
-                                  torch.tensor([rows[i] for i in part], device=device),
-                                  -(-longest // block_size), longest, mask))
+        longest, wide = int(dl[0]), max(widths[i] for i in part)
+        seq_ids = torch.tensor([seqs[i] for i in part], device=device)
+        blocks = -(-longest // block_size)
+        if wide == 1:
+            mask = None
+            if len(part) > 1 and int(dl[-1]) != longest or window:
+                j = torch.arange(longest)[None, :]
+                first = (dl - window).clamp_(min=0) if window else torch.zeros_like(dl)
+                mask = ((j < dl[:, None]) & (j >= first[:, None]))[:, None, None, :].to(device)
+            groups.append(DecodeGroup(seq_ids, torch.tensor([rows[i] for i in part], device=device), blocks,
+                                      longest, mask))
+            continue
+        w = torch.tensor([widths[i] for i in part])
+        jq = torch.arange(wide)[None, :]
+        valid = jq < w[:, None]  # [G,W]
+        qrow = torch.tensor([rows[i] for i in part])[:, None] + torch.minimum(jq, w[:, None] - 1)
+        qpos = dl[:, None] - w[:, None] + torch.minimum(jq, w[:, None] - 1)  # a padding query repeats the last
+        k = torch.arange(longest)[None, None, :]
+        mask = k <= qpos[:, :, None]
+        if window:
+            mask &= k > qpos[:, :, None] - window
+        groups.append(DecodeGroup(seq_ids, qrow.to(device), blocks, longest, mask[:, None].to(device),
+                                  valid.to(device)))
     return groups
 
 
@@ -75,10 +99,13 @@ class StepLayout:
         starts = [0]
         for n in qlens:
             starts.append(starts[-1] + n)
-        self.prefills = [(s, starts[s], n, lens[s]) for s, n in enumerate(qlens) if n > 1]
+        short = [s for s, n in enumerate(qlens) if 1 < n <= SHORT_CHUNK and n < lens[s]]
+        self.prefills = [(s, starts[s], n, lens[s]) for s, n in enumerate(qlens) if n > 1 and s not in short]
         dec = [s for s, n in enumerate(qlens) if n == 1]
         self.groups = decode_groups(dec, [starts[s] for s in dec], [lens[s] for s in dec], block_size, window,
                                     device=seq_lens.device)
+        self.groups += decode_groups(short, [starts[s] for s in short], [lens[s] for s in short], block_size,
+                                     window, device=seq_lens.device, widths=[qlens[s] for s in short])
         # a pure decode step whose one group is already in row order needs no gather or scatter of q
         self.in_order = (len(dec) == starts[-1] and len(self.groups) == 1
                          and self.groups[0].rows.tolist() == list(range(len(dec))))
@@ -111,12 +138,13 @@ def _attention(attrs: dict) -> Kernel:
         return sink_sdpa(q, k, v, mask, scale, sinks)
 
     def decode(q, cache, tables, g: DecodeGroup, sinks) -> torch.Tensor:
-        """One group of one-token sequences in one SDPA call: q[G,H*hd] -> [G,H*hd]."""
-        n = q.shape[0]
+        """One group in one SDPA call: q[G,H*hd] -> [G,H*hd], or q[G,W,H*hd] -> [G,W,H*hd]."""
+        n, width = q.shape[0], q.shape[1] if q.dim() == 3 else 1
         keys, vals = gather_blocks(cache, tables[:, : g.blocks])
         keys = keys.view(n, -1, hkv, hd)[:, : g.length].transpose(1, 2)
         vals = vals.view(n, -1, hkv, hd)[:, : g.length].transpose(1, 2)
-        return sdpa(q.view(n, h, 1, hd), keys, vals, g.mask, False, sinks).view(n, h * hd)
+        o = sdpa(q.view(n, width, h, hd).transpose(1, 2), keys, vals, g.mask, False, sinks)
+        return o.transpose(1, 2).reshape(q.shape)
 
     def attention(q, k, v, cache, slots, tables, seq_lens, query_lens, *sink, out: torch.Tensor | None = None):
         """out: a planned buffer [T,H*hd] to write into (else one is allocated). sink: the
@@ -131,7 +159,11 @@ def _attention(attrs: dict) -> Kernel:
         if out is None:
             out = torch.empty(q.shape, dtype=q.dtype)
         for g in lay.groups:
-            out[g.rows] = decode(q[g.rows], cache, tables[g.seqs], g, sinks)
+            o = decode(q[g.rows], cache, tables[g.seqs], g, sinks)
+            if g.valid is None:
+                out[g.rows] = o
+            else:
+                out[g.rows[g.valid]] = o[g.valid]
         for s, a, n, length in lay.prefills:
             whole = n == length and not window  # a prompt in one chunk: plain causal, upper half skipped
             if whole:  # its keys are exactly this step's k/v rows: no gather from the cache

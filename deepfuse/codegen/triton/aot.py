@@ -32,7 +32,9 @@ def compile_spec(spec: dict, arch: str, where: str) -> dict[str, bytes]:
         raise DeepfuseError(f"Triton kernel {spec['name']} for {where} failed to compile for {arch}: {first}") from e
     meta = {"name": k.name, "num_warps": k.metadata.num_warps, "shared": k.metadata.shared,
             "arch": arch, "signature": spec["signature"], "constexprs": spec["constexprs"],
-            "source_sha256": hashlib.sha256(spec["source"].encode()).hexdigest()}
+            "source_sha256": hashlib.sha256(spec["source"].encode()).hexdigest(), "triton_version": triton.__version__,
+            # Triton's own metadata, as its cache writes it: what loading the cubin needs (runner.load_binary)
+            "triton": json.loads(json.dumps(k.metadata._asdict(), default=vars))}
     stem = spec["name"]
     return {f"{stem}.py": spec["source"].encode(), f"{stem}.ptx": k.asm["ptx"].encode(), f"{stem}.cubin": k.asm["cubin"],
             f"{stem}.json": json.dumps(meta, indent=1).encode()}

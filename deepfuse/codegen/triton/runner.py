@@ -1,7 +1,9 @@
 """Runs a Triton plan: each launch's kernels (or its op's torch reference) over the step's tensors.
 
-On a machine with an NVIDIA GPU the kernels are JIT-built from their sources (Triton's cache
-keeps them; the artifact's cubins are for shipping). Without one, they run in Triton's CPU
+On a machine with an NVIDIA GPU of the artifact's architecture, the kernels are the artifact's
+own cubins, loaded as Triton CompiledKernels (load_binary) and launched through Triton's
+launcher; on a GPU of another architecture, or without binaries (a plan compiled for
+"interpret"), they are JIT-built from their sources. Without a GPU they run in Triton's CPU
 interpreter when the process started with TRITON_INTERPRET=1 (how the tests check them), and
 calling the runner otherwise is refused with that advice.
 """
@@ -9,6 +11,7 @@ from __future__ import annotations
 
 import linecache
 import os
+import tempfile
 
 import torch
 import torch.nn.functional as F
@@ -65,6 +68,37 @@ def load_kernel(spec: dict, jit: bool = True):
     return triton.jit(fn) if jit else fn
 
 
+def load_binary(spec: dict, binaries: dict[str, bytes], workdir: str):
+    """The artifact's cubin of `spec` as a Triton CompiledKernel: Triton's metadata from
+    kernels/<name>.json, the cubin from kernels/<name>.cubin (both written to workdir, where
+    CompiledKernel reads them), the source signature from the spec. Nothing touches a GPU until
+    its first launch. Launch: kernel[grid](*args, *constexpr values)."""
+    import json
+
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from triton.compiler.compiler import CompiledKernel
+    from triton.runtime.jit import JITFunction
+
+    name = spec["name"]
+    meta = json.loads(binaries[f"kernels/{name}.json"])
+    group = {}
+    for ext, data in (("json", json.dumps(meta["triton"]).encode()), ("cubin", binaries[f"kernels/{name}.cubin"])):
+        group[f"{name}.{ext}"] = os.path.join(workdir, f"{name}.{ext}")
+        with open(group[f"{name}.{ext}"], "wb") as f:
+            f.write(data)
+    src = ASTSource(fn=JITFunction(load_kernel(spec, jit=False)), signature=spec["signature"],
+                    constexprs=spec["constexprs"])
+    if list(spec["signature"]) != src.fn.arg_names:  # the launcher packs arguments in signature order
+        raise DeepfuseError(f"{name}: signature order {list(spec['signature'])} differs from the kernel's "
+                            f"parameters {src.fn.arg_names}")
+    kernel = CompiledKernel(src, group, meta["source_sha256"])
+    want = GPUTarget("cuda", {"sm90": 90, "sm100": 100}[meta["arch"]], 32)
+    if kernel.metadata.target != want or kernel.name != name:
+        raise DeepfuseError(f"kernels/{name}.cubin is for {kernel.metadata.target} ({kernel.name}), expected {want}")
+    return kernel
+
+
 def bind(form, ins: list[torch.Tensor], outs: list[torch.Tensor], tmps: list[torch.Tensor]):
     """The value of one argument form (see emit.py) for this launch."""
     kind = form[0]
@@ -109,19 +143,36 @@ def sizes_of(types: list[list], ins: list[torch.Tensor], in_types: list[list]) -
     return [[env[d] if isinstance(d, str) else d for d in shape] for shape in types]
 
 
+def gpu_arch() -> str | None:
+    """"sm90" / "sm100" for the visible GPU (sm_90 / sm_100 capability), else None."""
+    if not torch.cuda.is_available():
+        return None
+    return {(9, 0): "sm90", (10, 0): "sm100"}.get(torch.cuda.get_device_capability())
+
+
 class TritonRunner:
-    def __init__(self, plan: dict, weights: dict[str, torch.Tensor]):
+    """plan: from build_plan; binaries: the artifact's kernels/* files (used when the GPU is of
+    the plan's arch). `kernel_source` says what runs: "cubin", "jit", "interpret" or "none"."""
+
+    def __init__(self, plan: dict, weights: dict[str, torch.Tensor], binaries: dict[str, bytes] | None = None):
         self.plan = plan
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         self.usable = self.device.type == "cuda" or interpreting()
         self.base: list = [None] * plan["num_slots"]
         for name, s in plan["params"].items():
             self.base[s] = weights[name].to(self.device)
+        use_cubins = bool(binaries) and not interpreting() and gpu_arch() == plan["arch"]
+        self.kernel_source = ("cubin" if use_cubins else "jit" if self.device.type == "cuda"
+                              else "interpret" if interpreting() else "none")
+        self._workdir = tempfile.TemporaryDirectory(prefix="deepfuse-cubins-") if use_cubins else None
         self.launches = []
         for p in plan["launches"]:
-            kernels = [(spec, load_kernel(spec)) for spec in p.get("kernels", [])] if self.usable else []
-            ref = OPS[p["op"]].reference
-            self.launches.append((p, kernels, ref))
+            kernels = []
+            if self.usable:
+                for spec in p.get("kernels", []):
+                    fn = load_binary(spec, binaries, self._workdir.name) if use_cubins else load_kernel(spec)
+                    kernels.append((spec, fn))
+            self.launches.append((p, kernels, OPS[p["op"]].reference))
 
     def __call__(self, inputs: dict[str, torch.Tensor]) -> list[torch.Tensor]:
         if not self.usable:
@@ -163,5 +214,8 @@ class TritonRunner:
             if 0 in grid:
                 continue
             args = [bind(f, ins, outs, tmps) for f in spec["args"]]
-            fn[grid](*args, **spec["constexprs"], num_warps=spec["num_warps"], num_stages=spec["num_stages"])
+            if self.kernel_source == "cubin":  # a CompiledKernel: every parameter in order, constexprs last
+                fn[grid](*args, *spec["constexprs"].values())
+            else:
+                fn[grid](*args, **spec["constexprs"], num_warps=spec["num_warps"], num_stages=spec["num_stages"])
         return outs

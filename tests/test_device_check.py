@@ -13,7 +13,7 @@ def test_device_check_dry_run_writes_its_json(tmp_path):
                        capture_output=True, text=True, timeout=400)
     assert r.returncode == 0, r.stderr[-2000:]
     result = json.loads(out.read_text())
-    assert result["ok"] and result["end_to_end"]["equal"]
+    assert result["ok"] and result["end_to_end"]["equal"] and result["end_to_end"]["kernel_source"] == "interpret"
     ops = {(k["model"], k["op"]) for k in result["kernels"]}
     assert ("smollm2", "qkv_attention") in ops and ("mixtral", "fused_moe") in ops
     assert all(k["max_rel_err"] < 1e-4 for k in result["kernels"])

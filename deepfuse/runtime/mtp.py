@@ -3,17 +3,23 @@ prediction module does, with a confidence head that says how likely each draft i
 
 One step of the head, for a sequence whose target step ended at position t:
 
-    h [N,D]   the target's final-normed hidden state at t (the step's `hidden` output)
-    x [N]     the token at t + 1 (the target's own sample)
-    z  = proj([norm_h(h); norm_e(embed(x))])            [N,D]
+    h [N,D]    the target's final-normed hidden state at t (the step's `hidden` output)
+    x [N]      the token at t + 1 (the target's own sample)
+    ctx [N,W]  the sequence's last W tokens, ending with x (-1: before the sequence's start)
+    z  = proj([norm_h(h); norm_e(embed(x))])             [N,D]
+    z  = z + copy attention over ctx                      (query from z; key j = token j,
+                                                           value j = the token after it)
     z  = z + down(silu(gate(norm_m(z))) * up(norm_m(z)))
-    out = norm_o(z)                                      [N,D]
-    logits = out @ lm_head^T                             [N,V]  -> the draft for t + 2
+    out = norm_o(z)                                       [N,D]
+    logits = out @ lm_head^T                              [N,V]  -> the draft for t + 2
     confidence = sigmoid(conf([out; log p_max; entropy]))  [N]  P(the target agrees)
 
-Drafting k tokens applies it k times, feeding `out` and the draft back in. The embedding and
-the LM head are the target's (frozen, not stored): the head file holds only its own ~3.3M
-weights (SmolLM2) and probe rows of the target's LM head that identify the model it was
+The copy attention is what an MLP on h alone lacks: text that repeats earlier text (quoting,
+editing code) is predicted by finding where x occurred before and reading what followed; a
+zero-valued null slot lets it attend to nothing. Drafting k tokens applies the head k times,
+feeding `out`, the draft, and the context extended by the draft back in. The embedding and
+the LM head are the target's (frozen, not stored): the head file holds only its own weights
+(~3.6M for SmolLM2) and probe rows of the target's LM head that identify the model it was
 trained for. `deepfuse train-drafter` trains one (train_drafter.py).
 """
 from __future__ import annotations
@@ -27,7 +33,9 @@ from torch import nn
 from ..errors import DeepfuseError
 from .spec import Draft, Drafter
 
-FORMAT = "deepfuse-mtp-head"
+FORMAT, VERSION = "deepfuse-mtp-head", "2"  # 2: copy attention over the context
+CONTEXT = 64  # tokens of context the copy attention sees (W)
+COPY_HEADS, COPY_DIM = 2, 64
 PROBE_ROWS = 16  # LM-head rows stored to recognise the target
 PROBE_TOLERANCE = 0.05  # relative difference allowed (bf16/f16 rounding of the same weights)
 
@@ -45,12 +53,37 @@ class DraftHead(nn.Module):
         self.down = nn.Linear(intermediate_size, hidden_size, bias=False)
         self.norm_o = nn.RMSNorm(hidden_size, eps=eps)
         self.conf = nn.Linear(hidden_size + 2, 1)
-        nn.init.zeros_(self.down.weight)  # the MLP starts as the identity on the residual
+        inner = COPY_HEADS * COPY_DIM
+        self.norm_c = nn.RMSNorm(hidden_size, eps=eps)
+        self.copy_q = nn.Linear(hidden_size, inner, bias=False)
+        self.copy_k = nn.Linear(hidden_size, inner, bias=False)
+        self.copy_v = nn.Linear(hidden_size, inner, bias=False)
+        self.copy_o = nn.Linear(inner, hidden_size, bias=False)
+        self.recency = nn.Parameter(torch.zeros(COPY_HEADS))  # per head: score lost per token of distance
+        nn.init.zeros_(self.down.weight)  # the MLP and the copy attention start as the identity
+        nn.init.zeros_(self.copy_o.weight)
 
-    def forward(self, h: torch.Tensor, x: torch.Tensor, embed: torch.Tensor, lm_head: torch.Tensor):
-        """h [N,D] f32, x [N] i64, embed [V,D], lm_head [V,D] -> (logits [N,V], out [N,D],
-        confidence logit [N]; sigmoid of it is the probability the target agrees)."""
+    def copy(self, z: torch.Tensor, ctx: torch.Tensor, embed: torch.Tensor) -> torch.Tensor:
+        """z [N,D], ctx [N,W] -> [N,D]: attention from z over keys ctx[:, j] with values
+        ctx[:, j + 1] (the token that followed), plus a null slot of score 0 and value 0."""
+        n, w = ctx.shape
+        e = self.norm_c(F.embedding(ctx.clamp(min=0), embed))  # [N,W,D]
+        k = self.copy_k(e[:, :-1]).view(n, w - 1, COPY_HEADS, COPY_DIM).transpose(1, 2)
+        v = self.copy_v(e[:, 1:]).view(n, w - 1, COPY_HEADS, COPY_DIM).transpose(1, 2)
+        q = self.copy_q(z).view(n, COPY_HEADS, 1, COPY_DIM)
+        dist = torch.arange(w - 2, -1, -1, dtype=z.dtype, device=z.device)  # key j is w-2-j tokens back
+        scores = (q @ k.transpose(-1, -2)).squeeze(2) * COPY_DIM ** -0.5  # [N,heads,W-1]
+        scores = scores - F.softplus(self.recency)[None, :, None] * dist
+        scores = scores.masked_fill((ctx[:, :-1] < 0)[:, None, :], float("-inf"))
+        probs = torch.cat([scores, scores.new_zeros(n, COPY_HEADS, 1)], -1).softmax(-1)[..., :-1]
+        return self.copy_o((probs.unsqueeze(2) @ v).reshape(n, -1))
+
+    def forward(self, h: torch.Tensor, x: torch.Tensor, ctx: torch.Tensor, embed: torch.Tensor,
+                lm_head: torch.Tensor):
+        """h [N,D] f32, x [N] i64, ctx [N,CONTEXT] i64 (ending with x), embed [V,D], lm_head [V,D]
+        -> (logits [N,V], out [N,D], confidence logit [N]; its sigmoid: the chance the target agrees)."""
         z = self.proj(torch.cat([self.norm_h(h), self.norm_e(F.embedding(x, embed))], -1))
+        z = z + self.copy(z, ctx, embed)
         gate, up = self.gate_up(self.norm_m(z)).chunk(2, -1)
         out = self.norm_o(z + self.down(F.silu(gate) * up))
         logits = F.linear(out, lm_head)
@@ -65,7 +98,7 @@ class DraftHead(nn.Module):
 
         tensors = {k: v.detach().contiguous() for k, v in self.state_dict().items()}
         tensors["target_probe"] = probe.float().contiguous()
-        meta = {"format": FORMAT, "version": "1", "hidden_size": str(self.hidden_size),
+        meta = {"format": FORMAT, "version": VERSION, "hidden_size": str(self.hidden_size),
                 "intermediate_size": str(self.intermediate_size), "vocab_size": str(self.vocab_size),
                 "eps": repr(self.eps), "metrics": json.dumps(metrics or {})}
         save_file(tensors, path, metadata=meta)
@@ -83,11 +116,25 @@ class DraftHead(nn.Module):
             raise DeepfuseError(f"cannot read draft head {path}: {e}") from None
         if meta.get("format") != FORMAT:
             raise DeepfuseError(f"{path} is not a deepfuse MTP draft head (train one with `deepfuse train-drafter`)")
+        if meta.get("version") != VERSION:
+            raise DeepfuseError(f"draft head {path} has format version {meta.get('version')}, this deepfuse reads "
+                                f"{VERSION}; train it again")
         head = DraftHead(int(meta["hidden_size"]), int(meta["intermediate_size"]), int(meta["vocab_size"]),
                          float(meta["eps"]))
         probe = tensors.pop("target_probe")
         head.load_state_dict(tensors)
         return head.eval(), probe, json.loads(meta.get("metrics", "{}"))
+
+
+def context(tokens: list[int]) -> list[int]:
+    """The last CONTEXT tokens, left-padded with -1."""
+    tail = tokens[-CONTEXT:]
+    return [-1] * (CONTEXT - len(tail)) + tail
+
+
+def extend(ctx: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """ctx [N,W] with token x [N] appended and the oldest dropped."""
+    return torch.cat([ctx[:, 1:], x[:, None]], 1)
 
 
 def target_weights(model) -> tuple[torch.Tensor, torch.Tensor]:
@@ -140,10 +187,12 @@ class MtpDrafter(Drafter):
             return drafts
         h = torch.stack([requests[i].hidden for i in live])
         x = torch.tensor([requests[i].tokens[-1] for i in live])
+        ctx = torch.tensor([context(requests[i].tokens) for i in live])
         conf = torch.ones(len(live))
         for j in range(max(ks[i] for i in live)):
-            logits, h, c = self.head(h, x, self.embed, self.lm_head)
+            logits, h, c = self.head(h, x, ctx, self.embed, self.lm_head)
             x = logits.argmax(-1)
+            ctx = extend(ctx, x)
             conf = conf * torch.sigmoid(c)
             for row, i in enumerate(live):
                 if ks[i] > j:

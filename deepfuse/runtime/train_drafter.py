@@ -4,7 +4,8 @@
    each generated token g_i comes with the hidden state h_i of the row that sampled it, exactly
    the state the head drafts from at inference.
 2. The head learns g_{i+j} from (h_i, g_i, ..., g_{i+j-1}), j = 1..depth, chained through its own
-   output state as when drafting (teacher-forced tokens): cross-entropy over the full vocabulary
+   output state as when drafting (teacher-forced tokens; the copy attention sees the sequence's
+   last CONTEXT tokens up to the one fed): cross-entropy over the full vocabulary
    through the target's frozen LM head, plus binary cross-entropy of the confidence head against
    "the head's argmax is the target's token".
 3. A held-out tenth of the continuations calibrates the confidence head (Platt scaling) and
@@ -28,7 +29,7 @@ from tqdm import tqdm
 
 from ..errors import DeepfuseError
 from .kv_cache import CacheConfig
-from .mtp import DraftHead, target_probe, target_weights
+from .mtp import CONTEXT, DraftHead, extend, target_probe, target_weights
 
 CORPUS_MODULES = (
     "argparse", "base64", "bisect", "calendar", "collections", "contextlib", "copy", "csv", "dataclasses",
@@ -133,31 +134,39 @@ def greedy_states(model, prompts: list[list[int]], max_tokens: int) -> list[tupl
 
 
 class Examples:
-    """Flat arrays over the continuations: g [P] tokens, h [P,D] the state that sampled each;
-    `starts` are indices i with i + depth in the same continuation. An example at i drafts
-    from (h_i, g_i) and should predict g_{i+1}, then g_{i+2}, ... (the target's greedy path)."""
+    """Flat arrays over the continuations: g [P] tokens, h [P,D] the state that sampled each,
+    and every sequence's tokens (prompt + continuation) for the copy attention's context;
+    `starts` are indices i with i + depth in the same continuation. An example at i drafts from
+    (h_i, g_i) and should predict g_{i+1}, then g_{i+2}, ... (the target's greedy path)."""
 
-    def __init__(self, states: list[tuple[torch.Tensor, torch.Tensor]], depth: int):
+    def __init__(self, prompts: list[list[int]], states: list[tuple[torch.Tensor, torch.Tensor]], depth: int):
         self.g = torch.cat([g for g, _ in states])
         self.h = torch.cat([h for _, h in states])
-        starts, a = [], 0
-        for g, _ in states:
+        self.tok = torch.tensor([t for p, (g, _) in zip(prompts, states) for t in p + g.tolist()], dtype=torch.long)
+        gpos, first, starts, a, b = [], [], [], 0, 0
+        for p, (g, _) in zip(prompts, states):
+            gpos += range(b + len(p), b + len(p) + len(g))  # where each g sits in tok
+            first += [b] * len(g)
             starts += range(a, a + len(g) - depth)
-            a += len(g)
+            a, b = a + len(g), b + len(p) + len(g)
+        self.gpos, self.first = torch.tensor(gpos, dtype=torch.long), torch.tensor(first, dtype=torch.long)
         self.starts = torch.tensor(starts, dtype=torch.long)
 
     def batch(self, idx: torch.Tensor, depth: int):
-        """idx [N] into starts -> h [N,D], x [N,depth] (the tokens fed), y [N,depth] (the targets)."""
+        """idx [N] into starts -> h [N,D], x [N,depth] (the tokens fed), y [N,depth] (the targets),
+        ctx [N,depth,CONTEXT] (the context each fed token ends; -1 before its sequence)."""
         i = self.starts[idx]
         js = i[:, None] + torch.arange(depth + 1)
-        return self.h[i], self.g[js[:, :-1]], self.g[js[:, 1:]]
+        cols = (self.gpos[i][:, None] + torch.arange(depth))[..., None] - CONTEXT + 1 + torch.arange(CONTEXT)
+        ctx = self.tok[cols.clamp(min=0)].masked_fill(cols < self.first[i][:, None, None], -1)
+        return self.h[i], self.g[js[:, :-1]], self.g[js[:, 1:]], ctx
 
 
-def head_loss(head, embed, lm_head, h, x, y):
+def head_loss(head, embed, lm_head, h, x, y, ctx):
     """Mean cross-entropy over the chained depths + the confidence head's BCE; also top-1 accuracy."""
     loss, correct = 0.0, 0.0
     for j in range(x.shape[1]):
-        logits, h, conf = head(h, x[:, j], embed, lm_head)
+        logits, h, conf = head(h, x[:, j], ctx[:, j], embed, lm_head)
         hit = (logits.argmax(-1) == y[:, j]).float()
         loss = loss + F.cross_entropy(logits, y[:, j]) + F.binary_cross_entropy_with_logits(conf, hit)
         correct += float(hit.mean())
@@ -173,13 +182,14 @@ def evaluate(head, embed, lm_head, examples: Examples, k: int) -> dict:
         return {}
     accepted, conf1, hit1 = [], [], []
     for a in range(0, len(examples.starts), 512):
-        h, x, want = examples.batch(torch.arange(a, min(a + 512, len(examples.starts))), k)
-        x = x[:, 0]
+        h, x, want, ctx = examples.batch(torch.arange(a, min(a + 512, len(examples.starts))), k)
+        x, ctx = x[:, 0], ctx[:, 0]
         alive = torch.ones(len(x), dtype=torch.bool)
         n = torch.zeros(len(x))
         for j in range(k):
-            logits, h, c = head(h, x, embed, lm_head)
+            logits, h, c = head(h, x, ctx, embed, lm_head)
             x = logits.argmax(-1)
+            ctx = extend(ctx, x)
             if j == 0:
                 conf1.append(torch.sigmoid(c))
                 hit1.append((x == want[:, 0]).float())
@@ -200,11 +210,12 @@ def calibrate(head, embed, lm_head, examples: Examples, k: int, steps: int = 200
     logits_c, hits = [], []
     with torch.inference_mode():
         for a in range(0, len(examples.starts), 512):
-            h, x, want = examples.batch(torch.arange(a, min(a + 512, len(examples.starts))), k)
-            x, alive = x[:, 0], torch.ones(len(x), dtype=torch.bool)
+            h, x, want, ctx = examples.batch(torch.arange(a, min(a + 512, len(examples.starts))), k)
+            x, ctx, alive = x[:, 0], ctx[:, 0], torch.ones(len(x), dtype=torch.bool)
             for j in range(k):
-                logits, h, c = head(h, x, embed, lm_head)
+                logits, h, c = head(h, x, ctx, embed, lm_head)
                 x = logits.argmax(-1)
+                ctx = extend(ctx, x)
                 hit = x == want[:, j]
                 logits_c.append(c[alive])
                 hits.append(hit[alive].float())
@@ -237,14 +248,17 @@ def train_drafter(model, out_path: str, config: TrainConfig = TrainConfig(),
     torch.manual_seed(config.seed)
     t0 = time.perf_counter()
     prompts = prompts if prompts is not None else corpus_prompts(model.tokenizer, config.num_prompts, config.seed)
+    limit = model.config.max_position - config.max_tokens  # a long prompt keeps its end
+    prompts = [p[-limit:] for p in prompts]
     log(f"generating {len(prompts)} greedy continuations of up to {config.max_tokens} tokens")
     states = greedy_states(model, prompts, config.max_tokens)
     t_data = time.perf_counter() - t0
     order = list(range(len(states)))
     random.Random(config.seed).shuffle(order)
     n_eval = max(1, len(states) // 10) if len(states) > 1 else 0
-    train_set = Examples([states[i] for i in order[n_eval:]], config.depth)
-    held = Examples([states[i] for i in order[:n_eval]], config.eval_drafts)
+    pick = lambda ids: ([prompts[i] for i in ids], [states[i] for i in ids])
+    train_set = Examples(*pick(order[n_eval:]), config.depth)
+    held = Examples(*pick(order[:n_eval]), config.eval_drafts)
     if len(train_set.starts) == 0:
         raise DeepfuseError(f"continuations are too short for depth {config.depth}: raise max_tokens")
 

@@ -10,11 +10,11 @@ import deepfuse
 from deepfuse.errors import DeepfuseError
 from deepfuse.models import Llama
 from deepfuse.runtime.engine import Engine, SamplingParams
-from deepfuse.runtime.mtp import DraftHead, MtpDrafter, target_probe, target_weights
+from deepfuse.runtime.mtp import CONTEXT, DraftHead, MtpDrafter, context, extend, target_probe, target_weights
 from deepfuse.runtime.spec import SpecConfig
 from deepfuse.runtime.train_drafter import Examples, TrainConfig, greedy_states, train_drafter
 
-CONFIG = TrainConfig(num_prompts=24, max_tokens=24, steps=300, seconds=120, batch_size=64, lr=3e-3, eval_drafts=3)
+CONFIG = TrainConfig(num_prompts=24, max_tokens=24, steps=200, seconds=120, batch_size=64, lr=3e-3, eval_drafts=3)
 
 
 @pytest.fixture(scope="module")
@@ -43,12 +43,15 @@ def test_greedy_states_pair_each_token_with_the_state_that_sampled_it(tiny_targe
     cache = KVCache(c.num_layers, c.num_kv_heads, c.head_dim, torch.float32, CacheConfig(4, 16))
     _, _, hidden = tiny_target(build_step([SeqChunk(seq[:-1], 0, [], samples=6)], cache))
     torch.testing.assert_close(states[0][1], hidden, atol=1e-5, rtol=1e-5)
-    ex = Examples(states, depth=2)
+    ex = Examples(prompts, states, depth=2)
     assert ex.starts.tolist() == [0, 1, 2, 3, 6, 7, 8, 9]  # i + 2 stays inside its continuation
-    h, x, y = ex.batch(torch.tensor([1, 4]), 2)
+    h, x, y, ctx = ex.batch(torch.tensor([1, 4]), 2)
     g0, g1 = states[0][0].tolist(), states[1][0].tolist()
     assert x.tolist() == [g0[1:3], g1[0:2]] and y.tolist() == [g0[2:4], g1[1:3]]
     assert torch.equal(h[1], states[1][1][0])
+    # each fed token ends its context, which holds its own sequence's tokens only
+    assert ctx.shape == (2, 2, CONTEXT) and ctx[0, 0].tolist() == context(prompts[0] + g0[:2])
+    assert ctx[1, 1].tolist() == context(prompts[1] + g1[:2]) and ctx[1, 1, :-4].eq(-1).all()
 
 
 def test_training_learns_the_targets_next_tokens(trained):
@@ -61,7 +64,7 @@ def test_training_learns_the_targets_next_tokens(trained):
     assert abs(after["first_draft_mean_confidence"] - after["first_draft_accuracy"]) < 0.2
     head, probe, stored = DraftHead.load(path)
     assert stored["heldout"] == after and probe.shape == (16, 64)
-    assert sum(p.numel() for p in head.parameters()) < 64 * 64 * 10  # the head is small: no vocab-sized matrix
+    assert sum(p.numel() for p in head.parameters()) < 64 * 64 * 16  # the head is small: no vocab-sized matrix
 
 
 def test_mtp_drafts_keep_outputs_identical(tiny_target, trained):
@@ -89,10 +92,12 @@ def test_mtp_drafter_chains_its_own_state(tiny_target, trained):
 
     draft = drafter.propose_batch([Req(), Req()], [3, 0])
     h, x, want, conf = Req.hidden[None], torch.tensor([5]), [], 1.0
+    ctx = torch.tensor([[-1] * (CONTEXT - 3) + [3, 4, 5]])
     with torch.no_grad():
         for _ in range(3):
-            logits, h, c = drafter.head(h, x, embed, head_w)
+            logits, h, c = drafter.head(h, x, ctx, embed, head_w)
             x = logits.argmax(-1)
+            ctx = extend(ctx, x)
             conf *= float(torch.sigmoid(c))
             want.append(int(x))
     assert draft[0].tokens == want and draft[0].confidence[-1] == pytest.approx(conf, rel=1e-5)

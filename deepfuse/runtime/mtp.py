@@ -7,15 +7,19 @@ One step of the head, for a sequence whose target step ended at position t:
     x [N]      the token at t + 1 (the target's own sample)
     ctx [N,W]  the sequence's last W tokens, ending with x (-1: before the sequence's start)
     z  = proj([norm_h(h); norm_e(embed(x))])             [N,D]
-    z  = z + copy attention over ctx                      (query from z; key j = token j,
+    p  = copy attention over ctx                          (query from z; key j = token j, plus a
+                                                           learned bonus where token j == x;
                                                            value j = the token after it)
+    z  = z + o(p @ v)
     z  = z + down(silu(gate(norm_m(z))) * up(norm_m(z)))
     out = norm_o(z)                                       [N,D]
-    logits = out @ lm_head^T                              [N,V]  -> the draft for t + 2
+    logits = out @ lm_head^T + g * (p scattered onto the tokens after each key)   [N,V]
+                                                          -> the draft for t + 2
     confidence = sigmoid(conf([out; log p_max; entropy]))  [N]  P(the target agrees)
 
 The copy attention is what an MLP on h alone lacks: text that repeats earlier text (quoting,
-editing code) is predicted by finding where x occurred before and reading what followed; a
+editing code) is predicted by finding where x occurred before and reading what followed, as
+an induction head does, and a pointer term adds those tokens' attention to the logits; a
 zero-valued null slot lets it attend to nothing. Drafting k tokens applies the head k times,
 feeding `out`, the draft, and the context extended by the draft back in. The embedding and
 the LM head are the target's (frozen, not stored): the head file holds only its own weights
@@ -33,7 +37,7 @@ from torch import nn
 from ..errors import DeepfuseError
 from .spec import Draft, Drafter
 
-FORMAT, VERSION = "deepfuse-mtp-head", "2"  # 2: copy attention over the context
+FORMAT, VERSION = "deepfuse-mtp-head", "3"  # 2: copy attention over the context; 3: and a pointer term
 CONTEXT = 64  # tokens of context the copy attention sees (W)
 COPY_HEADS, COPY_DIM = 2, 64
 PROBE_ROWS = 16  # LM-head rows stored to recognise the target
@@ -59,34 +63,42 @@ class DraftHead(nn.Module):
         self.copy_k = nn.Linear(hidden_size, inner, bias=False)
         self.copy_v = nn.Linear(hidden_size, inner, bias=False)
         self.copy_o = nn.Linear(inner, hidden_size, bias=False)
-        self.recency = nn.Parameter(torch.zeros(COPY_HEADS))  # per head: score lost per token of distance
+        # scalars start where copying already works (Adam moves them ~lr per step, so init matters)
+        self.recency = nn.Parameter(torch.zeros(COPY_HEADS))  # per head: score lost across the window
+        self.match = nn.Parameter(torch.full((COPY_HEADS,), 8.0))  # per head: score for key token == x
+        self.pointer = nn.Parameter(torch.tensor(12.0))  # softplus of it: logits per unit of copy attention
         nn.init.zeros_(self.down.weight)  # the MLP and the copy attention start as the identity
         nn.init.zeros_(self.copy_o.weight)
 
-    def copy(self, z: torch.Tensor, ctx: torch.Tensor, embed: torch.Tensor) -> torch.Tensor:
-        """z [N,D], ctx [N,W] -> [N,D]: attention from z over keys ctx[:, j] with values
-        ctx[:, j + 1] (the token that followed), plus a null slot of score 0 and value 0."""
+    def copy(self, z: torch.Tensor, ctx: torch.Tensor, embed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """z [N,D], ctx [N,W] -> ([N,D], [N,W-1]): attention from z over keys ctx[:, j] with
+        values ctx[:, j + 1] (the token that followed), plus a null slot of score 0 and value 0;
+        its output and its weights (mean over heads) on each following token."""
         n, w = ctx.shape
         e = self.norm_c(F.embedding(ctx.clamp(min=0), embed))  # [N,W,D]
         k = self.copy_k(e[:, :-1]).view(n, w - 1, COPY_HEADS, COPY_DIM).transpose(1, 2)
         v = self.copy_v(e[:, 1:]).view(n, w - 1, COPY_HEADS, COPY_DIM).transpose(1, 2)
         q = self.copy_q(z).view(n, COPY_HEADS, 1, COPY_DIM)
-        dist = torch.arange(w - 2, -1, -1, dtype=z.dtype, device=z.device)  # key j is w-2-j tokens back
+        dist = torch.arange(w - 2, -1, -1, dtype=z.dtype, device=z.device) / w  # key j: (w-2-j)/w of the window back
         scores = (q @ k.transpose(-1, -2)).squeeze(2) * COPY_DIM ** -0.5  # [N,heads,W-1]
         scores = scores - F.softplus(self.recency)[None, :, None] * dist
+        scores = scores + self.match[None, :, None] * (ctx[:, :-1] == ctx[:, -1:])[:, None, :]
         scores = scores.masked_fill((ctx[:, :-1] < 0)[:, None, :], float("-inf"))
         probs = torch.cat([scores, scores.new_zeros(n, COPY_HEADS, 1)], -1).softmax(-1)[..., :-1]
-        return self.copy_o((probs.unsqueeze(2) @ v).reshape(n, -1))
+        return self.copy_o((probs.unsqueeze(2) @ v).reshape(n, -1)), probs.mean(1)
 
     def forward(self, h: torch.Tensor, x: torch.Tensor, ctx: torch.Tensor, embed: torch.Tensor,
                 lm_head: torch.Tensor):
         """h [N,D] f32, x [N] i64, ctx [N,CONTEXT] i64 (ending with x), embed [V,D], lm_head [V,D]
         -> (logits [N,V], out [N,D], confidence logit [N]; its sigmoid: the chance the target agrees)."""
         z = self.proj(torch.cat([self.norm_h(h), self.norm_e(F.embedding(x, embed))], -1))
-        z = z + self.copy(z, ctx, embed)
+        copied, weights = self.copy(z, ctx, embed)
+        z = z + copied
         gate, up = self.gate_up(self.norm_m(z)).chunk(2, -1)
         out = self.norm_o(z + self.down(F.silu(gate) * up))
-        logits = F.linear(out, lm_head)
+        pointer = torch.zeros(len(x), lm_head.shape[0], dtype=weights.dtype, device=weights.device)
+        pointer = pointer.scatter_add(1, ctx[:, 1:].clamp(min=0), weights)  # padding keys have weight 0
+        logits = F.linear(out, lm_head) + F.softplus(self.pointer) * pointer
         logp = torch.log_softmax(logits.detach(), -1)
         entropy = -(logp.exp() * logp).sum(-1, keepdim=True)
         features = torch.cat([out.detach(), logp.max(-1, keepdim=True).values, entropy], -1)

@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import DeepfuseError
-from .spec import Draft, Drafter
+from .spec import Draft, Drafter, DraftGate
 
 FORMAT, VERSION = "deepfuse-mtp-head", "3"  # 2: copy attention over the context; 3: and a pointer term
 CONTEXT = 64  # tokens of context the copy attention sees (W)
@@ -182,7 +182,9 @@ def check_head_fits(head: DraftHead, probe: torch.Tensor, lm_head: torch.Tensor,
 class MtpDrafter(Drafter):
     """Drafts with a DraftHead from each request's last hidden state (Request.hidden, kept by
     the engine from every step's `hidden` output). A draft's confidence is the running
-    product of the head's per-token confidences."""
+    product of the head's per-token confidences. Each draft reads the whole LM head, so on a
+    weight-bound machine one costs (LM head + head weights) / target weights of a target step:
+    requests whose drafts do not pay that are skipped (spec.DraftGate)."""
 
     needs_hidden = True
 
@@ -190,11 +192,14 @@ class MtpDrafter(Drafter):
         self.head, probe, self.metrics = DraftHead.load(path)
         self.embed, self.lm_head = target_weights(model)
         check_head_fits(self.head, probe, self.lm_head, path)
+        own = sum(p.numel() for p in self.head.parameters()) + self.lm_head.numel()
+        self.gate = DraftGate(own / sum(w.numel() for w in model.graph.weights.values()))
 
     @torch.inference_mode()
     def propose_batch(self, requests: list, ks: list[int]) -> list[Draft]:
         drafts = [Draft([], []) for _ in requests]
-        live = [i for i, (r, k) in enumerate(zip(requests, ks)) if k > 0 and r.hidden is not None]
+        live = [i for i, (r, k) in enumerate(zip(requests, ks))
+                if k > 0 and r.hidden is not None and self.gate.worth_drafting(r, k)]
         if not live:
             return drafts
         h = torch.stack([requests[i].hidden for i in live])

@@ -103,19 +103,36 @@ class NgramDrafter(Drafter):
         return Draft([], [])
 
 
+class DraftGate:
+    """Drafting costs work whether or not the drafts are verified: a request whose recent
+    acceptance rate r makes the expected accepted tokens (r + r^2 + ... + r^k) worth less than
+    k draft steps (each `cost` of a target step) is not drafted for, except every PROBE-th
+    round, which measures r again."""
+
+    PROBE = 8
+
+    def __init__(self, cost: float):
+        self.cost = cost
+        self.skipped: dict[str, int] = {}  # request id -> rounds skipped in a row
+
+    def worth_drafting(self, request, k: int) -> bool:
+        r = request.spec.recent_rate
+        if request.spec.verifications < 2 or sum(r ** j for j in range(1, k + 1)) > k * self.cost:
+            self.skipped.pop(request.request_id, None)
+            return True
+        n = self.skipped.get(request.request_id, 0) + 1
+        self.skipped[request.request_id] = n % self.PROBE
+        return n % self.PROBE == 0
+
+
 class ModelDrafter(Drafter):
     """Drafts greedily with a smaller compiled model over the target's vocabulary (the
     target's first N layers, say); a draft token's confidence is the running product of the
     draft model's probabilities for its tokens. Its KV cache has its own tensors but the
     target's block ids, so each request's block table serves both. Each round first runs
     the tokens the draft model has not seen (the prompt once, then the tokens accepted since),
-    then k - 1 one-token steps; all requests of a round share its steps.
-    Drafting costs draft-model steps whether or not the drafts are verified: a request whose
-    recent acceptance rate r makes the expected accepted tokens (r + r^2 + ... + r^k) worth less
-    than the k draft steps (each `cost` of a target step) is not drafted for, except every
-    PROBE-th round, which measures r again."""
-
-    PROBE = 8
+    then k - 1 one-token steps; all requests of a round share its steps. Requests whose
+    drafts do not pay are skipped (DraftGate; a draft step costs draft layers / target layers)."""
 
     def __init__(self, draft, kv, cache_config, max_num_tokens: int, max_num_seqs: int, max_blocks: int,
                  cost: float = 0.0):
@@ -127,17 +144,7 @@ class ModelDrafter(Drafter):
         self.model, self.kv, self.budget, self.max_seqs = draft, kv, max_num_tokens, max_num_seqs
         self.cache = KVCache(c.num_layers, c.num_kv_heads, c.head_dim, DTYPES[draft.dtype], cache_config)
         self.buffers = StepBuffers(max_num_tokens, max_num_seqs, max_blocks)
-        self.cost = cost  # one draft step in target steps (draft layers / target layers)
-        self.skipped: dict[str, int] = {}  # request id -> rounds skipped in a row
-
-    def worth_drafting(self, request, k: int) -> bool:
-        r = request.spec.recent_rate
-        if request.spec.verifications < 2 or sum(r ** j for j in range(1, k + 1)) > k * self.cost:
-            self.skipped.pop(request.request_id, None)
-            return True
-        n = self.skipped.get(request.request_id, 0) + 1
-        self.skipped[request.request_id] = n % self.PROBE
-        return n % self.PROBE == 0
+        self.gate = DraftGate(cost)  # one draft step in target steps (draft layers / target layers)
 
     def _run(self, chunks) -> tuple[list[int], list[float]]:
         """One draft-model step; each chunk's greedy next token and its probability."""
@@ -154,7 +161,7 @@ class ModelDrafter(Drafter):
         live = []
         for i, (r, k) in enumerate(zip(requests, ks)):
             end = len(r.tokens) + k - 1  # positions the draft steps write
-            if k > 0 and self.worth_drafting(r, k) and self.kv.can_allocate(r.kv, end):
+            if k > 0 and self.gate.worth_drafting(r, k) and self.kv.can_allocate(r.kv, end):
                 self.kv.allocate(r.kv, r.tokens, end)
                 live.append(i)
         # a request not scheduled since its last round has nothing new: its last token runs again

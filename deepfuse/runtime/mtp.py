@@ -96,8 +96,8 @@ class DraftHead(nn.Module):
         z = z + copied
         gate, up = self.gate_up(self.norm_m(z)).chunk(2, -1)
         out = self.norm_o(z + self.down(F.silu(gate) * up))
-        pointer = torch.zeros(len(x), lm_head.shape[0], dtype=weights.dtype, device=weights.device)
-        pointer = pointer.scatter_add(1, ctx[:, 1:].clamp(min=0), weights)  # padding keys have weight 0
+        pointer = torch.zeros(len(x), lm_head.shape[0], dtype=weights.dtype, device=weights.device).scatter_add_(
+            1, ctx[:, 1:].clamp(min=0), weights)  # padding keys have weight 0
         logits = F.linear(out, lm_head) + F.softplus(self.pointer) * pointer
         logp = torch.log_softmax(logits.detach(), -1)
         entropy = -(logp.exp() * logp).sum(-1, keepdim=True)

@@ -120,8 +120,7 @@ def greedy_states(model, prompts: list[list[int]], max_tokens: int) -> list[tupl
 
     eng = Engine(model, CacheConfig(16, 4096), max_num_tokens=512, max_num_seqs=64)
     eng.keep_hidden = True
-    keep = eng.max_model_len - max_tokens  # a long prompt keeps its end
-    ids = [eng.add_request(p[-keep:], SamplingParams(temperature=0, max_tokens=max_tokens)) for p in prompts]
+    ids = [eng.add_request(p, SamplingParams(temperature=0, max_tokens=max_tokens)) for p in prompts]
     got: dict[str, list] = {i: [] for i in ids}
 
     def record(rid: str, token: int) -> None:
@@ -174,55 +173,53 @@ def head_loss(head, embed, lm_head, h, x, y, ctx):
 
 
 @torch.inference_mode()
-def evaluate(head, embed, lm_head, examples: Examples, k: int) -> dict:
-    """Drafting on held-out continuations: at every index with k tokens after it, k drafts
-    chained from the head's own tokens; accepted = drafts before the first that differs from
-    the target's greedy tokens. Also the first draft's mean confidence vs its accuracy."""
-    if len(examples.starts) == 0:
-        return {}
-    accepted, conf1, hit1 = [], [], []
+def chained_drafts(head, embed, lm_head, examples: Examples, k: int):
+    """Drafting as at inference on every example: k drafts chained from the head's own tokens
+    and context. -> (drafts [P,k], confidence logits [P,k], the target's tokens [P,k])."""
+    drafts, conf, want = [torch.zeros(0, k, dtype=torch.long)], [torch.zeros(0, k)], [torch.zeros(0, k, dtype=torch.long)]
     for a in range(0, len(examples.starts), 512):
-        h, x, want, ctx = examples.batch(torch.arange(a, min(a + 512, len(examples.starts))), k)
-        x, ctx = x[:, 0], ctx[:, 0]
-        alive = torch.ones(len(x), dtype=torch.bool)
-        n = torch.zeros(len(x))
-        for j in range(k):
+        h, x, y, ctx = examples.batch(torch.arange(a, min(a + 512, len(examples.starts))), k)
+        x, ctx, ds, cs = x[:, 0], ctx[:, 0], [], []
+        for _ in range(k):
             logits, h, c = head(h, x, ctx, embed, lm_head)
             x = logits.argmax(-1)
             ctx = extend(ctx, x)
-            if j == 0:
-                conf1.append(torch.sigmoid(c))
-                hit1.append((x == want[:, 0]).float())
-            alive &= x == want[:, j]
-            n += alive.float()
-        accepted.append(n)
-    n = torch.cat(accepted)
+            ds.append(x)
+            cs.append(c)
+        drafts.append(torch.stack(ds, 1))
+        conf.append(torch.stack(cs, 1))
+        want.append(y)
+    return torch.cat(drafts), torch.cat(conf), torch.cat(want)
+
+
+def drafting_metrics(drafts, conf, want) -> dict:
+    """Accepted = drafts before the first that differs from the target's greedy tokens; also
+    the first draft's mean confidence (sigmoid of conf) vs its accuracy."""
+    if len(drafts) == 0:
+        return {}
+    k = drafts.shape[1]
+    n = (drafts == want).long().cumprod(1).sum(1).float()
     return {"positions": len(n), "drafts": k, "acceptance_rate": float(n.mean() / k),
-            "mean_accepted_length": float(n.mean() + 1), "first_draft_accuracy": float(torch.cat(hit1).mean()),
-            "first_draft_mean_confidence": float(torch.cat(conf1).mean())}
+            "mean_accepted_length": float(n.mean() + 1),
+            "first_draft_accuracy": float((drafts[:, 0] == want[:, 0]).float().mean()),
+            "first_draft_mean_confidence": float(torch.sigmoid(conf[:, 0]).mean())}
 
 
-def calibrate(head, embed, lm_head, examples: Examples, k: int, steps: int = 200) -> None:
-    """Platt scaling of the confidence head on the held-out continuations, drafting as at
-    inference (chained from the head's own tokens): fits a, b so that sigmoid(a * c + b) is the
-    chance draft j is right given drafts 1..j-1 were, then folds them into head.conf. Training
-    on seen data leaves the head over-confident; the schedule needs honest probabilities."""
-    logits_c, hits = [], []
-    with torch.inference_mode():
-        for a in range(0, len(examples.starts), 512):
-            h, x, want, ctx = examples.batch(torch.arange(a, min(a + 512, len(examples.starts))), k)
-            x, ctx, alive = x[:, 0], ctx[:, 0], torch.ones(len(x), dtype=torch.bool)
-            for j in range(k):
-                logits, h, c = head(h, x, ctx, embed, lm_head)
-                x = logits.argmax(-1)
-                ctx = extend(ctx, x)
-                hit = x == want[:, j]
-                logits_c.append(c[alive])
-                hits.append(hit[alive].float())
-                alive &= hit
-    c, y = torch.cat(logits_c), torch.cat(hits)
+def evaluate(head, embed, lm_head, examples: Examples, k: int) -> dict:
+    """drafting_metrics of the head's chained drafts on `examples`."""
+    return drafting_metrics(*chained_drafts(head, embed, lm_head, examples, k))
+
+
+def calibrate(head, drafts, conf, want, steps: int = 200) -> tuple[float, float]:
+    """Platt scaling of the confidence head on held-out chained drafts: fits a, b so that
+    sigmoid(a * c + b) is the chance draft j is right given drafts 1..j-1 were, folds them into
+    head.conf and returns them. Training on seen data leaves the head over-confident; the
+    schedule needs honest probabilities."""
+    hit = (drafts == want).float()
+    alive = torch.cat([torch.ones_like(hit[:, :1]), hit.cumprod(1)[:, :-1]], 1).bool()  # drafts before all right
+    c, y = conf[alive], hit[alive]
     if len(y) == 0 or y.min() == y.max():
-        return  # nothing to fit against
+        return 1.0, 0.0  # nothing to fit against
     ab = torch.tensor([1.0, 0.0], requires_grad=True)
     opt = torch.optim.LBFGS([ab], max_iter=steps)
 
@@ -233,10 +230,11 @@ def calibrate(head, embed, lm_head, examples: Examples, k: int, steps: int = 200
         return loss
 
     opt.step(closure)
-    a, b = ab.detach()
+    a, b = (float(v) for v in ab.detach())
     with torch.no_grad():
         head.conf.weight.mul_(a)
         head.conf.bias.mul_(a).add_(b)
+    return a, b
 
 
 def train_drafter(model, out_path: str, config: TrainConfig = TrainConfig(),
@@ -294,9 +292,10 @@ def train_drafter(model, out_path: str, config: TrainConfig = TrainConfig(),
         if flush:
             torch.set_flush_denormal(False)
     head.eval()
-    uncalibrated = evaluate(head, embed, lm_head, held, config.eval_drafts).get("first_draft_mean_confidence")
-    calibrate(head, embed, lm_head, held, config.eval_drafts)
-    after = evaluate(head, embed, lm_head, held, config.eval_drafts)
+    drafts, conf, want = chained_drafts(head, embed, lm_head, held, config.eval_drafts)
+    uncalibrated = drafting_metrics(drafts, conf, want).get("first_draft_mean_confidence")
+    a, b = calibrate(head, drafts, conf, want)
+    after = drafting_metrics(drafts, a * conf + b, want)  # calibration changes the confidences, not the drafts
     metrics = {"config": asdict(config), "sequences": len(states), "train_positions": len(train_set.starts),
                "steps": steps, "data_seconds": round(t_data, 1),
                "train_seconds": round(time.perf_counter() - t_train, 1),

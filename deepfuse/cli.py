@@ -101,23 +101,30 @@ def read_prompts(path: str, tokenizer, chat: bool) -> list[list[int]]:
     from .errors import DeepfuseError
 
     out = []
-    with open(path) as f:
-        for i, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                item = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise DeepfuseError(f"{path} line {i}: not JSON ({e.msg})") from None
-            if isinstance(item, dict) and isinstance(item.get("prompt_token_ids"), list):
-                out.append([int(t) for t in item["prompt_token_ids"]])
-                continue
-            text = item.get("prompt") if isinstance(item, dict) else item
-            if not isinstance(text, str) or not text:
-                raise DeepfuseError(f'{path} line {i}: want "text", {{"prompt": "text"}} or {{"prompt_token_ids": [...]}}')
-            if tokenizer is None:
-                raise DeepfuseError(f"{path} line {i}: a text prompt, but the model has no tokenizer")
-            out.append(tokenizer.encode(tokenizer.render_chat([{"role": "user", "content": text}]) if chat else text))
+    try:
+        with open(path) as f:
+            lines = f.read().splitlines()
+    except (OSError, UnicodeDecodeError) as e:
+        raise DeepfuseError(f"cannot read prompts file {path}: {e}") from None
+    for i, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            item = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise DeepfuseError(f"{path} line {i}: not JSON ({e.msg})") from None
+        if isinstance(item, dict) and "prompt_token_ids" in item:
+            ids = item["prompt_token_ids"]
+            if not isinstance(ids, list) or not ids or not all(isinstance(t, int) for t in ids):
+                raise DeepfuseError(f"{path} line {i}: prompt_token_ids must be a non-empty list of integers")
+            out.append(ids)
+            continue
+        text = item.get("prompt") if isinstance(item, dict) else item
+        if not isinstance(text, str) or not text:
+            raise DeepfuseError(f'{path} line {i}: want "text", {{"prompt": "text"}} or {{"prompt_token_ids": [...]}}')
+        if tokenizer is None:
+            raise DeepfuseError(f"{path} line {i}: a text prompt, but the model has no tokenizer")
+        out.append(tokenizer.encode(tokenizer.render_chat([{"role": "user", "content": text}]) if chat else text))
     if not out:
         raise DeepfuseError(f"{path} has no prompts")
     return out
@@ -131,6 +138,9 @@ def _train_drafter(args: argparse.Namespace) -> None:
     from .models import load_model
     from .runtime.train_drafter import TrainConfig, train_drafter
 
+    out_dir = os.path.dirname(os.path.abspath(args.output))
+    if not os.path.isdir(out_dir) or not os.access(out_dir, os.W_OK):  # say so before minutes of training
+        raise DeepfuseError(f"cannot write {args.output}: {out_dir} is not a writable directory")
     try:
         model, tok = load_model(args.model)
     except DeepfuseError:  # no tokenizer: token-id prompts still work

@@ -163,6 +163,13 @@ def test_cli_trains_a_head_from_a_prompts_file(tiny_dir, tmp_path, capsys):
     bad.write_text('{"prompt": 3}\n')
     assert main(["train-drafter", "--model", tiny_dir, "--prompts", str(bad), "-o", str(out)]) == 2
     assert "line 1" in capsys.readouterr().err
+    bad.write_text('{"prompt_token_ids": [1, "x"]}\n')
+    assert main(["train-drafter", "--model", tiny_dir, "--prompts", str(bad), "-o", str(out)]) == 2
+    assert "line 1: prompt_token_ids must be a non-empty list of integers" in capsys.readouterr().err
+    assert main(["train-drafter", "--model", tiny_dir, "--prompts", str(tmp_path / "none.jsonl"), "-o", str(out)]) == 2
+    assert "cannot read prompts file" in capsys.readouterr().err
+    assert main(["train-drafter", "--model", tiny_dir, "-o", str(tmp_path / "no" / "dir" / "h.safetensors")]) == 2
+    assert "is not a writable directory" in capsys.readouterr().err
 
 
 def test_cli_draft_head_needs_speculate(capsys):

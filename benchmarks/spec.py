@@ -1,18 +1,23 @@
-"""Speculative decoding on SmolLM2, one run: output tokens/s without drafts, with the n-gram
-drafter at fixed k, and with confidence-scheduled verification (at most k), at batch 1 and
-batch 16, on workloads where drafting helps (repeat a passage, continue edited code); then the
-self-drafter and the MTP draft head (fixed k and confidence-scheduled). Same process; greedy,
-so every configuration produces the same tokens (checked). Writes benchmarks/results/spec.json.
-The MTP head is --mtp-head, or trained first (`deepfuse train-drafter` defaults, ~8 minutes)
-into ~/.cache/deepfuse/drafters/ and reused.
+"""Speculative decoding on SmolLM2: output tokens/s without drafts, with the n-gram drafter at
+fixed k, and with confidence-scheduled verification (at most k), on workloads where drafting
+helps (repeat a passage, continue edited code), at
+  batch 1         one request;
+  batch 16        16 requests together (the batch thins out as requests finish);
+  batch 16 full   48 requests, at most 16 running (max_num_seqs=16): a steady batch of 16;
+each configuration once per run, --runs runs interleaved, medians reported (this machine is
+noisy). Then, once each, the self-drafter and the MTP draft head (fixed k and
+confidence-scheduled). Greedy, so every configuration produces the same tokens (checked).
+Writes benchmarks/results/spec.json. The MTP head is --mtp-head, or trained first
+(`deepfuse train-drafter` defaults, ~8 minutes) into ~/.cache/deepfuse/drafters/ and reused.
 
-    python benchmarks/spec.py [--dtype f32] [--tokens 128] [--k 5] [--mtp-head FILE]
+    python benchmarks/spec.py [--dtype f32] [--tokens 128] [--k 5] [--runs 3] [--mtp-head FILE]
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import statistics
 import time
 
 import torch
@@ -44,16 +49,16 @@ def prompts(tok, n: int) -> list[list[int]]:
     return out
 
 
-def run(art, batch: list[list[int]], tokens: int, spec, draft=None) -> tuple[float, list, dict]:
+def run(art, batch: list[list[int]], tokens: int, spec, draft=None, max_num_seqs: int = 64
+        ) -> tuple[float, list, dict]:
     from deepfuse.runtime.engine import Engine, SamplingParams
 
-    eng = Engine(art, spec=spec, draft_model=draft)
+    eng = Engine(art, spec=spec, draft_model=draft, max_num_seqs=max_num_seqs)
     eng.generate(batch[:1], [SamplingParams(temperature=0, max_tokens=4)])  # warm-up
     params = [SamplingParams(temperature=0, max_tokens=tokens) for _ in batch]
     t = time.perf_counter()
     outs = eng.generate(batch, params)
     dt = time.perf_counter() - t
-    # decode throughput: tokens after each request's first, over the time after the first token
     gen = sum(len(o.token_ids) for o in outs)
     s = eng.spec_stats
     stats = {"acceptance_rate": s.acceptance_rate, "mean_accepted_length": s.mean_accepted_length,
@@ -73,11 +78,15 @@ def mtp_head(art, dtype: str) -> str:
     return path
 
 
+WORKLOADS = (("batch 1", 1, 64), ("batch 16", 16, 64), ("batch 16 full", 48, 16))  # name, requests, max_num_seqs
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--dtype", default="f32")
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--k", type=int, default=5)
+    ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--draft-layers", type=int, default=8, help="the self-drafter: the target's first N layers")
     ap.add_argument("--mtp-head", help="an MTP head file (default: train one, cached)")
     args = ap.parse_args()
@@ -89,52 +98,64 @@ def main() -> None:
     art = deepfuse.compile(model, dtype=args.dtype, tokenizer=tok)
     draft = deepfuse.compile(model.first_layers(args.draft_layers), dtype=args.dtype)
     head = args.mtp_head or mtp_head(art, args.dtype)
-    rows, results, self_rows, mtp_rows = [], {}, [], []
-    for bs in (1, 16):
-        batch = prompts(tok, bs)
-        base, base_tokens, _ = run(art, batch, args.tokens, None)
-        fixed, fixed_tokens, fstats = run(art, batch, args.tokens, SpecConfig(num_draft_tokens=args.k, schedule="fixed"))
-        conf, conf_tokens, cstats = run(art, batch, args.tokens, SpecConfig(num_draft_tokens=args.k))
-        selfd, self_tokens, sstats = run(art, batch, args.tokens, SpecConfig(method="draft", num_draft_tokens=3), draft)
-        mtp_fixed, mtp_fixed_tokens, mfstats = run(art, batch, args.tokens, SpecConfig(
-            method="mtp", draft_head=head, num_draft_tokens=args.k, schedule="fixed"))
-        mtp_conf, mtp_conf_tokens, mcstats = run(art, batch, args.tokens, SpecConfig(
-            method="mtp", draft_head=head, num_draft_tokens=args.k))
-        same = all(t == base_tokens for t in (fixed_tokens, conf_tokens, self_tokens, mtp_fixed_tokens,
-                                               mtp_conf_tokens))
-        mtp_rows.append((bs, mtp_fixed / base, mtp_conf / base, mfstats, mcstats))
-        results[f"batch {bs} mtp"] = {"fixed_tok_s": mtp_fixed, "confidence_tok_s": mtp_conf,
-                                      "fixed_vs_none": mtp_fixed / base, "confidence_vs_none": mtp_conf / base,
-                                      "fixed": mfstats, "confidence": mcstats}
-        results[f"batch {bs} self-drafter"] = {"tok_s": selfd, "vs_none": selfd / base, **sstats}
-        self_rows.append((bs, selfd, selfd / base, sstats))
-        results[f"batch {bs}"] = {"no_spec_tok_s": base, "fixed_tok_s": fixed, "confidence_tok_s": conf,
-                                  "fixed_vs_none": fixed / base, "confidence_vs_none": conf / base,
-                                  "confidence_vs_fixed": conf / fixed, "identical_outputs": same,
-                                  "fixed": fstats, "confidence": cstats}
-        rows.append((bs, base, fixed, conf, fstats, cstats, same))
+    ngram = {"none": None, "fixed": SpecConfig(num_draft_tokens=args.k, schedule="fixed"),
+             "confidence": SpecConfig(num_draft_tokens=args.k)}
+    speeds = {(w, c): [] for w, _, _ in WORKLOADS for c in ngram}
+    stats, same = {}, True
+    for r in range(args.runs):
+        for name, n, seqs in WORKLOADS:
+            batch = prompts(tok, n)
+            outs = {}
+            for c, spec in ngram.items():
+                tps, outs[c], stats[name, c] = run(art, batch, args.tokens, spec, max_num_seqs=seqs)
+                speeds[name, c].append(tps)
+            same &= outs["fixed"] == outs["none"] == outs["confidence"]
+            print(f"run {r + 1} {name}: " + ", ".join(f"{c} {speeds[name, c][-1]:.1f}" for c in ngram) + " tok/s",
+                  flush=True)
+    med = {key: statistics.median(v) for key, v in speeds.items()}
+    results = {"dtype": args.dtype, "tokens": args.tokens, "k": args.k, "runs": args.runs,
+               "identical_outputs": same, "ngram": {}}
     print(f"\nSmolLM2-135M {args.dtype}, up to {args.tokens} new tokens per request (greedy, stops at EOS), "
-          f"n-gram drafter, k={args.k}, "
-          f"{torch.get_num_threads()} threads, one run")
-    print(f"{'batch':>5s} {'none tok/s':>11s} {'fixed tok/s':>12s} {'conf tok/s':>11s} {'fixed/none':>11s} "
-          f"{'conf/none':>10s} {'conf/fixed':>11s} {'accept f/c':>11s} {'verified/seq f/c':>17s} {'same':>5s}")
-    for bs, base, fixed, conf, f, c, same in rows:
-        print(f"{bs:5d} {base:11.1f} {fixed:12.1f} {conf:11.1f} {fixed / base:10.2f}x {conf / base:9.2f}x "
-              f"{conf / fixed:10.2f}x {f['acceptance_rate']:5.2f}/{c['acceptance_rate']:4.2f} "
-              f"{f['verified_per_step']:8.2f}/{c['verified_per_step']:<8.2f} {str(same):>5s}")
+          f"n-gram drafter, k={args.k}, {torch.get_num_threads()} threads, medians of {args.runs} runs")
+    print(f"{'workload':>13s} {'none tok/s':>11s} {'fixed tok/s':>12s} {'conf tok/s':>11s} {'fixed/none':>11s} "
+          f"{'conf/none':>10s} {'conf/fixed':>11s} {'conf/fixed per run':>19s} {'accept f/c':>11s} "
+          f"{'verified/seq f/c':>17s}")
+    for name, _, _ in WORKLOADS:
+        base, fixed, conf = (med[name, c] for c in ngram)
+        f, c = stats[name, "fixed"], stats[name, "confidence"]
+        per_run = [cv / fv for cv, fv in zip(speeds[name, "confidence"], speeds[name, "fixed"])]
+        print(f"{name:>13s} {base:11.1f} {fixed:12.1f} {conf:11.1f} {fixed / base:10.2f}x {conf / base:9.2f}x "
+              f"{conf / fixed:10.2f}x {' '.join(f'{x:.2f}' for x in per_run):>19s} "
+              f"{f['acceptance_rate']:5.2f}/{c['acceptance_rate']:4.2f} "
+              f"{f['verified_per_step']:8.2f}/{c['verified_per_step']:<8.2f}")
+        results["ngram"][name] = {"tok_s": {c: speeds[name, c] for c in ngram}, "median_tok_s": {c: med[name, c] for c in ngram},
+                                  "fixed_vs_none": fixed / base, "confidence_vs_none": conf / base,
+                                  "confidence_vs_fixed": conf / fixed, "confidence_vs_fixed_per_run": per_run,
+                                  "fixed": f, "confidence": c}
+    print(f"identical outputs in every configuration: {same}")
+
     print(f"\nself-drafter (first {args.draft_layers} of {model.config.num_layers} layers + head, k <= 3, "
-          f"confidence-scheduled):")
-    for bs, tps, ratio, s in self_rows:
-        print(f"  batch {bs:2d}: {tps:6.1f} tok/s, {ratio:.2f}x no spec, accept {s['acceptance_rate']:.2f}, "
-              f"{s['mean_accepted_length']:.2f} tokens per verification")
-    print(f"\nMTP draft head ({head}), k <= {args.k}:")
-    for bs, fx, cf, f, c in mtp_rows:
-        print(f"  batch {bs:2d}: fixed {fx:.2f}x no spec (accept {f['acceptance_rate']:.2f}, "
-              f"{f['mean_accepted_length']:.2f} tokens per verification), confidence {cf:.2f}x "
-              f"(accept {c['acceptance_rate']:.2f}, {c['verified_per_step']:.2f} verified per sequence)")
+          f"confidence-scheduled) and MTP draft head ({head}, k <= {args.k}), one run each:")
+    for name, n, _ in WORKLOADS[:2]:
+        batch = prompts(tok, n)
+        base, base_tokens, _ = run(art, batch, args.tokens, None)
+        selfd, self_tokens, sstats = run(art, batch, args.tokens, SpecConfig(method="draft", num_draft_tokens=3), draft)
+        mtp = {}
+        for schedule in ("fixed", "confidence"):
+            mtp[schedule] = run(art, batch, args.tokens, SpecConfig(method="mtp", draft_head=head,
+                                                                    num_draft_tokens=args.k, schedule=schedule))
+        ok = self_tokens == base_tokens and all(m[1] == base_tokens for m in mtp.values())
+        print(f"  {name}: self-drafter {selfd / base:.2f}x no spec (accept {sstats['acceptance_rate']:.2f}); "
+              f"MTP fixed {mtp['fixed'][0] / base:.2f}x (accept {mtp['fixed'][2]['acceptance_rate']:.2f}, "
+              f"{mtp['fixed'][2]['mean_accepted_length']:.2f} tokens per verification), confidence "
+              f"{mtp['confidence'][0] / base:.2f}x (accept {mtp['confidence'][2]['acceptance_rate']:.2f}, "
+              f"{mtp['confidence'][2]['verified_per_step']:.2f} verified per sequence); same tokens: {ok}")
+        results[f"{name} self-drafter"] = {"tok_s": selfd, "vs_none": selfd / base, **sstats}
+        results[f"{name} mtp"] = {s: {"tok_s": m[0], "vs_none": m[0] / base, **m[2]} for s, m in mtp.items()}
+        results[f"{name} others identical"] = ok
     os.makedirs(os.path.join(os.path.dirname(__file__), "results"), exist_ok=True)
     with open(os.path.join(os.path.dirname(__file__), "results", "spec.json"), "w") as f:
-        json.dump({"dtype": args.dtype, "tokens": args.tokens, "k": args.k, "results": results}, f, indent=1)
+        json.dump(results, f, indent=1)
 
 
 if __name__ == "__main__":

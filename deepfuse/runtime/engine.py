@@ -47,6 +47,8 @@ class EngineStats:
 
 
 class Engine:
+    LATENCY_CONTEXT = 128  # tokens each sequence has cached in the latency table's measured steps
+
     def __init__(self, model: CompiledModel, cache: CacheConfig | None = None, max_num_tokens: int = 512,
                  max_num_seqs: int = 64, spec: SpecConfig | None = None, draft_model: CompiledModel | None = None):
         self.model = model
@@ -131,7 +133,7 @@ class Engine:
         logits, next_tokens, hidden = self.model(self.buffers.fill(chunks, self.cache))
         now = time.perf_counter()
         if self.latency is not None:
-            self.latency.observe(sum(len(c.tokens) for c in chunks), (now - t0) * 1000)
+            self.latency.observe(len(chunks), sum(len(c.tokens) for c in chunks), (now - t0) * 1000)
         self.stats.steps += 1
         sampled = next_tokens.tolist()
         finished, row = [], 0
@@ -146,6 +148,7 @@ class Engine:
                 accepted = len(new) - 1
                 req.spec.add(chunk.samples - 1, accepted)
                 self.spec_stats.add(chunk.samples - 1, accepted)
+                self.drafter.observe(req, chunk.samples - 1, accepted)
                 req.computed += 1 + accepted
             else:
                 req.computed += n
@@ -173,10 +176,11 @@ class Engine:
         if self.drafter is None:
             return
         k = self.spec.num_draft_tokens
-        decoding, ks, base = [], [], 0
+        decoding, ks, base, others = [], [], 0, 0
         for req in self.scheduler.running:
             if req.remaining != 1:
                 base += req.remaining
+                others += 1
                 continue
             # no drafts past max_tokens or the context: they could never be kept
             room = min(k, req.params.max_tokens - len(req.generated) - 1, self.max_model_len - len(req.tokens))
@@ -187,9 +191,12 @@ class Engine:
             counts = [len(d.tokens) for d in drafts]
         else:
             base = min(base, self.scheduler.config.max_num_tokens) + len(decoding)
-            counts = choose_drafts(drafts, base, float(len(decoding)), self.latency)
+            seqs = min(others + len(decoding), self.scheduler.config.max_num_seqs)
+            counts = choose_drafts(drafts, seqs, base, float(len(decoding)), self.latency)
         for req, d, n in zip(decoding, drafts, counts):
             req.draft = d.tokens[:n]
+            if d.tokens and not n:
+                self.drafter.observe(req, 0, 0)
 
     def _make_drafter(self, spec: SpecConfig, draft_model: CompiledModel | None):
         if spec.method == "ngram":
@@ -207,34 +214,41 @@ class Engine:
                             cost=draft_model.config.num_layers / self.model.config.num_layers)
 
     def _latency_model(self) -> LatencyModel:
-        """Step time by tokens per step, for confidence scheduling: read from the on-disk cache
-        (keyed by the compiled plan, dtype, threads and cache block size) or measured now on
-        throwaway blocks: one sequence of T tokens, T = 1, 2, 4, ... up to max_num_tokens."""
-        key = hashlib.sha256(json.dumps([self.model.plan, self.model.dtype, torch.get_num_threads(),
+        """Step time by (sequences, tokens) for confidence scheduling: read from the on-disk
+        cache (keyed by the compiled plan, dtype, threads and cache block size) or measured
+        now on throwaway blocks: S = 1, 2, 4, ... sequences of n = 1, 2, 4, 8 tokens each
+        continuing a CONTEXT-token sequence (a verify step's shape), and one sequence of up to
+        max_num_tokens (a prefill chunk's)."""
+        key = hashlib.sha256(json.dumps(["grid", self.model.plan, self.model.dtype, torch.get_num_threads(),
                                          self.cache.block_size], sort_keys=True, default=str).encode()).hexdigest()[:20]
         path = os.path.join(os.path.expanduser("~"), ".cache", "deepfuse", "latency", key + ".json")
         cached = LatencyModel.load(path)
         if cached is not None:
             return cached
-        top = min(self.scheduler.config.max_num_tokens, self.max_model_len)
-        sizes = [t for t in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512) if t <= top]
-        need = -(-sizes[-1] // self.cache.block_size)
-        if need > self.cache.pool.num_available():
-            sizes = [t for t in sizes if t <= self.cache.pool.num_available() * self.cache.block_size] or [1]
-            need = -(-sizes[-1] // self.cache.block_size)
-        blocks = self.cache.pool.allocate(need)
+        budget, bs = self.scheduler.config.max_num_tokens, self.cache.block_size
+        context = min(self.LATENCY_CONTEXT, self.max_model_len - 8)
+        start_of = lambda n: context if n <= 8 else 0  # noqa: E731  (a verify chunk, or a prefill chunk)
+        shapes = [(1, t) for t in (16, 32, 64, 128, 256, 512) if t <= min(budget, self.max_model_len)]
+        shapes += [(s, s * n) for s in (1, 2, 4, 8, 16, 32, 64, 128) for n in (1, 2, 4, 8)
+                   if s <= self.scheduler.config.max_num_seqs and s * n <= budget]
+        free = self.cache.pool.num_available()
+        shapes = [(s, t) for s, t in shapes if s * -(-(start_of(t // s) + t // s) // bs) <= free] or [(1, 1)]
         points = {}
-        try:
-            for t in sizes:
-                chunk = [SeqChunk([0] * t, 0, blocks)]
+        for s, t in sorted(set(shapes)):
+            n = t // s
+            start = start_of(n) if s * -(-(start_of(n) + n) // bs) <= free else 0
+            tables = [self.cache.pool.allocate(-(-(start + n) // bs)) for _ in range(s)]
+            try:
+                chunks = [SeqChunk([0] * n, start, b, samples=n if n <= 8 else 1) for b in tables]
                 times = []
                 for _ in range(3):
                     t0 = time.perf_counter()
-                    self.model(self.buffers.fill(chunk, self.cache))
+                    self.model(self.buffers.fill(chunks, self.cache))
                     times.append((time.perf_counter() - t0) * 1000)
-                points[t] = sorted(times)[1]
-        finally:
-            self.cache.pool.release(blocks)
+                points[s, t] = sorted(times)[1]
+            finally:
+                for b in tables:
+                    self.cache.pool.release(b)
         model = LatencyModel(points)
         model.save(path)
         return model

@@ -100,6 +100,7 @@ class Request:
     num_preemptions: int = 0
     draft: list[int] = field(default_factory=list)  # draft tokens to verify in the next step
     draft_computed: int = 0  # tokens whose KV a draft model (spec.ModelDrafter) has in its cache
+    drafter_state: object = None  # the drafter's own record of this request (spec.NgramDrafter)
     spec: SpecStats = field(default_factory=SpecStats)
     hidden: torch.Tensor | None = None  # [D] f32, the target's hidden state that sampled tokens[-1] (MTP drafting)
 

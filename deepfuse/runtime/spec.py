@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import bisect
 import heapq
+import itertools
 import json
 import os
 from abc import ABC, abstractmethod
@@ -73,20 +74,73 @@ class Drafter(ABC):
     @abstractmethod
     def propose_batch(self, requests: list, ks: list[int]) -> list[Draft]: ...
 
+    def observe(self, request, drafted: int, accepted: int) -> None:
+        """After a round: `drafted` of the request's last draft were verified (0: none were,
+        the schedule found them not worth it) and the first `accepted` of those kept.
+        Drafters that learn from outcomes (NgramDrafter) override it."""
+        return None
+
+
+class AcceptanceTally:
+    """Decayed counts, by draft position i, of drafts verified whose predecessors were all
+    accepted (`tried`) and of those accepted (`hit`): hit[i] / tried[i] estimates the chance
+    that draft i is accepted given drafts 0..i-1 were. A run of copied tokens is accepted
+    together or not at all, so these conditional rates, not one rate raised to the i-th
+    power, are what a draft's chance is built from."""
+
+    def __init__(self, k: int, hit: float = 0.0, tried: float = 0.0):
+        self.hit, self.tried = [hit] * k, [tried] * k
+
+    def add(self, drafted: int, accepted: int, decay: float = 1.0) -> None:
+        """One verification: `drafted` drafts verified, the first `accepted` of them kept."""
+        for i in range(len(self.hit)):
+            self.hit[i] *= decay
+            self.tried[i] *= decay
+        for i in range(min(drafted, accepted + 1)):
+            self.tried[i] += 1
+            self.hit[i] += i < accepted
+
+    def decay(self, factor: float) -> None:
+        self.add(0, 0, factor)
+
 
 class NgramDrafter(Drafter):
     """Prompt lookup: the longest suffix of the sequence (max_ngram .. min_ngram tokens) that
     occurred earlier in it; the tokens that followed its latest earlier occurrence are the
-    draft. Confidence: the request's running acceptance rate of this drafter, per position."""
+    draft. Confidence, learned online from every verification: the chance that draft i is
+    accepted given drafts before it were is the request's own recent rate for position i
+    (decayed counts), shrunk toward the engine-wide rate for drafts found by a suffix of the
+    same length (a longer matched suffix is likelier a copy); a draft's confidence is the
+    running product. A request whose drafts are not verified drifts back toward the
+    engine-wide rates, so a run of rejections does not shut it out for good."""
+
+    SHRINK = 2.0  # pseudo-verifications of the engine-wide rate mixed into a request's own
+    DECAY = 0.7  # weight a request's past verifications keep at each new one
+    DRIFT = 0.9  # ... and at each round its drafts are not verified
 
     def __init__(self, config: SpecConfig):
         self.config = config
+        k = config.num_draft_tokens
+        # by matched suffix length; prior: one first draft in two is accepted, and four in five
+        # of the drafts after an accepted one (copying runs on), worth five verifications
+        self.by_match = []
+        for _ in range(config.max_ngram + 1):
+            t = AcceptanceTally(k, 4.0, 5.0)
+            t.hit[0], t.tried[0] = 1.0, 2.0
+            self.by_match.append(t)
 
     def propose_batch(self, requests: list, ks: list[int]) -> list[Draft]:
-        return [self.propose(r.tokens, k, r.spec.recent_rate) if k > 0 else Draft([], [])
-                for r, k in zip(requests, ks)]
+        drafts = []
+        for r, k in zip(requests, ks):
+            follow, n = self.lookup(r.tokens, k) if k > 0 else ([], 0)
+            if r.drafter_state is None:
+                r.drafter_state = _NgramState(AcceptanceTally(self.config.num_draft_tokens))
+            r.drafter_state.match = n
+            drafts.append(Draft(follow, self.confidence(r.drafter_state.own, n, len(follow))))
+        return drafts
 
-    def propose(self, tokens: list[int], k: int, accept_rate: float) -> Draft:
+    def lookup(self, tokens: list[int], k: int) -> tuple[list[int], int]:
+        """The draft (at most k tokens) and the length of the suffix it was found by (0: none)."""
         n_max = min(self.config.max_ngram, len(tokens) - 1)
         for n in range(n_max, self.config.min_ngram - 1, -1):
             suffix = tokens[-n:]
@@ -95,12 +149,35 @@ class NgramDrafter(Drafter):
                 if tokens[start:start + n] == suffix:
                     follow = tokens[start + n:start + n + k]
                     if follow:
-                        conf, c = [], 1.0
-                        for _ in follow:
-                            c *= accept_rate
-                            conf.append(c)
-                        return Draft(follow, conf)
-        return Draft([], [])
+                        return follow, n
+        return [], 0
+
+    def confidence(self, own: AcceptanceTally, match: int, count: int) -> list[float]:
+        """Running products of the conditional acceptance rates of positions 0..count-1."""
+        shared, out, c = self.by_match[match], [], 1.0
+        for i in range(count):
+            prior = shared.hit[i] / shared.tried[i]
+            c *= (own.hit[i] + self.SHRINK * prior) / (own.tried[i] + self.SHRINK)
+            out.append(c)
+        return out
+
+    def observe(self, request, drafted: int, accepted: int) -> None:
+        state = request.drafter_state
+        if state is None or not state.match:
+            return
+        if drafted == 0:
+            state.own.decay(self.DRIFT)
+            return
+        state.own.add(drafted, accepted, self.DECAY)
+        self.by_match[state.match].add(drafted, accepted)
+
+
+@dataclass
+class _NgramState:
+    """NgramDrafter's per-request state (Request.drafter_state)."""
+
+    own: AcceptanceTally
+    match: int = 0  # length of the suffix the last draft was found by
 
 
 class DraftGate:
@@ -227,35 +304,53 @@ class SpecStats:
 
 
 class LatencyModel:
-    """Step time (ms) as a function of tokens in the step: measured points, linear in between
-    (and beyond the last, at its slope); observe() moves the two points around a measured step
-    toward it, each by its share of the interpolation."""
+    """Step time (ms) by (sequences in the step, tokens in the step). Sixteen sequences of
+    one token cost far more than one sequence of sixteen (each sequence attends over its own
+    cache), so the model is a grid: a row of measured points per sequence count, piecewise
+    linear in tokens (beyond a row's last point, at its last slope; below its first, its
+    first value), and linear between rows. observe() moves the points a measured step was
+    predicted from toward it, each by its share of the interpolation."""
 
-    def __init__(self, points: dict[int, float]):
-        self.tokens = sorted(points)
-        self.ms = [points[t] for t in self.tokens]
+    def __init__(self, points: dict[tuple[int, int], float]):
+        rows: dict[int, dict[int, float]] = {}
+        for (s, t), ms in points.items():
+            rows.setdefault(s, {})[t] = ms
+        self.seqs = sorted(rows)
+        self.tokens = [sorted(rows[s]) for s in self.seqs]
+        # more tokens never take less time: a measured dip is noise
+        self.ms = [list(itertools.accumulate((rows[s][t] for t in ts), max)) for s, ts in zip(self.seqs, self.tokens)]
 
-    def predict(self, tokens: int) -> float:
-        t, ms = self.tokens, self.ms
-        if len(t) == 1:
-            return ms[0]
-        i = min(max(bisect.bisect_left(t, tokens), 1), len(t) - 1)
-        slope = (ms[i] - ms[i - 1]) / (t[i] - t[i - 1])
-        return max(ms[i - 1] + slope * (tokens - t[i - 1]), 1e-3)
+    @staticmethod
+    def _between(xs: list[int], x: float, extend: bool) -> tuple[int, int, float]:
+        """The two points of xs around x and x's fraction of the way from the first to the
+        second (past the last point: > 1 when extend, else clamped; below the first: 0)."""
+        if len(xs) == 1 or x <= xs[0]:
+            return 0, 0, 0.0
+        i = min(bisect.bisect_left(xs, x), len(xs) - 1)
+        f = (x - xs[i - 1]) / (xs[i] - xs[i - 1])
+        return i - 1, i, f if extend else min(f, 1.0)
 
-    def observe(self, tokens: int, ms: float, weight: float = 0.1) -> None:
-        t = self.tokens
-        err = ms - self.predict(tokens)
-        if len(t) == 1 or tokens <= t[0]:
-            self.ms[0] += weight * err
-            return
-        i = min(bisect.bisect_left(t, tokens), len(t) - 1)
-        share = min(1.0, (tokens - t[i - 1]) / (t[i] - t[i - 1]))  # 1: at (or past) point i
-        self.ms[i] += weight * err * share
-        self.ms[i - 1] += weight * err * (1 - share)
+    def _terms(self, seqs: int, tokens: int) -> list[tuple[int, int, float]]:
+        """(row, point, weight) whose weighted sum of ms is the prediction."""
+        r0, r1, fs = self._between(self.seqs, seqs, extend=False)
+        out = []
+        for r, wr in ((r0, 1 - fs), (r1, fs)):
+            p0, p1, ft = self._between(self.tokens[r], tokens, extend=True)
+            out += [(r, p0, wr * (1 - ft)), (r, p1, wr * ft)]
+        return out
 
-    def to_json(self) -> dict:
-        return {str(t): m for t, m in zip(self.tokens, self.ms)}
+    def predict(self, seqs: int, tokens: int) -> float:
+        return max(sum(w * self.ms[r][p] for r, p, w in self._terms(seqs, tokens)), 1e-3)
+
+    def observe(self, seqs: int, tokens: int, ms: float, weight: float = 0.1) -> None:
+        err = ms - self.predict(seqs, tokens)
+        terms = [(r, p, min(max(w, 0.0), 1.0)) for r, p, w in self._terms(seqs, tokens)]
+        total = sum(w for _, _, w in terms)
+        for r, p, w in terms:
+            self.ms[r][p] += weight * err * w / total
+
+    def to_json(self) -> list[list[float]]:
+        return [[s, t, m] for s, ts, ms in zip(self.seqs, self.tokens, self.ms) for t, m in zip(ts, ms)]
 
     def save(self, path: str) -> None:
         os.makedirs(os.path.dirname(path), exist_ok=True)
@@ -266,29 +361,34 @@ class LatencyModel:
     def load(path: str) -> LatencyModel | None:
         try:
             with open(path) as f:
-                return LatencyModel({int(k): float(v) for k, v in json.load(f).items()})
-        except (OSError, ValueError):
+                return LatencyModel({(int(s), int(t)): float(m) for s, t, m in json.load(f)})
+        except (OSError, ValueError, TypeError):
             return None
 
 
-def choose_drafts(drafts: list[Draft], base_tokens: int, gain: float, latency: LatencyModel) -> list[int]:
-    """How many of each sequence's drafts to verify. base_tokens: the step's tokens without
-    drafts; gain: tokens the step yields without drafts (one per decoding sequence). Adds the
-    next draft of the sequence whose next draft is most likely accepted (the product of its
-    confidences so far) while expected tokens per ms improves."""
+def choose_drafts(drafts: list[Draft], seqs: int, base_tokens: int, gain: float, latency: LatencyModel) -> list[int]:
+    """How many of each sequence's drafts to verify. seqs, base_tokens: the step's sequences
+    and tokens without drafts; gain: tokens the step yields without drafts (one per decoding
+    sequence). Drafts are taken most likely first (a sequence's next draft is likely by the
+    product of its confidences so far); of these prefixes, the one with the most expected
+    tokens per ms of step time wins (the latency curve has steps, so not the first local best)."""
     counts = [0] * len(drafts)
     heap = [(-d.confidence[0], s) for s, d in enumerate(drafts) if d.tokens]
     heapq.heapify(heap)
-    tokens, expected = base_tokens, gain
-    best = expected / latency.predict(tokens)
+    order, expected, tokens = [], gain, base_tokens
+    best, best_len = expected / latency.predict(seqs, tokens), 0
     while heap:
         neg, s = heapq.heappop(heap)
-        ratio = (expected - neg) / latency.predict(tokens + 1)
-        if ratio <= best:
-            break
-        best, expected, tokens = ratio, expected - neg, tokens + 1
+        expected, tokens = expected - neg, tokens + 1
+        order.append(s)
         counts[s] += 1
+        ratio = expected / latency.predict(seqs, tokens)
+        if ratio > best:
+            best, best_len = ratio, len(order)
         d = drafts[s]
         if counts[s] < len(d.tokens):
             heapq.heappush(heap, (-d.confidence[counts[s]], s))
+    counts = [0] * len(drafts)
+    for s in order[:best_len]:
+        counts[s] += 1
     return counts

@@ -11,7 +11,8 @@ from deepfuse.models import Llama
 from deepfuse.runtime.batch import SeqChunk, build_step
 from deepfuse.runtime.engine import Engine, SamplingParams
 from deepfuse.runtime.kv_cache import CacheConfig, KVCache
-from deepfuse.runtime.spec import Draft, Drafter, LatencyModel, NgramDrafter, SpecConfig, choose_drafts
+from deepfuse.runtime.request import Request
+from deepfuse.runtime.spec import AcceptanceTally, Draft, Drafter, LatencyModel, NgramDrafter, SpecConfig, choose_drafts
 
 PASSAGE = ("The quick brown fox jumps over the lazy dog. The dog was not amused, and the fox ran away into the "
            "forest, where it met a wise old owl who told it a story about the moon and the stars.")
@@ -39,9 +40,32 @@ def test_a_chunk_samples_its_last_rows_like_one_token_steps(tiny_model):
 def test_ngram_drafter_continues_the_latest_earlier_occurrence():
     d = NgramDrafter(SpecConfig(num_draft_tokens=3, max_ngram=3))
     toks = [1, 2, 3, 4, 5, 9, 1, 2, 3, 7, 8, 1, 2, 3]
-    draft = d.propose(toks, 3, 0.5)
-    assert draft.tokens == [7, 8, 1] and draft.confidence == [0.5, 0.25, 0.125]
-    assert d.propose([1, 2, 3, 4], 3, 0.5).tokens == []  # nothing repeats
+    assert d.lookup(toks, 3) == ([7, 8, 1], 3)
+    assert d.lookup(toks[:-1], 3) == ([3, 7, 8], 2)  # [1, 2] last followed by 3
+    assert d.lookup([1, 2, 3, 4], 3) == ([], 0)  # nothing repeats
+    # before any verification, the prior: one first draft in two, four in five after an accepted one
+    assert d.confidence(AcceptanceTally(3), 3, 3) == pytest.approx([0.5, 0.4, 0.32])
+
+
+def test_ngram_confidence_learns_conditional_rates_and_recovers_from_rejections():
+    """Copied runs are accepted whole or not at all: after such verifications the chance of
+    draft 2 given draft 1 is high although only half of first drafts are accepted. A request
+    whose drafts were all rejected gets low confidence, and drifts back toward the shared
+    rates while its drafts go unverified."""
+    d = NgramDrafter(SpecConfig(num_draft_tokens=4, max_ngram=3))
+    reqs = [Request(str(i), [1, 2, 3, 9, 1, 2, 3], None, 0, 0.0, [1, 2, 3, 9, 1, 2, 3]) for i in range(2)]
+    for _ in range(20):
+        drafts = d.propose_batch(reqs, [4, 4])
+        assert drafts[0].tokens == [9, 1, 2, 3]
+        d.observe(reqs[0], 4, 4)
+        d.observe(reqs[1], 4, 0)
+    good, bad = (d.propose_batch([r], [4])[0].confidence for r in reqs)
+    shared = d.confidence(AcceptanceTally(4), 3, 4)
+    assert shared[0] == pytest.approx(0.5, abs=0.05) and shared[3] > 0.85 * 0.5  # prior 0.8 each: learned ~1
+    assert good[3] > 0.7 and bad[0] < 0.2
+    for _ in range(30):
+        d.observe(reqs[1], 0, 0)  # not verified: the schedule found it not worth it
+    assert d.propose_batch([reqs[1]], [4])[0].confidence[0] > 0.4
 
 
 @pytest.mark.parametrize("bad,match", [(dict(num_draft_tokens=0), "num_draft_tokens must be >= 1"),
@@ -136,22 +160,29 @@ def test_confidence_schedule_verifies_drafts_only_when_they_pay():
     """Cheap extra tokens (a flat latency curve) make every likely draft worth verifying; a
     steep one (each token costs a whole step) makes none worth it; low confidence stops early."""
     drafts = [Draft([1, 2, 3], [0.9, 0.81, 0.73]), Draft([4, 5], [0.2, 0.04]), Draft([], [])]
-    flat = LatencyModel({1: 10.0, 64: 11.0})
-    assert choose_drafts(drafts, 3, 3.0, flat) == [3, 2, 0]
-    steep = LatencyModel({1: 10.0, 2: 20.0, 64: 640.0})
-    assert choose_drafts(drafts, 3, 3.0, steep) == [0, 0, 0]
-    mid = LatencyModel({1: 10.0, 16: 16.0})  # +0.4 ms per token on a 10 ms step
-    assert choose_drafts(drafts, 3, 3.0, mid) == [3, 1, 0]
+    flat = LatencyModel({(1, 1): 10.0, (1, 64): 11.0})
+    assert choose_drafts(drafts, 3, 3, 3.0, flat) == [3, 2, 0]
+    steep = LatencyModel({(1, 1): 10.0, (1, 2): 20.0, (1, 64): 640.0})
+    assert choose_drafts(drafts, 3, 3, 3.0, steep) == [0, 0, 0]
+    mid = LatencyModel({(1, 1): 10.0, (1, 16): 16.0})  # +0.4 ms per token on a 10 ms step
+    assert choose_drafts(drafts, 3, 3, 3.0, mid) == [3, 1, 0]
+    # a step in the curve (one more token crosses a tile edge) is not the end: the best prefix wins
+    stair = LatencyModel({(1, 3): 10.0, (1, 4): 14.0, (1, 8): 14.0, (1, 9): 30.0})
+    assert choose_drafts(drafts, 3, 3, 3.0, stair) == [3, 2, 0]
 
 
-def test_latency_model_interpolates_and_learns():
-    m = LatencyModel({1: 10.0, 4: 16.0})
-    assert m.predict(1) == 10.0 and m.predict(2) == 12.0 and m.predict(8) == 24.0
-    m.observe(4, 26.0, weight=0.5)
-    assert m.predict(4) == 21.0 and m.predict(1) == 10.0
-    err = 22.0 - (10.0 + 11.0 / 3)  # predicted 13.67 at 2 tokens
-    m.observe(2, 22.0, weight=1.0)  # a third of the way from 1 to 4: a third of the error goes to 4
-    assert m.ms == pytest.approx([10.0 + 2 / 3 * err, 21.0 + 1 / 3 * err])
+def test_latency_model_is_a_grid_over_sequences_and_tokens():
+    m = LatencyModel({(1, 1): 10.0, (1, 4): 16.0, (4, 4): 40.0, (4, 16): 64.0})
+    assert m.predict(1, 1) == 10.0 and m.predict(1, 2) == 12.0 and m.predict(1, 8) == 24.0
+    assert m.predict(4, 10) == 52.0 and m.predict(8, 16) == 64.0  # past the last row: the last row
+    assert m.predict(2, 4) == pytest.approx(16.0 + (40.0 - 16.0) / 3)  # a third of the way from 1 to 4 rows
+    m.observe(1, 4, 26.0, weight=0.5)
+    assert m.predict(1, 4) == 21.0 and m.predict(1, 1) == 10.0
+    before = m.predict(1, 2)
+    m.observe(1, 2, 22.0, weight=1.0)  # a third of the way from 1 to 4 tokens: a third of the error goes to 4
+    err = 22.0 - before
+    assert m.ms[0] == pytest.approx([10.0 + 2 / 3 * err, 21.0 + 1 / 3 * err])
+    assert LatencyModel(dict(((s, t), ms) for s, t, ms in m.to_json())).ms == m.ms
 
 
 def test_engine_with_confidence_schedule_keeps_greedy_outputs(tiny_model, tmp_path, monkeypatch):
@@ -161,10 +192,11 @@ def test_engine_with_confidence_schedule_keeps_greedy_outputs(tiny_model, tmp_pa
     p = [SamplingParams(temperature=0, max_tokens=24)] * 3
     plain = Engine(art).generate([prompt] * 3, p)
     eng = Engine(art, spec=SpecConfig(num_draft_tokens=4))
-    assert eng.latency is not None and eng.latency.tokens[0] == 1
+    assert eng.latency is not None and eng.latency.seqs[0] == 1
     assert [o.token_ids for o in eng.generate([prompt] * 3, p)] == [o.token_ids for o in plain]
     cached = list((tmp_path / ".cache" / "deepfuse" / "latency").iterdir())
-    assert len(cached) == 1 and Engine(art, spec=SpecConfig()).latency.tokens == eng.latency.tokens
+    again = Engine(art, spec=SpecConfig()).latency  # read from the cache: the same grid
+    assert len(cached) == 1 and (again.seqs, again.tokens) == (eng.latency.seqs, eng.latency.tokens)
 
 
 def test_draft_model_drafter_keeps_outputs_and_a_copy_of_the_target_is_always_right(tiny_model):

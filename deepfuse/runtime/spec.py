@@ -81,8 +81,11 @@ class Drafter(ABC):
         return None
 
 
+AGREE_ONLY, AGREE_ALL, AGREE_SPLIT = 0, 1, 2  # NgramDrafter.lookup
+
+
 class AcceptanceTally:
-    """Decayed counts, by draft position i, of drafts verified whose predecessors were all
+    """Counts, by draft position i, of drafts verified whose predecessors were all
     accepted (`tried`) and of those accepted (`hit`): hit[i] / tried[i] estimates the chance
     that draft i is accepted given drafts 0..i-1 were. A run of copied tokens is accepted
     together or not at all, so these conditional rates, not one rate raised to the i-th
@@ -91,93 +94,85 @@ class AcceptanceTally:
     def __init__(self, k: int, hit: float = 0.0, tried: float = 0.0):
         self.hit, self.tried = [hit] * k, [tried] * k
 
-    def add(self, drafted: int, accepted: int, decay: float = 1.0) -> None:
+    def add(self, drafted: int, accepted: int) -> None:
         """One verification: `drafted` drafts verified, the first `accepted` of them kept."""
-        for i in range(len(self.hit)):
-            self.hit[i] *= decay
-            self.tried[i] *= decay
         for i in range(min(drafted, accepted + 1)):
             self.tried[i] += 1
             self.hit[i] += i < accepted
-
-    def decay(self, factor: float) -> None:
-        self.add(0, 0, factor)
 
 
 class NgramDrafter(Drafter):
     """Prompt lookup: the longest suffix of the sequence (max_ngram .. min_ngram tokens) that
     occurred earlier in it; the tokens that followed its latest earlier occurrence are the
-    draft. Confidence, learned online from every verification: the chance that draft i is
-    accepted given drafts before it were is the request's own recent rate for position i
-    (decayed counts), shrunk toward the engine-wide rate for drafts found by a suffix of the
-    same length (a longer matched suffix is likelier a copy); a draft's confidence is the
-    running product. A request whose drafts are not verified drifts back toward the
-    engine-wide rates, so a run of rejections does not shut it out for good."""
-
-    SHRINK = 2.0  # pseudo-verifications of the engine-wide rate mixed into a request's own
-    DECAY = 0.7  # weight a request's past verifications keep at each new one
-    DRIFT = 0.9  # ... and at each round its drafts are not verified
+    draft. Confidence, learned online from every verification of every request: the chance
+    that draft i is accepted given drafts before it were, tallied per kind of draft, and the
+    running product of these. A draft's kind: the length of the suffix it was found by (a
+    longer one is likelier a copy), whether that suffix's other occurrences agree on the next
+    token, disagree or do not exist, and how the request's last verification went (none yet,
+    its first draft rejected, some accepted, all accepted: a request copying a passage keeps
+    copying). Kinds are shared by all requests, so one whose drafts go unverified is not shut
+    out: its kind's rate is still learned from the others'."""
 
     def __init__(self, config: SpecConfig):
         self.config = config
-        k = config.num_draft_tokens
-        # by matched suffix length; prior: one first draft in two is accepted, and four in five
-        # of the drafts after an accepted one (copying runs on), worth five verifications
-        self.by_match = []
-        for _ in range(config.max_ngram + 1):
-            t = AcceptanceTally(k, 4.0, 5.0)
+        self.tallies: dict[tuple[int, int, int], AcceptanceTally] = {}
+
+    def tally(self, kind: tuple[int, int, int]) -> AcceptanceTally:
+        t = self.tallies.get(kind)
+        if t is None:  # prior: one first draft in two is accepted, four in five of the drafts
+            # after an accepted one (copying runs on), worth two and five verifications
+            t = self.tallies[kind] = AcceptanceTally(self.config.num_draft_tokens, 4.0, 5.0)
             t.hit[0], t.tried[0] = 1.0, 2.0
-            self.by_match.append(t)
+        return t
 
     def propose_batch(self, requests: list, ks: list[int]) -> list[Draft]:
         drafts = []
         for r, k in zip(requests, ks):
-            follow, n = self.lookup(r.tokens, k) if k > 0 else ([], 0)
-            if r.drafter_state is None:
-                r.drafter_state = _NgramState(AcceptanceTally(self.config.num_draft_tokens))
-            r.drafter_state.match = n
-            drafts.append(Draft(follow, self.confidence(r.drafter_state.own, n, len(follow))))
+            follow, n, agree = self.lookup(r.tokens, k) if k > 0 else ([], 0, AGREE_ONLY)
+            state = r.drafter_state = r.drafter_state or _NgramState()
+            state.kind = (n, agree, state.last)
+            drafts.append(Draft(follow, self.confidence(state.kind, len(follow))))
         return drafts
 
-    def lookup(self, tokens: list[int], k: int) -> tuple[list[int], int]:
-        """The draft (at most k tokens) and the length of the suffix it was found by (0: none)."""
+    def lookup(self, tokens: list[int], k: int) -> tuple[list[int], int, int]:
+        """The draft (at most k tokens), the length n of the suffix it was found by (0: none),
+        and what the suffix's other earlier occurrences say of the draft's first token:
+        AGREE_ONLY (there are none), AGREE_ALL (all were followed by it), AGREE_SPLIT (not all)."""
         n_max = min(self.config.max_ngram, len(tokens) - 1)
         for n in range(n_max, self.config.min_ngram - 1, -1):
             suffix = tokens[-n:]
-            # latest earlier occurrence whose continuation exists
-            for start in range(len(tokens) - n - 1, -1, -1):
-                if tokens[start:start + n] == suffix:
-                    follow = tokens[start + n:start + n + k]
-                    if follow:
-                        return follow, n
-        return [], 0
+            starts = [s for s in range(len(tokens) - n - 1, -1, -1) if tokens[s:s + n] == suffix]
+            if starts:  # the latest earlier occurrence (its continuation exists: it ends before the suffix)
+                follow = tokens[starts[0] + n:starts[0] + n + k]
+                nexts = {tokens[s + n] for s in starts}
+                return follow, n, AGREE_ONLY if len(starts) == 1 else AGREE_ALL if len(nexts) == 1 else AGREE_SPLIT
+        return [], 0, AGREE_ONLY
 
-    def confidence(self, own: AcceptanceTally, match: int, count: int) -> list[float]:
+    def confidence(self, kind: tuple[int, int, int], count: int) -> list[float]:
         """Running products of the conditional acceptance rates of positions 0..count-1."""
-        shared, out, c = self.by_match[match], [], 1.0
+        t, out, c = self.tally(kind), [], 1.0
         for i in range(count):
-            prior = shared.hit[i] / shared.tried[i]
-            c *= (own.hit[i] + self.SHRINK * prior) / (own.tried[i] + self.SHRINK)
+            c *= t.hit[i] / t.tried[i]
             out.append(c)
         return out
 
     def observe(self, request, drafted: int, accepted: int) -> None:
         state = request.drafter_state
-        if state is None or not state.match:
+        if state is None or not state.kind[0] or not drafted:
             return
-        if drafted == 0:
-            state.own.decay(self.DRIFT)
-            return
-        state.own.add(drafted, accepted, self.DECAY)
-        self.by_match[state.match].add(drafted, accepted)
+        self.tally(state.kind).add(drafted, accepted)
+        state.last = LAST_ALL if accepted == drafted else LAST_SOME if accepted else LAST_REJECTED
+
+
+LAST_NONE, LAST_REJECTED, LAST_SOME, LAST_ALL = 0, 1, 2, 3  # a request's last verification (_NgramState)
 
 
 @dataclass
 class _NgramState:
     """NgramDrafter's per-request state (Request.drafter_state)."""
 
-    own: AcceptanceTally
-    match: int = 0  # length of the suffix the last draft was found by
+    last: int = LAST_NONE  # how its last verification went
+    kind: tuple[int, int, int] = (0, AGREE_ONLY, LAST_NONE)  # its last draft's (suffix length, AGREE_*, last)
 
 
 class DraftGate:

@@ -12,7 +12,17 @@ from deepfuse.runtime.batch import SeqChunk, build_step
 from deepfuse.runtime.engine import Engine, SamplingParams
 from deepfuse.runtime.kv_cache import CacheConfig, KVCache
 from deepfuse.runtime.request import Request
-from deepfuse.runtime.spec import AcceptanceTally, Draft, Drafter, LatencyModel, NgramDrafter, SpecConfig, choose_drafts
+from deepfuse.runtime.spec import (
+    AGREE_ALL,
+    AGREE_ONLY,
+    AGREE_SPLIT,
+    Draft,
+    Drafter,
+    LatencyModel,
+    NgramDrafter,
+    SpecConfig,
+    choose_drafts,
+)
 
 PASSAGE = ("The quick brown fox jumps over the lazy dog. The dog was not amused, and the fox ran away into the "
            "forest, where it met a wise old owl who told it a story about the moon and the stars.")
@@ -40,32 +50,34 @@ def test_a_chunk_samples_its_last_rows_like_one_token_steps(tiny_model):
 def test_ngram_drafter_continues_the_latest_earlier_occurrence():
     d = NgramDrafter(SpecConfig(num_draft_tokens=3, max_ngram=3))
     toks = [1, 2, 3, 4, 5, 9, 1, 2, 3, 7, 8, 1, 2, 3]
-    assert d.lookup(toks, 3) == ([7, 8, 1], 3)
-    assert d.lookup(toks[:-1], 3) == ([3, 7, 8], 2)  # [1, 2] last followed by 3
-    assert d.lookup([1, 2, 3, 4], 3) == ([], 0)  # nothing repeats
-    # before any verification, the prior: one first draft in two, four in five after an accepted one
-    assert d.confidence(AcceptanceTally(3), 3, 3) == pytest.approx([0.5, 0.4, 0.32])
+    assert d.lookup(toks, 3) == ([7, 8, 1], 3, AGREE_SPLIT)  # [1, 2, 3] was followed by 4, later by 7
+    assert d.lookup(toks[:-1], 3) == ([3, 7, 8], 2, AGREE_ALL)  # [1, 2] was followed by 3 each time
+    assert d.lookup([4, 5, 6, 4], 3) == ([5, 6, 4], 1, AGREE_ONLY)  # [4] occurred once before
+    assert d.lookup([1, 2, 3, 4], 3) == ([], 0, AGREE_ONLY)  # nothing repeats
 
 
-def test_ngram_confidence_learns_conditional_rates_and_recovers_from_rejections():
+def test_ngram_confidence_is_learned_per_kind_of_draft():
     """Copied runs are accepted whole or not at all: after such verifications the chance of
-    draft 2 given draft 1 is high although only half of first drafts are accepted. A request
-    whose drafts were all rejected gets low confidence, and drifts back toward the shared
-    rates while its drafts go unverified."""
+    draft 2 given draft 1 is high although only half of first drafts are accepted. The kind
+    of draft includes how the request's last verification went, and kinds are shared: a new
+    request that has just had all its drafts accepted gets the confidence others earned."""
     d = NgramDrafter(SpecConfig(num_draft_tokens=4, max_ngram=3))
-    reqs = [Request(str(i), [1, 2, 3, 9, 1, 2, 3], None, 0, 0.0, [1, 2, 3, 9, 1, 2, 3]) for i in range(2)]
+    toks = [1, 2, 3, 9, 1, 2, 3]
+    reqs = [Request(str(i), toks, None, 0, 0.0, list(toks)) for i in range(3)]
+    assert d.propose_batch(reqs[:1], [4])[0].confidence == pytest.approx([0.5, 0.4, 0.32, 0.256])  # the prior
     for _ in range(20):
-        drafts = d.propose_batch(reqs, [4, 4])
+        drafts = d.propose_batch(reqs[:2], [4, 4])
         assert drafts[0].tokens == [9, 1, 2, 3]
         d.observe(reqs[0], 4, 4)
         d.observe(reqs[1], 4, 0)
-    good, bad = (d.propose_batch([r], [4])[0].confidence for r in reqs)
-    shared = d.confidence(AcceptanceTally(4), 3, 4)
-    assert shared[0] == pytest.approx(0.5, abs=0.05) and shared[3] > 0.85 * 0.5  # prior 0.8 each: learned ~1
-    assert good[3] > 0.7 and bad[0] < 0.2
-    for _ in range(30):
-        d.observe(reqs[1], 0, 0)  # not verified: the schedule found it not worth it
-    assert d.propose_batch([reqs[1]], [4])[0].confidence[0] > 0.4
+    copying, rejected = d.propose_batch(reqs[:2], [4, 4])
+    assert copying.confidence[3] > 0.8 and rejected.confidence[0] < 0.1
+    d.propose_batch(reqs[2:], [4])
+    d.observe(reqs[2], 2, 2)
+    assert d.propose_batch(reqs[2:], [4])[0].confidence == copying.confidence
+    new = d.propose_batch([Request("new", toks, None, 0, 0.0, list(toks))], [4])[0].confidence
+    # the first round's kind (no verification yet): prior 1/2 and 4/5, then all, none and 2 of 2 accepted
+    assert new == pytest.approx([3 / 5, 3 / 5 * 6 / 7, 3 / 5 * 6 / 7 * 5 / 6, 3 / 5 * 6 / 7 * 5 / 6 * 5 / 6])
 
 
 @pytest.mark.parametrize("bad,match", [(dict(num_draft_tokens=0), "num_draft_tokens must be >= 1"),

@@ -5,8 +5,11 @@ helps (repeat a passage, continue edited code), at
   batch 16        16 requests together (the batch thins out as requests finish);
   batch 16 full   48 requests, at most 16 running (max_num_seqs=16): a steady batch of 16;
 each configuration once per run, --runs runs interleaved, medians reported (this machine is
-noisy). Then, once each, the self-drafter and the MTP draft head (fixed k and
-confidence-scheduled). Greedy, so every configuration produces the same tokens (checked).
+noisy). "modelled": the same runs' tokens over the time the engine's (sequences, tokens)
+latency grid, frozen, predicts for the steps each configuration took: free of the noise, and
+deterministic but for the online latency correction's effect on the schedule. Then, once
+each, the self-drafter and the MTP draft head (fixed k and confidence-scheduled). Greedy,
+so every configuration produces the same tokens (checked).
 Writes benchmarks/results/spec.json. The MTP head is --mtp-head, or trained first
 (`deepfuse train-drafter` defaults, ~8 minutes) into ~/.cache/deepfuse/drafters/ and reused.
 
@@ -15,6 +18,7 @@ Writes benchmarks/results/spec.json. The MTP head is --mtp-head, or trained firs
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import statistics
@@ -49,12 +53,31 @@ def prompts(tok, n: int) -> list[list[int]]:
     return out
 
 
-def run(art, batch: list[list[int]], tokens: int, spec, draft=None, max_num_seqs: int = 64
+class StepShapes:
+    """Wraps a compiled model; records each step's (sequences, tokens)."""
+
+    def __init__(self, model):
+        self.model, self.shapes = model, []
+
+    def __getattr__(self, name):
+        return getattr(self.model, name)
+
+    def __call__(self, inputs):
+        q = inputs["query_lens"]
+        self.shapes.append((int((q > 0).sum()), int(q.sum())))
+        return self.model(inputs)
+
+
+def run(art, batch: list[list[int]], tokens: int, spec, draft=None, max_num_seqs: int = 64, grid=None
         ) -> tuple[float, list, dict]:
+    """Output tokens/s, the tokens, and stats; with grid (a LatencyModel), stats["modelled_tok_s"]:
+    tokens over the time the grid predicts for the steps taken (the same grid for every
+    configuration: a comparison free of this machine's noise)."""
     from deepfuse.runtime.engine import Engine, SamplingParams
 
     eng = Engine(art, spec=spec, draft_model=draft, max_num_seqs=max_num_seqs)
     eng.generate(batch[:1], [SamplingParams(temperature=0, max_tokens=4)])  # warm-up
+    eng.model = steps = StepShapes(eng.model)
     params = [SamplingParams(temperature=0, max_tokens=tokens) for _ in batch]
     t = time.perf_counter()
     outs = eng.generate(batch, params)
@@ -63,6 +86,8 @@ def run(art, batch: list[list[int]], tokens: int, spec, draft=None, max_num_seqs
     s = eng.spec_stats
     stats = {"acceptance_rate": s.acceptance_rate, "mean_accepted_length": s.mean_accepted_length,
              "verified_per_step": s.verified_per_step, "steps": eng.stats.steps}
+    if grid is not None:
+        stats["modelled_tok_s"] = gen / (sum(grid.predict(*shape) for shape in steps.shapes) / 1000)
     return gen / dt, [o.token_ids for o in outs], stats
 
 
@@ -101,13 +126,15 @@ def main() -> None:
     ngram = {"none": None, "fixed": SpecConfig(num_draft_tokens=args.k, schedule="fixed"),
              "confidence": SpecConfig(num_draft_tokens=args.k)}
     speeds = {(w, c): [] for w, _, _ in WORKLOADS for c in ngram}
+    from deepfuse.runtime.engine import Engine
+    grid = copy.deepcopy(Engine(art, spec=SpecConfig()).latency)  # measured once (or cached), then frozen
     stats, same = {}, True
     for r in range(args.runs):
         for name, n, seqs in WORKLOADS:
             batch = prompts(tok, n)
             outs = {}
             for c, spec in ngram.items():
-                tps, outs[c], stats[name, c] = run(art, batch, args.tokens, spec, max_num_seqs=seqs)
+                tps, outs[c], stats[name, c] = run(art, batch, args.tokens, spec, max_num_seqs=seqs, grid=grid)
                 speeds[name, c].append(tps)
             same &= outs["fixed"] == outs["none"] == outs["confidence"]
             print(f"run {r + 1} {name}: " + ", ".join(f"{c} {speeds[name, c][-1]:.1f}" for c in ngram) + " tok/s",
@@ -119,7 +146,7 @@ def main() -> None:
           f"n-gram drafter, k={args.k}, {torch.get_num_threads()} threads, medians of {args.runs} runs")
     print(f"{'workload':>13s} {'none tok/s':>11s} {'fixed tok/s':>12s} {'conf tok/s':>11s} {'fixed/none':>11s} "
           f"{'conf/none':>10s} {'conf/fixed':>11s} {'conf/fixed per run':>19s} {'accept f/c':>11s} "
-          f"{'verified/seq f/c':>17s}")
+          f"{'verified/seq f/c':>17s} {'modelled conf/fixed':>20s}")
     for name, _, _ in WORKLOADS:
         base, fixed, conf = (med[name, c] for c in ngram)
         f, c = stats[name, "fixed"], stats[name, "confidence"]
@@ -127,10 +154,12 @@ def main() -> None:
         print(f"{name:>13s} {base:11.1f} {fixed:12.1f} {conf:11.1f} {fixed / base:10.2f}x {conf / base:9.2f}x "
               f"{conf / fixed:10.2f}x {' '.join(f'{x:.2f}' for x in per_run):>19s} "
               f"{f['acceptance_rate']:5.2f}/{c['acceptance_rate']:4.2f} "
-              f"{f['verified_per_step']:8.2f}/{c['verified_per_step']:<8.2f}")
+              f"{f['verified_per_step']:8.2f}/{c['verified_per_step']:<8.2f} "
+              f"{c['modelled_tok_s'] / f['modelled_tok_s']:19.2f}x")
         results["ngram"][name] = {"tok_s": {c: speeds[name, c] for c in ngram}, "median_tok_s": {c: med[name, c] for c in ngram},
                                   "fixed_vs_none": fixed / base, "confidence_vs_none": conf / base,
                                   "confidence_vs_fixed": conf / fixed, "confidence_vs_fixed_per_run": per_run,
+                                  "modelled_confidence_vs_fixed": c["modelled_tok_s"] / f["modelled_tok_s"],
                                   "fixed": f, "confidence": c}
     print(f"identical outputs in every configuration: {same}")
 

@@ -13,9 +13,10 @@ KV slots are simply overwritten later: `computed` advances past accepted tokens 
 Confidence-scheduled verification (schedule="confidence", the default): each step, the
 drafts to verify are chosen to maximise expected tokens per unit of step time. Draft i of
 a sequence is expected to be accepted with the product of its drafter's confidences up to
-i; the step's time comes from a latency model (tokens in the step -> ms) measured when the
-engine starts, cached on disk, and corrected with every step's measured time. Drafts are
-added most-confident first while the ratio improves. schedule="fixed" verifies k each step.
+i; the step's time comes from a latency model ((sequences, tokens) in the step -> ms)
+measured when the engine starts, cached on disk, and corrected with every step's measured
+time. Drafts are taken most-confident first; the prefix with the best ratio is verified.
+schedule="fixed" verifies k each step.
 """
 from __future__ import annotations
 

@@ -1,9 +1,11 @@
 """CPU paged attention: one launch per layer for the whole step.
 
 Prefill chunks run one SDPA each (4-d operands: torch's flash path; a whole prompt in one
-chunk attends to its own k/v rows, plainly causal). Decoding sequences are grouped by
-length and each group runs one SDPA over blocks gathered as rows of the contiguous k and
-v halves of the cache; so are short chunks that continue a cached sequence (speculative
+chunk attends to its own k/v rows, plainly causal). Decoding sequences (one new token
+each) all run in one call of a native kernel that reads their blocks in place
+(paged_decode.cpp; f32/bf16, no sinks); otherwise they are grouped by length and each
+group runs one SDPA over blocks gathered as rows of the contiguous k and v halves of the
+cache; so are short chunks that continue a cached sequence (speculative
 verification: the last token and its drafts), padded to the group's widest with a causal
 mask. Host-side facts about the step (StepLayout) are computed once per step and shared by
 all layers.
@@ -17,6 +19,9 @@ import torch.nn.functional as F
 
 from ...ir.opdefs_llm import causal_mask, write_kv
 from .kernels import Kernel, factory
+from .native import paged_decode
+
+NATIVE_DTYPES = (torch.float32, torch.bfloat16)  # paged_decode.cpp's
 
 
 def gather_blocks(cache: torch.Tensor, tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -102,13 +107,16 @@ class StepLayout:
         short = [s for s, n in enumerate(qlens) if 1 < n <= SHORT_CHUNK and n < lens[s]]
         self.prefills = [(s, starts[s], n, lens[s]) for s, n in enumerate(qlens) if n > 1 and s not in short]
         dec = [s for s, n in enumerate(qlens) if n == 1]
-        self.groups = decode_groups(dec, [starts[s] for s in dec], [lens[s] for s in dec], block_size, window,
-                                    device=seq_lens.device)
-        self.groups += decode_groups(short, [starts[s] for s in short], [lens[s] for s in short], block_size,
-                                     window, device=seq_lens.device, widths=[qlens[s] for s in short])
-        # a pure decode step whose one group is already in row order needs no gather or scatter of q
-        self.in_order = (len(dec) == starts[-1] and len(self.groups) == 1
-                         and self.groups[0].rows.tolist() == list(range(len(dec))))
+        # one-token sequences: for the native kernel (all at once) or in length groups
+        self.dec_seqs = torch.tensor(dec, dtype=torch.long, device=seq_lens.device)
+        self.dec_rows = torch.tensor([starts[s] for s in dec], dtype=torch.long, device=seq_lens.device)
+        self.dec_lens = seq_lens[self.dec_seqs].contiguous()
+        self.dec_groups = decode_groups(dec, [starts[s] for s in dec], [lens[s] for s in dec], block_size, window,
+                                        device=seq_lens.device)
+        self.short_groups = decode_groups(short, [starts[s] for s in short], [lens[s] for s in short], block_size,
+                                          window, device=seq_lens.device, widths=[qlens[s] for s in short])
+        # a pure decode step (rows in sequence order) needs no gather or scatter of q
+        self.pure_decode = len(dec) == starts[-1] == len(qlens)
 
 
 def sink_sdpa(q, k, v, mask: torch.Tensor | None, scale: float, sinks: torch.Tensor) -> torch.Tensor:
@@ -153,12 +161,17 @@ def _attention(attrs: dict) -> Kernel:
         if writes:
             write_kv(cache, k, v, slots)
         lay = _LAYOUTS.get(seq_lens, query_lens, cache.shape[2], window)
-        if lay.in_order:
-            o = decode(q, cache, tables, lay.groups[0], sinks)
-            return o if out is None else out.copy_(o)
         if out is None:
             out = torch.empty(q.shape, dtype=q.dtype)
-        for g in lay.groups:
+        native = paged_decode() if sinks is None and q.dtype in NATIVE_DTYPES and len(lay.dec_seqs) else None
+        if native is not None:  # one-token sequences read their blocks in place
+            if lay.pure_decode:
+                native.paged_decode(q.contiguous(), cache, tables, lay.dec_lens, h, window, scale, out)
+                return out
+            o = native.paged_decode(q[lay.dec_rows], cache, tables[lay.dec_seqs], lay.dec_lens, h, window, scale,
+                                    torch.empty(len(lay.dec_seqs), q.shape[1], dtype=q.dtype))
+            out[lay.dec_rows] = o
+        for g in lay.short_groups if native is not None else lay.dec_groups + lay.short_groups:
             o = decode(q[g.rows], cache, tables[g.seqs], g, sinks)
             if g.valid is None:
                 out[g.rows] = o

@@ -1,0 +1,24 @@
+"""Native CPU kernels: C++ next to this file, compiled with g++ on first use through
+torch.utils.cpp_extension (cached under ~/.cache/torch_extensions, so later processes load
+the built library in well under a second). A machine without a working compiler gets None
+and the torch-op path, with one warning."""
+from __future__ import annotations
+
+import functools
+import os
+import warnings
+
+
+@functools.cache
+def paged_decode():
+    """The paged_decode extension module (paged_decode.cpp), or None where it cannot be built."""
+    from torch.utils.cpp_extension import load
+
+    src = os.path.join(os.path.dirname(__file__), "paged_decode.cpp")
+    try:
+        return load(name="deepfuse_paged_decode", sources=[src], extra_cflags=["-O3", "-march=native", "-fopenmp"],
+                    extra_ldflags=["-fopenmp"], verbose=False)
+    except Exception as e:  # no g++, no Python headers, ...: the torch-op path still works
+        warnings.warn(f"deepfuse: the native paged decode kernel could not be built ({e}); "
+                      f"decode attention gathers blocks with torch ops instead", stacklevel=2)
+        return None

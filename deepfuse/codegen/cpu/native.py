@@ -5,8 +5,22 @@ and the torch-op path, with one warning."""
 from __future__ import annotations
 
 import functools
+import hashlib
 import os
+import platform
 import warnings
+
+
+def cpu_tag() -> str:
+    """A short tag of this CPU's instruction set: the library is built with -march=native, so
+    a home directory shared with another kind of machine must not reuse it."""
+    flags = platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags += next((line for line in f if line.startswith(("flags", "Features"))), "")
+    except OSError:
+        pass
+    return hashlib.sha256(flags.encode()).hexdigest()[:8]
 
 
 @functools.cache
@@ -16,7 +30,7 @@ def paged_decode():
 
     src = os.path.join(os.path.dirname(__file__), "paged_decode.cpp")
     try:
-        return load(name="deepfuse_paged_decode", sources=[src], extra_cflags=["-O3", "-march=native", "-fopenmp"],
+        return load(name=f"deepfuse_paged_decode_{cpu_tag()}", sources=[src], extra_cflags=["-O3", "-march=native", "-fopenmp"],
                     extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as e:  # no g++, no Python headers, ...: the torch-op path still works
         warnings.warn(f"deepfuse: the native paged decode kernel could not be built ({e}); "

@@ -136,6 +136,8 @@ def sink_sdpa(q, k, v, mask: torch.Tensor | None, scale: float, sinks: torch.Ten
 def _attention(attrs: dict) -> Kernel:
     h, hkv, hd = attrs["num_heads"], attrs["num_kv_heads"], attrs["head_dim"]
     scale, window, writes = attrs["scale"], attrs.get("window", 0), attrs.get("write_kv", True)
+    if not attrs.get("sinks"):
+        paged_decode()  # built (once per machine) at load, not in the middle of the first generation
 
     def sdpa(q, k, v, mask, causal: bool, sinks) -> torch.Tensor:
         if sinks is None:

@@ -215,28 +215,36 @@ class Engine:
 
     def _latency_model(self) -> LatencyModel:
         """Step time by (sequences, tokens) for confidence scheduling: read from the on-disk
-        cache (keyed by the compiled plan, dtype, threads and cache block size) or measured
-        now on throwaway blocks: S = 1, 2, 4, ... sequences of n = 1, 2, 4, 8 tokens each
-        continuing a CONTEXT-token sequence (a verify step's shape), and one sequence of up to
-        max_num_tokens (a prefill chunk's)."""
+        cache (keyed by the compiled plan, dtype, threads, cache and batch sizes) or measured
+        now on throwaway blocks: S = 1, 2, 4, ..., max_num_seqs sequences of n = 1, 2, 4, 8
+        tokens each continuing a LATENCY_CONTEXT-token sequence (a verify step's shape), and
+        one sequence of up to max_num_tokens (a prefill chunk's)."""
+        sc = self.scheduler.config
         key = hashlib.sha256(json.dumps(["grid", self.model.plan, self.model.dtype, torch.get_num_threads(),
-                                         self.cache.block_size], sort_keys=True, default=str).encode()).hexdigest()[:20]
+                                         self.cache.block_size, self.cache.config.num_blocks, sc.max_num_seqs,
+                                         sc.max_num_tokens], sort_keys=True, default=str).encode()).hexdigest()[:20]
         path = os.path.join(os.path.expanduser("~"), ".cache", "deepfuse", "latency", key + ".json")
         cached = LatencyModel.load(path)
         if cached is not None:
             return cached
         budget, bs = self.scheduler.config.max_num_tokens, self.cache.block_size
-        context = min(self.LATENCY_CONTEXT, self.max_model_len - 8)
-        start_of = lambda n: context if n <= 8 else 0  # noqa: E731  (a verify chunk, or a prefill chunk)
-        shapes = [(1, t) for t in (16, 32, 64, 128, 256, 512) if t <= min(budget, self.max_model_len)]
-        shapes += [(s, s * n) for s in (1, 2, 4, 8, 16, 32, 64, 128) for n in (1, 2, 4, 8)
-                   if s <= self.scheduler.config.max_num_seqs and s * n <= budget]
         free = self.cache.pool.num_available()
-        shapes = [(s, t) for s, t in shapes if s * -(-(start_of(t // s) + t // s) // bs) <= free] or [(1, 1)]
+
+        def start_of(s: int, n: int) -> int:
+            """Where each of s measured chunks of n tokens starts: a verify chunk continues a
+            LATENCY_CONTEXT-token sequence (shorter where the free blocks cannot hold s of
+            those), a prefill chunk starts at 0; -1 where even that does not fit."""
+            fit = (free // s) * bs - n
+            return min(self.LATENCY_CONTEXT, self.max_model_len - n, fit) if n <= 8 else (0 if fit >= 0 else -1)
+
+        shapes = [(1, t) for t in (16, 32, 64, 128, 256, 512) if t <= min(budget, self.max_model_len)]
+        rows = sorted({s for s in (1, 2, 4, 8, 16, 32, 64, 128) if s < sc.max_num_seqs} | {sc.max_num_seqs})
+        shapes += [(s, s * n) for s in rows for n in (1, 2, 4, 8) if s * n <= budget]
+        shapes = [(s, t) for s, t in shapes if start_of(s, t // s) >= 0] or [(1, 1)]
         points = {}
         for s, t in sorted(set(shapes)):
             n = t // s
-            start = start_of(n) if s * -(-(start_of(n) + n) // bs) <= free else 0
+            start = max(start_of(s, n), 0)
             tables = [self.cache.pool.allocate(-(-(start + n) // bs)) for _ in range(s)]
             try:
                 chunks = [SeqChunk([0] * n, start, b, samples=n if n <= 8 else 1) for b in tables]

@@ -12,10 +12,13 @@ import sys
 import warnings
 
 
-def cpu_tag() -> str:
-    """A short tag of this CPU's instruction set: the library is built with -march=native, so
-    a home directory shared with another kind of machine must not reuse it."""
-    flags = platform.machine()
+def build_tag() -> str:
+    """A short tag of this CPU's instruction set and this torch install: the library is built
+    with -march=native against one torch's headers, so a home directory shared with another
+    kind of machine or another environment must not reuse (or rebuild over) it."""
+    import torch
+
+    flags = platform.machine() + torch.__version__ + os.path.dirname(torch.__file__)
     try:
         with open("/proc/cpuinfo") as f:
             flags += next((line for line in f if line.startswith(("flags", "Features"))), "")
@@ -32,7 +35,7 @@ def paged_decode():
     from torch.utils.cpp_extension import load
 
     src = os.path.join(os.path.dirname(__file__), "paged_decode.cpp")
-    name = f"deepfuse_paged_decode_{cpu_tag()}"
+    name = f"deepfuse_paged_decode_{build_tag()}"
     where = os.path.join(os.path.expanduser("~"), ".cache", "deepfuse", "native", name)
     os.makedirs(where, exist_ok=True)
     if not os.path.exists(os.path.join(where, name + ".so")):

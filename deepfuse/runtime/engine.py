@@ -195,8 +195,6 @@ class Engine:
             counts = choose_drafts(drafts, seqs, base, float(len(decoding)), self.latency)
         for req, d, n in zip(decoding, drafts, counts):
             req.draft = d.tokens[:n]
-            if d.tokens and not n:
-                self.drafter.observe(req, 0, 0)
 
     def _make_drafter(self, spec: SpecConfig, draft_model: CompiledModel | None):
         if spec.method == "ngram":

@@ -76,9 +76,8 @@ class Drafter(ABC):
     def propose_batch(self, requests: list, ks: list[int]) -> list[Draft]: ...
 
     def observe(self, request, drafted: int, accepted: int) -> None:
-        """After a round: `drafted` of the request's last draft were verified (0: none were,
-        the schedule found them not worth it) and the first `accepted` of those kept.
-        Drafters that learn from outcomes (NgramDrafter) override it."""
+        """After a step that verified `drafted` of the request's last draft and kept the first
+        `accepted` of them. Drafters that learn from outcomes (NgramDrafter) override it."""
         return None
 
 
@@ -92,8 +91,8 @@ class AcceptanceTally:
     together or not at all, so these conditional rates, not one rate raised to the i-th
     power, are what a draft's chance is built from."""
 
-    def __init__(self, k: int, hit: float = 0.0, tried: float = 0.0):
-        self.hit, self.tried = [hit] * k, [tried] * k
+    def __init__(self, hit: list[float], tried: list[float]):
+        self.hit, self.tried = list(hit), list(tried)
 
     def add(self, drafted: int, accepted: int) -> None:
         """One verification: `drafted` drafts verified, the first `accepted` of them kept."""
@@ -122,8 +121,8 @@ class NgramDrafter(Drafter):
         t = self.tallies.get(kind)
         if t is None:  # prior: one first draft in two is accepted, four in five of the drafts
             # after an accepted one (copying runs on), worth two and five verifications
-            t = self.tallies[kind] = AcceptanceTally(self.config.num_draft_tokens, 4.0, 5.0)
-            t.hit[0], t.tried[0] = 1.0, 2.0
+            rest = self.config.num_draft_tokens - 1
+            t = self.tallies[kind] = AcceptanceTally([1.0] + [4.0] * rest, [2.0] + [5.0] * rest)
         return t
 
     def propose_batch(self, requests: list, ks: list[int]) -> list[Draft]:

@@ -12,6 +12,7 @@ all layers.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -111,12 +112,16 @@ class StepLayout:
         self.dec_seqs = torch.tensor(dec, dtype=torch.long, device=seq_lens.device)
         self.dec_rows = torch.tensor([starts[s] for s in dec], dtype=torch.long, device=seq_lens.device)
         self.dec_lens = seq_lens[self.dec_seqs].contiguous()
-        self.dec_groups = decode_groups(dec, [starts[s] for s in dec], [lens[s] for s in dec], block_size, window,
-                                        device=seq_lens.device)
+        self._dec_args = (dec, [starts[s] for s in dec], [lens[s] for s in dec], block_size, window)
         self.short_groups = decode_groups(short, [starts[s] for s in short], [lens[s] for s in short], block_size,
                                           window, device=seq_lens.device, widths=[qlens[s] for s in short])
         # a pure decode step (rows in sequence order) needs no gather or scatter of q
         self.pure_decode = len(dec) == starts[-1] == len(qlens)
+
+    @functools.cached_property
+    def dec_groups(self) -> list[DecodeGroup]:
+        """The one-token sequences in length groups: only where the native kernel cannot run."""
+        return decode_groups(*self._dec_args, device=self.seq_lens.device)
 
 
 def sink_sdpa(q, k, v, mask: torch.Tensor | None, scale: float, sinks: torch.Tensor) -> torch.Tensor:

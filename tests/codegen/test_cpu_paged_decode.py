@@ -4,7 +4,7 @@ a sliding window, f32 and bf16; and the whole CPU step with and without it."""
 import pytest
 import torch
 
-from deepfuse.codegen.cpu.native import paged_decode
+from deepfuse.codegen.cpu.native import kernels as native_kernels
 
 
 def reference(q, cache, tables, lens, h, window, scale):
@@ -24,7 +24,7 @@ def reference(q, cache, tables, lens, h, window, scale):
 
 @pytest.mark.parametrize("dtype,window", [(torch.float32, 0), (torch.float32, 21), (torch.bfloat16, 0)])
 def test_paged_decode_matches_a_plain_softmax(dtype, window):
-    native = paged_decode()
+    native = native_kernels()
     if native is None:
         pytest.skip("no C++ compiler here")
     torch.manual_seed(0)
@@ -44,19 +44,21 @@ def test_paged_decode_matches_a_plain_softmax(dtype, window):
 
 def test_cpu_step_is_the_same_with_and_without_the_native_kernel(tiny_model, monkeypatch):
     """A mixed step (prefill chunk, decodes, a verify chunk) through the compiled CPU step,
-    with the native kernel and with the torch-op path it replaces."""
+    with the native kernels (decode attention, f32 panel GEMMs) and with the torch ops they
+    replace."""
     import deepfuse
-    from deepfuse.codegen.cpu import attention
+    from deepfuse.codegen.cpu import attention, kernels
     from deepfuse.runtime.engine import Engine, SamplingParams
 
-    if paged_decode() is None:
+    if native_kernels() is None:
         pytest.skip("no C++ compiler here")
     art = deepfuse.compile(tiny_model)
     prompts = [[5, 17, 99, 3, 42, 7, 7, 8] * 5, [9, 2, 64], [100, 3, 3, 3, 3, 3, 3, 3, 3, 3]]
     params = [SamplingParams(temperature=0, max_tokens=12, logprobs=2)] * 3
     native = Engine(art).generate(prompts, params)
-    monkeypatch.setattr(attention, "paged_decode", lambda: None)
-    plain = Engine(art).generate(prompts, params)
+    monkeypatch.setattr(attention, "native_kernels", lambda: None)
+    monkeypatch.setattr(kernels, "native_kernels", lambda: None)
+    plain = Engine(deepfuse.compile(tiny_model)).generate(prompts, params)
     assert [o.token_ids for o in native] == [o.token_ids for o in plain]
     for a, b in zip(native, plain):
         for la, lb in zip(a.logprobs, b.logprobs):

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import deepfuse
-from deepfuse.codegen.cpu.native import paged_decode
+from deepfuse.codegen.cpu.native import kernels as native_kernels
 from deepfuse.errors import DeepfuseError
 from deepfuse.ir import interpret
 from deepfuse.models import Llama
@@ -199,7 +199,7 @@ def test_latency_model_is_a_grid_over_sequences_and_tokens():
 
 
 def test_engine_with_confidence_schedule_keeps_greedy_outputs(tiny_model, tmp_path, monkeypatch):
-    paged_decode()  # the native kernel's build cache is under the real ~/.cache: load it first
+    native_kernels()  # the native kernel's build cache is under the real ~/.cache: load it first
     monkeypatch.setenv("HOME", str(tmp_path))  # the latency table cache goes under ~/.cache
     art = deepfuse.compile(tiny_model)
     prompt = [5, 17, 99, 3, 5, 17, 99, 3, 5, 17]

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 from ...ir.opdefs_llm import causal_mask, write_kv
 from .kernels import Kernel, factory
-from .native import paged_decode
+from .native import kernels as native_kernels
 
 NATIVE_DTYPES = (torch.float32, torch.bfloat16)  # paged_decode.cpp's
 
@@ -142,7 +142,7 @@ def _attention(attrs: dict) -> Kernel:
     h, hkv, hd = attrs["num_heads"], attrs["num_kv_heads"], attrs["head_dim"]
     scale, window, writes = attrs["scale"], attrs.get("window", 0), attrs.get("write_kv", True)
     if not attrs.get("sinks"):
-        paged_decode()  # built (once per machine) at load, not in the middle of the first generation
+        native_kernels()  # built (once per machine) at load, not in the middle of the first generation
 
     def sdpa(q, k, v, mask, causal: bool, sinks) -> torch.Tensor:
         if sinks is None:
@@ -170,7 +170,7 @@ def _attention(attrs: dict) -> Kernel:
         lay = _LAYOUTS.get(seq_lens, query_lens, cache.shape[2], window)
         if out is None:
             out = torch.empty(q.shape, dtype=q.dtype)
-        native = paged_decode() if sinks is None and q.dtype in NATIVE_DTYPES and len(lay.dec_seqs) else None
+        native = native_kernels() if sinks is None and q.dtype in NATIVE_DTYPES and len(lay.dec_seqs) else None
         if native is not None:  # one-token sequences read their blocks in place
             if lay.pure_decode:
                 native.paged_decode(q.contiguous(), cache, tables, lay.dec_lens, h, window, scale, out)

@@ -10,7 +10,7 @@ import ctypes
 import torch
 
 from ...ir import DTYPES
-from .kernels import can_prepack, make_kernel, prepack_for
+from .kernels import can_prepack, make_kernel, prepack_for, writes_in_place
 from .out_kernels import OUT_FACTORIES
 
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
@@ -71,8 +71,8 @@ class StepBuffers:
 
 class CpuExecutor:
     """plan: see plan.py; weights: the final graph's params by name. prepack: pack
-    projection weights once at load (oneDNN's blocked layout: about 2x faster GEMV;
-    int4 weights: torch's int4 layout plus a dense copy, see kernels.Q4Weights).
+    projection weights once at load (f32: the native kernel's panels; bf16/f16: oneDNN's
+    blocked layout; int4 weights: torch's int4 layout plus a dense copy, see kernels.Q4Weights).
     use_buffers: launches whose op has an out-kernel (out_kernels.py) and whose outputs all
     have a planned buffer write into the step buffers instead of allocating."""
 
@@ -92,6 +92,7 @@ class CpuExecutor:
             ins = list(p["in"])
             kernel = make_kernel(p["op"], p["attrs"])
             pre = prepack_for(p["op"], p["attrs"]) if prepack and can_prepack() else None
+            in_place = True  # its kernel could write into planned buffers
             if pre is not None and DTYPES[p["dtype"]] in pre.dtypes and all(ins[i] in param_slots for i in pre.weights):
                 key = tuple(ins[i] for i in pre.weights)
                 if key not in packed:
@@ -99,7 +100,8 @@ class CpuExecutor:
                     self.base.append(pre.pack(DTYPES[p["dtype"]], *[self.base[s] for s in key]))
                 ins = [packed[key] if i == pre.weights[0] else s for i, s in enumerate(ins) if i not in pre.weights[1:]]
                 kernel = pre.make(p["attrs"])
-            elif use_buffers and p["op"] in OUT_FACTORIES and "group_size" not in p["attrs"] \
+                in_place = writes_in_place(self.base[packed[key]])
+            if in_place and use_buffers and p["op"] in OUT_FACTORIES and "group_size" not in p["attrs"] \
                     and -1 not in p.get("out_buf", [-1]):
                 kernel = OUT_FACTORIES[p["op"]](p["attrs"])
                 self.planned.append(p)

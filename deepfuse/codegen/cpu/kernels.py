@@ -19,6 +19,7 @@ from ...ir.opdefs_fused import split_extra
 from ...ir.opdefs_llm import rope_cos_sin, write_kv
 from ...ir.opdefs_moe import route, routing_attrs
 from ...ir.opdefs_quant import dequantize_q4, unpack_q4
+from .native import kernels as native_kernels
 
 Kernel = Callable[..., Any]
 FACTORIES: dict[str, Callable[[dict], Kernel]] = {}
@@ -52,13 +53,39 @@ def can_prepack() -> bool:
     return torch.backends.mkldnn.is_available()
 
 
-def prepack_linear_weight(w: torch.Tensor) -> torch.Tensor:
-    """w[N,K] in oneDNN's blocked layout, for packed_linear."""
+class PanelWeight:
+    """An f32 projection w[N,K] as the native kernel's 16-column panels [ceil(N/16),K,16]
+    (panel_gemm.cpp): decode and verification steps read each weight about once."""
+
+    def __init__(self, w: torch.Tensor, native):
+        self.n, self.gemm = w.shape[0], native.panel_gemm
+        self.panels = native.pack_panels(w.contiguous())
+
+    def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        return self.gemm(x, self.panels, self.n, out)
+
+
+def writes_in_place(packed) -> bool:
+    """Whether a projection packed by prepack_linear_weight can write into a planned buffer
+    (out_kernels.mm_into): f32 panels, or the f32 weight itself; not oneDNN's layout."""
+    return isinstance(packed, PanelWeight) or (isinstance(packed, torch.Tensor) and packed.dtype == torch.float32)
+
+
+def prepack_linear_weight(w: torch.Tensor) -> torch.Tensor | PanelWeight:
+    """w[N,K] packed for packed_linear: f32 as panels for the native kernel (unpacked where it
+    cannot be built: MKL's GEMM then), bf16/f16 in oneDNN's blocked layout."""
+    if w.dtype == torch.float32:
+        native = native_kernels()
+        return PanelWeight(w, native) if native is not None else w
     return torch.ops.mkldnn._reorder_linear_weight(w, 1)
 
 
-def packed_linear(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+def packed_linear(x: torch.Tensor, packed: torch.Tensor | PanelWeight) -> torch.Tensor:
     """x[T,K] @ w^T with w prepacked by prepack_linear_weight -> [T,N]."""
+    if isinstance(packed, PanelWeight):
+        return packed(x)
+    if packed.dtype == torch.float32:
+        return F.linear(x, packed)
     return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
 
 
@@ -77,11 +104,11 @@ INT4_MAX_ROWS = 7  # measured over SmolLM2's 120 projections: int4 GEMM wins bel
 
 class Q4Weights:
     """A linear_q4 weight, packed at load: torch's int4 layout (bf16 only) for decode-sized
-    steps, and a dense copy in oneDNN's layout for prefill-sized ones."""
+    steps, and a dense copy packed by prepack_linear_weight for the rest."""
 
     def __init__(self, dtype: torch.dtype, packed: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor):
         dense = dequantize_q4(packed, scales, mins).to(dtype)
-        self.dense = prepack_linear_weight(dense) if dtype in HALF else dense
+        self.dense = prepack_linear_weight(dense)
         self.group = packed.shape[1] * 2 // scales.shape[1]
         self.int4 = None
         if dtype == torch.bfloat16 and packed.shape[0] % 16 == 0:  # torch's int4 layout tiles N by 16
@@ -95,7 +122,7 @@ def q4_linear(x: torch.Tensor, w: Q4Weights) -> torch.Tensor:
     """x[T,K] @ w^T -> [T,N]."""
     if w.int4 is not None and x.shape[0] <= INT4_MAX_ROWS:
         return torch.ops.aten._weight_int4pack_mm_for_cpu(x, w.int4, w.group, w.scale_zero)
-    return packed_linear(x, w.dense) if x.dtype in HALF else F.linear(x, w.dense)
+    return packed_linear(x, w.dense)
 
 
 class MoeWeights:
@@ -321,14 +348,15 @@ _PACKED_NORM_LINEAR = _norm_linear_kernels(packed_linear)
 _Q4_NORM_LINEAR = _norm_linear_kernels(q4_linear)
 ALL = (torch.float32, *HALF)
 PREPACKED = {
-    # f32 GEMV: MKL's unpacked sgemv reads weights faster than oneDNN's packed one (24 vs 16 GB/s
-    # measured on this 2-core machine); bf16: the packed one wins (15 vs 11 GB/s)
-    "linear": Prepack((1,), _DENSE, lambda attrs: packed_linear, HALF),
-    "logits": Prepack((1,), _DENSE, lambda attrs: packed_logits, HALF),
+    # f32: the native panel GEMM; SmolLM2's 120 projections at 1 / 8 / 64 / 512 rows took
+    # 15 / 17 / 68 / 532 ms against MKL's 18 / 37 / 95 / 530 (2 cores). bf16/f16: oneDNN's
+    # packed GEMM beats its unpacked one (15 vs 11 GB/s at one row)
+    "linear": Prepack((1,), _DENSE, lambda attrs: packed_linear, ALL),
+    "logits": Prepack((1,), _DENSE, lambda attrs: packed_logits, ALL),
     "fused_moe": Prepack((1, 2, 3), MoeWeights, make_fused_moe, ALL),
-    "swiglu_linear": Prepack((1,), _DENSE, lambda attrs: packed_swiglu_linear, HALF),
-    "rms_norm_linear": Prepack((2,), _DENSE, _PACKED_NORM_LINEAR["rms_norm_linear"], HALF),
-    "add_rms_norm_linear": Prepack((3,), _DENSE, _PACKED_NORM_LINEAR["add_rms_norm_linear"], HALF),
+    "swiglu_linear": Prepack((1,), _DENSE, lambda attrs: packed_swiglu_linear, ALL),
+    "rms_norm_linear": Prepack((2,), _DENSE, _PACKED_NORM_LINEAR["rms_norm_linear"], ALL),
+    "add_rms_norm_linear": Prepack((3,), _DENSE, _PACKED_NORM_LINEAR["add_rms_norm_linear"], ALL),
 }
 PREPACKED_Q4 = {  # ops whose projection is int4 (attr group_size): packed for every dtype
     "linear_q4": Prepack((1, 2, 3), Q4Weights, lambda attrs: q4_linear, ALL),

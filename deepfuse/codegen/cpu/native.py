@@ -27,24 +27,27 @@ def build_tag() -> str:
     return hashlib.sha256(flags.encode()).hexdigest()[:8]
 
 
+SOURCES = ("paged_decode.cpp", "panel_gemm.cpp", "bindings.cpp")
+
+
 @functools.cache
-def paged_decode():
-    """The paged_decode extension module (paged_decode.cpp), or None where it cannot be built.
-    Built once per machine and torch install under ~/.cache/deepfuse/native/ (~40 s on 2
-    cores; a line on stderr says so)."""
+def kernels():
+    """The native kernels' extension module (paged_decode, pack_panels, panel_gemm; see the
+    .cpp files), or None where it cannot be built. Built once per machine and torch install
+    under ~/.cache/deepfuse/native/ (about a minute on 2 cores; a line on stderr says so)."""
     from torch.utils.cpp_extension import load
 
-    src = os.path.join(os.path.dirname(__file__), "paged_decode.cpp")
-    name = f"deepfuse_paged_decode_{build_tag()}"
+    here = os.path.dirname(__file__)
+    name = f"deepfuse_native_{build_tag()}"
     where = os.path.join(os.path.expanduser("~"), ".cache", "deepfuse", "native", name)
     os.makedirs(where, exist_ok=True)
     if not os.path.exists(os.path.join(where, name + ".so")):
-        print("deepfuse: building the native decode attention kernel (once per machine, ~40 s)", file=sys.stderr,
+        print("deepfuse: building the native CPU kernels (once per machine, about a minute)", file=sys.stderr,
               flush=True)
     try:
-        return load(name=name, sources=[src], build_directory=where, extra_cflags=["-O3", "-march=native", "-fopenmp"],
-                    extra_ldflags=["-fopenmp"], verbose=False)
+        return load(name=name, sources=[os.path.join(here, s) for s in SOURCES], build_directory=where,
+                    extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as e:  # no g++, no Python headers, ...: the torch-op path still works
-        warnings.warn(f"deepfuse: the native paged decode kernel could not be built ({e}); "
-                      f"decode attention gathers blocks with torch ops instead", stacklevel=2)
+        warnings.warn(f"deepfuse: the native CPU kernels could not be built ({e}); decode attention and f32 "
+                      f"projections use torch ops instead", stacklevel=2)
         return None

@@ -1,8 +1,8 @@
 """CPU kernels that write into planned buffers (passes/plan_memory.py): kernel(*inputs, out=[views]).
 
-Only ops whose torch kernels take `out=` have one (dense, not prepacked, projections: MKL's
-GEMM writes in place; the oneDNN-packed and int4 GEMMs allocate their result, so a prepacked
-launch keeps its allocating kernel). Each computes what its kernels.py twin computes.
+Only ops whose kernels take `out=` have one (projections: MKL's GEMM and the native f32 panel
+GEMM write in place; the oneDNN-packed and int4 GEMMs allocate their result, so such a
+prepacked launch keeps its allocating kernel). Each computes what its kernels.py twin computes.
 """
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from collections.abc import Callable
 
 import torch
 
-from .kernels import FACTORIES, Kernel, factory, rms_rows, swiglu_rows
+from .kernels import FACTORIES, Kernel, PanelWeight, factory, rms_rows, swiglu_rows
 
 OUT_FACTORIES: dict[str, Callable[[dict], Kernel]] = {}
 
@@ -19,9 +19,12 @@ def out_factory(op: str) -> Callable:
     return factory(op, OUT_FACTORIES)
 
 
-def mm_into(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> None:
-    """out[T,N] = x[T,K] @ w[N,K]^T."""
-    torch.mm(x, w.t(), out=out)
+def mm_into(x: torch.Tensor, w: torch.Tensor | PanelWeight, out: torch.Tensor) -> None:
+    """out[T,N] = x[T,K] @ w[N,K]^T; w dense, or f32 panels (kernels.PanelWeight)."""
+    if isinstance(w, PanelWeight):
+        w(x, out)
+    else:
+        torch.mm(x, w.t(), out=out)
 
 
 @out_factory("embedding")

@@ -126,4 +126,3 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor cache, torch::Tensor t
     return out;
 }
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("paged_decode", &paged_decode); }

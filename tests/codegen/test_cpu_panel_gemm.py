@@ -1,0 +1,61 @@
+"""The native f32 panel GEMM (codegen/cpu/panel_gemm.cpp) against a float64 matmul."""
+import pytest
+import torch
+
+from deepfuse.codegen.cpu.kernels import PanelWeight, packed_linear, prepack_linear_weight
+from deepfuse.codegen.cpu.native import kernels as native_kernels
+
+
+@pytest.fixture(scope="module")
+def native():
+    mod = native_kernels()
+    if mod is None:
+        pytest.skip("no C++ compiler here")
+    return mod
+
+
+@pytest.mark.parametrize("n,k", [(50, 37), (48, 64), (16, 1), (1, 8), (200, 96)])
+@pytest.mark.parametrize("m", [0, 1, 3, 8, 9, 17, 40])
+def test_panel_gemm_matches_float64(native, m, n, k):
+    g = torch.Generator().manual_seed(m * 1000 + n + k)
+    w, x = torch.randn(n, k, generator=g), torch.randn(m, k, generator=g)
+    y = native.panel_gemm(x, native.pack_panels(w), n)
+    assert y.shape == (m, n) and y.dtype == torch.float32
+    torch.testing.assert_close(y.double(), x.double() @ w.double().T, atol=1e-4, rtol=1e-5)
+
+
+def test_panel_gemm_takes_strided_rows(native):
+    w, x = torch.randn(33, 20), torch.randn(6, 40)
+    packed = native.pack_panels(w)
+    for view in (x[:, :20], x[:, ::2], x[::2, 5:25]):
+        torch.testing.assert_close(native.panel_gemm(view, packed, 33), view @ w.T, atol=1e-5, rtol=1e-5)
+
+
+def test_panel_gemm_refuses_mismatched_operands(native):
+    packed = native.pack_panels(torch.randn(32, 8))
+    with pytest.raises(RuntimeError, match="panels must come from pack_panels"):
+        native.panel_gemm(torch.randn(2, 9), packed, 32)  # K differs
+    with pytest.raises(RuntimeError, match="panels must come from pack_panels"):
+        native.panel_gemm(torch.randn(2, 8), packed, 40)  # N needs three panels
+    with pytest.raises(RuntimeError, match="float32"):
+        native.panel_gemm(torch.randn(2, 8, dtype=torch.bfloat16), packed, 32)
+    with pytest.raises(RuntimeError, match="float32"):
+        native.pack_panels(torch.randn(4, 8).double())
+
+
+def test_prepacked_f32_projection_uses_the_panels(native):
+    w, x = torch.randn(70, 24), torch.randn(5, 24)
+    packed = prepack_linear_weight(w)
+    assert isinstance(packed, PanelWeight)
+    torch.testing.assert_close(packed_linear(x, packed), x @ w.T, atol=1e-5, rtol=1e-5)
+
+
+def test_panel_gemm_writes_into_a_given_buffer(native):
+    w, x = torch.randn(40, 12), torch.randn(7, 12)
+    arena = torch.full((7, 64), float("nan"))
+    out = arena[:, 8:48]  # rows strided, as a planned step buffer's view may be
+    assert native.panel_gemm(x, native.pack_panels(w), 40, out).data_ptr() == out.data_ptr()
+    torch.testing.assert_close(out, x @ w.T, atol=1e-5, rtol=1e-5)
+    assert arena[:, :8].isnan().all() and arena[:, 48:].isnan().all()
+    with pytest.raises(RuntimeError, match="out must be"):
+        native.panel_gemm(x, native.pack_panels(w), 40, torch.empty(7, 41))

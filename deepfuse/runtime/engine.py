@@ -26,6 +26,7 @@ import torch
 from tqdm import tqdm
 
 from ..codegen.artifact import CompiledModel
+from ..codegen.cpu import native
 from ..errors import DeepfuseError
 from ..ir import DTYPES
 from .batch import SeqChunk, StepBuffers
@@ -213,12 +214,13 @@ class Engine:
 
     def _latency_model(self) -> LatencyModel:
         """Step time by (sequences, tokens) for confidence scheduling: read from the on-disk
-        cache (keyed by the compiled plan, dtype, threads, cache and batch sizes) or measured
+        cache (keyed by the compiled plan, dtype, native kernels, threads, cache and batch sizes) or measured
         now on throwaway blocks: S = 1, 2, 4, ..., max_num_seqs sequences of n = 1, 2, 4, 8
         tokens each continuing a LATENCY_CONTEXT-token sequence (a verify step's shape), and
         one sequence of up to max_num_tokens (a prefill chunk's)."""
         sc = self.scheduler.config
-        key = hashlib.sha256(json.dumps(["grid", self.model.plan, self.model.dtype, torch.get_num_threads(),
+        kernels = native.fingerprint() if self.model.target == "cpu" else ""
+        key = hashlib.sha256(json.dumps(["grid", self.model.plan, self.model.dtype, kernels, torch.get_num_threads(),
                                          self.cache.block_size, self.cache.config.num_blocks, sc.max_num_seqs,
                                          sc.max_num_tokens], sort_keys=True, default=str).encode()).hexdigest()[:20]
         path = os.path.join(os.path.expanduser("~"), ".cache", "deepfuse", "latency", key + ".json")

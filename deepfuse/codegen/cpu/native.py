@@ -51,3 +51,13 @@ def kernels():
         warnings.warn(f"deepfuse: the native CPU kernels could not be built ({e}); decode attention and f32 "
                       f"projections use torch ops instead", stacklevel=2)
         return None
+
+
+def fingerprint() -> str:
+    """Names the step code this machine runs: the kernels' sources and build tag, and whether
+    they built (keys caches of measured step times, runtime/engine.py)."""
+    h = hashlib.sha256(build_tag().encode())
+    for src in SOURCES:
+        with open(os.path.join(os.path.dirname(__file__), src), "rb") as f:
+            h.update(f.read())
+    return h.hexdigest()[:12] + ("" if kernels() is not None else "-none")

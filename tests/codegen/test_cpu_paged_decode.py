@@ -63,3 +63,37 @@ def test_cpu_step_is_the_same_with_and_without_the_native_kernel(tiny_model, mon
     for a, b in zip(native, plain):
         for la, lb in zip(a.logprobs, b.logprobs):
             assert la.keys() == lb.keys() and all(abs(la[t] - lb[t]) < 1e-4 for t in la)
+
+
+@pytest.mark.parametrize("dtype,window", [(torch.float32, 0), (torch.float32, 7), (torch.bfloat16, 0)])
+def test_attention_kernel_rows_of_verify_chunks_match_the_reference(dtype, window, monkeypatch):
+    """A step of decodes, verify-sized chunks (2..16 tokens continuing a cached sequence), a
+    continued prefill and a whole prompt: the CPU attention kernel with the native kernel (it
+    takes every decode and verify row), without it (SDPA length groups), and the IR's
+    reference agree."""
+    from deepfuse.codegen.cpu import attention as cpu_attention
+    from deepfuse.codegen.cpu.kernels import FACTORIES
+    from deepfuse.ir.opdefs_llm import attention as reference_attention
+
+    if native_kernels() is None:
+        pytest.skip("no C++ compiler here")
+    torch.manual_seed(1)
+    h, hkv, d, bs, nb = 4, 2, 32, 8, 64
+    query_lens = torch.tensor([1, 4, 1, 30, 6, 12, 16, 2])
+    seq_lens = torch.tensor([9, 21, 40, 47, 6, 12, 50, 3])  # 6 and 12: chunks that are the whole sequence
+    tables = torch.randperm(nb)[: 8 * len(query_lens)].view(-1, 8)  # scattered, no block shared
+    t = int(query_lens.sum())
+    q, k, v = (torch.randn(t, n * d).to(dtype) for n in (h, hkv, hkv))
+    slots = []
+    for s, (n, length) in enumerate(zip(query_lens.tolist(), seq_lens.tolist())):
+        slots += [int(tables[s, p // bs]) * bs + p % bs for p in range(length - n, length)]
+    slots = torch.tensor(slots)
+    attrs = dict(num_heads=h, num_kv_heads=hkv, head_dim=d, scale=d ** -0.5, window=window)
+    cache = torch.randn(2, nb, bs, hkv, d).to(dtype)
+    want = reference_attention(q, k, v, cache.clone(), slots, tables, seq_lens, query_lens, **attrs)
+    native = FACTORIES["attention"](attrs)(q, k, v, cache.clone(), slots, tables, seq_lens.clone(), query_lens)
+    monkeypatch.setattr(cpu_attention, "native_kernels", lambda: None)
+    plain = FACTORIES["attention"](attrs)(q, k, v, cache.clone(), slots, tables, seq_lens.clone(), query_lens)
+    tol = 2e-5 if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(native.float(), want.float(), atol=tol, rtol=tol)
+    torch.testing.assert_close(plain.float(), want.float(), atol=tol, rtol=tol)

@@ -1,14 +1,14 @@
 """CPU paged attention: one launch per layer for the whole step.
 
 Prefill chunks run one SDPA each (4-d operands: torch's flash path; a whole prompt in one
-chunk attends to its own k/v rows, plainly causal). Decoding sequences (one new token
-each) all run in one call of a native kernel that reads their blocks in place
-(paged_decode.cpp; f32/bf16, no sinks); otherwise they are grouped by length and each
-group runs one SDPA over blocks gathered as rows of the contiguous k and v halves of the
-cache; so are short chunks that continue a cached sequence (speculative
-verification: the last token and its drafts), padded to the group's widest with a causal
-mask. Host-side facts about the step (StepLayout) are computed once per step and shared by
-all layers.
+chunk attends to its own k/v rows, plainly causal). The query rows of decoding sequences
+(one new token each) and of short chunks that continue a cached sequence (speculative
+verification: the last token and its drafts) all run in one call of a native kernel that
+reads their blocks in place, each row causally limited to its own position
+(paged_decode.cpp; f32/bf16, no sinks). Where it cannot run they are grouped by length and
+each group runs one SDPA over blocks gathered as rows of the contiguous k and v halves of the
+cache, chunks padded to the group's widest with a causal mask. Host-side facts about the step
+(StepLayout) are computed once per step and shared by all layers.
 """
 from __future__ import annotations
 
@@ -108,20 +108,37 @@ class StepLayout:
         short = [s for s, n in enumerate(qlens) if 1 < n <= SHORT_CHUNK and n < lens[s]]
         self.prefills = [(s, starts[s], n, lens[s]) for s, n in enumerate(qlens) if n > 1 and s not in short]
         dec = [s for s, n in enumerate(qlens) if n == 1]
-        # one-token sequences: for the native kernel (all at once) or in length groups
-        self.dec_seqs = torch.tensor(dec, dtype=torch.long, device=seq_lens.device)
-        self.dec_rows = torch.tensor([starts[s] for s in dec], dtype=torch.long, device=seq_lens.device)
-        self.dec_lens = seq_lens[self.dec_seqs].contiguous()
-        self._dec_args = (dec, [starts[s] for s in dec], [lens[s] for s in dec], block_size, window)
-        self.short_groups = decode_groups(short, [starts[s] for s in short], [lens[s] for s in short], block_size,
-                                          window, device=seq_lens.device, widths=[qlens[s] for s in short])
-        # a pure decode step (rows in sequence order) needs no gather or scatter of q
-        self.pure_decode = len(dec) == starts[-1] == len(qlens)
+        # the native kernel's query rows: every row of the one-token sequences and short chunks,
+        # each with its sequence and its causal length (keys 0 .. len-1)
+        near = sorted(dec + short)
+        rows = [starts[s] + i for s in near for i in range(qlens[s])]
+        device = seq_lens.device
+        self.near_rows = torch.tensor(rows, dtype=torch.long, device=device)
+        self.near_seqs = torch.tensor([s for s in near for _ in range(qlens[s])], dtype=torch.long, device=device)
+        self.near_lens = torch.tensor([lens[s] - qlens[s] + 1 + i for s in near for i in range(qlens[s])],
+                                      dtype=torch.long, device=device)
+        # every row is such a row, in order (no gather or scatter of q); one per sequence (the step's tables)
+        self.all_near = len(rows) == starts[-1]
+        self.one_per_seq = self.all_near and len(dec) == len(qlens)
+        self._args = (dec, short, starts, lens, qlens, block_size, window)
+        self._tables: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def near_tables(self, tables: torch.Tensor) -> torch.Tensor:
+        """The block table row of each near row (shared by the step's layers)."""
+        if self.one_per_seq:
+            return tables
+        if self._tables is None or self._tables[0] is not tables:
+            self._tables = (tables, tables.index_select(0, self.near_seqs))
+        return self._tables[1]
 
     @functools.cached_property
-    def dec_groups(self) -> list[DecodeGroup]:
-        """The one-token sequences in length groups: only where the native kernel cannot run."""
-        return decode_groups(*self._dec_args, device=self.seq_lens.device)
+    def groups(self) -> list[DecodeGroup]:
+        """The near rows as length groups for SDPA: only where the native kernel cannot run."""
+        dec, short, starts, lens, qlens, bs, window = self._args
+        device = self.seq_lens.device
+        return decode_groups(dec, [starts[s] for s in dec], [lens[s] for s in dec], bs, window, device=device) + \
+            decode_groups(short, [starts[s] for s in short], [lens[s] for s in short], bs, window, device=device,
+                          widths=[qlens[s] for s in short])
 
 
 def sink_sdpa(q, k, v, mask: torch.Tensor | None, scale: float, sinks: torch.Tensor) -> torch.Tensor:
@@ -170,20 +187,21 @@ def _attention(attrs: dict) -> Kernel:
         lay = _LAYOUTS.get(seq_lens, query_lens, cache.shape[2], window)
         if out is None:
             out = torch.empty(q.shape, dtype=q.dtype)
-        native = native_kernels() if sinks is None and q.dtype in NATIVE_DTYPES and len(lay.dec_seqs) else None
-        if native is not None:  # one-token sequences read their blocks in place
-            if lay.pure_decode:
-                native.paged_decode(q.contiguous(), cache, tables, lay.dec_lens, h, window, scale, out)
+        native = native_kernels() if sinks is None and q.dtype in NATIVE_DTYPES and len(lay.near_rows) else None
+        if native is not None:  # decode and verify rows read their blocks in place
+            tabs = lay.near_tables(tables)
+            if lay.all_near:
+                native.paged_decode(q.contiguous(), cache, tabs, lay.near_lens, h, window, scale, out)
                 return out
-            o = native.paged_decode(q[lay.dec_rows], cache, tables[lay.dec_seqs], lay.dec_lens, h, window, scale,
-                                    torch.empty(len(lay.dec_seqs), q.shape[1], dtype=q.dtype))
-            out[lay.dec_rows] = o
-        for g in lay.short_groups if native is not None else lay.dec_groups + lay.short_groups:
-            o = decode(q[g.rows], cache, tables[g.seqs], g, sinks)
-            if g.valid is None:
-                out[g.rows] = o
-            else:
-                out[g.rows[g.valid]] = o[g.valid]
+            out[lay.near_rows] = native.paged_decode(q[lay.near_rows], cache, tabs, lay.near_lens, h, window, scale,
+                                                     torch.empty(len(lay.near_rows), q.shape[1], dtype=q.dtype))
+        elif len(lay.near_rows):
+            for g in lay.groups:
+                o = decode(q[g.rows], cache, tables[g.seqs], g, sinks)
+                if g.valid is None:
+                    out[g.rows] = o
+                else:
+                    out[g.rows[g.valid]] = o[g.valid]
         for s, a, n, length in lay.prefills:
             whole = n == length and not window  # a prompt in one chunk: plain causal, upper half skipped
             if whole:  # its keys are exactly this step's k/v rows: no gather from the cache

@@ -1,14 +1,16 @@
-// Paged decode attention for the CPU target: one query token per sequence, keys and values
-// read in place from the paged cache (no gather into a padded copy).
+// Paged decode attention for the CPU target: query rows that each attend to a prefix of their
+// sequence, keys and values read in place from the paged cache (no gather into a padded copy).
+// A decoding sequence has one row; a verify chunk (last token + drafts) one row per token, each
+// limited to its own position, so a whole decode/verify step is one call.
 //
-//   q       [N, H*D]            the step's query rows of the decoding sequences (f32 or bf16)
+//   q       [N, H*D]            query rows (f32 or bf16)
 //   cache   [2, NB, BS, Hkv, D] the layer's paged k/v cache (same dtype as q)
-//   tables  [N, B] int64        each sequence's block ids (rows may be strided, entries not)
-//   lens    [N] int64           each sequence's length (its keys: positions 0 .. len-1)
-//   window  0, or attend only to the last `window` positions
+//   tables  [N, B] int64        each row's sequence's block ids (rows may be strided, entries not)
+//   lens    [N] int64           each row's causal length (its keys: positions 0 .. len-1)
+//   window  0, or attend only to the last `window` positions before len
 //   out     [N, H*D]            written
 //
-// Work item: (sequence, kv head); its H/Hkv query heads share every key and value read.
+// Work item: (row, kv head); its H/Hkv query heads share every key and value read.
 // Scores of one block at a time, then an online softmax (running max and sum) in float.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>

@@ -59,3 +59,45 @@ def test_panel_gemm_writes_into_a_given_buffer(native):
     assert arena[:, :8].isnan().all() and arena[:, 48:].isnan().all()
     with pytest.raises(RuntimeError, match="out must be"):
         native.panel_gemm(x, native.pack_panels(w), 40, torch.empty(7, 41))
+
+
+@pytest.fixture(scope="module")
+def amx(native):
+    if not native.amx_available():
+        pytest.skip("no AMX on this CPU")
+    return native
+
+
+@pytest.mark.parametrize("n,k", [(50, 37), (48, 64), (33, 96), (200, 576)])
+@pytest.mark.parametrize("m", [0, 1, 5, 16, 17, 33, 70])
+def test_amx_gemm_matches_float64(amx, m, n, k):
+    g = torch.Generator().manual_seed(m * 1000 + n + k)
+    w, x = torch.randn(n, k, generator=g).bfloat16(), torch.randn(m, k, generator=g).bfloat16()
+    y = amx.amx_gemm(x, amx.pack_vnni(w), n)
+    assert y.shape == (m, n) and y.dtype == torch.bfloat16
+    want = x.double() @ w.double().T  # f32 accumulation, one bf16 rounding of the result
+    torch.testing.assert_close(y.double(), want, atol=1e-2 * k ** 0.5, rtol=8e-3)
+
+
+def test_amx_gemm_takes_strided_rows_and_writes_into_a_buffer(amx):
+    w, x = torch.randn(40, 64).bfloat16(), torch.randn(20, 128).bfloat16()
+    packed = amx.pack_vnni(w)
+    for view in (x[:, :64], x[:, ::2], x[::2, 10:74]):
+        want = (view.double() @ w.double().T)
+        torch.testing.assert_close(amx.amx_gemm(view, packed, 40).double(), want, atol=0.1, rtol=8e-3)
+    arena = torch.full((20, 64), float("nan"), dtype=torch.bfloat16)
+    out = arena[:, 8:48]
+    assert amx.amx_gemm(x[:, :64], packed, 40, out).data_ptr() == out.data_ptr()
+    torch.testing.assert_close(out.double(), x[:, :64].double() @ w.double().T, atol=0.1, rtol=8e-3)
+    assert arena[:, :8].isnan().all() and arena[:, 48:].isnan().all()
+    with pytest.raises(RuntimeError, match="panels must come from pack_vnni"):
+        amx.amx_gemm(torch.randn(2, 96).bfloat16(), packed, 40)  # K differs
+    with pytest.raises(RuntimeError, match="bfloat16"):
+        amx.amx_gemm(x[:, :64].float(), packed, 40)
+
+
+def test_prepacked_bf16_projection_uses_amx(amx):
+    w, x = torch.randn(70, 64).bfloat16(), torch.randn(5, 64).bfloat16()
+    packed = prepack_linear_weight(w)
+    assert isinstance(packed, PanelWeight)
+    torch.testing.assert_close(packed_linear(x, packed).double(), x.double() @ w.double().T, atol=0.1, rtol=8e-3)

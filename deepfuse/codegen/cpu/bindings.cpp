@@ -7,10 +7,17 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor cache, torch::Tensor t
                            int64_t num_heads, int64_t window, double scale, torch::Tensor out);
 torch::Tensor pack_panels(const torch::Tensor& w);
 torch::Tensor panel_gemm(torch::Tensor x, const torch::Tensor& panels, int64_t n, std::optional<torch::Tensor> out);
+bool amx_available();
+torch::Tensor pack_vnni(const torch::Tensor& w);
+torch::Tensor amx_gemm(torch::Tensor x, const torch::Tensor& panels, int64_t n, std::optional<torch::Tensor> out);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("paged_decode", &paged_decode, "decode attention over the paged cache (paged_decode.cpp)");
     m.def("pack_panels", &pack_panels, "an f32 weight [N, K] as 16-column panels (panel_gemm.cpp)");
     m.def("panel_gemm", &panel_gemm, "x [M, K] @ w^T over pack_panels(w), into out if given (panel_gemm.cpp)",
+          py::arg("x"), py::arg("panels"), py::arg("n"), py::arg("out") = py::none());
+    m.def("amx_available", &amx_available, "whether bf16 GEMMs can use AMX tiles here (amx_gemm.cpp)");
+    m.def("pack_vnni", &pack_vnni, "a bf16 weight [N, K] as VNNI panels (amx_gemm.cpp)");
+    m.def("amx_gemm", &amx_gemm, "x [M, K] @ w^T over pack_vnni(w) on AMX tiles, into out if given (amx_gemm.cpp)",
           py::arg("x"), py::arg("panels"), py::arg("n"), py::arg("out") = py::none());
 }

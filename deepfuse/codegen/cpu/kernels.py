@@ -54,12 +54,16 @@ def can_prepack() -> bool:
 
 
 class PanelWeight:
-    """An f32 projection w[N,K] as the native kernel's 16-column panels [ceil(N/16),K,16]
-    (panel_gemm.cpp): decode and verification steps read each weight about once."""
+    """A projection w[N,K] packed at load for a native GEMM: f32 as 16-column panels
+    [ceil(N/16),K,16] (panel_gemm.cpp: decode and verification steps read each weight about
+    once), bf16 as VNNI panels for AMX tiles (amx_gemm.cpp)."""
 
     def __init__(self, w: torch.Tensor, native):
-        self.n, self.gemm = w.shape[0], native.panel_gemm
-        self.panels = native.pack_panels(w.contiguous())
+        self.n = w.shape[0]
+        if w.dtype == torch.float32:
+            self.gemm, self.panels = native.panel_gemm, native.pack_panels(w.contiguous())
+        else:
+            self.gemm, self.panels = native.amx_gemm, native.pack_vnni(w.contiguous())
 
     def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         return self.gemm(x, self.panels, self.n, out)
@@ -67,16 +71,19 @@ class PanelWeight:
 
 def writes_in_place(packed) -> bool:
     """Whether a projection packed by prepack_linear_weight can write into a planned buffer
-    (out_kernels.mm_into): f32 panels, or the f32 weight itself; not oneDNN's layout."""
+    (out_kernels.mm_into): native panels, or the f32 weight itself; not oneDNN's layout."""
     return isinstance(packed, PanelWeight) or (isinstance(packed, torch.Tensor) and packed.dtype == torch.float32)
 
 
 def prepack_linear_weight(w: torch.Tensor) -> torch.Tensor | PanelWeight:
     """w[N,K] packed for packed_linear: f32 as panels for the native kernel (unpacked where it
-    cannot be built: MKL's GEMM then), bf16/f16 in oneDNN's blocked layout."""
+    cannot be built: MKL's GEMM then), bf16 as VNNI panels for the AMX kernel where this CPU
+    has AMX, else (and f16) in oneDNN's blocked layout."""
+    native = native_kernels()
     if w.dtype == torch.float32:
-        native = native_kernels()
         return PanelWeight(w, native) if native is not None else w
+    if w.dtype == torch.bfloat16 and native is not None and native.amx_available():
+        return PanelWeight(w, native)
     return torch.ops.mkldnn._reorder_linear_weight(w, 1)
 
 
@@ -349,8 +356,9 @@ _Q4_NORM_LINEAR = _norm_linear_kernels(q4_linear)
 ALL = (torch.float32, *HALF)
 PREPACKED = {
     # f32: the native panel GEMM; SmolLM2's 120 projections at 1 / 8 / 64 / 512 rows took
-    # 15 / 17 / 68 / 532 ms against MKL's 18 / 37 / 95 / 530 (2 cores). bf16/f16: oneDNN's
-    # packed GEMM beats its unpacked one (15 vs 11 GB/s at one row)
+    # 15 / 17 / 68 / 532 ms against MKL's 18 / 37 / 95 / 530 (2 cores). bf16: the AMX GEMM,
+    # 16 / 20 / 45 / 509 ms at 1 / 8 / 64 / 1024 rows against oneDNN's packed 43 / 39 / 74 / 631;
+    # without AMX, and f16: oneDNN's packed GEMM beats its unpacked one (15 vs 11 GB/s at one row)
     "linear": Prepack((1,), _DENSE, lambda attrs: packed_linear, ALL),
     "logits": Prepack((1,), _DENSE, lambda attrs: packed_logits, ALL),
     "fused_moe": Prepack((1, 2, 3), MoeWeights, make_fused_moe, ALL),

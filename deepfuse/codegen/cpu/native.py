@@ -27,13 +27,13 @@ def build_tag() -> str:
     return hashlib.sha256(flags.encode()).hexdigest()[:8]
 
 
-SOURCES = ("paged_decode.cpp", "panel_gemm.cpp", "bindings.cpp")
+SOURCES = ("paged_decode.cpp", "panel_gemm.cpp", "amx_gemm.cpp", "bindings.cpp")
 
 
 @functools.cache
 def kernels():
-    """The native kernels' extension module (paged_decode, pack_panels, panel_gemm; see the
-    .cpp files), or None where it cannot be built. Built once per machine and torch install
+    """The native kernels' extension module (paged_decode; pack_panels, panel_gemm; amx_available,
+    pack_vnni, amx_gemm; see the .cpp files), or None where it cannot be built. Built once per machine and torch install
     under ~/.cache/deepfuse/native/ (about a minute on 2 cores; a line on stderr says so)."""
     from torch.utils.cpp_extension import load
 
@@ -49,7 +49,7 @@ def kernels():
                     extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as e:  # no g++, no Python headers, ...: the torch-op path still works
         warnings.warn(f"deepfuse: the native CPU kernels could not be built ({e}); decode attention and f32 "
-                      f"projections use torch ops instead", stacklevel=2)
+                      f"and bf16 projections use torch ops instead", stacklevel=2)
         return None
 
 

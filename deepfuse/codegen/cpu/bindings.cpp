@@ -2,12 +2,17 @@
 #include <torch/extension.h>
 
 #include <optional>
+#include <tuple>
 
 torch::Tensor paged_decode(torch::Tensor q, torch::Tensor cache, torch::Tensor tables, torch::Tensor lens,
                            int64_t num_heads, int64_t window, double scale, torch::Tensor out);
 torch::Tensor pack_panels(const torch::Tensor& w);
 torch::Tensor panel_gemm(torch::Tensor x, const torch::Tensor& panels, int64_t n, std::optional<torch::Tensor> out);
 bool amx_available();
+torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& w, double eps, std::optional<torch::Tensor> out);
+std::tuple<torch::Tensor, torch::Tensor> add_rms_norm(const torch::Tensor& x, const torch::Tensor& res, const torch::Tensor& w,
+                                                      double eps, std::optional<torch::Tensor> sum_out,
+                                                      std::optional<torch::Tensor> norm_out);
 torch::Tensor pack_vnni(const torch::Tensor& w);
 torch::Tensor amx_gemm(torch::Tensor x, const torch::Tensor& panels, int64_t n, std::optional<torch::Tensor> out);
 
@@ -16,6 +21,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("pack_panels", &pack_panels, "an f32 weight [N, K] as 16-column panels (panel_gemm.cpp)");
     m.def("panel_gemm", &panel_gemm, "x [M, K] @ w^T over pack_panels(w), into out if given (panel_gemm.cpp)",
           py::arg("x"), py::arg("panels"), py::arg("n"), py::arg("out") = py::none());
+    m.def("rms_norm", &rms_norm, "x [T, D] / rms(x) * w (norms.cpp)", py::arg("x"), py::arg("w"), py::arg("eps"),
+          py::arg("out") = py::none());
+    m.def("add_rms_norm", &add_rms_norm, "(x + res, rms_norm(x + res, w)) (norms.cpp)", py::arg("x"), py::arg("res"),
+          py::arg("w"), py::arg("eps"), py::arg("sum_out") = py::none(), py::arg("norm_out") = py::none());
     m.def("amx_available", &amx_available, "whether bf16 GEMMs can use AMX tiles here (amx_gemm.cpp)");
     m.def("pack_vnni", &pack_vnni, "a bf16 weight [N, K] as VNNI panels (amx_gemm.cpp)");
     m.def("amx_gemm", &amx_gemm, "x [M, K] @ w^T over pack_vnni(w) on AMX tiles, into out if given (amx_gemm.cpp)",

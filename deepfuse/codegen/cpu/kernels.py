@@ -197,8 +197,32 @@ def _head_rms_norm(attrs: dict) -> Kernel:
     return lambda x, w: F.rms_norm(x.view(x.shape[0], -1, hd), (hd,), w, eps).view(x.shape)
 
 
+NORM_DTYPES = (torch.float32, torch.bfloat16)  # norms.cpp's
+
+
+def _native_norm(x: torch.Tensor, w: torch.Tensor):
+    """The native kernels where they take these rows (norms.cpp), else None."""
+    if x.dtype not in NORM_DTYPES or w.dtype != x.dtype or x.dim() != 2 or x.stride(1) != 1:
+        return None
+    return native_kernels()
+
+
 def rms_rows(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    return F.rms_norm(x, (x.shape[-1],), w, eps)  # accumulates in fp32 for bf16/f16
+    """x[T,D] / rms(x) * w[D]: one native pass per row, else torch's (both accumulate in f32)."""
+    native = _native_norm(x, w)
+    if native is not None:
+        return native.rms_norm(x, w, eps)
+    return F.rms_norm(x, (x.shape[-1],), w, eps)
+
+
+def add_rms_rows(x: torch.Tensor, res: torch.Tensor, w: torch.Tensor, eps: float,
+                 sum_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(s, rms_rows(s, w)) with s = x + res, written into sum_out when given."""
+    native = _native_norm(x, w)
+    if native is not None and res.dtype == x.dtype and res.dim() == 2 and res.stride(1) == 1:
+        return native.add_rms_norm(x, res, w, eps, sum_out)
+    s = torch.add(x, res) if sum_out is None else torch.add(x, res, out=sum_out)
+    return s, rms_rows(s, w, eps)
 
 
 def swiglu_rows(x: torch.Tensor) -> torch.Tensor:
@@ -217,8 +241,7 @@ def _add_rms_norm(attrs: dict) -> Kernel:
     eps = attrs["eps"]
 
     def add_rms_norm(x: torch.Tensor, res: torch.Tensor, w: torch.Tensor):
-        s = torch.add(x, res)
-        return s, rms_rows(s, w, eps)
+        return add_rms_rows(x, res, w, eps)
 
     return add_rms_norm
 

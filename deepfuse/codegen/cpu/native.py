@@ -27,14 +27,15 @@ def build_tag() -> str:
     return hashlib.sha256(flags.encode()).hexdigest()[:8]
 
 
-SOURCES = ("paged_decode.cpp", "panel_gemm.cpp", "amx_gemm.cpp", "bindings.cpp")
+SOURCES = ("paged_decode.cpp", "panel_gemm.cpp", "amx_gemm.cpp", "norms.cpp", "bindings.cpp")
 
 
 @functools.cache
 def kernels():
-    """The native kernels' extension module (paged_decode; pack_panels, panel_gemm; amx_available,
-    pack_vnni, amx_gemm; see the .cpp files), or None where it cannot be built. Built once per machine and torch install
-    under ~/.cache/deepfuse/native/ (about a minute on 2 cores; a line on stderr says so)."""
+    """The native kernels' extension module (paged_decode; pack_panels, panel_gemm;
+    amx_available, pack_vnni, amx_gemm; rms_norm, add_rms_norm; see the .cpp files), or None
+    where it cannot be built. Built once per machine and torch install under
+    ~/.cache/deepfuse/native/ (about a minute on 2 cores; a line on stderr says so)."""
     from torch.utils.cpp_extension import load
 
     here = os.path.dirname(__file__)

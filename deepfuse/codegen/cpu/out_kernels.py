@@ -10,7 +10,7 @@ from collections.abc import Callable
 
 import torch
 
-from .kernels import FACTORIES, Kernel, PanelWeight, factory, rms_rows, swiglu_rows
+from .kernels import FACTORIES, Kernel, PanelWeight, add_rms_rows, factory, rms_rows, swiglu_rows
 
 OUT_FACTORIES: dict[str, Callable[[dict], Kernel]] = {}
 
@@ -53,8 +53,8 @@ def _add_rms_norm_linear(attrs: dict) -> Kernel:
     eps = attrs["eps"]
 
     def run(x, res, w, proj, out):
-        s = torch.add(x, res, out=out[0])
-        mm_into(rms_rows(s, w, eps), proj, out[1])
+        _, normed = add_rms_rows(x, res, w, eps, out[0])
+        mm_into(normed, proj, out[1])
 
     return run
 

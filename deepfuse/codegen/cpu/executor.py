@@ -71,8 +71,9 @@ class StepBuffers:
 
 class CpuExecutor:
     """plan: see plan.py; weights: the final graph's params by name. prepack: pack
-    projection weights once at load (f32: the native kernel's panels; bf16/f16: oneDNN's
-    blocked layout; int4 weights: torch's int4 layout plus a dense copy, see kernels.Q4Weights).
+    projection weights once at load (f32: the native kernel's panels; bf16: VNNI panels for
+    the AMX kernel, or oneDNN's blocked layout without AMX, as for f16; int4 weights: torch's
+    int4 layout plus a dense copy, see kernels.Q4Weights).
     use_buffers: launches whose op has an out-kernel (out_kernels.py) and whose outputs all
     have a planned buffer write into the step buffers instead of allocating."""
 

@@ -49,8 +49,8 @@ def kernels():
         return load(name=name, sources=[os.path.join(here, s) for s in SOURCES], build_directory=where,
                     extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as e:  # no g++, no Python headers, ...: the torch-op path still works
-        warnings.warn(f"deepfuse: the native CPU kernels could not be built ({e}); decode attention and f32 "
-                      f"and bf16 projections use torch ops instead", stacklevel=2)
+        warnings.warn(f"deepfuse: the native CPU kernels could not be built ({e}); attention, projections "
+                      f"and norms use torch ops instead", stacklevel=2)
         return None
 
 

@@ -1,7 +1,7 @@
 """CPU kernels that write into planned buffers (passes/plan_memory.py): kernel(*inputs, out=[views]).
 
-Only ops whose kernels take `out=` have one (projections: MKL's GEMM and the native f32 panel
-GEMM write in place; the oneDNN-packed and int4 GEMMs allocate their result, so such a
+Only ops whose kernels take `out=` have one (projections: MKL's GEMM and the native panel
+GEMMs, f32 and AMX bf16, write in place; the oneDNN-packed and int4 GEMMs allocate their result, so such a
 prepacked launch keeps its allocating kernel). Each computes what its kernels.py twin computes.
 """
 from __future__ import annotations
@@ -20,7 +20,7 @@ def out_factory(op: str) -> Callable:
 
 
 def mm_into(x: torch.Tensor, w: torch.Tensor | PanelWeight, out: torch.Tensor) -> None:
-    """out[T,N] = x[T,K] @ w[N,K]^T; w dense, or f32 panels (kernels.PanelWeight)."""
+    """out[T,N] = x[T,K] @ w[N,K]^T; w dense f32, or native panels (kernels.PanelWeight)."""
     if isinstance(w, PanelWeight):
         w(x, out)
     else:

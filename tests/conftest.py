@@ -52,3 +52,14 @@ def smollm2():
 def smollm2_compiled(smollm2):
     model, tok = smollm2
     return deepfuse.compile(model, target="cpu", tokenizer=tok)
+
+
+@pytest.fixture(scope="session")
+def native():
+    """The native CPU kernels' module (codegen/cpu/native.py); skips where it cannot be built."""
+    from deepfuse.codegen.cpu.native import kernels
+
+    mod = kernels()
+    if mod is None:
+        pytest.skip("no C++ compiler here")
+    return mod

@@ -2,16 +2,7 @@
 import pytest
 import torch
 
-from deepfuse.codegen.cpu.native import kernels as native_kernels
 from deepfuse.ir.opdefs_llm import rms_norm as reference_rms_norm
-
-
-@pytest.fixture(scope="module")
-def native():
-    mod = native_kernels()
-    if mod is None:
-        pytest.skip("no C++ compiler here")
-    return mod
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

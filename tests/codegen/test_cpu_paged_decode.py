@@ -4,8 +4,6 @@ a sliding window, f32 and bf16; and the whole CPU step with and without it."""
 import pytest
 import torch
 
-from deepfuse.codegen.cpu.native import kernels as native_kernels
-
 
 def reference(q, cache, tables, lens, h, window, scale):
     n, hkv, d = q.shape[0], cache.shape[3], cache.shape[4]
@@ -23,10 +21,7 @@ def reference(q, cache, tables, lens, h, window, scale):
 
 
 @pytest.mark.parametrize("dtype,window", [(torch.float32, 0), (torch.float32, 21), (torch.bfloat16, 0)])
-def test_paged_decode_matches_a_plain_softmax(dtype, window):
-    native = native_kernels()
-    if native is None:
-        pytest.skip("no C++ compiler here")
+def test_paged_decode_matches_a_plain_softmax(native, dtype, window):
     torch.manual_seed(0)
     h, hkv, d, bs, nb = 6, 2, 64, 16, 40
     cache = torch.randn(2, nb, bs, hkv, d).to(dtype)
@@ -42,7 +37,7 @@ def test_paged_decode_matches_a_plain_softmax(dtype, window):
                             out)
 
 
-def test_cpu_step_is_the_same_with_and_without_the_native_kernel(tiny_model, monkeypatch):
+def test_cpu_step_is_the_same_with_and_without_the_native_kernel(native, tiny_model, monkeypatch):
     """A mixed step (prefill chunk, decodes, a verify chunk) through the compiled CPU step,
     with the native kernels (decode attention, f32 panel GEMMs) and with the torch ops they
     replace."""
@@ -50,23 +45,21 @@ def test_cpu_step_is_the_same_with_and_without_the_native_kernel(tiny_model, mon
     from deepfuse.codegen.cpu import attention, kernels
     from deepfuse.runtime.engine import Engine, SamplingParams
 
-    if native_kernels() is None:
-        pytest.skip("no C++ compiler here")
     art = deepfuse.compile(tiny_model)
     prompts = [[5, 17, 99, 3, 42, 7, 7, 8] * 5, [9, 2, 64], [100, 3, 3, 3, 3, 3, 3, 3, 3, 3]]
     params = [SamplingParams(temperature=0, max_tokens=12, logprobs=2)] * 3
-    native = Engine(art).generate(prompts, params)
+    with_native = Engine(art).generate(prompts, params)
     monkeypatch.setattr(attention, "native_kernels", lambda: None)
     monkeypatch.setattr(kernels, "native_kernels", lambda: None)
     plain = Engine(deepfuse.compile(tiny_model)).generate(prompts, params)
-    assert [o.token_ids for o in native] == [o.token_ids for o in plain]
-    for a, b in zip(native, plain):
+    assert [o.token_ids for o in with_native] == [o.token_ids for o in plain]
+    for a, b in zip(with_native, plain):
         for la, lb in zip(a.logprobs, b.logprobs):
             assert la.keys() == lb.keys() and all(abs(la[t] - lb[t]) < 1e-4 for t in la)
 
 
 @pytest.mark.parametrize("dtype,window", [(torch.float32, 0), (torch.float32, 7), (torch.bfloat16, 0)])
-def test_attention_kernel_rows_of_verify_chunks_match_the_reference(dtype, window, monkeypatch):
+def test_attention_kernel_rows_of_verify_chunks_match_the_reference(native, dtype, window, monkeypatch):
     """A step of decodes, verify-sized chunks (2..16 tokens continuing a cached sequence), a
     continued prefill and a whole prompt: the CPU attention kernel with the native kernel (it
     takes every decode and verify row), without it (SDPA length groups), and the IR's
@@ -75,8 +68,6 @@ def test_attention_kernel_rows_of_verify_chunks_match_the_reference(dtype, windo
     from deepfuse.codegen.cpu.kernels import FACTORIES
     from deepfuse.ir.opdefs_llm import attention as reference_attention
 
-    if native_kernels() is None:
-        pytest.skip("no C++ compiler here")
     torch.manual_seed(1)
     h, hkv, d, bs, nb = 4, 2, 32, 8, 64
     query_lens = torch.tensor([1, 4, 1, 30, 6, 12, 16, 2])
@@ -91,9 +82,9 @@ def test_attention_kernel_rows_of_verify_chunks_match_the_reference(dtype, windo
     attrs = dict(num_heads=h, num_kv_heads=hkv, head_dim=d, scale=d ** -0.5, window=window)
     cache = torch.randn(2, nb, bs, hkv, d).to(dtype)
     want = reference_attention(q, k, v, cache.clone(), slots, tables, seq_lens, query_lens, **attrs)
-    native = FACTORIES["attention"](attrs)(q, k, v, cache.clone(), slots, tables, seq_lens.clone(), query_lens)
+    with_native = FACTORIES["attention"](attrs)(q, k, v, cache.clone(), slots, tables, seq_lens.clone(), query_lens)
     monkeypatch.setattr(cpu_attention, "native_kernels", lambda: None)
     plain = FACTORIES["attention"](attrs)(q, k, v, cache.clone(), slots, tables, seq_lens.clone(), query_lens)
     tol = 2e-5 if dtype == torch.float32 else 3e-2
-    torch.testing.assert_close(native.float(), want.float(), atol=tol, rtol=tol)
+    torch.testing.assert_close(with_native.float(), want.float(), atol=tol, rtol=tol)
     torch.testing.assert_close(plain.float(), want.float(), atol=tol, rtol=tol)

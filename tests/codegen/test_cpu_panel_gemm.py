@@ -3,15 +3,6 @@ import pytest
 import torch
 
 from deepfuse.codegen.cpu.kernels import PanelWeight, packed_linear, prepack_linear_weight
-from deepfuse.codegen.cpu.native import kernels as native_kernels
-
-
-@pytest.fixture(scope="module")
-def native():
-    mod = native_kernels()
-    if mod is None:
-        pytest.skip("no C++ compiler here")
-    return mod
 
 
 @pytest.mark.parametrize("n,k", [(50, 37), (48, 64), (16, 1), (1, 8), (200, 96)])

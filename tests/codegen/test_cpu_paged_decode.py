@@ -20,13 +20,19 @@ def reference(q, cache, tables, lens, h, window, scale):
     return out.view(n, h * d)
 
 
-@pytest.mark.parametrize("dtype,window", [(torch.float32, 0), (torch.float32, 21), (torch.bfloat16, 0)])
-def test_paged_decode_matches_a_plain_softmax(native, dtype, window):
+# the vector kernel (AVX-512: head size 64 or 128, 1 to 8 query heads per kv head, any block size)
+# and the plain one (head size 48, 9 heads per kv head) on the same cases
+@pytest.mark.parametrize("dtype,window,h,hkv,d,bs", [
+    (torch.float32, 0, 6, 2, 64, 16), (torch.float32, 21, 6, 2, 64, 16), (torch.bfloat16, 0, 6, 2, 64, 16),
+    (torch.bfloat16, 37, 8, 1, 128, 32), (torch.float32, 0, 4, 4, 128, 8), (torch.bfloat16, 0, 9, 1, 48, 16),
+    (torch.float32, 5, 18, 2, 48, 8)])
+def test_paged_decode_matches_a_plain_softmax(native, dtype, window, h, hkv, d, bs):
     torch.manual_seed(0)
-    h, hkv, d, bs, nb = 6, 2, 64, 16, 40
+    nb = 40
     cache = torch.randn(2, nb, bs, hkv, d).to(dtype)
-    lens = torch.tensor([1, 16, 17, 40, 95, 33])
-    tables = torch.stack([torch.randperm(nb)[:8] for _ in lens])  # scattered blocks
+    lens = torch.tensor([1, 16, 17, 40, 95, 33, 128])
+    tables = torch.stack([torch.randperm(nb)[:16] for _ in lens])  # scattered blocks
+    cache[:, 3] *= 30  # peaked softmaxes: the running max moves between tiles
     q = torch.randn(len(lens), h * d).to(dtype)
     out = torch.empty_like(q)
     native.paged_decode(q, cache, tables, lens, h, window, d ** -0.5, out)

@@ -12,6 +12,8 @@
 //
 // Work item: (row, kv head); its H/Hkv query heads share every key and value read.
 // Scores of one block at a time, then an online softmax (running max and sum) in float.
+// With AVX-512 and a head size of 64 or 128, `decode_avx512` does the same in tiles of up to 16
+// positions: vector dot products, a vectorised exp over a tile's scores, vector accumulation.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -20,8 +22,179 @@
 #include <limits>
 #include <vector>
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+
+static inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+
+static inline __m512 load16(const c10::BFloat16* p) {  // 16 bf16 -> f32 (exact: the high half of each)
+    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+// exp(x) for x <= 0 to about 1 ulp: x = n ln2 + r (Cody-Waite), |r| <= ln2/2, exp(r) by its
+// Taylor series to degree 7 (error < 1e-8), times 2^n with scalef (underflows cleanly to 0).
+static inline __m512 exp16(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-104.f));  // exp(-104) is 0 in f32; also maps -inf there
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187e-06f), r);
+    __m512 p = _mm512_set1_ps(1.f / 5040);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 720));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+    return _mm512_scalef_ps(p, n);
+}
+
+// Asks for one head's key and value rows of a block: the block ids a sequence reads are
+// scattered, so the hardware prefetcher cannot guess them, and a step waits on memory otherwise.
+template <typename T, int D>
+static inline void prefetch_block(const T* cache, int64_t block, int64_t bs, int64_t hkv, int64_t kv, int64_t half) {
+    constexpr int64_t lines = (D * sizeof(T) + 63) / 64;
+    const T* k = cache + (block * bs * hkv + kv) * D;
+    for (int64_t p = 0; p < bs; ++p)
+        for (int64_t c = 0; c < lines; ++c) {
+            _mm_prefetch(reinterpret_cast<const char*>(k + p * hkv * D) + 64 * c, _MM_HINT_T0);
+            _mm_prefetch(reinterpret_cast<const char*>(k + half + p * hkv * D) + 64 * c, _MM_HINT_T0);
+        }
+}
+
+// Sums each of 16 vectors: lane i of the result is the sum of p[i]'s 16 lanes (a butterfly
+// of in-lane unpacks, then 128-bit lane shuffles: 45 instructions instead of 16 reductions).
+static inline __m512 sum16(__m512 p[16]) {
+    __m512 s1[8], s2[4], s3[2];
+    for (int k = 0; k < 8; ++k)  // per 128-bit lane: keys (2k, 2k+1, 2k, 2k+1)
+        s1[k] = _mm512_add_ps(_mm512_unpacklo_ps(p[2 * k], p[2 * k + 1]), _mm512_unpackhi_ps(p[2 * k], p[2 * k + 1]));
+    for (int k = 0; k < 4; ++k) {  // per 128-bit lane: keys 4k .. 4k+3
+        const __m512d x = _mm512_castps_pd(s1[2 * k]), y = _mm512_castps_pd(s1[2 * k + 1]);
+        s2[k] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+    }
+    for (int k = 0; k < 2; ++k)  // 128-bit lanes: keys 8k..8k+3 (twice), 8k+4..8k+7 (twice)
+        s3[k] = _mm512_add_ps(_mm512_shuffle_f32x4(s2[2 * k], s2[2 * k + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                              _mm512_shuffle_f32x4(s2[2 * k], s2[2 * k + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(s3[0], s3[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(s3[0], s3[1], _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+// G query heads per kv head, DV: the head size in 16-float vectors (4 or 8). Same contract as
+// `decode`. Per tile of up to 16 positions of one block: its key rows converted to float once,
+// each head's 16 scores as one vector (sum16), softmax weights by exp16, then each value row
+// converted once and added to the G heads' accumulators (registers for small G * DV).
+template <typename T, int G, int DV>
+static void decode_avx512(const T* q, const T* cache, const int64_t* tables, const int64_t* lens, T* out, int64_t n,
+                          int64_t hkv, int64_t bs, int64_t nb, int64_t tb, int64_t window, float scale) {
+    constexpr int64_t D = DV * 16;
+    const int64_t h = G * hkv;
+    const int64_t half = nb * bs * hkv * D;
+    const int64_t stride = hkv * D;  // between a head's consecutive positions
+    at::parallel_for(0, n * hkv, 1, [&](int64_t begin, int64_t end) {
+        alignas(64) float keys[16 * D];    // the tile's key rows in float
+        alignas(64) float weight[G * 16];  // the tile's softmax weights, per head
+        for (int64_t item = begin; item < end; ++item) {
+            const int64_t s = item / hkv, kv = item % hkv, len = lens[s];
+            const int64_t first = window > 0 ? std::max<int64_t>(0, len - window) : 0;
+            __m512 qv[G][DV], acc[G][DV];
+            float m[G], l[G];
+            for (int j = 0; j < G; ++j) {
+                const T* src = q + s * h * D + (kv * G + j) * D;
+                for (int v = 0; v < DV; ++v) {
+                    qv[j][v] = _mm512_mul_ps(load16(src + 16 * v), _mm512_set1_ps(scale));
+                    acc[j][v] = _mm512_setzero_ps();
+                }
+                m[j] = -std::numeric_limits<float>::infinity();
+                l[j] = 0.f;
+            }
+            const int64_t last = (len - 1) / bs;
+            prefetch_block<T, D>(cache, tables[s * tb + first / bs], bs, hkv, kv, half);
+            for (int64_t b = first / bs; b <= last; ++b) {
+                const int64_t block = tables[s * tb + b];
+                if (b < last) prefetch_block<T, D>(cache, tables[s * tb + b + 1], bs, hkv, kv, half);  // scattered
+                const int64_t lo = std::max(first, b * bs) - b * bs, hi = std::min(len, (b + 1) * bs) - b * bs;
+                const T* kb = cache + (block * bs * hkv + kv) * D;
+                const T* vb = cache + half + (block * bs * hkv + kv) * D;
+                for (int64_t p0 = lo; p0 < hi; p0 += 16) {
+                    const int cnt = static_cast<int>(std::min<int64_t>(16, hi - p0));
+                    const __mmask16 live = static_cast<__mmask16>((1u << cnt) - 1);
+                    for (int i = 0; i < cnt; ++i)
+                        for (int v = 0; v < DV; ++v)
+                            _mm512_store_ps(keys + i * D + 16 * v, load16(kb + (p0 + i) * stride + 16 * v));
+                    for (int j = 0; j < G; ++j) {
+                        __m512 dots[16];
+                        for (int i = 0; i < 16; ++i) {
+                            dots[i] = _mm512_setzero_ps();
+                            if (i < cnt)
+                                for (int v = 0; v < DV; ++v)
+                                    dots[i] = _mm512_fmadd_ps(qv[j][v], _mm512_load_ps(keys + i * D + 16 * v), dots[i]);
+                        }
+                        // online softmax over the tile: dead lanes weigh 0
+                        const __m512 sc = _mm512_mask_mov_ps(_mm512_set1_ps(-std::numeric_limits<float>::infinity()),
+                                                             live, sum16(dots));
+                        const float top = std::max(m[j], _mm512_reduce_max_ps(sc));
+                        const __m512 w = _mm512_maskz_mov_ps(live, exp16(_mm512_sub_ps(sc, _mm512_set1_ps(top))));
+                        _mm512_store_ps(weight + j * 16, w);
+                        if (top > m[j]) {  // rescale what came before (by 0 on the first tile: m = -inf)
+                            const float rescale = std::exp(m[j] - top);
+                            for (int v = 0; v < DV; ++v) acc[j][v] = _mm512_mul_ps(acc[j][v], _mm512_set1_ps(rescale));
+                            l[j] *= rescale;
+                            m[j] = top;
+                        }
+                        l[j] += _mm512_reduce_add_ps(w);
+                    }
+                    for (int i = 0; i < cnt; ++i) {  // values: a row converted once, added to G accumulators
+                        const T* vp = vb + (p0 + i) * stride;
+                        __m512 val[DV];
+                        for (int v = 0; v < DV; ++v) val[v] = load16(vp + 16 * v);
+                        for (int j = 0; j < G; ++j) {
+                            const __m512 w = _mm512_set1_ps(weight[j * 16 + i]);
+                            for (int v = 0; v < DV; ++v) acc[j][v] = _mm512_fmadd_ps(w, val[v], acc[j][v]);
+                        }
+                    }
+                }
+            }
+            for (int j = 0; j < G; ++j) {
+                T* dst = out + s * h * D + (kv * G + j) * D;
+                const __m512 inv = _mm512_set1_ps(l[j] > 0.f ? 1.f / l[j] : 0.f);
+                alignas(64) float row[D];
+                for (int v = 0; v < DV; ++v) _mm512_store_ps(row + 16 * v, _mm512_mul_ps(acc[j][v], inv));
+                for (int64_t e = 0; e < D; ++e) dst[e] = static_cast<T>(row[e]);
+            }
+        }
+    });
+}
+
+template <typename T, int DV>
+static bool decode_heads(const T* q, const T* cache, const int64_t* tables, const int64_t* lens, T* out, int64_t n,
+                         int64_t g, int64_t hkv, int64_t bs, int64_t nb, int64_t tb, int64_t window, float scale) {
+    switch (g) {
+#define DEEPFUSE_G(G) \
+    case G: decode_avx512<T, G, DV>(q, cache, tables, lens, out, n, hkv, bs, nb, tb, window, scale); return true;
+        DEEPFUSE_G(1) DEEPFUSE_G(2) DEEPFUSE_G(3) DEEPFUSE_G(4) DEEPFUSE_G(5) DEEPFUSE_G(6) DEEPFUSE_G(7) DEEPFUSE_G(8)
+#undef DEEPFUSE_G
+        default: return false;
+    }
+}
+#endif
+
+// Runs the vector kernel where it applies (AVX-512, head size 64 or 128, 1 to 8 query heads per
+// kv head); false otherwise.
 template <typename T>
-static void decode(const T* q, const T* cache, const int64_t* tables, const int64_t* lens, T* out, int64_t n,
+static bool decode_fast(const T* q, const T* cache, const int64_t* tables, const int64_t* lens, T* out, int64_t n,
+                        int64_t h, int64_t hkv, int64_t d, int64_t bs, int64_t nb, int64_t tb, int64_t window,
+                        float scale) {
+#if defined(__AVX512F__)
+    if (d == 64) return decode_heads<T, 4>(q, cache, tables, lens, out, n, h / hkv, hkv, bs, nb, tb, window, scale);
+    if (d == 128) return decode_heads<T, 8>(q, cache, tables, lens, out, n, h / hkv, hkv, bs, nb, tb, window, scale);
+#endif
+    return false;
+}
+
+template <typename T>
+static void decode_plain(const T* q, const T* cache, const int64_t* tables, const int64_t* lens, T* out, int64_t n,
                    int64_t h, int64_t hkv, int64_t d, int64_t bs, int64_t nb, int64_t tb, int64_t window,
                    float scale) {
     const int64_t g = h / hkv;
@@ -90,6 +263,14 @@ static void decode(const T* q, const T* cache, const int64_t* tables, const int6
             }
         }
     });
+}
+
+template <typename T>
+static void decode(const T* q, const T* cache, const int64_t* tables, const int64_t* lens, T* out, int64_t n,
+                   int64_t h, int64_t hkv, int64_t d, int64_t bs, int64_t nb, int64_t tb, int64_t window,
+                   float scale) {
+    if (!decode_fast<T>(q, cache, tables, lens, out, n, h, hkv, d, bs, nb, tb, window, scale))
+        decode_plain<T>(q, cache, tables, lens, out, n, h, hkv, d, bs, nb, tb, window, scale);
 }
 
 torch::Tensor paged_decode(torch::Tensor q, torch::Tensor cache, torch::Tensor tables, torch::Tensor lens,

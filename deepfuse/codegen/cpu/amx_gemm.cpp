@@ -7,7 +7,9 @@
 // A panel's 32-k slice is one B tile (16 k-pairs x 16 columns). A tile step covers 32 rows x 32
 // columns: two A tiles (16 rows x 32 k of x, read in place), two B tiles, four f32 C tiles, so
 // each weight tile serves 32 rows and each x tile 32 columns. Work is split over column pairs
-// of panels between torch's intra-op threads; each thread configures its own tiles.
+// of panels between torch's intra-op threads; each thread configures its own tiles and walks
+// its panels in chunks of about 512 KB, every row block through one chunk before the next
+// (a prefill's rows would otherwise stream the whole weight from memory once per 32 rows).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -99,9 +101,12 @@ torch::Tensor amx_gemm(torch::Tensor x, const torch::Tensor& panels, int64_t n, 
     const auto* wp = reinterpret_cast<const uint16_t*>(panels.data_ptr());
     auto* yp = y.data_ptr<at::BFloat16>();
     const int64_t ldx = x.stride(0), ldy = y.stride(0), pairs = (nb + 1) / 2;
+    // weight panels in chunks of about 512 KB (they stay in L2 while every row block passes)
+    const int64_t chunk = std::max<int64_t>(1, (512 << 10) / (2 * kp * kCols * 2));
     at::parallel_for(0, pairs, 1, [&](int64_t begin, int64_t end) {
         alignas(64) float acc[4][16 * kCols];
         int shape0 = -1, shape1 = -1;
+        for (int64_t c0 = begin; c0 < end; c0 += chunk)
         for (int64_t m0 = 0; m0 < m; m0 += 32) {
             const int r0 = static_cast<int>(std::min<int64_t>(16, m - m0));
             const int r1 = static_cast<int>(std::clamp<int64_t>(m - m0 - 16, 0, 16));
@@ -112,7 +117,7 @@ torch::Tensor amx_gemm(torch::Tensor x, const torch::Tensor& panels, int64_t n, 
             }
             const uint16_t* x0 = xp + m0 * ldx;
             const uint16_t* x1 = x0 + 16 * ldx;
-            for (int64_t p = begin; p < end; ++p) {
+            for (int64_t p = c0; p < std::min(end, c0 + chunk); ++p) {
                 const int64_t b0 = 2 * p, b1 = std::min(b0 + 1, nb - 1);  // an odd last panel pairs with itself
                 const uint16_t* w0 = wp + b0 * kp * kCols;
                 const uint16_t* w1 = wp + b1 * kp * kCols;

@@ -225,7 +225,17 @@ def add_rms_rows(x: torch.Tensor, res: torch.Tensor, w: torch.Tensor, eps: float
     return s, rms_rows(s, w, eps)
 
 
+def _native_rows():
+    """The native kernels for swiglu, rope + cache write and greedy argmax (rows.cpp), or None."""
+    return native_kernels()
+
+
 def swiglu_rows(x: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up for x[T, 2F] = [gate | up] -> [T, F]: one native pass (rows.cpp), else torch's."""
+    if x.dtype in NORM_DTYPES and x.dim() == 2 and x.stride(1) == 1:
+        native = _native_rows()
+        if native is not None:
+            return native.swiglu(x)
     gate, up = x.chunk(2, dim=-1)
     return F.silu(gate).mul_(up)
 
@@ -305,6 +315,15 @@ class RopeTables:
         self.last = (pos, dtype, rows)
         return rows
 
+    def float_tables(self, top: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Whole f32 cos and sign-folded sin tables [P, hd], P > top (the native kernel's)."""
+        full = self.full.get((torch.float32, torch.device("cpu")))
+        if full is None or full[0].shape[0] <= top:
+            self.rows(torch.tensor([top]), torch.float32)
+            self.last = None
+            full = self.full[(torch.float32, torch.device("cpu"))]
+        return full
+
 
 _ROPE_TABLES: dict[tuple[int, float], RopeTables] = {}
 
@@ -330,7 +349,27 @@ def _qkv_rope_cache(attrs: dict) -> Kernel:
     rope = _rope({"head_dim": hd, "theta": attrs["theta"]})
     norm = _head_rms_norm({"eps": attrs["qk_norm_eps"], "head_dim": hd}) if "qk_norm_eps" in attrs else None
 
+    tables = _ROPE_TABLES[(hd, attrs["theta"])]
+
+    def native_rope_cache(qkv, pos, cache, slots):
+        """The native pass (rows.cpp) where it applies, else None."""
+        if qkv.dtype not in NORM_DTYPES or qkv.dim() != 2 or qkv.stride(1) != 1 or pos.device.type != "cpu" \
+                or not cache.is_contiguous() or len(pos) == 0:
+            return None
+        native = _native_rows()
+        if native is None:
+            return None
+        cos, sin = tables.float_tables(int(pos.max()))
+        q = torch.empty(qkv.shape[0], sizes[0], dtype=qkv.dtype)
+        k = torch.empty(qkv.shape[0], sizes[1], dtype=qkv.dtype)
+        native.rope_cache(qkv, pos.long(), cos, sin, cache, slots.long(), sizes[0] // hd, q, k)
+        return q, k, qkv[:, sizes[0] + sizes[1]:]
+
     def qkv_rope_cache(qkv, pos, cache, slots, *norms):
+        if not norms:
+            done = native_rope_cache(qkv, pos, cache, slots)
+            if done is not None:
+                return done
         q, k, v = torch.split(qkv, sizes, dim=-1)
         if norms:
             q, k = norm(q.contiguous(), norms[0]), norm(k.contiguous(), norms[1])
@@ -368,7 +407,9 @@ def _sample(attrs: dict) -> Kernel:
 
     def sample(logits, temperature, top_k, top_p, seeds):
         if not bool((temperature > 0).any()):
-            return logits.argmax(-1)
+            native = _native_rows() if logits.dtype == torch.float32 and logits.dim() == 2 \
+                and logits.stride(1) == 1 and logits.shape[1] > 0 else None
+            return native.argmax(logits) if native is not None else logits.argmax(-1)
         return ref(logits, temperature, top_k, top_p, seeds)
 
     return sample

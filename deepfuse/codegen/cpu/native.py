@@ -27,13 +27,25 @@ def build_tag() -> str:
     return hashlib.sha256(flags.encode()).hexdigest()[:8]
 
 
-SOURCES = ("paged_decode.cpp", "panel_gemm.cpp", "amx_gemm.cpp", "norms.cpp", "bindings.cpp")
+SOURCES = ("paged_decode.cpp", "panel_gemm.cpp", "amx_gemm.cpp", "norms.cpp", "rows.cpp", "bindings.cpp")
+HEADERS = ("vec.h",)
+
+
+def source_hash() -> str:
+    """A hash of the kernels' sources and headers (torch rebuilds on a changed source file or
+    flag, not on a changed header: the hash goes into the flags)."""
+    h = hashlib.sha256()
+    for name in SOURCES + HEADERS:
+        with open(os.path.join(os.path.dirname(__file__), name), "rb") as f:
+            h.update(f.read())
+    return h.hexdigest()[:12]
 
 
 @functools.cache
 def kernels():
     """The native kernels' extension module (paged_decode; pack_panels, panel_gemm;
-    amx_available, pack_vnni, amx_gemm; rms_norm, add_rms_norm; see the .cpp files), or None
+    amx_available, pack_vnni, amx_gemm; rms_norm, add_rms_norm; swiglu, rope_cache, argmax;
+    see the .cpp files), or None
     where it cannot be built. Built once per machine and torch install under
     ~/.cache/deepfuse/native/ (about a minute on 2 cores; a line on stderr says so)."""
     from torch.utils.cpp_extension import load
@@ -47,7 +59,8 @@ def kernels():
               flush=True)
     try:
         return load(name=name, sources=[os.path.join(here, s) for s in SOURCES], build_directory=where,
-                    extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"], verbose=False)
+                    extra_cflags=["-O3", "-march=native", "-fopenmp", f"-DDEEPFUSE_SOURCES={source_hash()}"],
+                    extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as e:  # no g++, no Python headers, ...: the torch-op path still works
         warnings.warn(f"deepfuse: the native CPU kernels could not be built ({e}); attention, projections "
                       f"and norms use torch ops instead", stacklevel=2)
@@ -57,8 +70,5 @@ def kernels():
 def fingerprint() -> str:
     """Names the step code this machine runs: the kernels' sources and build tag, and whether
     they built (keys caches of measured step times, runtime/engine.py)."""
-    h = hashlib.sha256(build_tag().encode())
-    for src in SOURCES:
-        with open(os.path.join(os.path.dirname(__file__), src), "rb") as f:
-            h.update(f.read())
+    h = hashlib.sha256((build_tag() + source_hash()).encode())
     return h.hexdigest()[:12] + ("" if kernels() is not None else "-none")

@@ -23,33 +23,7 @@
 #include <vector>
 
 #if defined(__AVX512F__)
-#include <immintrin.h>
-
-static inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-
-static inline __m512 load16(const c10::BFloat16* p) {  // 16 bf16 -> f32 (exact: the high half of each)
-    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
-
-// exp(x) for x <= 0 to about 1 ulp: x = n ln2 + r (Cody-Waite), |r| <= ln2/2, exp(r) by its
-// Taylor series to degree 7 (error < 1e-8), times 2^n with scalef (underflows cleanly to 0).
-static inline __m512 exp16(__m512 x) {
-    x = _mm512_max_ps(x, _mm512_set1_ps(-104.f));  // exp(-104) is 0 in f32; also maps -inf there
-    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187e-06f), r);
-    __m512 p = _mm512_set1_ps(1.f / 5040);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 720));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
-    return _mm512_scalef_ps(p, n);
-}
+#include "vec.h"
 
 // Asks for one head's key and value rows of a block: the block ids a sequence reads are
 // scattered, so the hardware prefetcher cannot guess them, and a step waits on memory otherwise.
@@ -159,9 +133,7 @@ static void decode_avx512(const T* q, const T* cache, const int64_t* tables, con
             for (int j = 0; j < G; ++j) {
                 T* dst = out + s * h * D + (kv * G + j) * D;
                 const __m512 inv = _mm512_set1_ps(l[j] > 0.f ? 1.f / l[j] : 0.f);
-                alignas(64) float row[D];
-                for (int v = 0; v < DV; ++v) _mm512_store_ps(row + 16 * v, _mm512_mul_ps(acc[j][v], inv));
-                for (int64_t e = 0; e < D; ++e) dst[e] = static_cast<T>(row[e]);
+                for (int v = 0; v < DV; ++v) store16(dst + 16 * v, _mm512_mul_ps(acc[j][v], inv));
             }
         }
     });

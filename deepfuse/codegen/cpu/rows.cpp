@@ -1,0 +1,196 @@
+// Row-wise kernels of the CPU step that torch runs as several passes with temporaries.
+//
+//   swiglu(x [T, 2F], out)                   -> [T, F] = silu(x[:, :F]) * x[:, F:]  (f32 / bf16)
+//   rope_cache(qkv [T, (H + 2 Hkv) hd], pos [T], cos [P, hd], sin [P, hd], cache [2, NB, BS, Hkv, hd],
+//              slots [T], num_heads, q_out [T, H hd], k_out [T, Hkv hd])
+//       rotary embedding (rotate-half) on q and k, and k, v written into the paged cache at
+//       slots; q_out and k_out get the rotated rows (f32 / bf16 rows; cos and sin f32; sin
+//       sign-folded: [-sin | sin], so rotate_half(x) * sin == swap_halves(x) * sin_folded)
+//   argmax(x [T, V] f32)                     -> [T] int64, the first index of each row's largest
+//       value (a NaN counts as largest, as torch.argmax has it)
+//
+// Every value is computed in float and rounded once to the row dtype.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <cmath>
+#include <limits>
+
+#if defined(__AVX512F__)
+#include "vec.h"
+#endif
+
+namespace {
+
+inline float to_float(float x) { return x; }
+inline float to_float(c10::BFloat16 x) { return static_cast<float>(x); }
+
+template <typename T>
+void swiglu_rows(const T* x, T* y, int64_t t, int64_t f, int64_t ldx, int64_t ldy) {
+    at::parallel_for(0, t, 1, [&](int64_t begin, int64_t end) {
+        for (int64_t r = begin; r < end; ++r) {
+            const T* gate = x + r * ldx;
+            const T* up = gate + f;
+            T* dst = y + r * ldy;
+            int64_t i = 0;
+#if defined(__AVX512F__)
+            for (; i + 16 <= f; i += 16) {  // silu(g) = g * sigmoid(g), from e = exp(-|g|) <= 1
+                const __m512 g = load16(gate + i);
+                const __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(g)));
+                const __m512 one_e = _mm512_add_ps(_mm512_set1_ps(1.f), e);
+                const __mmask16 neg = _mm512_cmp_ps_mask(g, _mm512_setzero_ps(), _CMP_LT_OQ);
+                __m512 inv = _mm512_rcp14_ps(one_e);  // 1 / (1 + e), one Newton step from 14 bits
+                inv = _mm512_mul_ps(inv, _mm512_fnmadd_ps(one_e, inv, _mm512_set1_ps(2.f)));
+                const __m512 sigmoid = _mm512_mask_mul_ps(inv, neg, inv, e);
+                store16(dst + i, _mm512_mul_ps(_mm512_mul_ps(g, sigmoid), load16(up + i)));
+            }
+#endif
+            for (; i < f; ++i) {
+                const float g = to_float(gate[i]);
+                const float e = std::exp(-std::fabs(g));  // <= 1: no overflow either side
+                const float sigmoid = g >= 0.f ? 1.f / (1.f + e) : e / (1.f + e);
+                dst[i] = static_cast<T>(g * sigmoid * to_float(up[i]));
+            }
+        }
+    });
+}
+
+template <typename T>
+void rope_rows(const T* src, const float* cos, const float* sin, T* dst, int64_t heads, int64_t hd) {
+    const int64_t half = hd / 2;
+#if defined(__AVX512F__)
+    if (half % 16 == 0) {
+        for (int64_t h = 0; h < heads; ++h)
+            for (int64_t i = 0; i < half; i += 16) {
+                const T* x = src + h * hd + i;
+                const __m512 a = load16(x), b = load16(x + half);
+                store16(dst + h * hd + i, _mm512_fmadd_ps(a, _mm512_loadu_ps(cos + i), _mm512_mul_ps(b, _mm512_loadu_ps(sin + i))));
+                store16(dst + h * hd + half + i, _mm512_fmadd_ps(b, _mm512_loadu_ps(cos + half + i),
+                                                                 _mm512_mul_ps(a, _mm512_loadu_ps(sin + half + i))));
+            }
+        return;
+    }
+#endif
+    for (int64_t h = 0; h < heads; ++h) {
+        const T* x = src + h * hd;
+        T* y = dst + h * hd;
+#pragma omp simd
+        for (int64_t i = 0; i < half; ++i)
+            y[i] = static_cast<T>(to_float(x[i]) * cos[i] + to_float(x[i + half]) * sin[i]);
+#pragma omp simd
+        for (int64_t i = half; i < hd; ++i)
+            y[i] = static_cast<T>(to_float(x[i]) * cos[i] + to_float(x[i - half]) * sin[i]);
+    }
+}
+
+template <typename T>
+void rope_cache_rows(const T* qkv, const int64_t* pos, const float* cos, const float* sin, T* cache, const int64_t* slots,
+                     T* q_out, T* k_out, int64_t t, int64_t h, int64_t hkv, int64_t hd, int64_t ldqkv,
+                     int64_t cache_half) {
+    at::parallel_for(0, t, 1, [&](int64_t begin, int64_t end) {
+        for (int64_t r = begin; r < end; ++r) {
+            const T* row = qkv + r * ldqkv;
+            const float* c = cos + pos[r] * hd;
+            const float* s = sin + pos[r] * hd;
+            T* kc = cache + slots[r] * hkv * hd;
+            rope_rows(row, c, s, q_out + r * h * hd, h, hd);
+            rope_rows(row + h * hd, c, s, k_out + r * hkv * hd, hkv, hd);
+            std::copy(k_out + r * hkv * hd, k_out + (r + 1) * hkv * hd, kc);
+            std::copy(row + (h + hkv) * hd, row + (h + 2 * hkv) * hd, kc + cache_half);
+        }
+    });
+}
+
+int64_t argmax_row(const float* x, int64_t v) {
+    int64_t i = 0;
+    float best = -std::numeric_limits<float>::infinity();
+#if defined(__AVX512F__)
+    __m512 top = _mm512_set1_ps(best);
+    __mmask16 nan = 0;
+    for (; i + 16 <= v; i += 16) {
+        const __m512 a = _mm512_loadu_ps(x + i);
+        nan |= _mm512_cmp_ps_mask(a, a, _CMP_UNORD_Q);
+        top = _mm512_max_ps(top, a);
+    }
+    if (nan) i = 0;  // a NaN: the plain loop below finds the first one
+    else best = _mm512_reduce_max_ps(top);
+#endif
+    for (; i < v; ++i) {
+        if (std::isnan(x[i])) return i;
+        best = std::max(best, x[i]);
+    }
+    for (int64_t j = 0; j < v; ++j)
+        if (x[j] == best) return j;
+    return 0;  // a row of -inf only: torch answers 0 as well
+}
+
+void check_rows(const torch::Tensor& x, const char* what) {
+    TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, what, ": rows must be [T, N] with unit column stride");
+    TORCH_CHECK(x.scalar_type() == torch::kFloat32 || x.scalar_type() == torch::kBFloat16, what, ": f32 or bf16 only");
+}
+
+}  // namespace
+
+torch::Tensor swiglu(const torch::Tensor& x, std::optional<torch::Tensor> out) {
+    check_rows(x, "swiglu");
+    TORCH_CHECK(x.size(1) % 2 == 0, "swiglu: x must be [T, 2F]");
+    const int64_t t = x.size(0), f = x.size(1) / 2;
+    auto y = out.has_value() ? *out : torch::empty({t, f}, x.options());
+    TORCH_CHECK(y.dim() == 2 && y.size(0) == t && y.size(1) == f && y.stride(1) == 1 && y.scalar_type() == x.scalar_type(),
+                "swiglu: out must be [T, F] of x's dtype with unit column stride");
+    if (x.scalar_type() == torch::kFloat32)
+        swiglu_rows(x.data_ptr<float>(), y.data_ptr<float>(), t, f, x.stride(0), y.stride(0));
+    else
+        swiglu_rows(x.data_ptr<c10::BFloat16>(), y.data_ptr<c10::BFloat16>(), t, f, x.stride(0), y.stride(0));
+    return y;
+}
+
+void rope_cache(const torch::Tensor& qkv, const torch::Tensor& pos, const torch::Tensor& cos, const torch::Tensor& sin,
+                torch::Tensor cache, const torch::Tensor& slots, int64_t num_heads, torch::Tensor q_out,
+                torch::Tensor k_out) {
+    check_rows(qkv, "rope_cache");
+    TORCH_CHECK(cache.dim() == 5 && cache.size(0) == 2 && cache.is_contiguous() && cache.scalar_type() == qkv.scalar_type(),
+                "rope_cache: cache must be a contiguous [2, NB, BS, Hkv, hd] of qkv's dtype");
+    const int64_t t = qkv.size(0), hkv = cache.size(3), hd = cache.size(4), h = num_heads;
+    TORCH_CHECK(hd % 2 == 0 && qkv.size(1) == (h + 2 * hkv) * hd, "rope_cache: qkv must be [T, (H + 2 Hkv) hd]");
+    TORCH_CHECK(cos.scalar_type() == torch::kFloat32 && sin.scalar_type() == torch::kFloat32 && cos.is_contiguous() &&
+                    sin.is_contiguous() && cos.dim() == 2 && cos.size(1) == hd && sin.sizes() == cos.sizes(),
+                "rope_cache: cos and sin must be contiguous f32 [P, hd]");
+    TORCH_CHECK(pos.scalar_type() == torch::kInt64 && slots.scalar_type() == torch::kInt64 && pos.is_contiguous() &&
+                    slots.is_contiguous() && pos.numel() == t && slots.numel() == t,
+                "rope_cache: pos and slots must be contiguous int64 [T]");
+    TORCH_CHECK(q_out.is_contiguous() && k_out.is_contiguous() && q_out.numel() == t * h * hd &&
+                    k_out.numel() == t * hkv * hd && q_out.scalar_type() == qkv.scalar_type() &&
+                    k_out.scalar_type() == qkv.scalar_type(),
+                "rope_cache: q_out and k_out must be contiguous [T, H hd] and [T, Hkv hd] of qkv's dtype");
+    const int64_t positions = cos.size(0), capacity = cache.size(1) * cache.size(2);
+    for (int64_t r = 0; r < t; ++r) {  // nothing is written unless every row is in range
+        TORCH_CHECK(pos.data_ptr<int64_t>()[r] >= 0 && pos.data_ptr<int64_t>()[r] < positions,
+                    "rope_cache: a position outside the cos/sin table");
+        TORCH_CHECK(slots.data_ptr<int64_t>()[r] >= 0 && slots.data_ptr<int64_t>()[r] < capacity,
+                    "rope_cache: a slot outside the cache");
+    }
+    const int64_t half = capacity * hkv * hd;
+    if (qkv.scalar_type() == torch::kFloat32)
+        rope_cache_rows(qkv.data_ptr<float>(), pos.data_ptr<int64_t>(), cos.data_ptr<float>(), sin.data_ptr<float>(),
+                        cache.data_ptr<float>(), slots.data_ptr<int64_t>(), q_out.data_ptr<float>(),
+                        k_out.data_ptr<float>(), t, h, hkv, hd, qkv.stride(0), half);
+    else
+        rope_cache_rows(qkv.data_ptr<c10::BFloat16>(), pos.data_ptr<int64_t>(), cos.data_ptr<float>(),
+                        sin.data_ptr<float>(), cache.data_ptr<c10::BFloat16>(), slots.data_ptr<int64_t>(),
+                        q_out.data_ptr<c10::BFloat16>(), k_out.data_ptr<c10::BFloat16>(), t, h, hkv, hd,
+                        qkv.stride(0), half);
+}
+
+torch::Tensor argmax(const torch::Tensor& x) {
+    TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.scalar_type() == torch::kFloat32 && x.size(1) > 0,
+                "argmax: x must be f32 [T, V] (V >= 1) with unit column stride");
+    const int64_t t = x.size(0), v = x.size(1), ld = x.stride(0);
+    auto idx = torch::empty({t}, x.options().dtype(torch::kInt64));
+    const float* xp = x.data_ptr<float>();
+    int64_t* ip = idx.data_ptr<int64_t>();
+    at::parallel_for(0, t, 1, [&](int64_t begin, int64_t end) {
+        for (int64_t r = begin; r < end; ++r) ip[r] = argmax_row(xp + r * ld, v);
+    });
+    return idx;
+}

@@ -1,0 +1,44 @@
+// AVX-512 helpers shared by the native CPU kernels: 16-lane loads and stores of f32 or bf16
+// rows (as f32 lanes) and a vector exp. Included only where __AVX512F__ is defined.
+#pragma once
+
+#include <immintrin.h>
+
+#include <c10/util/BFloat16.h>
+
+static inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+
+static inline __m512 load16(const c10::BFloat16* p) {  // 16 bf16 -> f32 (exact: the high half of each)
+    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+// exp(x) for x <= 0 to about 1 ulp: x = n ln2 + r (Cody-Waite), |r| <= ln2/2, exp(r) by its
+// Taylor series to degree 7 (error < 1e-8), times 2^n with scalef (underflows cleanly to 0).
+static inline __m512 exp16(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-104.f));  // exp(-104) is 0 in f32; also maps -inf there
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187e-06f), r);
+    __m512 p = _mm512_set1_ps(1.f / 5040);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 720));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+    return _mm512_scalef_ps(p, n);
+}
+
+static inline void store16(float* p, __m512 x) { _mm512_storeu_ps(p, x); }
+
+// f32 -> bf16, rounding to nearest even as c10::BFloat16 does; NaN stays a (quiet) NaN
+static inline void store16(c10::BFloat16* p, __m512 x) {
+    const __m512i bits = _mm512_castps_si512(x);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
+    r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(r));
+}

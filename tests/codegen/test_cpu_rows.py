@@ -1,0 +1,95 @@
+"""The native row kernels (codegen/cpu/rows.cpp: swiglu, rope_cache, argmax) against float64
+references and torch, and the compiled CPU step's use of them."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_swiglu_matches_float64_silu_times_up(native, dtype):
+    torch.manual_seed(0)
+    x = (torch.randn(37, 2 * 83) * 8).to(dtype)  # 83: vector body and a scalar tail
+    x[0, :6] = torch.tensor([0.0, -200.0, 200.0, 90.0, -90.0, 1e-30]).to(dtype)
+    ref = F.silu(x[:, :83].double()) * x[:, 83:].double()
+    got = native.swiglu(x)
+    tol = 1e-6 if dtype == torch.float32 else 8e-3
+    torch.testing.assert_close(got.double(), ref.to(dtype).double(), rtol=tol, atol=1e-30)
+    out = torch.empty(37, 100, dtype=dtype)[:, :83]  # a strided destination
+    assert native.swiglu(x, out).data_ptr() == out.data_ptr()
+    torch.testing.assert_close(out, got, rtol=0, atol=0)
+    with pytest.raises(RuntimeError, match="x must be"):
+        native.swiglu(x[:, :5])
+
+
+def test_argmax_is_torchs_including_ties_nan_and_infinities(native):
+    torch.manual_seed(0)
+    x = torch.randn(9, 1000)
+    x[1, [10, 500]] = 7.0  # a tie: the first wins
+    x[2, 999] = 9.0  # in the scalar tail
+    x[3, [4, 600]] = float("nan")  # the first NaN
+    x[4] = float("-inf")
+    x[5, 3] = float("inf")
+    assert torch.equal(native.argmax(x), x.argmax(-1))
+    assert torch.equal(native.argmax(x[:, :17]), x[:, :17].argmax(-1))
+    with pytest.raises(RuntimeError, match="f32"):
+        native.argmax(x.double())
+
+
+def rope_reference(x, pos, hd, theta):
+    from deepfuse.ir.opdefs_llm import rope_cos_sin
+
+    cos, sin = rope_cos_sin(pos, hd, theta)
+    h = x.double().view(x.shape[0], -1, hd)
+    rotated = torch.cat((-h[..., hd // 2:], h[..., : hd // 2]), dim=-1)
+    return (h * cos.double()[:, None] + rotated * sin.double()[:, None]).reshape(x.shape[0], -1)
+
+
+@pytest.mark.parametrize("dtype,hd", [(torch.float32, 64), (torch.bfloat16, 64), (torch.float32, 24)])
+def test_rope_cache_rotates_q_k_and_writes_the_cache_at_slots(native, dtype, hd):
+    from deepfuse.codegen.cpu.kernels import RopeTables
+
+    torch.manual_seed(0)
+    h, hkv, t, theta = 6, 2, 21, 10000.0
+    qkv = torch.randn(t, (h + 2 * hkv) * hd).to(dtype)
+    pos = torch.randint(0, 300, (t,))
+    slots = torch.randperm(8 * 16)[:t]
+    cache = torch.zeros(2, 8, 16, hkv, hd, dtype=dtype)
+    cos, sin = RopeTables(hd, theta).float_tables(int(pos.max()))
+    q, k = torch.empty(t, h * hd, dtype=dtype), torch.empty(t, hkv * hd, dtype=dtype)
+    native.rope_cache(qkv, pos, cos, sin, cache, slots, h, q, k)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(q.double(), rope_reference(qkv[:, : h * hd], pos, hd, theta), rtol=tol, atol=tol)
+    torch.testing.assert_close(k.double(), rope_reference(qkv[:, h * hd:(h + hkv) * hd], pos, hd, theta), rtol=tol,
+                               atol=tol)
+    flat = cache.view(2, -1, hkv * hd)
+    assert torch.equal(flat[0][slots], k) and torch.equal(flat[1][slots], qkv[:, (h + hkv) * hd:])
+    untouched = torch.ones(flat.shape[1], dtype=torch.bool)
+    untouched[slots] = False
+    assert not flat[:, untouched].any()
+    before = cache.clone()
+    with pytest.raises(RuntimeError, match="slot outside"):  # nothing written
+        native.rope_cache(qkv, pos, cos, sin, cache, torch.cat([slots[:-1], torch.tensor([8 * 16])]), h, q, k)
+    with pytest.raises(RuntimeError, match="position outside"):
+        native.rope_cache(qkv, torch.full((t,), len(cos)), cos, sin, cache, slots, h, q, k)
+    assert torch.equal(cache, before)
+
+
+def test_bf16_step_is_close_with_and_without_the_row_kernels(native, tiny_model, monkeypatch):
+    """bf16 through the compiled CPU step with the native row kernels and with the torch ops
+    they replace (everything else the same): the same first tokens, log-probs within bf16's
+    rounding."""
+    import deepfuse
+    from deepfuse.codegen.cpu import kernels
+    from deepfuse.runtime.engine import Engine, SamplingParams
+
+    prompts = [[5, 17, 99, 3, 42, 7, 7, 8] * 5, [9, 2, 64], [100, 3, 3, 3, 3, 3, 3, 3, 3, 3]]
+    params = [SamplingParams(temperature=0, max_tokens=1, logprobs=3)] * 3
+    with_native = Engine(deepfuse.compile(tiny_model, dtype="bf16")).generate(prompts, params)
+    calls = []
+    monkeypatch.setattr(kernels, "_native_rows", lambda: calls.append(1))
+    plain = Engine(deepfuse.compile(tiny_model, dtype="bf16")).generate(prompts, params)
+    assert calls  # the torch path ran
+    assert [o.token_ids for o in with_native] == [o.token_ids for o in plain]
+    for a, b in zip(with_native, plain):
+        assert a.logprobs[0].keys() == b.logprobs[0].keys()
+        assert all(abs(a.logprobs[0][t] - b.logprobs[0][t]) < 0.05 for t in a.logprobs[0])

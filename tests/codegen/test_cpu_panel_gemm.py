@@ -92,3 +92,54 @@ def test_prepacked_bf16_projection_uses_amx(amx):
     packed = prepack_linear_weight(w)
     assert isinstance(packed, PanelWeight)
     torch.testing.assert_close(packed_linear(x, packed).double(), x.double() @ w.double().T, atol=0.1, rtol=8e-3)
+
+
+def int4_weight(n: int, k: int):
+    packed = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8)
+    return packed, torch.rand(n, k // 32) * 0.02, -torch.rand(n, k // 32) * 0.1
+
+
+# rows: one tile row, both halves of a row block, several blocks with a ragged last one;
+# columns: an odd panel count, a partial last panel; depths: one group, several
+@pytest.mark.parametrize("m,n,k", [(1, 40, 32), (5, 33, 96), (37, 960, 576), (70, 48, 1536)])
+def test_amx_int4_gemm_is_the_dense_amx_gemm_of_the_dequantized_weight(amx, m, n, k):
+    """amx_q4_gemm dequantizes to exactly the dense copy's bf16 values (q * scale + min, rounded
+    twice as torch does), so its result is the dense AMX GEMM's, bit for bit."""
+    from deepfuse.codegen.cpu.kernels import pack_q4_vnni
+    from deepfuse.ir.opdefs_quant import dequantize_q4
+
+    torch.manual_seed(m)
+    packed, scales, mins = int4_weight(n, k)
+    x = torch.randn(m, k).bfloat16()
+    dense = dequantize_q4(packed, scales, mins).bfloat16()
+    got = amx.amx_q4_gemm(x, *pack_q4_vnni(packed, scales, mins), n)
+    assert torch.equal(got, amx.amx_gemm(x, amx.pack_vnni(dense), n))
+    out = torch.empty(m, n + 3, dtype=torch.bfloat16)[:, :n]
+    assert amx.amx_q4_gemm(x, *pack_q4_vnni(packed, scales, mins), n, out).data_ptr() == out.data_ptr()
+    assert torch.equal(out, got)
+
+
+def test_amx_int4_gemm_refuses_mismatched_operands(amx):
+    from deepfuse.codegen.cpu.kernels import pack_q4_vnni
+
+    nibbles, scales, mins = pack_q4_vnni(*int4_weight(40, 64))
+    with pytest.raises(RuntimeError, match="pack_q4_vnni"):
+        amx.amx_q4_gemm(torch.randn(2, 96).bfloat16(), nibbles, scales, mins, 40)  # K differs
+    with pytest.raises(RuntimeError, match="scales and mins"):
+        amx.amx_q4_gemm(torch.randn(2, 64).bfloat16(), nibbles, scales.half(), mins, 40)
+    with pytest.raises(RuntimeError, match="bfloat16"):
+        amx.amx_q4_gemm(torch.randn(2, 64), nibbles, scales, mins, 40)
+
+
+def test_int4_projection_keeps_no_dense_copy_with_amx(amx):
+    """bf16 int4 weights run in the AMX int4 kernel above torch's int4 GEMM's rows, with no
+    dense bf16 copy in memory; the result equals the dense path's."""
+    from deepfuse.codegen.cpu.kernels import AmxQ4Weight, Q4Weights, q4_linear
+    from deepfuse.ir.opdefs_quant import dequantize_q4
+
+    packed, scales, mins = int4_weight(48, 64)
+    w = Q4Weights(torch.bfloat16, packed, scales, mins)
+    assert isinstance(w.dense, AmxQ4Weight)
+    x = torch.randn(9, 64).bfloat16()
+    dense = prepack_linear_weight(dequantize_q4(packed, scales, mins).bfloat16())
+    assert torch.equal(q4_linear(x, w), packed_linear(x, dense))

@@ -3,6 +3,12 @@
 //   amx_available()                   whether this build and this kernel allow AMX tiles
 //   pack_vnni(w [N, K])               -> panels [ceil(N/16), K'/2, 16, 2] (K' = K rounded up to 32; zero padding)
 //   amx_gemm(x [M, K], panels, N, out) -> y [M, N] = x @ w^T in bf16, f32 accumulation (into out when given)
+//   amx_q4_gemm(x [M, K], nibbles, scales, mins, N, out) -> the same over an int4 weight (groups of 32
+//       along K, w = q * scale + min) packed by kernels.pack_q4_vnni: nibbles u8 [N/16, K/32, 256] (a
+//       tile's 16 x 32 values in VNNI order, two a byte), scales and mins f32 [N/16, K/32, 16]. Panels
+//       are dequantized to bf16 (the dense copy's values exactly) once per call, a ~512 KB chunk at
+//       a time into a per-thread buffer that every 32-row block then reads: memory traffic is a
+//       quarter of the dense copy's.
 //
 // A panel's 32-k slice is one B tile (16 k-pairs x 16 columns). A tile step covers 32 rows x 32
 // columns: two A tiles (16 rows x 32 k of x, read in place), two B tiles, four f32 C tiles, so
@@ -15,6 +21,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
 #include <optional>
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__linux__)
@@ -52,6 +59,9 @@ void configure(int rows0, int rows1) {
         c.rows[t] = rows[t];
         c.colsb[t] = 64;
     }
+    // GCC's _tile_loadconfig tells the compiler it reads 8 bytes of the 64: without this
+    // barrier the stores of rows and colsb can be dropped as dead (and ldtilecfg faults)
+    asm volatile("" : : "r"(&c) : "memory");
     _tile_loadconfig(&c);
 }
 
@@ -60,6 +70,74 @@ void store_rows(const float* tile, int rows, at::BFloat16* y, int64_t ldy, int64
     for (int r = 0; r < rows; ++r) {
         const __m256bh v = _mm512_cvtneps_pbh(_mm512_load_ps(tile + r * kCols));
         _mm256_mask_storeu_epi16(y + r * ldy, mask, reinterpret_cast<__m256i>(v));
+    }
+}
+
+// Rows m0 .. m0+31 of x (r0 and r1 rows in its halves; tiles configured for them) times the
+// panel pair w0, w1 (VNNI, depth kp, tile rows 64 bytes apart) into y's columns of panels b0, b1.
+void pair_step(const uint16_t* x0, int64_t ldx, int r0, int r1, const uint16_t* w0, const uint16_t* w1, int64_t kp,
+               at::BFloat16* y, int64_t ldy, int64_t b0, int64_t b1, int64_t n) {
+    alignas(64) float acc[4][16 * kCols];
+    const uint16_t* x1 = x0 + 16 * ldx;
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int64_t kk = 0; kk < kp; kk += kDepth) {
+        _tile_loadd(4, x0 + kk, ldx * 2);
+        _tile_loadd(6, w0 + kk * kCols, 64);
+        _tile_loadd(7, w1 + kk * kCols, 64);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(1, 4, 7);
+        if (r1) {
+            _tile_loadd(5, x1 + kk, ldx * 2);
+            _tile_dpbf16ps(2, 5, 6);
+            _tile_dpbf16ps(3, 5, 7);
+        }
+    }
+    _tile_stored(0, acc[0], 64);
+    _tile_stored(1, acc[1], 64);
+    if (r1) {
+        _tile_stored(2, acc[2], 64);
+        _tile_stored(3, acc[3], 64);
+    }
+    for (int half = 0; half < (r1 ? 2 : 1); ++half)
+        for (int64_t b = b0; b <= b1; ++b)
+            store_rows(acc[half * 2 + (b - b0)], half ? r1 : r0, y + 16 * half * ldy + b * kCols, ldy, n - b * kCols);
+}
+
+// Configures the tiles for the row block at m0 when its shape differs from the last one's.
+void configure_rows(int64_t m, int64_t m0, int& r0, int& r1, int& shape) {
+    r0 = static_cast<int>(std::min<int64_t>(16, m - m0));
+    r1 = static_cast<int>(std::clamp<int64_t>(m - m0 - 16, 0, 16));
+    if (r0 * 17 + r1 != shape) {
+        configure(r0, r1);
+        shape = r0 * 17 + r1;
+    }
+}
+
+// a * b + c rounded twice, as torch computes it (plain vector * and + may be fused into an FMA)
+inline __m512 mul_add(__m512 a, __m512 b, __m512 c) {
+    constexpr int rn = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+    return _mm512_add_round_ps(_mm512_mul_round_ps(a, b, rn), c, rn);
+}
+
+// One int4 tile (16 columns x 32 k: 256 bytes of nibbles in VNNI order, f32 scale and min per
+// column) to bf16 VNNI rows, as q * scale + min rounded once (what the dense copy holds).
+void dequant_tile(const uint8_t* nib, const float* scale, const float* min, uint16_t* dst) {
+    const __m512 s = _mm512_loadu_ps(scale), mn = _mm512_loadu_ps(min);
+    const __m512i lo_cols = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
+    const __m512i hi_cols = _mm512_add_epi32(lo_cols, _mm512_set1_epi32(8));
+    const __m512 s0 = _mm512_permutexvar_ps(lo_cols, s), s1 = _mm512_permutexvar_ps(hi_cols, s);
+    const __m512 m0 = _mm512_permutexvar_ps(lo_cols, mn), m1 = _mm512_permutexvar_ps(hi_cols, mn);
+    const __m128i low4 = _mm_set1_epi8(0x0F);
+    for (int r = 0; r < 16; ++r) {  // row r: byte c holds column c's k = 2r (low nibble) and 2r + 1
+        const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(nib + 16 * r));
+        const __m128i lo = _mm_and_si128(bytes, low4), hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), low4);
+        const __m512 a = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_unpacklo_epi8(lo, hi)));  // columns 0-7
+        const __m512 b = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_unpackhi_epi8(lo, hi)));  // columns 8-15
+        const __m512bh w = _mm512_cvtne2ps_pbh(mul_add(b, s1, m1), mul_add(a, s0, m0));
+        _mm512_store_si512(dst + 32 * r, reinterpret_cast<__m512i>(w));
     }
 }
 #endif
@@ -104,52 +182,76 @@ torch::Tensor amx_gemm(torch::Tensor x, const torch::Tensor& panels, int64_t n, 
     // weight panels in chunks of about 512 KB (they stay in L2 while every row block passes)
     const int64_t chunk = std::max<int64_t>(1, (512 << 10) / (2 * kp * kCols * 2));
     at::parallel_for(0, pairs, 1, [&](int64_t begin, int64_t end) {
-        alignas(64) float acc[4][16 * kCols];
-        int shape0 = -1, shape1 = -1;
+        int shape = -1;
         for (int64_t c0 = begin; c0 < end; c0 += chunk)
-        for (int64_t m0 = 0; m0 < m; m0 += 32) {
-            const int r0 = static_cast<int>(std::min<int64_t>(16, m - m0));
-            const int r1 = static_cast<int>(std::clamp<int64_t>(m - m0 - 16, 0, 16));
-            if (r0 != shape0 || r1 != shape1) {
-                configure(r0, r1);
-                shape0 = r0;
-                shape1 = r1;
+            for (int64_t m0 = 0; m0 < m; m0 += 32) {
+                int r0, r1;
+                configure_rows(m, m0, r0, r1, shape);
+                for (int64_t p = c0; p < std::min(end, c0 + chunk); ++p) {
+                    const int64_t b0 = 2 * p, b1 = std::min(b0 + 1, nb - 1);  // an odd last panel pairs with itself
+                    pair_step(xp + m0 * ldx, ldx, r0, r1, wp + b0 * kp * kCols, wp + b1 * kp * kCols, kp,
+                              yp + m0 * ldy, ldy, b0, b1, n);
+                }
             }
-            const uint16_t* x0 = xp + m0 * ldx;
-            const uint16_t* x1 = x0 + 16 * ldx;
-            for (int64_t p = c0; p < std::min(end, c0 + chunk); ++p) {
-                const int64_t b0 = 2 * p, b1 = std::min(b0 + 1, nb - 1);  // an odd last panel pairs with itself
-                const uint16_t* w0 = wp + b0 * kp * kCols;
-                const uint16_t* w1 = wp + b1 * kp * kCols;
-                _tile_zero(0);
-                _tile_zero(1);
-                _tile_zero(2);
-                _tile_zero(3);
-                for (int64_t kk = 0; kk < kp; kk += kDepth) {
-                    _tile_loadd(4, x0 + kk, ldx * 2);
-                    _tile_loadd(6, w0 + kk * kCols, 64);
-                    _tile_loadd(7, w1 + kk * kCols, 64);
-                    _tile_dpbf16ps(0, 4, 6);
-                    _tile_dpbf16ps(1, 4, 7);
-                    if (r1) {
-                        _tile_loadd(5, x1 + kk, ldx * 2);
-                        _tile_dpbf16ps(2, 5, 6);
-                        _tile_dpbf16ps(3, 5, 7);
-                    }
+        _tile_release();
+    });
+#endif
+    return y;
+}
+
+torch::Tensor amx_q4_gemm(torch::Tensor x, const torch::Tensor& nibbles, const torch::Tensor& scales,
+                          const torch::Tensor& mins, int64_t n, std::optional<torch::Tensor> out) {
+    TORCH_CHECK(amx_available(), "amx_q4_gemm: no AMX on this machine or in this build");
+    TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kBFloat16, "amx_q4_gemm: x must be [M, K] bfloat16");
+    TORCH_CHECK(nibbles.dim() == 3 && nibbles.scalar_type() == torch::kUInt8 && nibbles.is_contiguous() &&
+                    nibbles.size(2) == 256 && nibbles.size(1) * kDepth == x.size(1) &&
+                    nibbles.size(0) == (n + kCols - 1) / kCols,
+                "amx_q4_gemm: nibbles must come from pack_q4_vnni of a [N, K] weight with x's K");
+    for (const auto* t : {&scales, &mins})
+        TORCH_CHECK(t->scalar_type() == torch::kFloat32 && t->is_contiguous() && t->dim() == 3 &&
+                        t->size(0) == nibbles.size(0) && t->size(1) == nibbles.size(1) && t->size(2) == kCols,
+                    "amx_q4_gemm: scales and mins must be f32 [N/16, K/32, 16]");
+    const int64_t m = x.size(0), nb = nibbles.size(0), groups = nibbles.size(1), kp = groups * kDepth;
+    auto y = out.has_value() ? *out : torch::empty({m, n}, x.options());
+    TORCH_CHECK(y.dim() == 2 && y.size(0) == m && y.size(1) == n && y.scalar_type() == torch::kBFloat16 &&
+                    y.stride(1) == 1, "amx_q4_gemm: out must be [M, N] bfloat16 with unit column stride");
+    if (m == 0 || n == 0) return y;
+    if (x.stride(1) != 1) x = x.contiguous();
+#if DEEPFUSE_AMX
+    const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr());
+    const uint8_t* np = nibbles.data_ptr<uint8_t>();
+    const float* sp = scales.data_ptr<float>();
+    const float* mp = mins.data_ptr<float>();
+    auto* yp = y.data_ptr<at::BFloat16>();
+    const int64_t ldx = x.stride(0), ldy = y.stride(0), pairs = (nb + 1) / 2;
+    // panel pairs in chunks of about 512 KB of bf16, each dequantized once per call into a
+    // per-thread buffer that every 32-row block then passes through (as amx_gemm walks its chunks)
+    const int64_t chunk = std::max<int64_t>(1, (512 << 10) / (2 * kp * kCols * 2));
+    at::parallel_for(0, pairs, 1, [&](int64_t begin, int64_t end) {
+        const int64_t span = std::min(chunk, end - begin);
+        auto* w = static_cast<uint16_t*>(std::aligned_alloc(64, span * 2 * kp * kCols * sizeof(uint16_t)));
+        int shape = -1;
+        for (int64_t c0 = begin; c0 < end; c0 += chunk) {
+            const int64_t c1 = std::min(end, c0 + chunk);
+            for (int64_t p = c0; p < c1; ++p)
+                for (int64_t half = 0; half < 2; ++half) {
+                    const int64_t b = std::min(2 * p + half, nb - 1);  // an odd last panel pairs with itself
+                    for (int64_t g = 0; g < groups; ++g)
+                        dequant_tile(np + (b * groups + g) * 256, sp + (b * groups + g) * kCols,
+                                     mp + (b * groups + g) * kCols, w + ((2 * (p - c0) + half) * groups + g) * 512);
                 }
-                _tile_stored(0, acc[0], 64);
-                _tile_stored(1, acc[1], 64);
-                if (r1) {
-                    _tile_stored(2, acc[2], 64);
-                    _tile_stored(3, acc[3], 64);
+            for (int64_t m0 = 0; m0 < m; m0 += 32) {
+                int r0, r1;
+                configure_rows(m, m0, r0, r1, shape);
+                for (int64_t p = c0; p < c1; ++p) {
+                    const uint16_t* w0 = w + 2 * (p - c0) * kp * kCols;
+                    pair_step(xp + m0 * ldx, ldx, r0, r1, w0, w0 + kp * kCols, kp, yp + m0 * ldy, ldy, 2 * p,
+                              std::min(2 * p + 1, nb - 1), n);
                 }
-                for (int half = 0; half < (r1 ? 2 : 1); ++half)
-                    for (int64_t b = b0; b <= b1; ++b)
-                        store_rows(acc[half * 2 + (b - b0)], half ? r1 : r0, yp + (m0 + 16 * half) * ldy + b * kCols,
-                                   ldy, n - b * kCols);
             }
         }
         _tile_release();
+        std::free(w);
     });
 #endif
     return y;

@@ -15,6 +15,8 @@ std::tuple<torch::Tensor, torch::Tensor> add_rms_norm(const torch::Tensor& x, co
                                                       std::optional<torch::Tensor> norm_out);
 torch::Tensor pack_vnni(const torch::Tensor& w);
 torch::Tensor amx_gemm(torch::Tensor x, const torch::Tensor& panels, int64_t n, std::optional<torch::Tensor> out);
+torch::Tensor amx_q4_gemm(torch::Tensor x, const torch::Tensor& nibbles, const torch::Tensor& scales,
+                          const torch::Tensor& mins, int64_t n, std::optional<torch::Tensor> out);
 torch::Tensor swiglu(const torch::Tensor& x, std::optional<torch::Tensor> out);
 void rope_cache(const torch::Tensor& qkv, const torch::Tensor& pos, const torch::Tensor& cos, const torch::Tensor& sin,
                 torch::Tensor cache, const torch::Tensor& slots, int64_t num_heads, torch::Tensor q_out,
@@ -34,6 +36,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("pack_vnni", &pack_vnni, "a bf16 weight [N, K] as VNNI panels (amx_gemm.cpp)");
     m.def("amx_gemm", &amx_gemm, "x [M, K] @ w^T over pack_vnni(w) on AMX tiles, into out if given (amx_gemm.cpp)",
           py::arg("x"), py::arg("panels"), py::arg("n"), py::arg("out") = py::none());
+    m.def("amx_q4_gemm", &amx_q4_gemm, "x [M, K] @ int4 w^T, dequantized to bf16 panel pairs for AMX (amx_gemm.cpp)",
+          py::arg("x"), py::arg("nibbles"), py::arg("scales"), py::arg("mins"), py::arg("n"), py::arg("out") = py::none());
     m.def("swiglu", &swiglu, "silu(x[:, :F]) * x[:, F:] for x [T, 2F], into out if given (rows.cpp)", py::arg("x"),
           py::arg("out") = py::none());
     m.def("rope_cache", &rope_cache, "rotary q and k of qkv rows, k and v into the paged cache (rows.cpp)");

@@ -111,15 +111,45 @@ HALF = (torch.bfloat16, torch.float16)
 INT4_MAX_ROWS, INT4_MAX_ROWS_AMX = 7, 3
 
 
+def pack_q4_vnni(packed: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor):
+    """An int4 weight (packed u8[N,K/2], groups of 32 along K: scales, mins [N,K/32]) as the
+    native amx_q4_gemm's tiles: nibbles u8[N/16,K/32,256] (a tile's 16 x 32 values in VNNI
+    order: row r, column n, k = 2r + e at nibble 32r + 2n + e), scales and mins f32[N/16,K/32,16]."""
+    q = unpack_q4(packed)
+    n, k = q.shape
+    nb, g, pad = -(-n // 16), k // 32, -n % 16
+    t = F.pad(q, (0, 0, 0, pad)).view(nb, 16, g, 16, 2).permute(0, 2, 3, 1, 4).reshape(nb, g, 512)
+    nibbles = (t[..., 0::2] | (t[..., 1::2] << 4)).contiguous()
+    per_tile = [F.pad(a.float(), (0, 0, 0, pad)).view(nb, 16, g).transpose(1, 2).contiguous() for a in (scales, mins)]
+    return nibbles, *per_tile
+
+
+class AmxQ4Weight:
+    """An int4 projection for the native AMX kernel (bf16): dequantized a chunk at a time inside
+    the GEMM, so no dense copy is kept."""
+
+    def __init__(self, packed: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, native):
+        self.n, self.gemm = packed.shape[0], native.amx_q4_gemm
+        self.tiles = pack_q4_vnni(packed, scales, mins)
+
+    def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        return self.gemm(x, *self.tiles, self.n, out)
+
+
 class Q4Weights:
     """A linear_q4 weight, packed at load: torch's int4 layout (bf16 only) for decode-sized
-    steps, and a dense copy packed by prepack_linear_weight for the rest."""
+    steps, and for the rest the native AMX int4 kernel (bf16 with AMX, groups of 32) or a
+    dense copy packed by prepack_linear_weight."""
 
     def __init__(self, dtype: torch.dtype, packed: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor):
-        dense = dequantize_q4(packed, scales, mins).to(dtype)
-        self.dense = prepack_linear_weight(dense)
-        self.int4_rows = INT4_MAX_ROWS_AMX if isinstance(self.dense, PanelWeight) else INT4_MAX_ROWS
         self.group = packed.shape[1] * 2 // scales.shape[1]
+        native = native_kernels()
+        if dtype == torch.bfloat16 and self.group == 32 and native is not None and native.amx_available():
+            self.dense = AmxQ4Weight(packed, scales, mins, native)
+            self.int4_rows = INT4_MAX_ROWS_AMX
+        else:
+            self.dense = prepack_linear_weight(dequantize_q4(packed, scales, mins).to(dtype))
+            self.int4_rows = INT4_MAX_ROWS_AMX if isinstance(self.dense, PanelWeight) else INT4_MAX_ROWS
         self.int4 = None
         if dtype == torch.bfloat16 and packed.shape[0] % 16 == 0:  # torch's int4 layout tiles N by 16
             q = unpack_q4(packed).to(torch.int32)
@@ -132,6 +162,8 @@ def q4_linear(x: torch.Tensor, w: Q4Weights) -> torch.Tensor:
     """x[T,K] @ w^T -> [T,N]."""
     if w.int4 is not None and x.shape[0] <= w.int4_rows:
         return torch.ops.aten._weight_int4pack_mm_for_cpu(x, w.int4, w.group, w.scale_zero)
+    if isinstance(w.dense, AmxQ4Weight):
+        return w.dense(x)
     return packed_linear(x, w.dense)
 
 

@@ -47,24 +47,29 @@ def kernels():
     amx_available, pack_vnni, amx_gemm; rms_norm, add_rms_norm; swiglu, rope_cache, argmax;
     see the .cpp files), or None
     where it cannot be built. Built once per machine and torch install under
-    ~/.cache/deepfuse/native/ (about a minute on 2 cores; a line on stderr says so)."""
+    ~/.cache/deepfuse/native/ (one to three minutes on 2 cores; a line on stderr says so)."""
     from torch.utils.cpp_extension import load
 
     here = os.path.dirname(__file__)
     name = f"deepfuse_native_{build_tag()}"
     where = os.path.join(os.path.expanduser("~"), ".cache", "deepfuse", "native", name)
     os.makedirs(where, exist_ok=True)
-    if not os.path.exists(os.path.join(where, name + ".so")):
-        print("deepfuse: building the native CPU kernels (once per machine, about a minute)", file=sys.stderr,
-              flush=True)
+    stamp = os.path.join(where, "sources.hash")  # the sources the library there was built from
+    built = open(stamp).read() if os.path.exists(stamp) else ""
+    if built != source_hash() or not os.path.exists(os.path.join(where, name + ".so")):
+        print("deepfuse: building the native CPU kernels (once per machine and version, one to three minutes)",
+              file=sys.stderr, flush=True)
     try:
-        return load(name=name, sources=[os.path.join(here, s) for s in SOURCES], build_directory=where,
-                    extra_cflags=["-O3", "-march=native", "-fopenmp", f"-DDEEPFUSE_SOURCES={source_hash()}"],
-                    extra_ldflags=["-fopenmp"], verbose=False)
+        module = load(name=name, sources=[os.path.join(here, s) for s in SOURCES], build_directory=where,
+                      extra_cflags=["-O3", "-march=native", "-fopenmp", f"-DDEEPFUSE_SOURCES={source_hash()}"],
+                      extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as e:  # no g++, no Python headers, ...: the torch-op path still works
-        warnings.warn(f"deepfuse: the native CPU kernels could not be built ({e}); attention, projections "
-                      f"and norms use torch ops instead", stacklevel=2)
+        warnings.warn(f"deepfuse: the native CPU kernels could not be built ({e}); attention, projections, "
+                      f"norms and row ops use torch ops instead", stacklevel=2)
         return None
+    with open(stamp, "w") as f:
+        f.write(source_hash())
+    return module
 
 
 def fingerprint() -> str:

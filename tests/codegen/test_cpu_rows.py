@@ -54,7 +54,7 @@ def test_rope_cache_rotates_q_k_and_writes_the_cache_at_slots(native, dtype, hd)
     pos = torch.randint(0, 300, (t,))
     slots = torch.randperm(8 * 16)[:t]
     cache = torch.zeros(2, 8, 16, hkv, hd, dtype=dtype)
-    cos, sin = RopeTables(hd, theta).float_tables(int(pos.max()))
+    cos, sin = RopeTables(hd, theta).tables(int(pos.max()), torch.float32, torch.device("cpu"))
     q, k = torch.empty(t, h * hd, dtype=dtype), torch.empty(t, hkv * hd, dtype=dtype)
     native.rope_cache(qkv, pos, cos, sin, cache, slots, h, q, k)
     tol = 1e-5 if dtype == torch.float32 else 1e-2

@@ -333,28 +333,28 @@ class RopeTables:
         self.full: dict[tuple[torch.dtype, torch.device], tuple[torch.Tensor, torch.Tensor]] = {}
         self.last: tuple[torch.Tensor, torch.dtype, tuple[torch.Tensor, torch.Tensor]] | None = None
 
-    def rows(self, pos: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.last is not None and self.last[0] is pos and self.last[1] == dtype:
-            return self.last[2]
-        full = self.full.get((dtype, pos.device))
-        top = int(pos.max())
+    def tables(self, top: int, dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """Whole cos and sign-folded sin tables [P, hd] with P > top (the native kernel takes f32 ones)."""
+        full = self.full.get((dtype, device))
         if full is None or full[0].shape[0] <= top:
             cos, sin = rope_cos_sin(torch.arange(max(4096, 2 * top + 1)), self.hd, self.theta)
             # rotate_half(x) * sin == swap_halves(x) * [-sin | sin]
             sin = torch.cat((-sin[:, : self.hd // 2], sin[:, self.hd // 2:]), dim=-1)
-            full = self.full[(dtype, pos.device)] = (cos.to(pos.device, dtype), sin.to(pos.device, dtype))
+            full = self.full[(dtype, device)] = (cos.to(device, dtype), sin.to(device, dtype))
+        return full
+
+    def rows(self, pos: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.last is not None and self.last[0] is pos and self.last[1] == dtype:
+            return self.last[2]
+        full = self.tables(int(pos.max()), dtype, pos.device)
         rows = (full[0][pos][:, None, :], full[1][pos][:, None, :])
         self.last = (pos, dtype, rows)
         return rows
 
-    def float_tables(self, top: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Whole f32 cos and sign-folded sin tables [P, hd], P > top (the native kernel's)."""
-        full = self.full.get((torch.float32, torch.device("cpu")))
-        if full is None or full[0].shape[0] <= top:
-            self.rows(torch.tensor([top]), torch.float32)
-            self.last = None
-            full = self.full[(torch.float32, torch.device("cpu"))]
-        return full
+
+def rope_tables(head_dim: int, theta: float) -> RopeTables:
+    """The process-wide tables for one (head size, theta): every layer's launches share them."""
+    return _ROPE_TABLES.setdefault((head_dim, theta), RopeTables(head_dim, theta))
 
 
 _ROPE_TABLES: dict[tuple[int, float], RopeTables] = {}
@@ -363,7 +363,7 @@ _ROPE_TABLES: dict[tuple[int, float], RopeTables] = {}
 @factory("rope")
 def _rope(attrs: dict) -> Kernel:
     hd = attrs["head_dim"]
-    tables = _ROPE_TABLES.setdefault((hd, attrs["theta"]), RopeTables(hd, attrs["theta"]))
+    tables = rope_tables(hd, attrs["theta"])
 
     def rope(x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         cos, sin = tables.rows(pos, x.dtype)
@@ -381,7 +381,7 @@ def _qkv_rope_cache(attrs: dict) -> Kernel:
     rope = _rope({"head_dim": hd, "theta": attrs["theta"]})
     norm = _head_rms_norm({"eps": attrs["qk_norm_eps"], "head_dim": hd}) if "qk_norm_eps" in attrs else None
 
-    tables = _ROPE_TABLES[(hd, attrs["theta"])]
+    tables = rope_tables(hd, attrs["theta"])
 
     def native_rope_cache(qkv, pos, cache, slots):
         """The native pass (rows.cpp) where it applies, else None."""
@@ -391,7 +391,7 @@ def _qkv_rope_cache(attrs: dict) -> Kernel:
         native = _native_rows()
         if native is None:
             return None
-        cos, sin = tables.float_tables(int(pos.max()))
+        cos, sin = tables.tables(int(pos.max()), torch.float32, pos.device)
         q = torch.empty(qkv.shape[0], sizes[0], dtype=qkv.dtype)
         k = torch.empty(qkv.shape[0], sizes[1], dtype=qkv.dtype)
         native.rope_cache(qkv, pos.long(), cos, sin, cache, slots.long(), sizes[0] // hd, q, k)

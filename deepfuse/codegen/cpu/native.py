@@ -31,6 +31,7 @@ SOURCES = ("paged_decode.cpp", "panel_gemm.cpp", "amx_gemm.cpp", "norms.cpp", "r
 HEADERS = ("vec.h",)
 
 
+@functools.cache
 def source_hash() -> str:
     """A hash of the kernels' sources and headers (torch rebuilds on a changed source file or
     flag, not on a changed header: the hash goes into the flags)."""

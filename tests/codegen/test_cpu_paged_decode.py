@@ -43,6 +43,28 @@ def test_paged_decode_matches_a_plain_softmax(native, dtype, window, h, hkv, d, 
                             out)
 
 
+@pytest.mark.parametrize("dtype,d", [(torch.bfloat16, 64), (torch.float32, 128)])
+def test_paged_decode_carries_the_softmax_across_segments(native, dtype, d):
+    """Sequences longer than the kernel's 512-position segment: the running max and sum pass
+    from segment to segment (the peak in a late segment, in an early one, and in a window
+    that starts mid-block)."""
+    torch.manual_seed(1)
+    nb, bs, h, hkv = 96, 16, 6, 2
+    cache = torch.randn(2, nb, bs, hkv, d).to(dtype)
+    cache[0, 70] *= 25  # keys that dominate wherever they fall
+    cache[0, 5] *= 25
+    tables = torch.stack([torch.randperm(nb)[:80] for _ in range(4)])
+    tables[0, 60], tables[1, 2] = 70, 5  # a late peak, an early peak
+    lens = torch.tensor([1100, 1279, 513, 700])
+    q = torch.randn(4, h * d).to(dtype)
+    for window in (0, 600):
+        out = torch.empty_like(q)
+        native.paged_decode(q, cache, tables, lens, h, window, d ** -0.5, out)
+        tol = 1e-5 if dtype == torch.float32 else 2e-2
+        torch.testing.assert_close(out.double(), reference(q, cache, tables, lens, h, window, d ** -0.5), atol=tol,
+                                   rtol=tol)
+
+
 def test_cpu_step_is_the_same_with_and_without_the_native_kernel(native, tiny_model, monkeypatch):
     """A mixed step (prefill chunk, decodes, a verify chunk) through the compiled CPU step,
     with the native kernels (decode attention, f32 panel GEMMs) and with the torch ops they

@@ -12,8 +12,12 @@
 //
 // Work item: (row, kv head); its H/Hkv query heads share every key and value read.
 // Scores of one block at a time, then an online softmax (running max and sum) in float.
-// With AVX-512 and a head size of 64 or 128, `decode_avx512` does the same in tiles of up to 16
-// positions: vector dot products, a vectorised exp over a tile's scores, vector accumulation.
+// With AVX-512 and a head size of 64 or 128, `decode_avx512` works on segments of up to 512
+// positions: every score of the segment (vector dot products over tiles of 16 keys; bf16 keys
+// by vdpbf16ps, exact products in f32), one max, one vectorised exp and sum per head, then the
+// values in one pass with the accumulators in registers. The running max and sum carry across
+// segments. Keys two blocks ahead and the current block's values are prefetched: a step's time
+// is mostly waiting on memory (the cache is far larger than L3).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -25,17 +29,25 @@
 #if defined(__AVX512F__)
 #include "vec.h"
 
-// Asks for one head's key and value rows of a block: the block ids a sequence reads are
-// scattered, so the hardware prefetcher cannot guess them, and a step waits on memory otherwise.
+#include <type_traits>
+
+// bf16 keys are dotted in pairs by vdpbf16ps where the build has it
+template <typename T>
+constexpr bool kPairScores =
+#if defined(__AVX512BF16__)
+    std::is_same_v<T, c10::BFloat16>;
+#else
+    false;
+#endif
+
+// Asks for one head's rows of a block (keys or values): the block ids a sequence reads are
+// scattered, so the hardware prefetcher cannot guess them.
 template <typename T, int D>
-static inline void prefetch_block(const T* cache, int64_t block, int64_t bs, int64_t hkv, int64_t kv, int64_t half) {
+static inline void prefetch_rows(const T* rows, int64_t count, int64_t stride) {
     constexpr int64_t lines = (D * sizeof(T) + 63) / 64;
-    const T* k = cache + (block * bs * hkv + kv) * D;
-    for (int64_t p = 0; p < bs; ++p)
-        for (int64_t c = 0; c < lines; ++c) {
-            _mm_prefetch(reinterpret_cast<const char*>(k + p * hkv * D) + 64 * c, _MM_HINT_T0);
-            _mm_prefetch(reinterpret_cast<const char*>(k + half + p * hkv * D) + 64 * c, _MM_HINT_T0);
-        }
+    for (int64_t r = 0; r < count; ++r)
+        for (int64_t c = 0; c < lines; ++c)
+            _mm_prefetch(reinterpret_cast<const char*>(rows + r * stride) + 64 * c, _MM_HINT_T0);
 }
 
 // Sums each of 16 vectors: lane i of the result is the sum of p[i]'s 16 lanes (a butterfly
@@ -55,10 +67,42 @@ static inline __m512 sum16(__m512 p[16]) {
                          _mm512_shuffle_f32x4(s3[0], s3[1], _MM_SHUFFLE(3, 1, 3, 1)));
 }
 
+// One key row dotted with one head's query: q as DV f32 vectors (f32 keys), or as DV/2 vectors
+// of bf16 pairs (bf16 keys, unscaled: the products are exact, the caller scales the sums).
+template <typename T, int DV>
+static inline __m512 row_dot(const __m512* qv, const __m512i* qb, const T* k) {
+    __m512 d = _mm512_setzero_ps();
+    if constexpr (kPairScores<T>) {
+        for (int v = 0; v < DV / 2; ++v)  // the key read by the instruction itself (the intrinsic
+            // makes GCC 12 bounce the key through the stack)
+            asm("vdpbf16ps %2, %1, %0" : "+v"(d) : "v"(qb[v]), "m"(*reinterpret_cast<const __m512i*>(k + 32 * v)));
+    } else {
+        for (int v = 0; v < DV; ++v) d = _mm512_fmadd_ps(qv[v], load16(k + 16 * v), d);
+    }
+    return d;
+}
+
+// The scores of `cnt` (1..16) consecutive key rows as one vector (lane i: row i; dead lanes 0).
+template <typename T, int DV>
+static inline __m512 tile_scores(const __m512* qv, const __m512i* qb, const T* k, int64_t stride, int cnt) {
+    __m512 dots[16];
+    if (cnt == 16) {
+        for (int i = 0; i < 16; ++i) dots[i] = row_dot<T, DV>(qv, qb, k + i * stride);
+    } else {
+        for (int i = 0; i < 16; ++i) dots[i] = i < cnt ? row_dot<T, DV>(qv, qb, k + i * stride) : _mm512_setzero_ps();
+    }
+    return sum16(dots);
+}
+
+static inline __mmask16 first_lanes(int64_t count) {
+    return count >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << count) - 1);
+}
+
+constexpr int64_t kSegment = 512;  // positions whose scores are held at once
+constexpr int64_t kAhead = 2;      // blocks of keys prefetched ahead
+
 // G query heads per kv head, DV: the head size in 16-float vectors (4 or 8). Same contract as
-// `decode`. Per tile of up to 16 positions of one block: its key rows converted to float once,
-// each head's 16 scores as one vector (sum16), softmax weights by exp16, then each value row
-// converted once and added to the G heads' accumulators (registers for small G * DV).
+// `decode`. Per segment: scores (one head's query in registers at a time), softmax, values.
 template <typename T, int G, int DV>
 static void decode_avx512(const T* q, const T* cache, const int64_t* tables, const int64_t* lens, T* out, int64_t n,
                           int64_t hkv, int64_t bs, int64_t nb, int64_t tb, int64_t window, float scale) {
@@ -67,73 +111,92 @@ static void decode_avx512(const T* q, const T* cache, const int64_t* tables, con
     const int64_t half = nb * bs * hkv * D;
     const int64_t stride = hkv * D;  // between a head's consecutive positions
     at::parallel_for(0, n * hkv, 1, [&](int64_t begin, int64_t end) {
-        alignas(64) float keys[16 * D];    // the tile's key rows in float
-        alignas(64) float weight[G * 16];  // the tile's softmax weights, per head
+        alignas(64) float score[G][kSegment + 16];  // scores, then softmax weights (a short tile's
+                                                    // dead lanes may spill past the segment)
+        alignas(64) float acc[G][D];           // weighted sums of values (in registers during the values pass)
         for (int64_t item = begin; item < end; ++item) {
             const int64_t s = item / hkv, kv = item % hkv, len = lens[s];
             const int64_t first = window > 0 ? std::max<int64_t>(0, len - window) : 0;
-            __m512 qv[G][DV], acc[G][DV];
+            const int64_t* table = tables + s * tb;
+            const T* kbase = cache + kv * D;
+            const T* vbase = cache + half + kv * D;
             float m[G], l[G];
             for (int j = 0; j < G; ++j) {
-                const T* src = q + s * h * D + (kv * G + j) * D;
-                for (int v = 0; v < DV; ++v) {
-                    qv[j][v] = _mm512_mul_ps(load16(src + 16 * v), _mm512_set1_ps(scale));
-                    acc[j][v] = _mm512_setzero_ps();
-                }
                 m[j] = -std::numeric_limits<float>::infinity();
                 l[j] = 0.f;
+                for (int v = 0; v < DV; ++v) _mm512_store_ps(acc[j] + 16 * v, _mm512_setzero_ps());
             }
-            const int64_t last = (len - 1) / bs;
-            prefetch_block<T, D>(cache, tables[s * tb + first / bs], bs, hkv, kv, half);
-            for (int64_t b = first / bs; b <= last; ++b) {
-                const int64_t block = tables[s * tb + b];
-                if (b < last) prefetch_block<T, D>(cache, tables[s * tb + b + 1], bs, hkv, kv, half);  // scattered
-                const int64_t lo = std::max(first, b * bs) - b * bs, hi = std::min(len, (b + 1) * bs) - b * bs;
-                const T* kb = cache + (block * bs * hkv + kv) * D;
-                const T* vb = cache + half + (block * bs * hkv + kv) * D;
-                for (int64_t p0 = lo; p0 < hi; p0 += 16) {
-                    const int cnt = static_cast<int>(std::min<int64_t>(16, hi - p0));
-                    const __mmask16 live = static_cast<__mmask16>((1u << cnt) - 1);
-                    for (int i = 0; i < cnt; ++i)
-                        for (int v = 0; v < DV; ++v)
-                            _mm512_store_ps(keys + i * D + 16 * v, load16(kb + (p0 + i) * stride + 16 * v));
-                    for (int j = 0; j < G; ++j) {
-                        __m512 dots[16];
-                        for (int i = 0; i < 16; ++i) {
-                            dots[i] = _mm512_setzero_ps();
-                            if (i < cnt)
-                                for (int v = 0; v < DV; ++v)
-                                    dots[i] = _mm512_fmadd_ps(qv[j][v], _mm512_load_ps(keys + i * D + 16 * v), dots[i]);
-                        }
-                        // online softmax over the tile: dead lanes weigh 0
-                        const __m512 sc = _mm512_mask_mov_ps(_mm512_set1_ps(-std::numeric_limits<float>::infinity()),
-                                                             live, sum16(dots));
-                        const float top = std::max(m[j], _mm512_reduce_max_ps(sc));
-                        const __m512 w = _mm512_maskz_mov_ps(live, exp16(_mm512_sub_ps(sc, _mm512_set1_ps(top))));
-                        _mm512_store_ps(weight + j * 16, w);
-                        if (top > m[j]) {  // rescale what came before (by 0 on the first tile: m = -inf)
-                            const float rescale = std::exp(m[j] - top);
-                            for (int v = 0; v < DV; ++v) acc[j][v] = _mm512_mul_ps(acc[j][v], _mm512_set1_ps(rescale));
-                            l[j] *= rescale;
-                            m[j] = top;
-                        }
-                        l[j] += _mm512_reduce_add_ps(w);
+            for (int64_t s0 = first; s0 < len; s0 += kSegment) {
+                const int64_t s1 = std::min(len, s0 + kSegment);
+                for (int j = 0; j < G; ++j) {  // scores, one head at a time
+                    const T* src = q + s * h * D + (kv * G + j) * D;
+                    __m512 qv[DV];     // f32 keys: the query, scaled
+                    __m512i qb[DV / 2];  // bf16 keys: the query as it is (scaled after the dot)
+                    if constexpr (kPairScores<T>) {
+                        for (int v = 0; v < DV / 2; ++v) qb[v] = _mm512_loadu_si512(src + 32 * v);
+                    } else {
+                        for (int v = 0; v < DV; ++v) qv[v] = _mm512_mul_ps(load16(src + 16 * v), _mm512_set1_ps(scale));
                     }
-                    for (int i = 0; i < cnt; ++i) {  // values: a row converted once, added to G accumulators
-                        const T* vp = vb + (p0 + i) * stride;
-                        __m512 val[DV];
-                        for (int v = 0; v < DV; ++v) val[v] = load16(vp + 16 * v);
-                        for (int j = 0; j < G; ++j) {
-                            const __m512 w = _mm512_set1_ps(weight[j * 16 + i]);
-                            for (int v = 0; v < DV; ++v) acc[j][v] = _mm512_fmadd_ps(w, val[v], acc[j][v]);
+                    for (int64_t p0 = s0; p0 < s1;) {  // tiles of up to 16 positions, never across a block
+                        const int64_t b = p0 / bs, at = table[b] * bs - b * bs;  // position p's row: at + p
+                        const int cnt = static_cast<int>(std::min<int64_t>({16, s1 - p0, (b + 1) * bs - p0}));
+                        if (j == 0 && p0 == std::max(s0, b * bs)) {  // entering block b
+                            if ((b + kAhead) * bs < s1)
+                                prefetch_rows<T, D>(kbase + table[b + kAhead] * bs * stride, bs, stride);
+                            prefetch_rows<T, D>(vbase + (at + p0) * stride, std::min(s1, (b + 1) * bs) - p0, stride);
                         }
+                        __m512 sc = tile_scores<T, DV>(qv, qb, kbase + (at + p0) * stride, stride, cnt);
+                        if constexpr (kPairScores<T>) sc = _mm512_mul_ps(sc, _mm512_set1_ps(scale));
+                        _mm512_storeu_ps(&score[j][p0 - s0], sc);  // dead lanes: overwritten or never read
+                        p0 += cnt;
                     }
                 }
+                const int64_t cnt = s1 - s0;
+                for (int j = 0; j < G; ++j) {  // softmax over the segment, carrying the running max and sum
+                    __m512 top = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+                    for (int64_t i = 0; i < cnt; i += 16)
+                        top = _mm512_mask_max_ps(top, first_lanes(cnt - i), top, _mm512_loadu_ps(&score[j][i]));
+                    const float t = std::max(m[j], _mm512_reduce_max_ps(top));
+                    __m512 sum = _mm512_setzero_ps();
+                    for (int64_t i = 0; i < cnt; i += 16) {
+                        const __m512 w = _mm512_maskz_mov_ps(
+                            first_lanes(cnt - i), exp16(_mm512_sub_ps(_mm512_load_ps(&score[j][i]), _mm512_set1_ps(t))));
+                        _mm512_store_ps(&score[j][i], w);
+                        sum = _mm512_add_ps(sum, w);
+                    }
+                    if (t > m[j]) {  // rescale what came before (by 0 after the first segment's: m = -inf)
+                        const float rescale = std::exp(m[j] - t);
+                        for (int v = 0; v < DV; ++v)
+                            _mm512_store_ps(acc[j] + 16 * v, _mm512_mul_ps(_mm512_load_ps(acc[j] + 16 * v),
+                                                                           _mm512_set1_ps(rescale)));
+                        l[j] *= rescale;
+                        m[j] = t;
+                    }
+                    l[j] += _mm512_reduce_add_ps(sum);
+                }
+                __m512 a[G][DV];
+                for (int j = 0; j < G; ++j)
+                    for (int v = 0; v < DV; ++v) a[j][v] = _mm512_load_ps(acc[j] + 16 * v);
+                for (int64_t p0 = s0; p0 < s1;) {  // values: each row converted once, added to G accumulators
+                    const int64_t b = p0 / bs, p1 = std::min(s1, (b + 1) * bs);
+                    const T* vb = vbase + (table[b] * bs - b * bs) * stride;
+                    for (int64_t p = p0; p < p1; ++p) {
+                        __m512 val[DV];
+                        for (int v = 0; v < DV; ++v) val[v] = load16(vb + p * stride + 16 * v);
+                        for (int j = 0; j < G; ++j) {
+                            const __m512 w = _mm512_set1_ps(score[j][p - s0]);
+                            for (int v = 0; v < DV; ++v) a[j][v] = _mm512_fmadd_ps(w, val[v], a[j][v]);
+                        }
+                    }
+                    p0 = p1;
+                }
+                for (int j = 0; j < G; ++j)
+                    for (int v = 0; v < DV; ++v) _mm512_store_ps(acc[j] + 16 * v, a[j][v]);
             }
             for (int j = 0; j < G; ++j) {
                 T* dst = out + s * h * D + (kv * G + j) * D;
                 const __m512 inv = _mm512_set1_ps(l[j] > 0.f ? 1.f / l[j] : 0.f);
-                for (int v = 0; v < DV; ++v) store16(dst + 16 * v, _mm512_mul_ps(acc[j][v], inv));
+                for (int v = 0; v < DV; ++v) store16(dst + 16 * v, _mm512_mul_ps(_mm512_load_ps(acc[j] + 16 * v), inv));
             }
         }
     });

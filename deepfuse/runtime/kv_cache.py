@@ -13,6 +13,7 @@ only when a fresh block is needed.
 from __future__ import annotations
 
 import hashlib
+import mmap
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
@@ -101,13 +102,36 @@ class BlockPool:
         return sum(1 for r in self.refs if r > 0)
 
 
+HUGE_PAGE = 2 << 20
+
+
+def zeros_on_huge_pages(count: int, shape: tuple[int, ...], dtype: torch.dtype) -> list[torch.Tensor]:
+    """`count` zeroed tensors of `shape`, each starting on a 2 MiB boundary of one anonymous
+    mapping that Linux is asked to back with transparent huge pages. A step's attention reads
+    every sequence's blocks, scattered over the whole cache: on 4 KiB pages nearly each block
+    read misses the TLB (batch-64 decode attention on SmolLM2 went from ~53 to ~41 ms a step
+    with scattered blocks). Where the platform has no MADV_HUGEPAGE: plain torch.zeros."""
+    numel = 1
+    for n in shape:
+        numel *= n
+    nbytes = numel * torch.empty((), dtype=dtype).element_size()
+    if not hasattr(mmap, "MADV_HUGEPAGE") or nbytes == 0:
+        return [torch.zeros(shape, dtype=dtype) for _ in range(count)]
+    stride = -(-nbytes // HUGE_PAGE) * HUGE_PAGE
+    memory = mmap.mmap(-1, stride * count + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)  # zero-filled
+    memory.madvise(mmap.MADV_HUGEPAGE)
+    raw = torch.frombuffer(memory, dtype=torch.uint8)  # keeps the mapping alive
+    start = -raw.data_ptr() % HUGE_PAGE
+    return [raw[start + i * stride: start + i * stride + nbytes].view(dtype).view(shape) for i in range(count)]
+
+
 class KVCache:
     """The cache tensors of every layer plus their block pool."""
 
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, config: CacheConfig):
         self.config = config
         shape = (2, config.num_blocks, config.block_size, num_kv_heads, head_dim)
-        self.layers = [torch.zeros(shape, dtype=dtype) for _ in range(num_layers)]
+        self.layers = zeros_on_huge_pages(num_layers, shape, dtype)
         self.pool = BlockPool(config.num_blocks)
 
     @property

@@ -226,3 +226,17 @@ def test_random_workload_loses_nothing(tiny_art):
         assert out.finish_reason == "length" and len(out.token_ids) == n
         alone = solo.generate([prompt], [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)])[0]
         assert out.token_ids == alone.token_ids
+
+
+def test_cache_layers_are_zeroed_separate_and_on_huge_page_boundaries():
+    import torch
+
+    from deepfuse.runtime.kv_cache import HUGE_PAGE, KVCache, zeros_on_huge_pages
+
+    layers = zeros_on_huge_pages(3, (2, 5, 16, 3, 8), torch.bfloat16)
+    assert [t.shape for t in layers] == [(2, 5, 16, 3, 8)] * 3 and all(t.dtype == torch.bfloat16 for t in layers)
+    assert all(t.is_contiguous() and t.data_ptr() % HUGE_PAGE == 0 and not t.any() for t in layers)
+    layers[1].fill_(2.5)
+    assert not layers[0].any() and not layers[2].any() and bool((layers[1] == 2.5).all())
+    cache = KVCache(4, 2, 8, torch.float32, CacheConfig(block_size=4, num_blocks=3))
+    assert len({t.data_ptr() for t in cache.layers}) == 4 and all(t.shape == (2, 3, 4, 2, 8) for t in cache.layers)

@@ -86,18 +86,19 @@ def test_cpu_step_is_the_same_with_and_without_the_native_kernel(native, tiny_mo
             assert la.keys() == lb.keys() and all(abs(la[t] - lb[t]) < 1e-4 for t in la)
 
 
-@pytest.mark.parametrize("dtype,window", [(torch.float32, 0), (torch.float32, 7), (torch.bfloat16, 0)])
-def test_attention_kernel_rows_of_verify_chunks_match_the_reference(native, dtype, window, monkeypatch):
+@pytest.mark.parametrize("dtype,window,d", [(torch.float32, 0, 32), (torch.float32, 7, 32), (torch.bfloat16, 0, 32),
+                                            (torch.bfloat16, 0, 64), (torch.bfloat16, 9, 64)])
+def test_attention_kernel_rows_of_verify_chunks_match_the_reference(native, dtype, window, d, monkeypatch):
     """A step of decodes, verify-sized chunks (2..16 tokens continuing a cached sequence), a
-    continued prefill and a whole prompt: the CPU attention kernel with the native kernel (it
-    takes every decode and verify row), without it (SDPA length groups), and the IR's
-    reference agree."""
+    continued prefill and a whole prompt: the CPU attention kernel with the native kernels (the
+    decode kernel takes every decode and verify row; with AMX, bf16 and head size 64, the
+    prefill kernel the rest), without them (SDPA), and the IR's reference agree."""
     from deepfuse.codegen.cpu import attention as cpu_attention
     from deepfuse.codegen.cpu.kernels import FACTORIES
     from deepfuse.ir.opdefs_llm import attention as reference_attention
 
     torch.manual_seed(1)
-    h, hkv, d, bs, nb = 4, 2, 32, 8, 64
+    h, hkv, bs, nb = 4, 2, 8, 64
     query_lens = torch.tensor([1, 4, 1, 30, 6, 12, 16, 2])
     seq_lens = torch.tensor([9, 21, 40, 47, 6, 12, 50, 3])  # 6 and 12: chunks that are the whole sequence
     tables = torch.randperm(nb)[: 8 * len(query_lens)].view(-1, 8)  # scattered, no block shared

@@ -1,10 +1,11 @@
 """CPU paged attention: one launch per layer for the whole step.
 
 Prefill chunks run one SDPA each (4-d operands: torch's flash path; a whole prompt in one
-chunk attends to its own k/v rows, plainly causal). The query rows of decoding sequences
-(one new token each) and of short chunks that continue a cached sequence (speculative
-verification: the last token and its drafts) all run in one call of a native kernel that
-reads their blocks in place, each row causally limited to its own position
+chunk attends to its own k/v rows, plainly causal); in bf16 with AMX (head size 64 or 128, no
+sinks) they all run in one native call that reads the cache (prefill_attention.cpp). The query
+rows of decoding sequences (one new token each) and of short chunks that continue a cached
+sequence (speculative verification: the last token and its drafts) all run in one call of a
+native kernel that reads their blocks in place, each row causally limited to its own position
 (paged_decode.cpp; f32/bf16, no sinks). Where it cannot run they are grouped by length and
 each group runs one SDPA over blocks gathered as rows of the contiguous k and v halves of the
 cache, chunks padded to the group's widest with a causal mask. Host-side facts about the step
@@ -122,6 +123,10 @@ class StepLayout:
         self.one_per_seq = self.all_near and len(dec) == len(qlens)
         self._args = (dec, short, starts, lens, qlens, block_size, window)
         self._tables: tuple[torch.Tensor, torch.Tensor] | None = None
+        # the prefill chunks for the native kernel: sequence, first row, rows, length
+        self.prefill_seqs, self.prefill_rows, self.prefill_qlens, self.prefill_lens = (
+            torch.tensor([p[i] for p in self.prefills], dtype=torch.long, device=device) for i in range(4))
+        self._prefill_tables: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def near_tables(self, tables: torch.Tensor) -> torch.Tensor:
         """The block table row of each near row (shared by the step's layers)."""
@@ -130,6 +135,12 @@ class StepLayout:
         if self._tables is None or self._tables[0] is not tables:
             self._tables = (tables, tables.index_select(0, self.near_seqs))
         return self._tables[1]
+
+    def prefill_tables(self, tables: torch.Tensor) -> torch.Tensor:
+        """The block table row of each prefill chunk (shared by the step's layers)."""
+        if self._prefill_tables is None or self._prefill_tables[0] is not tables:
+            self._prefill_tables = (tables, tables.index_select(0, self.prefill_seqs))
+        return self._prefill_tables[1]
 
     @functools.cached_property
     def groups(self) -> list[DecodeGroup]:
@@ -202,6 +213,12 @@ def _attention(attrs: dict) -> Kernel:
                     out[g.rows] = o
                 else:
                     out[g.rows[g.valid]] = o[g.valid]
+        amx = native_kernels() if lay.prefills and sinks is None and q.dtype == torch.bfloat16 and hd in (64, 128) \
+            else None
+        if amx is not None and amx.amx_available():  # every prefill chunk in one call, over the cache
+            amx.paged_prefill(q.contiguous(), cache, lay.prefill_tables(tables), lay.prefill_rows, lay.prefill_qlens,
+                              lay.prefill_lens, h, window, scale, out)
+            return out
         for s, a, n, length in lay.prefills:
             whole = n == length and not window  # a prompt in one chunk: plain causal, upper half skipped
             if whole:  # its keys are exactly this step's k/v rows: no gather from the cache

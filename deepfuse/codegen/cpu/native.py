@@ -27,7 +27,8 @@ def build_tag() -> str:
     return hashlib.sha256(flags.encode()).hexdigest()[:8]
 
 
-SOURCES = ("paged_decode.cpp", "panel_gemm.cpp", "amx_gemm.cpp", "norms.cpp", "rows.cpp", "bindings.cpp")
+SOURCES = ("paged_decode.cpp", "prefill_attention.cpp", "panel_gemm.cpp", "amx_gemm.cpp", "norms.cpp", "rows.cpp",
+           "bindings.cpp")
 HEADERS = ("vec.h",)
 
 
@@ -44,7 +45,7 @@ def source_hash() -> str:
 
 @functools.cache
 def kernels():
-    """The native kernels' extension module (paged_decode; pack_panels, panel_gemm;
+    """The native kernels' extension module (paged_decode, paged_prefill; pack_panels, panel_gemm;
     amx_available, pack_vnni, amx_gemm; rms_norm, add_rms_norm; swiglu, rope_cache, argmax;
     see the .cpp files), or None
     where it cannot be built. Built once per machine and torch install under

@@ -1,0 +1,70 @@
+"""The native AMX prefill attention (codegen/cpu/prefill_attention.cpp) against a plain
+per-row softmax in float64 over keys gathered through the block tables: several chunks in one
+call (whole prompts, a chunk continuing a cached prefix, a single row), grouped-query heads,
+head sizes 64 and 128, block sizes 8 to 32, a sliding window; and its errors."""
+import pytest
+import torch
+
+
+@pytest.fixture(scope="module")
+def amx(native):
+    if not native.amx_available():
+        pytest.skip("no AMX tiles on this machine")
+    return native
+
+
+def reference(q, cache, tables, rows, qlens, lens, h, window, scale):
+    out = torch.zeros(q.shape, dtype=torch.float64)
+    bs, hkv, d = cache.shape[2], cache.shape[3], cache.shape[4]
+    for c in range(len(rows)):
+        length, n, r = int(lens[c]), int(qlens[c]), int(rows[c])
+        kv = torch.cat([cache[:, b] for b in tables[c, : -(-length // bs)].tolist()], 1)[:, :length].double()
+        for i in range(n):
+            pos = length - n + i
+            first = max(0, pos - window + 1) if window else 0
+            qs = q[r + i].view(h, d).double()
+            for head in range(h):
+                k, v = kv[0, first:pos + 1, head // (h // hkv)], kv[1, first:pos + 1, head // (h // hkv)]
+                out[r + i].view(h, d)[head] = torch.softmax(k @ qs[head] * scale, 0) @ v
+    return out
+
+
+def case(h, hkv, d, bs, seed=0):
+    torch.manual_seed(seed)
+    nb = 80
+    cache = torch.randn(2, nb, bs, hkv, d).bfloat16()
+    cache[0, 7] *= 20  # peaked softmaxes: the running max moves between key chunks
+    lens = torch.tensor([1, 70, 130, 200])  # a one-token prompt, a whole prompt, two continued chunks
+    qlens = torch.tensor([1, 70, 50, 3])
+    rows = torch.tensor([2, 3, 73, 123])  # rows 0-1 and 126-127 belong to no chunk
+    tables = torch.stack([torch.randperm(nb)[:40] for _ in lens])  # scattered blocks
+    q = torch.randn(128, h * d).bfloat16()
+    return q, cache, tables, rows, qlens, lens
+
+
+@pytest.mark.parametrize("h,hkv,d,bs,window", [(9, 3, 64, 16, 0), (6, 2, 128, 8, 0), (4, 4, 64, 32, 37),
+                                               (8, 1, 128, 16, 100)])
+def test_paged_prefill_matches_a_plain_softmax(amx, h, hkv, d, bs, window):
+    q, cache, tables, rows, qlens, lens = case(h, hkv, d, bs)
+    out = torch.full_like(q, 7.0)
+    amx.paged_prefill(q, cache, tables, rows, qlens, lens, h, window, d ** -0.5, out)
+    want = reference(q, cache, tables, rows, qlens, lens, h, window, d ** -0.5)
+    mine = torch.cat([torch.arange(int(r), int(r) + int(n)) for r, n in zip(rows, qlens)])
+    torch.testing.assert_close(out[mine].double(), want[mine], atol=2e-2, rtol=2e-2)
+    others = torch.tensor([0, 1, 126, 127])
+    assert bool((out[others] == 7.0).all())  # rows of no chunk are left alone
+
+
+def test_paged_prefill_rejects_bad_operands_with_clear_errors(amx):
+    q, cache, tables, rows, qlens, lens = case(4, 2, 64, 16)
+    out = torch.empty_like(q)
+    with pytest.raises(RuntimeError, match="bfloat16"):
+        amx.paged_prefill(q.float(), cache, tables, rows, qlens, lens, 4, 0, 0.125, out.float())
+    with pytest.raises(RuntimeError, match="head size 64 or 128"):
+        amx.paged_prefill(q, cache[..., :32].contiguous(), tables, rows, qlens, lens, 4, 0, 0.125, out)
+    with pytest.raises(RuntimeError, match="out of range"):
+        amx.paged_prefill(q, cache, tables, rows, qlens, torch.tensor([1, 70, 40, 200]), 4, 0, 0.125, out)
+    bad = tables.clone()
+    bad[1, 0] = 10_000
+    with pytest.raises(RuntimeError, match="block id outside the cache"):
+        amx.paged_prefill(q, cache, bad, rows, qlens, lens, 4, 0, 0.125, out)

@@ -9,7 +9,9 @@ Engines, one run, same GGUF weights, same prompts, EOS ignored so every request 
              CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON" (see README)
 
 Reports output tokens/s, TTFT p50/p99 and TPOT p50/p99 (all requests arrive at t=0), medians
-over --runs runs, and writes benchmarks/results/throughput.json.
+over --runs runs, and writes benchmarks/results/throughput.json. Runs are interleaved (every
+engine once, then again): this machine's speed swings from minute to minute, so each round's
+engines see about the same machine; per-round ratios are printed too.
 
     python benchmarks/throughput.py [--runs 1] [--requests 64] [--engines deepfuse-f32,deepfuse-int4,hf,llama.cpp]
 """
@@ -149,16 +151,19 @@ def main() -> None:
         "llama.cpp (Q4_1)": ("llama.cpp", lambda: run_llama_cpp(prompts)),
     }
     wanted = set(args.engines.split(","))
-    results = {}
-    for name, (key, fn) in engines.items():
-        if key not in wanted:
-            continue
-        runs = [r for r in (fn() for _ in range(args.runs)) if r is not None]
-        if not runs:
-            print(f"{name}: skipped (pip install -e .[bench] for llama-cpp-python)")
-            continue
-        results[name] = {"runs": runs, **{k: statistics.median(r[k] for r in runs) for k in runs[0]}}
-        print(f"{name}: {results[name]['output_tps']:.1f} output tok/s", flush=True)
+    chosen = {name: fn for name, (key, fn) in engines.items() if key in wanted}
+    runs: dict[str, list[dict]] = {name: [] for name in chosen}
+    for round_ in range(args.runs):  # interleaved: each round runs every engine once
+        for name, fn in chosen.items():
+            r = fn()
+            if r is None:
+                if round_ == 0:
+                    print(f"{name}: skipped (pip install -e .[bench] for llama-cpp-python)")
+                continue
+            runs[name].append(r)
+            print(f"round {round_ + 1}, {name}: {r['output_tps']:.1f} output tok/s", flush=True)
+    results = {name: {"runs": rs, **{k: statistics.median(r[k] for r in rs) for k in rs[0]}}
+               for name, rs in runs.items() if rs}
     print(f"\nSmolLM2-135M, {args.requests} requests, prompts 50-500 tokens "
           f"({sum(map(len, prompts))} total), {OUT_TOKENS} output tokens each, median of {args.runs} run(s), "
           f"{torch.get_num_threads()} threads")
@@ -169,6 +174,13 @@ def main() -> None:
         vs = [f"{r['output_tps'] / ref[k]:.2f}x" if k in ref else "-" for k in ("llama.cpp (Q4_1)", "HF bf16 batched")]
         print(f"{name:20s} {r['output_tps']:10.1f} {r['ttft_p50_s']:8.2f}s {r['ttft_p99_s']:8.2f}s "
               f"{r['tpot_p50_s'] * 1000:7.1f}ms {r['tpot_p99_s'] * 1000:7.1f}ms {vs[0]:>12s} {vs[1]:>7s}")
+    for peer in ("HF bf16 batched", "llama.cpp (Q4_1)"):
+        if peer not in results:
+            continue
+        for name in results:
+            if name != peer:
+                ratios = [a["output_tps"] / b["output_tps"] for a, b in zip(results[name]["runs"], results[peer]["runs"])]
+                print(f"{name} vs {peer}, per round: " + ", ".join(f"{x:.2f}x" for x in ratios))
     meta = {"requests": args.requests, "prompt_tokens": [len(p) for p in prompts], "output_tokens": OUT_TOKENS,
             "runs": args.runs, "threads": torch.get_num_threads(), "torch": torch.__version__,
             "machine": platform.machine()}

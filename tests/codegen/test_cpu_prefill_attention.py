@@ -68,3 +68,47 @@ def test_paged_prefill_rejects_bad_operands_with_clear_errors(amx):
     bad[1, 0] = 10_000
     with pytest.raises(RuntimeError, match="block id outside the cache"):
         amx.paged_prefill(q, cache, bad, rows, qlens, lens, 4, 0, 0.125, out)
+
+
+def test_smollm2_bf16_long_prompt_in_chunks_gives_sdpas_tokens(amx, smollm2, monkeypatch):
+    """A 1,500-token prompt prefilled in 256-token chunks (each continuing the cached prefix)
+    through the native kernel, and through SDPA: the same greedy tokens and close logprobs."""
+    import deepfuse
+    from deepfuse.codegen.cpu import attention
+    from deepfuse.runtime.engine import Engine, SamplingParams
+    from deepfuse.runtime.kv_cache import CacheConfig
+
+    model, tok = smollm2
+    text = " ".join(f"Item {i}: the {w} is next to the {v}." for i, (w, v) in
+                    enumerate(zip(["lamp", "chair", "river", "stone"] * 60, ["door", "tree", "cup", "hill"] * 60)))
+    prompt = tok.encode(text)[:1500]
+    art = deepfuse.compile(model, dtype="bf16", tokenizer=tok)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=1)
+
+    def run():
+        return Engine(art, CacheConfig(num_blocks=256), max_num_tokens=256).generate([prompt], [params])[0]
+
+    calls = []
+    real = attention.native_kernels
+
+    class Counting:  # the native module, counting prefill launches
+        def __getattr__(self, name):
+            if name == "paged_prefill":
+                calls.append(name)
+            return getattr(real(), name)
+
+    class NoAmx:  # the native module as on a machine without AMX: prefill chunks take SDPA
+        def __getattr__(self, name):
+            return getattr(real(), name)
+
+        def amx_available(self):
+            return False
+
+    monkeypatch.setattr(attention, "native_kernels", lambda: Counting())
+    native = run()
+    assert len(calls) >= 6 * 30  # six chunks or more, 30 layers
+    monkeypatch.setattr(attention, "native_kernels", lambda: NoAmx())
+    sdpa = run()
+    assert native.token_ids == sdpa.token_ids
+    for a, b in zip(native.logprobs, sdpa.logprobs):
+        assert a.keys() == b.keys() and all(abs(a[t] - b[t]) < 0.1 for t in a)

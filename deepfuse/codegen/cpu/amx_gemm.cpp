@@ -24,9 +24,9 @@
 #include <cstdlib>
 #include <optional>
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__linux__)
-#define DEEPFUSE_AMX 1
-#include <immintrin.h>
+#include "amx.h"
+
+#if DEEPFUSE_AMX
 #include <sys/syscall.h>
 #include <unistd.h>
 #endif
@@ -42,27 +42,10 @@ bool permitted() {  // Linux hands out the tile state only on request, once per 
     return ok;
 }
 
-struct alignas(64) TileConfig {
-    uint8_t palette = 1, start_row = 0;
-    uint8_t reserved[14] = {};
-    uint16_t colsb[16] = {};
-    uint8_t rows[16] = {};
-};
-
 // tiles 0-3: C for (row half, panel) = (0,0) (0,1) (1,0) (1,1); 4, 5: A for the row halves; 6, 7: B
 void configure(int rows0, int rows1) {
-    TileConfig c;
     const int r1 = rows1 > 0 ? rows1 : 1;
-    const uint8_t rows[8] = {uint8_t(rows0), uint8_t(rows0), uint8_t(r1), uint8_t(r1),
-                             uint8_t(rows0), uint8_t(r1), 16, 16};
-    for (int t = 0; t < 8; ++t) {
-        c.rows[t] = rows[t];
-        c.colsb[t] = 64;
-    }
-    // GCC's _tile_loadconfig tells the compiler it reads 8 bytes of the 64: without this
-    // barrier the stores of rows and colsb can be dropped as dead (and ldtilecfg faults)
-    asm volatile("" : : "r"(&c) : "memory");
-    _tile_loadconfig(&c);
+    configure_tiles({uint8_t(rows0), uint8_t(rows0), uint8_t(r1), uint8_t(r1), uint8_t(rows0), uint8_t(r1), 16, 16});
 }
 
 void store_rows(const float* tile, int rows, at::BFloat16* y, int64_t ldy, int64_t cols) {

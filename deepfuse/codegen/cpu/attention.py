@@ -180,6 +180,11 @@ def _attention(attrs: dict) -> Kernel:
             mask = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device).tril()
         return sink_sdpa(q, k, v, mask, scale, sinks)
 
+    def prefill_kernel(dtype: torch.dtype):
+        """The native module where prefill_attention.cpp runs (bf16, head size 64/128, AMX), else None."""
+        native = native_kernels() if dtype == torch.bfloat16 and hd in (64, 128) else None
+        return native if native is not None and native.amx_available() else None
+
     def decode(q, cache, tables, g: DecodeGroup, sinks) -> torch.Tensor:
         """One group in one SDPA call: q[G,H*hd] -> [G,H*hd], or q[G,W,H*hd] -> [G,W,H*hd]."""
         n, width = q.shape[0], q.shape[1] if q.dim() == 3 else 1
@@ -213,9 +218,8 @@ def _attention(attrs: dict) -> Kernel:
                     out[g.rows] = o
                 else:
                     out[g.rows[g.valid]] = o[g.valid]
-        amx = native_kernels() if lay.prefills and sinks is None and q.dtype == torch.bfloat16 and hd in (64, 128) \
-            else None
-        if amx is not None and amx.amx_available():  # every prefill chunk in one call, over the cache
+        amx = prefill_kernel(q.dtype) if lay.prefills and sinks is None else None
+        if amx is not None:  # every prefill chunk in one call, over the cache
             amx.paged_prefill(q.contiguous(), cache, lay.prefill_tables(tables), lay.prefill_rows, lay.prefill_qlens,
                               lay.prefill_lens, h, window, scale, out)
             return out

@@ -29,7 +29,7 @@ def build_tag() -> str:
 
 SOURCES = ("paged_decode.cpp", "prefill_attention.cpp", "panel_gemm.cpp", "amx_gemm.cpp", "norms.cpp", "rows.cpp",
            "bindings.cpp")
-HEADERS = ("vec.h",)
+HEADERS = ("vec.h", "amx.h")
 
 
 @functools.cache

@@ -25,36 +25,16 @@
 #include <limits>
 #include <vector>
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__linux__)
-#define DEEPFUSE_AMX_PREFILL 1
-#include <immintrin.h>
+#include "amx.h"
 
+#if DEEPFUSE_AMX
 #include "vec.h"
 #endif
 
-bool amx_available();  // amx_gemm.cpp: the process may use tiles
-
 namespace {
 
-#if DEEPFUSE_AMX_PREFILL
+#if DEEPFUSE_AMX
 constexpr int64_t kChunk = 64;  // keys per softmax step: four 16-key tiles of S
-
-struct alignas(64) TileConfig {
-    uint8_t palette = 1, start_row = 0;
-    uint8_t reserved[14] = {};
-    uint16_t colsb[16] = {};
-    uint8_t rows[16] = {};
-};
-
-void configure_full_tiles() {  // all eight tiles 16 rows x 64 bytes
-    TileConfig c;
-    for (int t = 0; t < 8; ++t) {
-        c.rows[t] = 16;
-        c.colsb[t] = 64;
-    }
-    asm volatile("" : : "r"(&c) : "memory");  // see amx_gemm.cpp: keep the stores
-    _tile_loadconfig(&c);
-}
 
 // The packed keys and values of one (chunk, kv head): padded to a multiple of kChunk keys (zeros).
 struct Packed {
@@ -258,7 +238,7 @@ void paged_prefill(const torch::Tensor& q, const torch::Tensor& cache, const tor
             TORCH_CHECK(tab[c * tb + b] >= 0 && tab[c * tb + b] < nb, "paged_prefill: block id outside the cache");
         offset[c + 1] = offset[c] + (len[c] + pad - 1) / pad * pad;
     }
-#if DEEPFUSE_AMX_PREFILL
+#if DEEPFUSE_AMX
     const int64_t total = offset[chunks];
     auto scratch = torch::empty({2, hkv, total * d}, torch::kBFloat16);  // packed K^T, then V
     auto* kt = reinterpret_cast<uint16_t*>(scratch.data_ptr());
@@ -286,7 +266,7 @@ void paged_prefill(const torch::Tensor& q, const torch::Tensor& cache, const tor
     const int64_t ld = q.size(1), n_items = static_cast<int64_t>(items.size());
 #pragma omp parallel num_threads(at::get_num_threads())
     {
-        configure_full_tiles();
+        configure_tiles({16, 16, 16, 16, 16, 16, 16, 16});  // every tile 16 rows x 64 bytes
 #pragma omp for schedule(dynamic, 1)
         for (int64_t i = 0; i < n_items; ++i) {
             const Item& it = items[i];

@@ -1,7 +1,8 @@
 """Offline throughput: 64 requests (50-500 prompt tokens, 128 output tokens each) on SmolLM2-135M.
 
 Engines, one run, same GGUF weights, same prompts, EOS ignored so every request makes 128 tokens:
-  deepfuse   continuous batching (all 64 submitted at once), f32 and bf16+int4
+  deepfuse   continuous batching (all 64 submitted at once), f32 and bf16+int4; and bf16+int4
+             compiled batch-invariant (engine key deepfuse-int4-invariant, not run by default)
   HF         transformers `generate` on the whole batch (left-padded), bf16, streamer for token times
   llama.cpp  llama-cpp-python on the Q4_1 GGUF, requests one after another (as its Python API
              serves them); needs `pip install -e .[bench]` (builds llama.cpp, ~7 min), else skipped.
@@ -53,12 +54,13 @@ def summary(wall: float, ttft: list[float], tpot: list[float], n_out: int) -> di
             "tpot_p50_s": pct(tpot, 0.5), "tpot_p99_s": pct(tpot, 0.99), "output_tokens": n_out}
 
 
-def run_deepfuse(model, prompts, dtype: str, quant: str | None) -> dict:
+def run_deepfuse(model, prompts, dtype: str, quant: str | None, batch_invariant: bool = False) -> dict:
     import deepfuse
     from deepfuse.runtime.engine import Engine, SamplingParams
     from deepfuse.runtime.kv_cache import CacheConfig
 
-    eng = Engine(deepfuse.compile(model, dtype=dtype, quant=quant), CacheConfig(num_blocks=4096),
+    eng = Engine(deepfuse.compile(model, dtype=dtype, quant=quant, batch_invariant=batch_invariant),
+                 CacheConfig(num_blocks=4096),
                  max_num_tokens=1024, max_num_seqs=len(prompts))
     p = SamplingParams(temperature=0, max_tokens=OUT_TOKENS, ignore_eos=True)
     eng.generate(prompts[:2], [SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)] * 2)  # warm-up
@@ -147,6 +149,8 @@ def main() -> None:
     engines = {
         "deepfuse f32": ("deepfuse-f32", lambda: run_deepfuse(model, prompts, "f32", None)),
         "deepfuse bf16+int4": ("deepfuse-int4", lambda: run_deepfuse(model, prompts, "bf16", "int4")),
+        "deepfuse int4 inv.": ("deepfuse-int4-invariant",
+                               lambda: run_deepfuse(model, prompts, "bf16", "int4", batch_invariant=True)),
         "HF bf16 batched": ("hf", lambda: run_hf(prompts)),
         "llama.cpp (Q4_1)": ("llama.cpp", lambda: run_llama_cpp(prompts)),
     }

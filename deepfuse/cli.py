@@ -16,11 +16,17 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quant", default=None, choices=["int4"], help="weight-only quantization (4-bit, groups of 32)")
 
 
+def _add_invariant_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--batch-invariant", action="store_true",
+                   help="one kernel per op for every batch shape: a request's tokens never depend on its batch")
+
+
 def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="deepfuse", description="compiler-driven LLM inference")
     sub = ap.add_subparsers(dest="cmd", required=True)
     g = sub.add_parser("generate", help="generate text from a prompt (streams to stdout)")
     _add_model_args(g)
+    _add_invariant_arg(g)
     g.add_argument("prompt")
     g.add_argument("--artifact", help="a compiled artifact directory (loaded, not recompiled)")
     g.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
@@ -46,6 +52,7 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--depth", type=int, default=3, help="chained draft steps trained per example")
     c = sub.add_parser("compile", help="compile a model into an artifact directory")
     _add_model_args(c)
+    _add_invariant_arg(c)
     c.add_argument("--target", default="cpu")
     c.add_argument("-o", "--output", required=True)
     r = sub.add_parser("ir", help="print the IR, or dump it before/after every pass")
@@ -66,8 +73,8 @@ def _generate(args: argparse.Namespace) -> None:
         raise DeepfuseError("--draft-head needs --speculate K (the most drafts verified per step)")
     method = dict(method="mtp", draft_head=args.draft_head) if args.draft_head else {}
     spec = SpecConfig(num_draft_tokens=args.speculate, **method) if args.speculate else None
-    llm = LLM(artifact=args.artifact, spec=spec) if args.artifact else \
-        LLM(args.model, dtype=args.dtype, quant=args.quant, spec=spec)
+    llm = LLM(artifact=args.artifact, spec=spec, batch_invariant=args.batch_invariant) if args.artifact else \
+        LLM(args.model, dtype=args.dtype, quant=args.quant, spec=spec, batch_invariant=args.batch_invariant)
     tok = llm.tokenizer
     prompt = args.prompt if args.no_chat else tok.render_chat([{"role": "user", "content": args.prompt}])
     params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
@@ -166,7 +173,8 @@ def _train_drafter(args: argparse.Namespace) -> None:
 def _compile(args: argparse.Namespace) -> None:
     from .compiler import compile
 
-    art = compile(args.model, target=args.target, dtype=args.dtype, quant=args.quant)
+    art = compile(args.model, target=args.target, dtype=args.dtype, quant=args.quant,
+                  batch_invariant=args.batch_invariant)
     art.save(args.output)
     print(f"wrote {args.output} ({len(art.graph.nodes)} ops, {len(art.graph.params)} weights, "
           f"target {art.target})", file=sys.stderr)

@@ -23,10 +23,16 @@ def trace_model(model: Llama, dtype: str = "f32"):
 
 
 def compile(model: str | Llama, target: str = "cpu", dtype: str = "f32", fuse: bool = True,
-            dump_dir: str | None = None, tokenizer: Tokenizer | None = None, quant: str | None = None) -> CompiledModel:
+            dump_dir: str | None = None, tokenizer: Tokenizer | None = None, quant: str | None = None,
+            batch_invariant: bool = False) -> CompiledModel:
     """Compiles `model` (a name/path that load_model accepts, or a Llama) for `target`.
-    quant: None, or "int4" (weight-only, 4-bit groups of 32; see passes/quantize.py)."""
+    quant: None, or "int4" (weight-only, 4-bit groups of 32; see passes/quantize.py).
+    batch_invariant (cpu): one kernel per op for every batch shape, so a request's tokens never
+    depend on what shares its steps or how its prompt was chunked (slower small steps; see
+    codegen/cpu/executor.check_batch_invariant for where it is available)."""
     tgt = get_target(target)
+    if batch_invariant and target != "cpu":
+        raise DeepfuseError(f"batch_invariant is implemented for the cpu target, not {target!r}")
     pipeline = tgt.pipeline(fuse, quant)
     if isinstance(model, str):
         model, tokenizer = load_model(model)
@@ -36,6 +42,8 @@ def compile(model: str | Llama, target: str = "cpu", dtype: str = "f32", fuse: b
         graph, reports = PassManager(pipeline).run(graph, dump_dir)
         bar.update()
         plan = tgt.build(graph)
+        if batch_invariant:
+            plan["batch_invariant"] = True
         files = tgt.binaries(plan)
         bar.update()
     passes = [vars(r) for r in reports]

@@ -25,6 +25,8 @@ def last_line(err: str) -> str:
     (["generate", "--model", "/no/such/model.gguf", "hi"], "error: GGUF file not found: /no/such/model.gguf"),
     (["compile", "--target", "tpu9", "-o", "/tmp/x"], "error: unknown target 'tpu9' (available: ascend950, cpu, sm100, sm90)"),
     (["generate", "--artifact", "/no/such/dir", "hi"], "error: artifact directory not found"),
+    (["compile", "--target", "sm90", "--batch-invariant", "-o", "/tmp/x"],
+     "error: batch_invariant is implemented for the cpu target, not 'sm90'"),
 ])
 def test_bad_input_one_line_exit_2(capsys, argv, message):
     rc, out, err = run_main(capsys, *argv)
@@ -133,3 +135,11 @@ def test_compile_int4_artifact(capsys, tmp_path):
     assert rc == 0
     manifest = json.loads((tmp_path / "q" / "manifest.json").read_text())
     assert manifest["quant"] == "int4" and any(p["name"] == "quantize_int4" for p in manifest["passes"])
+    assert manifest["batch_invariant"] is False
+
+
+def test_compile_batch_invariant_artifact(capsys, tmp_path):
+    rc, out, err = run_main(capsys, "compile", "--batch-invariant", "-o", str(tmp_path / "bi"))
+    assert rc == 0
+    assert json.loads((tmp_path / "bi" / "manifest.json").read_text())["batch_invariant"] is True
+    assert json.loads((tmp_path / "bi" / "plan.json").read_text())["batch_invariant"] is True

@@ -48,6 +48,11 @@ class CompiledModel:
     quant: str | None = None
     files: dict[str, bytes] = field(default_factory=dict)  # target binaries, relative path -> bytes
 
+    @property
+    def batch_invariant(self) -> bool:
+        """Whether it was compiled to run one kernel per op for every batch shape."""
+        return bool(self.plan.get("batch_invariant"))
+
     def __call__(self, inputs: dict) -> list:
         return self.runner(inputs)
 
@@ -74,6 +79,7 @@ class CompiledModel:
             "target": self.target,
             "dtype": self.dtype,
             "quant": self.quant,
+            "batch_invariant": self.batch_invariant,
             "model": {"family": self.config.family, "config": self.config.to_dict()},
             "passes": [{"name": p["name"], "id": p["id"]} for p in self.passes],
             "files": {name: sha256_file(os.path.join(directory, name)) for name in files},

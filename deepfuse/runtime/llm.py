@@ -15,25 +15,31 @@ class LLM:
     (4-bit weights; with dtype="bf16" the fastest decode on CPU). Engine settings:
     block_size and num_blocks size the paged KV cache; max_num_tokens is the token budget
     of one step (and the prefill chunk); max_num_seqs caps the batch; spec: a SpecConfig for
-    speculative decoding (same outputs, fewer steps when drafts are accepted)."""
+    speculative decoding (same outputs, fewer steps when drafts are accepted);
+    batch_invariant: compile so that each request's tokens are the same whatever shares its
+    steps (an artifact must have been compiled so)."""
 
     def __init__(self, model: str = "smollm2", target: str = "cpu", dtype: str = "f32",
                  block_size: int = 16, num_blocks: int = 1024, max_num_tokens: int = 512, max_num_seqs: int = 64,
                  enable_prefix_caching: bool = True, artifact: str | None = None, quant: str | None = None,
-                 spec: SpecConfig | None = None):
+                 spec: SpecConfig | None = None, batch_invariant: bool = False):
         from ..compiler import compile
         from .loader import load
 
         draft = None
         if artifact is not None or os.path.isfile(os.path.join(model, "manifest.json")):
             self.model = load(artifact or model)
+            if batch_invariant and not self.model.batch_invariant:
+                raise DeepfuseError("this artifact was compiled without batch invariance; recompile it with "
+                                    "`deepfuse compile --batch-invariant`")
             if spec is not None and spec.method == "draft":
                 raise DeepfuseError('speculative method "draft" needs the model itself, not an artifact')
         else:
             from ..models import load_model
 
             source, tok = load_model(model)
-            self.model = compile(source, target=target, dtype=dtype, quant=quant, tokenizer=tok)
+            self.model = compile(source, target=target, dtype=dtype, quant=quant, tokenizer=tok,
+                                 batch_invariant=batch_invariant)
             if spec is not None and spec.method == "draft":
                 if spec.draft_layers < 1:
                     raise DeepfuseError("SpecConfig.draft_layers must be >= 1 for the draft method")
@@ -41,7 +47,7 @@ class LLM:
                     first = source.first_layers(spec.draft_layers)
                 except ValueError as e:
                     raise DeepfuseError(str(e)) from None
-                draft = compile(first, target=target, dtype=dtype, quant=quant)
+                draft = compile(first, target=target, dtype=dtype, quant=quant, batch_invariant=batch_invariant)
         if self.model.tokenizer is None:
             raise DeepfuseError("this model has no tokenizer; pass token ids to Engine.generate instead")
         self.tokenizer = self.model.tokenizer

@@ -10,6 +10,10 @@ native kernel that reads their blocks in place, each row causally limited to its
 each group runs one SDPA over blocks gathered as rows of the contiguous k and v halves of the
 cache, chunks padded to the group's widest with a causal mask. Host-side facts about the step
 (StepLayout) are computed once per step and shared by all layers.
+
+With attrs["batch_invariant"] every row, prompt chunks' too, runs in the native paged kernel:
+it computes each row alone over its own keys in an order fixed by the row's position, so the
+result never depends on the batch or on how a prompt was split into chunks.
 """
 from __future__ import annotations
 
@@ -19,6 +23,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from ...errors import DeepfuseError
 from ...ir.opdefs_llm import causal_mask, write_kv
 from .kernels import Kernel, factory
 from .native import kernels as native_kernels
@@ -100,13 +105,16 @@ class StepLayout:
     """Host-side facts about one step's sequences, computed once and shared by every
     attention launch of the step (all layers see the same seq_lens tensor)."""
 
-    def __init__(self, seq_lens: torch.Tensor, query_lens: torch.Tensor, block_size: int, window: int):
+    def __init__(self, seq_lens: torch.Tensor, query_lens: torch.Tensor, block_size: int, window: int,
+                 every_row_near: bool = False):
         self.seq_lens = seq_lens
         lens, qlens = seq_lens.tolist(), query_lens.tolist()
         starts = [0]
         for n in qlens:
             starts.append(starts[-1] + n)
-        short = [s for s, n in enumerate(qlens) if 1 < n <= SHORT_CHUNK and n < lens[s]]
+        # every_row_near (batch invariance): prompt chunks too, so that a row's arithmetic never
+        # depends on how its prompt was split into chunks
+        short = [s for s, n in enumerate(qlens) if 1 < n and (every_row_near or n <= SHORT_CHUNK and n < lens[s])]
         self.prefills = [(s, starts[s], n, lens[s]) for s, n in enumerate(qlens) if n > 1 and s not in short]
         dec = [s for s, n in enumerate(qlens) if n == 1]
         # the native kernel's query rows: every row of the one-token sequences and short chunks,
@@ -169,6 +177,7 @@ def sink_sdpa(q, k, v, mask: torch.Tensor | None, scale: float, sinks: torch.Ten
 def _attention(attrs: dict) -> Kernel:
     h, hkv, hd = attrs["num_heads"], attrs["num_kv_heads"], attrs["head_dim"]
     scale, window, writes = attrs["scale"], attrs.get("window", 0), attrs.get("write_kv", True)
+    invariant = attrs.get("batch_invariant", False)  # every row through the native paged kernel
     if not attrs.get("sinks"):
         native_kernels()  # built (once per machine) at load, not in the middle of the first generation
 
@@ -200,10 +209,13 @@ def _attention(attrs: dict) -> Kernel:
         sinks = sink[0] if sink else None
         if writes:
             write_kv(cache, k, v, slots)
-        lay = _LAYOUTS.get(seq_lens, query_lens, cache.shape[2], window)
+        lay = _LAYOUTS.get(seq_lens, query_lens, cache.shape[2], window, invariant)
         if out is None:
             out = torch.empty(q.shape, dtype=q.dtype)
         native = native_kernels() if sinks is None and q.dtype in NATIVE_DTYPES and len(lay.near_rows) else None
+        if invariant and native is None and len(lay.near_rows):
+            raise DeepfuseError(f"batch-invariant attention needs the native paged kernel ({q.dtype}, "
+                                f"sinks {sinks is not None})")
         if native is not None:  # decode and verify rows read their blocks in place
             tabs = lay.near_tables(tables)
             if lay.all_near:
@@ -245,12 +257,13 @@ class _LayoutCache:
     step's seq_lens tensor keeps its identity from being reused by a later step's."""
 
     def __init__(self):
-        self.last: dict[int, StepLayout] = {}
+        self.last: dict[tuple[int, bool], StepLayout] = {}
 
-    def get(self, seq_lens, query_lens, block_size: int, window: int) -> StepLayout:
-        lay = self.last.get(window)
+    def get(self, seq_lens, query_lens, block_size: int, window: int, every_row_near: bool = False) -> StepLayout:
+        lay = self.last.get((window, every_row_near))
         if lay is None or lay.seq_lens is not seq_lens:
-            lay = self.last[window] = StepLayout(seq_lens, query_lens, block_size, window)
+            lay = self.last[(window, every_row_near)] = StepLayout(seq_lens, query_lens, block_size, window,
+                                                                   every_row_near)
         return lay
 
 

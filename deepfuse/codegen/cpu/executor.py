@@ -9,8 +9,10 @@ import ctypes
 
 import torch
 
+from ...errors import DeepfuseError
 from ...ir import DTYPES
-from .kernels import can_prepack, make_kernel, prepack_for, writes_in_place
+from .kernels import Q4Weights, can_prepack, make_kernel, prepack_for, writes_in_place
+from .native import kernels as native_kernels
 from .out_kernels import OUT_FACTORIES
 
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
@@ -27,6 +29,32 @@ def keep_freed_memory() -> bool:
 
 
 ALLOCATOR_TUNED = keep_freed_memory()
+
+INVARIANT_AWARE = ("attention", "qkv_attention")  # kernels told when the plan asks for batch invariance
+
+
+def check_batch_invariant(plan: dict, prepack: bool) -> None:
+    """Raises DeepfuseError unless this machine runs `plan` with one kernel per op for every
+    batch shape: projections on the native panel (f32) or AMX (bf16) GEMMs, whose rows never
+    depend on one another, and attention in the native paged kernel, which computes each query
+    row alone over its own keys in a fixed order."""
+    why = None
+    native = native_kernels()
+    dtypes = {p["dtype"] for p in plan["launches"]} & {"bf16", "f16"}
+    if native is None:
+        why = "the native CPU kernels could not be built here"
+    elif not (prepack and can_prepack()):
+        why = "projections are not prepacked for the native GEMMs"
+    elif "f16" in dtypes:
+        why = "f16 projections run on oneDNN, whose kernels change with the row count"
+    elif "bf16" in dtypes and not native.amx_available():
+        why = "bf16 projections need AMX for one kernel at every row count, and this CPU has none"
+    elif any(p["op"] in ("fused_moe", "moe") for p in plan["launches"]):
+        why = "MoE layers group tokens by expert, so an expert's GEMM shape depends on the batch"
+    elif any(p["op"] in INVARIANT_AWARE and p["attrs"].get("sinks") for p in plan["launches"]):
+        why = "attention with sink logits has no native paged kernel"
+    if why:
+        raise DeepfuseError(f"batch-invariant execution is not available: {why}")
 
 
 class StepBuffers:
@@ -75,13 +103,18 @@ class CpuExecutor:
     the AMX kernel, or oneDNN's blocked layout without AMX, as for f16; int4 weights: torch's
     int4 layout plus a dense copy, see kernels.Q4Weights).
     use_buffers: launches whose op has an out-kernel (out_kernels.py) and whose outputs all
-    have a planned buffer write into the step buffers instead of allocating."""
+    have a planned buffer write into the step buffers instead of allocating.
+    A plan with "batch_invariant" runs one kernel per op for every batch shape (see
+    check_batch_invariant), so a request's tokens do not depend on what shares its steps."""
 
     def __init__(self, plan: dict, weights: dict[str, torch.Tensor], prepack: bool = True, use_buffers: bool = True):
         self.num_slots = plan["num_slots"]
         self.inputs = plan["inputs"]
         self.outputs = plan["outputs"]
         self.buffers = StepBuffers(plan)
+        self.batch_invariant = bool(plan.get("batch_invariant"))
+        if self.batch_invariant:
+            check_batch_invariant(plan, prepack)
         self.planned: list[dict | None] = []  # per launch: its plan entry if it writes into buffers
         self.base: list = [None] * self.num_slots
         for name, s in plan["params"].items():
@@ -91,20 +124,25 @@ class CpuExecutor:
         self.launches = []
         for p in plan["launches"]:
             ins = list(p["in"])
-            kernel = make_kernel(p["op"], p["attrs"])
-            pre = prepack_for(p["op"], p["attrs"]) if prepack and can_prepack() else None
+            attrs = {**p["attrs"], "batch_invariant": True} if self.batch_invariant and p["op"] in INVARIANT_AWARE \
+                else p["attrs"]
+            kernel = make_kernel(p["op"], attrs)
+            pre = prepack_for(p["op"], attrs) if prepack and can_prepack() else None
             in_place = True  # its kernel could write into planned buffers
             if pre is not None and DTYPES[p["dtype"]] in pre.dtypes and all(ins[i] in param_slots for i in pre.weights):
                 key = tuple(ins[i] for i in pre.weights)
                 if key not in packed:
                     packed[key] = len(self.base)
-                    self.base.append(pre.pack(DTYPES[p["dtype"]], *[self.base[s] for s in key]))
+                    weight = pre.pack(DTYPES[p["dtype"]], *[self.base[s] for s in key])
+                    if self.batch_invariant and isinstance(weight, Q4Weights):
+                        weight.use_one_kernel()
+                    self.base.append(weight)
                 ins = [packed[key] if i == pre.weights[0] else s for i, s in enumerate(ins) if i not in pre.weights[1:]]
-                kernel = pre.make(p["attrs"])
+                kernel = pre.make(attrs)
                 in_place = writes_in_place(self.base[packed[key]])
-            if in_place and use_buffers and p["op"] in OUT_FACTORIES and "group_size" not in p["attrs"] \
+            if in_place and use_buffers and p["op"] in OUT_FACTORIES and "group_size" not in attrs \
                     and -1 not in p.get("out_buf", [-1]):
-                kernel = OUT_FACTORIES[p["op"]](p["attrs"])
+                kernel = OUT_FACTORIES[p["op"]](attrs)
                 self.planned.append(p)
                 self.launches.append((kernel, ins, p["out"], p["free"]))
                 continue

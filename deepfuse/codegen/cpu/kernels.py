@@ -157,6 +157,12 @@ class Q4Weights:
             # torch dequantizes (q - 8) * scale + zero; ours is q * scale + min
             self.scale_zero = torch.stack((scales, mins + 8 * scales), -1).transpose(0, 1).contiguous().to(dtype)
 
+    def use_one_kernel(self) -> None:
+        """Every row count through the dense-side kernel (AMX int4 or the dense copy): a row's
+        result then never depends on how many rows share the call (batch invariance), at the
+        cost of the faster int4 GEMM for steps of a few rows."""
+        self.int4, self.int4_rows = None, 0
+
 
 def q4_linear(x: torch.Tensor, w: Q4Weights) -> torch.Tensor:
     """x[T,K] @ w^T -> [T,N]."""

@@ -1,7 +1,8 @@
 """Batch-1 prefill and decode tokens/s: deepfuse vs HF transformers eager, same weights, one run.
 
 Both load SmolLM2-135M-Instruct from the same Q4_1 GGUF (dequantized; "bf16+int4" keeps
-the projections in 4-bit groups, which reproduce Q4_1 up to bf16 rounding). Each config runs
+the projections in 4-bit groups, which reproduce Q4_1 up to bf16 rounding; "int4 inv." is that
+build compiled batch-invariant). Each config runs
 `--runs` times; the table shows medians. Writes benchmarks/results/decode.json.
 
     python benchmarks/decode.py [--runs 3] [--new-tokens 64]
@@ -21,12 +22,13 @@ PROMPT = ("Write a short story about a lighthouse keeper who finds a message in 
           "The story should be warm, a little mysterious, and end with a surprise. ") * 3
 
 
-def bench_deepfuse(dtype: str, ids: list[int], n: int, runs: int, model, quant: str | None = None) -> list[dict]:
+def bench_deepfuse(dtype: str, ids: list[int], n: int, runs: int, model, quant: str | None = None,
+                   batch_invariant: bool = False) -> list[dict]:
     import deepfuse
     from deepfuse.runtime.engine import Engine, SamplingParams
     from deepfuse.runtime.kv_cache import CacheConfig
 
-    art = deepfuse.compile(model, dtype=dtype, quant=quant)
+    art = deepfuse.compile(model, dtype=dtype, quant=quant, batch_invariant=batch_invariant)
     eng = Engine(art, CacheConfig(enable_prefix_caching=False))  # every run prefills the whole prompt
     p = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
     eng.generate([ids], [SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)])  # warm-up
@@ -78,6 +80,8 @@ def main() -> None:
     for name, fn in [("deepfuse f32", lambda: bench_deepfuse("f32", ids, args.new_tokens, args.runs, model)),
                      ("deepfuse bf16", lambda: bench_deepfuse("bf16", ids, args.new_tokens, args.runs, model)),
                      ("deepfuse bf16+int4", lambda: bench_deepfuse("bf16", ids, args.new_tokens, args.runs, model, "int4")),
+                     ("deepfuse int4 inv.", lambda: bench_deepfuse("bf16", ids, args.new_tokens, args.runs, model, "int4",
+                                                                    batch_invariant=True)),
                      ("HF eager f32", lambda: bench_hf(torch.float32, ids, args.new_tokens, args.runs)),
                      ("HF eager bf16", lambda: bench_hf(torch.bfloat16, ids, args.new_tokens, args.runs))]:
         runs = fn()

@@ -102,7 +102,8 @@ constexpr int64_t kSegment = 512;  // positions whose scores are held at once
 constexpr int64_t kAhead = 2;      // blocks of keys prefetched ahead
 
 // G query heads per kv head, DV: the head size in 16-float vectors (4 or 8). Same contract as
-// `decode`. Per segment: scores (one head's query in registers at a time), softmax, values.
+// `decode`. Per segment: scores (per tile of 16 keys, every head in turn with its query in
+// registers, so the tile is read from memory once and twice more from L1), softmax, values.
 template <typename T, int G, int DV>
 static void decode_avx512(const T* q, const T* cache, const int64_t* tables, const int64_t* lens, T* out, int64_t n,
                           int64_t hkv, int64_t bs, int64_t nb, int64_t tb, int64_t window, float scale) {
@@ -128,28 +129,28 @@ static void decode_avx512(const T* q, const T* cache, const int64_t* tables, con
             }
             for (int64_t s0 = first; s0 < len; s0 += kSegment) {
                 const int64_t s1 = std::min(len, s0 + kSegment);
-                for (int j = 0; j < G; ++j) {  // scores, one head at a time
-                    const T* src = q + s * h * D + (kv * G + j) * D;
-                    __m512 qv[DV];     // f32 keys: the query, scaled
-                    __m512i qb[DV / 2];  // bf16 keys: the query as it is (scaled after the dot)
-                    if constexpr (kPairScores<T>) {
-                        for (int v = 0; v < DV / 2; ++v) qb[v] = _mm512_loadu_si512(src + 32 * v);
-                    } else {
-                        for (int v = 0; v < DV; ++v) qv[v] = _mm512_mul_ps(load16(src + 16 * v), _mm512_set1_ps(scale));
+                for (int64_t p0 = s0; p0 < s1;) {  // tiles of up to 16 positions, never across a block
+                    const int64_t b = p0 / bs, at = table[b] * bs - b * bs;  // position p's row: at + p
+                    const int cnt = static_cast<int>(std::min<int64_t>({16, s1 - p0, (b + 1) * bs - p0}));
+                    if (p0 == std::max(s0, b * bs)) {  // entering block b
+                        if ((b + kAhead) * bs < s1)
+                            prefetch_rows<T, D>(kbase + table[b + kAhead] * bs * stride, bs, stride);
+                        prefetch_rows<T, D>(vbase + (at + p0) * stride, std::min(s1, (b + 1) * bs) - p0, stride);
                     }
-                    for (int64_t p0 = s0; p0 < s1;) {  // tiles of up to 16 positions, never across a block
-                        const int64_t b = p0 / bs, at = table[b] * bs - b * bs;  // position p's row: at + p
-                        const int cnt = static_cast<int>(std::min<int64_t>({16, s1 - p0, (b + 1) * bs - p0}));
-                        if (j == 0 && p0 == std::max(s0, b * bs)) {  // entering block b
-                            if ((b + kAhead) * bs < s1)
-                                prefetch_rows<T, D>(kbase + table[b + kAhead] * bs * stride, bs, stride);
-                            prefetch_rows<T, D>(vbase + (at + p0) * stride, std::min(s1, (b + 1) * bs) - p0, stride);
+                    for (int j = 0; j < G; ++j) {  // every head's scores while the tile's keys are in L1
+                        const T* src = q + s * h * D + (kv * G + j) * D;
+                        __m512 qv[DV];     // f32 keys: the query, scaled
+                        __m512i qb[DV / 2];  // bf16 keys: the query as it is (scaled after the dot)
+                        if constexpr (kPairScores<T>) {
+                            for (int v = 0; v < DV / 2; ++v) qb[v] = _mm512_loadu_si512(src + 32 * v);
+                        } else {
+                            for (int v = 0; v < DV; ++v) qv[v] = _mm512_mul_ps(load16(src + 16 * v), _mm512_set1_ps(scale));
                         }
                         __m512 sc = tile_scores<T, DV>(qv, qb, kbase + (at + p0) * stride, stride, cnt);
                         if constexpr (kPairScores<T>) sc = _mm512_mul_ps(sc, _mm512_set1_ps(scale));
                         _mm512_storeu_ps(&score[j][p0 - s0], sc);  // dead lanes: overwritten or never read
-                        p0 += cnt;
                     }
+                    p0 += cnt;
                 }
                 const int64_t cnt = s1 - s0;
                 for (int j = 0; j < G; ++j) {  // softmax over the segment, carrying the running max and sum

@@ -67,8 +67,7 @@ def test_int4_projection_rows_do_not_depend_on_the_row_count(native):
     n, kdim = 96, 256
     packed = torch.randint(0, 256, (n, kdim // 2), dtype=torch.uint8)
     scales, mins = torch.rand(n, kdim // 32) * 0.02, -torch.rand(n, kdim // 32) * 0.1
-    w = Q4Weights(torch.bfloat16, packed, scales, mins)
-    w.use_one_kernel()
+    w = Q4Weights(torch.bfloat16, packed, scales, mins, one_kernel=True)
     x = torch.randn(40, kdim).bfloat16()
     full = q4_linear(x, w)
     for rows in (1, 2, 3, 5, 17):

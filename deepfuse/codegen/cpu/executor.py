@@ -133,10 +133,8 @@ class CpuExecutor:
                 key = tuple(ins[i] for i in pre.weights)
                 if key not in packed:
                     packed[key] = len(self.base)
-                    weight = pre.pack(DTYPES[p["dtype"]], *[self.base[s] for s in key])
-                    if self.batch_invariant and isinstance(weight, Q4Weights):
-                        weight.use_one_kernel()
-                    self.base.append(weight)
+                    one_kernel = {"one_kernel": True} if self.batch_invariant and pre.pack is Q4Weights else {}
+                    self.base.append(pre.pack(DTYPES[p["dtype"]], *[self.base[s] for s in key], **one_kernel))
                 ins = [packed[key] if i == pre.weights[0] else s for i, s in enumerate(ins) if i not in pre.weights[1:]]
                 kernel = pre.make(attrs)
                 in_place = writes_in_place(self.base[packed[key]])

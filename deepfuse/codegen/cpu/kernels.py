@@ -141,7 +141,11 @@ class Q4Weights:
     steps, and for the rest the native AMX int4 kernel (bf16 with AMX, groups of 32) or a
     dense copy packed by prepack_linear_weight."""
 
-    def __init__(self, dtype: torch.dtype, packed: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor):
+    def __init__(self, dtype: torch.dtype, packed: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor,
+                 one_kernel: bool = False):
+        """one_kernel: every row count through the dense-side kernel (AMX int4 or the dense copy),
+        so a row's result never depends on how many rows share the call (batch invariance), at
+        the cost of torch's faster int4 GEMM for steps of a few rows (not packed then)."""
         self.group = packed.shape[1] * 2 // scales.shape[1]
         native = native_kernels()
         if dtype == torch.bfloat16 and self.group == 32 and native is not None and native.amx_available():
@@ -151,17 +155,13 @@ class Q4Weights:
             self.dense = prepack_linear_weight(dequantize_q4(packed, scales, mins).to(dtype))
             self.int4_rows = INT4_MAX_ROWS_AMX if isinstance(self.dense, PanelWeight) else INT4_MAX_ROWS
         self.int4 = None
-        if dtype == torch.bfloat16 and packed.shape[0] % 16 == 0:  # torch's int4 layout tiles N by 16
+        if one_kernel:
+            self.int4_rows = 0
+        elif dtype == torch.bfloat16 and packed.shape[0] % 16 == 0:  # torch's int4 layout tiles N by 16
             q = unpack_q4(packed).to(torch.int32)
             self.int4 = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
             # torch dequantizes (q - 8) * scale + zero; ours is q * scale + min
             self.scale_zero = torch.stack((scales, mins + 8 * scales), -1).transpose(0, 1).contiguous().to(dtype)
-
-    def use_one_kernel(self) -> None:
-        """Every row count through the dense-side kernel (AMX int4 or the dense copy): a row's
-        result then never depends on how many rows share the call (batch invariance), at the
-        cost of the faster int4 GEMM for steps of a few rows."""
-        self.int4, self.int4_rows = None, 0
 
 
 def q4_linear(x: torch.Tensor, w: Q4Weights) -> torch.Tensor:

@@ -19,16 +19,17 @@ def test_rms_norm_matches_the_reference(native, dtype, t, d):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_add_rms_norm_matches_the_reference_and_writes_into_buffers(native, dtype):
-    x, res = torch.randn(9, 40).to(dtype), torch.randn(9, 40).to(dtype)
-    w = (1 + torch.randn(40) * 0.1).to(dtype)
+@pytest.mark.parametrize("d", [40, 576])  # vector lanes and a scalar tail; vector lanes only
+def test_add_rms_norm_matches_the_reference_and_writes_into_buffers(native, dtype, d):
+    x, res = torch.randn(9, d).to(dtype), torch.randn(9, d).to(dtype)
+    w = (1 + torch.randn(d) * 0.1).to(dtype)
     s, normed = native.add_rms_norm(x, res, w, 1e-6)
     assert torch.equal(s, x + res)
     tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=1e-2, rtol=8e-3)
     torch.testing.assert_close(normed, reference_rms_norm(x + res, w, eps=1e-6), **tol)
-    arena = torch.zeros(9, 80, dtype=dtype)
-    s2, n2 = native.add_rms_norm(x, res, w, 1e-6, arena[:, :40], arena[:, 40:])
-    assert s2.data_ptr() == arena.data_ptr() and torch.equal(arena[:, :40], s) and torch.equal(arena[:, 40:], normed)
+    arena = torch.zeros(9, 2 * d, dtype=dtype)
+    s2, n2 = native.add_rms_norm(x, res, w, 1e-6, arena[:, :d], arena[:, d:])
+    assert s2.data_ptr() == arena.data_ptr() and torch.equal(arena[:, :d], s) and torch.equal(arena[:, d:], normed)
 
 
 def test_rms_norm_takes_strided_rows_and_refuses_bad_operands(native):

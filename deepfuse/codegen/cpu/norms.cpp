@@ -13,6 +13,10 @@
 #include <optional>
 #include <tuple>
 
+#if defined(__AVX512F__)
+#include "vec.h"
+#endif
+
 namespace {
 
 template <typename T>
@@ -20,27 +24,42 @@ inline T round_to(float v) {
     return static_cast<T>(v);
 }
 
-// one row: s (if res) = x + res, written to sum; out = rms_norm(s) * w
+// one row: s (if res) = x + res, written to sum; out = rms_norm(s) * w. With AVX-512, 16 lanes
+// at a time (the sum of squares in 16 partial sums), the tail of a row past a multiple of 16 as
+// scalars; the roundings are the same either way.
 template <typename T>
 void norm_row(const T* x, const T* res, const T* w, T* sum, T* out, int64_t d, float eps) {
     float ss = 0.f;
-    if (res != nullptr) {
-        for (int64_t j = 0; j < d; ++j) {
-            const T s = round_to<T>(static_cast<float>(x[j]) + static_cast<float>(res[j]));
-            sum[j] = s;
-            const float f = static_cast<float>(s);
-            ss += f * f;
+    int64_t j = 0;
+#if defined(__AVX512F__)
+    __m512 ss16 = _mm512_setzero_ps();
+    for (; j + 16 <= d; j += 16) {
+        __m512 f = load16(x + j);
+        if (res != nullptr) {
+            f = round16(_mm512_add_ps(f, load16(res + j)), x);
+            store16(sum + j, f);
         }
-        x = sum;
-    } else {
-#pragma omp simd reduction(+ : ss)
-        for (int64_t j = 0; j < d; ++j) {
-            const float f = static_cast<float>(x[j]);
-            ss += f * f;
-        }
+        ss16 = _mm512_fmadd_ps(f, f, ss16);
     }
+    ss = _mm512_reduce_add_ps(ss16);
+#endif
+    for (; j < d; ++j) {
+        float f = static_cast<float>(x[j]);
+        if (res != nullptr) {
+            const T s = round_to<T>(f + static_cast<float>(res[j]));
+            sum[j] = s;
+            f = static_cast<float>(s);
+        }
+        ss += f * f;
+    }
+    if (res != nullptr) x = sum;
     const float rstd = 1.f / std::sqrt(ss / static_cast<float>(d) + eps);
-    for (int64_t j = 0; j < d; ++j) {
+    j = 0;
+#if defined(__AVX512F__)
+    for (const __m512 r = _mm512_set1_ps(rstd); j + 16 <= d; j += 16)
+        store16(out + j, _mm512_mul_ps(load16(w + j), round16(_mm512_mul_ps(load16(x + j), r), x)));
+#endif
+    for (; j < d; ++j) {
         const T h = round_to<T>(static_cast<float>(x[j]) * rstd);
         out[j] = round_to<T>(static_cast<float>(w[j]) * static_cast<float>(h));
     }

@@ -34,11 +34,20 @@ static inline __m512 exp16(__m512 x) {
 
 static inline void store16(float* p, __m512 x) { _mm512_storeu_ps(p, x); }
 
-// f32 -> bf16, rounding to nearest even as c10::BFloat16 does; NaN stays a (quiet) NaN
-static inline void store16(c10::BFloat16* p, __m512 x) {
+// f32 -> bf16 bits in the high half of each lane (low half zero), rounding to nearest even as
+// c10::BFloat16 does; NaN stays a (quiet) NaN
+static inline __m512i bf16_bits(__m512 x) {
     const __m512i bits = _mm512_castps_si512(x);
     const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
     __m512i r = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
     r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(r));
+    return _mm512_slli_epi32(r, 16);
 }
+
+static inline void store16(c10::BFloat16* p, __m512 x) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(_mm512_srli_epi32(bf16_bits(x), 16)));
+}
+
+// x rounded to T's precision (bf16: the f32 of the nearest bf16; f32: x itself)
+static inline __m512 round16(__m512 x, const float*) { return x; }
+static inline __m512 round16(__m512 x, const c10::BFloat16*) { return _mm512_castsi512_ps(bf16_bits(x)); }

@@ -1,6 +1,7 @@
-"""The native paged decode kernel (codegen/cpu/paged_decode.cpp) against a plain
-gather-and-softmax in float64: ragged lengths across block edges, grouped-query heads,
-a sliding window, f32 and bf16; and the whole CPU step with and without it."""
+"""The native paged decode kernel (codegen/cpu/paged_decode.cpp, and its AMX path in
+decode_amx.cpp) against a plain gather-and-softmax in float64: ragged lengths across block
+edges, grouped-query heads, a sliding window, f32 and bf16; and the whole CPU step with and
+without it."""
 import pytest
 import torch
 
@@ -21,12 +22,14 @@ def reference(q, cache, tables, lens, h, window, scale):
 
 
 # the vector kernel (AVX-512: head size 64 or 128, 1 to 8 query heads per kv head, any block size)
-# and the plain one (head size 48, 9 heads per kv head) on the same cases
+# and the plain one (head size 48, 9 heads per kv head) on the same cases; amx_rows=1 sends bf16
+# rows to the AMX path where it applies (head size 64/128, blocks of a multiple of 16)
+@pytest.mark.parametrize("amx_rows", [0, 1])
 @pytest.mark.parametrize("dtype,window,h,hkv,d,bs", [
     (torch.float32, 0, 6, 2, 64, 16), (torch.float32, 21, 6, 2, 64, 16), (torch.bfloat16, 0, 6, 2, 64, 16),
     (torch.bfloat16, 37, 8, 1, 128, 32), (torch.float32, 0, 4, 4, 128, 8), (torch.bfloat16, 0, 9, 1, 48, 16),
     (torch.float32, 5, 18, 2, 48, 8)])
-def test_paged_decode_matches_a_plain_softmax(native, dtype, window, h, hkv, d, bs):
+def test_paged_decode_matches_a_plain_softmax(native, dtype, window, h, hkv, d, bs, amx_rows):
     torch.manual_seed(0)
     nb = 40
     cache = torch.randn(2, nb, bs, hkv, d).to(dtype)
@@ -35,7 +38,7 @@ def test_paged_decode_matches_a_plain_softmax(native, dtype, window, h, hkv, d, 
     cache[:, 3] *= 30  # peaked softmaxes: the running max moves between tiles
     q = torch.randn(len(lens), h * d).to(dtype)
     out = torch.empty_like(q)
-    native.paged_decode(q, cache, tables, lens, h, window, d ** -0.5, out)
+    native.paged_decode(q, cache, tables, lens, h, window, d ** -0.5, out, amx_rows)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(out.double(), reference(q, cache, tables, lens, h, window, d ** -0.5), atol=tol, rtol=tol)
     with pytest.raises(RuntimeError, match="share a dtype"):
@@ -43,8 +46,9 @@ def test_paged_decode_matches_a_plain_softmax(native, dtype, window, h, hkv, d, 
                             out)
 
 
-@pytest.mark.parametrize("dtype,d", [(torch.bfloat16, 64), (torch.float32, 128)])
-def test_paged_decode_carries_the_softmax_across_segments(native, dtype, d):
+@pytest.mark.parametrize("dtype,d,amx_rows", [(torch.bfloat16, 64, 0), (torch.bfloat16, 64, 1), (torch.bfloat16, 128, 1),
+                                              (torch.float32, 128, 0)])
+def test_paged_decode_carries_the_softmax_across_segments(native, dtype, d, amx_rows):
     """Sequences longer than the kernel's 512-position segment: the running max and sum pass
     from segment to segment (the peak in a late segment, in an early one, and in a window
     that starts mid-block)."""
@@ -59,10 +63,44 @@ def test_paged_decode_carries_the_softmax_across_segments(native, dtype, d):
     q = torch.randn(4, h * d).to(dtype)
     for window in (0, 600):
         out = torch.empty_like(q)
-        native.paged_decode(q, cache, tables, lens, h, window, d ** -0.5, out)
+        native.paged_decode(q, cache, tables, lens, h, window, d ** -0.5, out, amx_rows)
         tol = 1e-5 if dtype == torch.float32 else 2e-2
         torch.testing.assert_close(out.double(), reference(q, cache, tables, lens, h, window, d ** -0.5), atol=tol,
                                    rtol=tol)
+
+
+@pytest.mark.parametrize("h,hkv,d,window", [(9, 3, 64, 0), (9, 3, 64, 100), (8, 2, 128, 0), (16, 1, 64, 37)])
+def test_amx_spans_match_the_reference_and_each_row_alone(native, h, hkv, d, window):
+    """Rows of one sequence (a verify or prompt chunk) run together on the AMX path, up to 16
+    query vectors at a time: each row's result is the reference's, and bit-identical to the
+    row run alone (batch invariance rests on it), whatever shares the call; with amx_rows=2 a
+    lone row takes the vector path and the chunks AMX."""
+    if not native.amx_available():
+        pytest.skip("no AMX on this machine")
+    torch.manual_seed(2)
+    nb, bs = 200, 16
+    cache = torch.randn(2, nb, bs, hkv, d).bfloat16()
+    cache[0, 7] *= 20  # a peak wherever block 7 falls
+    chunk, other = torch.randperm(nb)[:60], torch.randperm(nb)[:60]
+    shared = other.clone()
+    shared[40:] = torch.randperm(nb)[:20]  # same first 40 blocks (a shared prefix), then its own
+    lens = torch.tensor([600, 601, 602, 603, 604, 605, 606, 17, 250, 251, 252, 253, 700])
+    tables = torch.stack([chunk] * 7 + [torch.randperm(nb)[:60]] + [other] * 4 + [shared])
+    q = torch.randn(len(lens), h * d).bfloat16()
+    together = torch.empty_like(q)
+    native.paged_decode(q, cache, tables, lens, h, window, d ** -0.5, together, 1)
+    torch.testing.assert_close(together.double(), reference(q, cache, tables, lens, h, window, d ** -0.5), atol=2e-2,
+                               rtol=2e-2)
+    for i in range(len(lens)):
+        alone = torch.empty_like(q[i:i + 1])
+        native.paged_decode(q[i:i + 1], cache, tables[i:i + 1], lens[i:i + 1], h, window, d ** -0.5, alone, 1)
+        assert torch.equal(alone[0], together[i]), i
+    mixed = torch.empty_like(q)
+    native.paged_decode(q, cache, tables, lens, h, window, d ** -0.5, mixed, 2)
+    if h // hkv <= 8:  # spans hold 16 query vectors: 16 heads per kv head leave every row alone
+        assert torch.equal(mixed[:7], together[:7]) and torch.equal(mixed[8:12], together[8:12])
+    torch.testing.assert_close(mixed.double(), reference(q, cache, tables, lens, h, window, d ** -0.5), atol=2e-2,
+                               rtol=2e-2)
 
 
 def test_cpu_step_is_the_same_with_and_without_the_native_kernel(native, tiny_model, monkeypatch):

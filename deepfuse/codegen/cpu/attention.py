@@ -178,6 +178,10 @@ def _attention(attrs: dict) -> Kernel:
     h, hkv, hd = attrs["num_heads"], attrs["num_kv_heads"], attrs["head_dim"]
     scale, window, writes = attrs["scale"], attrs.get("window", 0), attrs.get("write_kv", True)
     invariant = attrs.get("batch_invariant", False)  # every row through the native paged kernel
+    # bf16 rows in runs of at least this many rows of one sequence (verify and prompt chunks) go to
+    # the kernel's AMX path, lone rows to its vector path; batch invariance sends every row to AMX
+    # (the two paths round differently, and a prompt's rows are lone or not depending on the batch)
+    amx_rows = 1 if invariant else 2
     if not attrs.get("sinks"):
         native_kernels()  # built (once per machine) at load, not in the middle of the first generation
 
@@ -219,10 +223,11 @@ def _attention(attrs: dict) -> Kernel:
         if native is not None:  # decode and verify rows read their blocks in place
             tabs = lay.near_tables(tables)
             if lay.all_near:
-                native.paged_decode(q.contiguous(), cache, tabs, lay.near_lens, h, window, scale, out)
+                native.paged_decode(q.contiguous(), cache, tabs, lay.near_lens, h, window, scale, out, amx_rows)
                 return out
             out[lay.near_rows] = native.paged_decode(q[lay.near_rows], cache, tabs, lay.near_lens, h, window, scale,
-                                                     torch.empty(len(lay.near_rows), q.shape[1], dtype=q.dtype))
+                                                     torch.empty(len(lay.near_rows), q.shape[1], dtype=q.dtype),
+                                                     amx_rows)
         elif len(lay.near_rows):
             for g in lay.groups:
                 o = decode(q[g.rows], cache, tables[g.seqs], g, sinks)

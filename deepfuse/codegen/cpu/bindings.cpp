@@ -5,7 +5,7 @@
 #include <tuple>
 
 torch::Tensor paged_decode(torch::Tensor q, torch::Tensor cache, torch::Tensor tables, torch::Tensor lens,
-                           int64_t num_heads, int64_t window, double scale, torch::Tensor out);
+                           int64_t num_heads, int64_t window, double scale, torch::Tensor out, int64_t amx_rows);
 void paged_prefill(const torch::Tensor& q, const torch::Tensor& cache, const torch::Tensor& tables,
                    const torch::Tensor& rows, const torch::Tensor& qlens, const torch::Tensor& lens, int64_t num_heads,
                    int64_t window, double scale, torch::Tensor out);
@@ -27,7 +27,9 @@ void rope_cache(const torch::Tensor& qkv, const torch::Tensor& pos, const torch:
 torch::Tensor argmax(const torch::Tensor& x);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-    m.def("paged_decode", &paged_decode, "decode attention over the paged cache (paged_decode.cpp)");
+    m.def("paged_decode", &paged_decode, "decode attention over the paged cache (paged_decode.cpp)", py::arg("q"),
+          py::arg("cache"), py::arg("tables"), py::arg("lens"), py::arg("num_heads"), py::arg("window"),
+          py::arg("scale"), py::arg("out"), py::arg("amx_rows") = 2);
     m.def("paged_prefill", &paged_prefill, "causal prefill attention over the paged cache on AMX (prefill_attention.cpp)");
     m.def("pack_panels", &pack_panels, "an f32 weight [N, K] as 16-column panels (panel_gemm.cpp)");
     m.def("panel_gemm", &panel_gemm, "x [M, K] @ w^T over pack_panels(w), into out if given (panel_gemm.cpp)",

@@ -27,8 +27,8 @@ def build_tag() -> str:
     return hashlib.sha256(flags.encode()).hexdigest()[:8]
 
 
-SOURCES = ("paged_decode.cpp", "prefill_attention.cpp", "panel_gemm.cpp", "amx_gemm.cpp", "norms.cpp", "rows.cpp",
-           "bindings.cpp")
+SOURCES = ("paged_decode.cpp", "decode_amx.cpp", "prefill_attention.cpp", "panel_gemm.cpp", "amx_gemm.cpp", "norms.cpp",
+           "rows.cpp", "bindings.cpp")
 HEADERS = ("vec.h", "amx.h")
 
 

@@ -24,12 +24,12 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <type_traits>
+#include <utility>
 #include <vector>
 
 #if defined(__AVX512F__)
 #include "vec.h"
-
-#include <type_traits>
 
 // bf16 keys are dotted in pairs by vdpbf16ps where the build has it
 template <typename T>
@@ -106,7 +106,7 @@ constexpr int64_t kAhead = 2;      // blocks of keys prefetched ahead
 // registers, so the tile is read from memory once and twice more from L1), softmax, values.
 template <typename T, int G, int DV>
 static void decode_avx512(const T* q, const T* cache, const int64_t* tables, const int64_t* lens, T* out, int64_t n,
-                          int64_t hkv, int64_t bs, int64_t nb, int64_t tb, int64_t window, float scale) {
+                          const int64_t* rows, int64_t hkv, int64_t bs, int64_t nb, int64_t tb, int64_t window, float scale) {
     constexpr int64_t D = DV * 16;
     const int64_t h = G * hkv;
     const int64_t half = nb * bs * hkv * D;
@@ -116,7 +116,7 @@ static void decode_avx512(const T* q, const T* cache, const int64_t* tables, con
                                                     // dead lanes may spill past the segment)
         alignas(64) float acc[G][D];           // weighted sums of values (in registers during the values pass)
         for (int64_t item = begin; item < end; ++item) {
-            const int64_t s = item / hkv, kv = item % hkv, len = lens[s];
+            const int64_t s = rows != nullptr ? rows[item / hkv] : item / hkv, kv = item % hkv, len = lens[s];
             const int64_t first = window > 0 ? std::max<int64_t>(0, len - window) : 0;
             const int64_t* table = tables + s * tb;
             const T* kbase = cache + kv * D;
@@ -205,10 +205,10 @@ static void decode_avx512(const T* q, const T* cache, const int64_t* tables, con
 
 template <typename T, int DV>
 static bool decode_heads(const T* q, const T* cache, const int64_t* tables, const int64_t* lens, T* out, int64_t n,
-                         int64_t g, int64_t hkv, int64_t bs, int64_t nb, int64_t tb, int64_t window, float scale) {
+                         const int64_t* rows, int64_t g, int64_t hkv, int64_t bs, int64_t nb, int64_t tb, int64_t window, float scale) {
     switch (g) {
 #define DEEPFUSE_G(G) \
-    case G: decode_avx512<T, G, DV>(q, cache, tables, lens, out, n, hkv, bs, nb, tb, window, scale); return true;
+    case G: decode_avx512<T, G, DV>(q, cache, tables, lens, out, n, rows, hkv, bs, nb, tb, window, scale); return true;
         DEEPFUSE_G(1) DEEPFUSE_G(2) DEEPFUSE_G(3) DEEPFUSE_G(4) DEEPFUSE_G(5) DEEPFUSE_G(6) DEEPFUSE_G(7) DEEPFUSE_G(8)
 #undef DEEPFUSE_G
         default: return false;
@@ -220,25 +220,25 @@ static bool decode_heads(const T* q, const T* cache, const int64_t* tables, cons
 // kv head); false otherwise.
 template <typename T>
 static bool decode_fast(const T* q, const T* cache, const int64_t* tables, const int64_t* lens, T* out, int64_t n,
-                        int64_t h, int64_t hkv, int64_t d, int64_t bs, int64_t nb, int64_t tb, int64_t window,
+                        const int64_t* rows, int64_t h, int64_t hkv, int64_t d, int64_t bs, int64_t nb, int64_t tb, int64_t window,
                         float scale) {
 #if defined(__AVX512F__)
-    if (d == 64) return decode_heads<T, 4>(q, cache, tables, lens, out, n, h / hkv, hkv, bs, nb, tb, window, scale);
-    if (d == 128) return decode_heads<T, 8>(q, cache, tables, lens, out, n, h / hkv, hkv, bs, nb, tb, window, scale);
+    if (d == 64) return decode_heads<T, 4>(q, cache, tables, lens, out, n, rows, h / hkv, hkv, bs, nb, tb, window, scale);
+    if (d == 128) return decode_heads<T, 8>(q, cache, tables, lens, out, n, rows, h / hkv, hkv, bs, nb, tb, window, scale);
 #endif
     return false;
 }
 
 template <typename T>
 static void decode_plain(const T* q, const T* cache, const int64_t* tables, const int64_t* lens, T* out, int64_t n,
-                   int64_t h, int64_t hkv, int64_t d, int64_t bs, int64_t nb, int64_t tb, int64_t window,
+                   const int64_t* rows, int64_t h, int64_t hkv, int64_t d, int64_t bs, int64_t nb, int64_t tb, int64_t window,
                    float scale) {
     const int64_t g = h / hkv;
     const int64_t half = nb * bs * hkv * d;  // elements of the k half; the v half follows
     at::parallel_for(0, n * hkv, 1, [&](int64_t begin, int64_t end) {
         std::vector<float> qf(g * d), acc(g * d), score(g * bs), m(g), l(g), row(d);
         for (int64_t item = begin; item < end; ++item) {
-            const int64_t s = item / hkv, kv = item % hkv, len = lens[s];
+            const int64_t s = rows != nullptr ? rows[item / hkv] : item / hkv, kv = item % hkv, len = lens[s];
             const int64_t first = window > 0 ? std::max<int64_t>(0, len - window) : 0;
             for (int64_t j = 0; j < g; ++j) {
                 const T* src = q + s * h * d + (kv * g + j) * d;
@@ -301,16 +301,48 @@ static void decode_plain(const T* q, const T* cache, const int64_t* tables, cons
     });
 }
 
+// decode_amx.cpp: whether the AMX kernel takes these shapes; the spans of rows it would run
+// together (first row, count); and the kernel itself over a list of spans
+bool amx_decode_applies(int64_t d, int64_t bs, int64_t g);
+std::vector<std::pair<int64_t, int64_t>> decode_spans(const int64_t* tables, const int64_t* lens, int64_t n, int64_t tb,
+                                                      int64_t bs, int64_t g);
+void paged_decode_amx(const c10::BFloat16* q, const c10::BFloat16* cache, const int64_t* tables, const int64_t* lens,
+                      c10::BFloat16* out, const std::vector<std::pair<int64_t, int64_t>>& spans, int64_t h, int64_t hkv,
+                      int64_t d, int64_t bs, int64_t nb, int64_t tb, int64_t window, float scale);
+
+// Rows in spans of at least amx_rows rows (a verify chunk's, a prompt chunk's) on AMX tiles
+// where they apply (bf16); the other rows on the vector kernel (faster for a lone row).
 template <typename T>
 static void decode(const T* q, const T* cache, const int64_t* tables, const int64_t* lens, T* out, int64_t n,
                    int64_t h, int64_t hkv, int64_t d, int64_t bs, int64_t nb, int64_t tb, int64_t window,
-                   float scale) {
-    if (!decode_fast<T>(q, cache, tables, lens, out, n, h, hkv, d, bs, nb, tb, window, scale))
-        decode_plain<T>(q, cache, tables, lens, out, n, h, hkv, d, bs, nb, tb, window, scale);
+                   float scale, int64_t amx_rows) {
+    std::vector<int64_t> rest;  // rows left to the vector kernel (all of them when empty and not `split`)
+    bool split = false;
+    if constexpr (std::is_same_v<T, c10::BFloat16>) {
+        if (amx_rows > 0 && n > 0 && amx_decode_applies(d, bs, h / hkv)) {
+            std::vector<std::pair<int64_t, int64_t>> amx;
+            for (const auto& span : decode_spans(tables, lens, n, tb, bs, h / hkv)) {
+                if (span.second >= amx_rows) {
+                    amx.push_back(span);
+                } else {
+                    for (int64_t r = span.first; r < span.first + span.second; ++r) rest.push_back(r);
+                }
+            }
+            if (!amx.empty()) {
+                paged_decode_amx(q, cache, tables, lens, out, amx, h, hkv, d, bs, nb, tb, window, scale);
+                split = true;
+                if (rest.empty()) return;
+            }
+        }
+    }
+    const int64_t* rows = split ? rest.data() : nullptr;
+    const int64_t count = split ? static_cast<int64_t>(rest.size()) : n;
+    if (!decode_fast<T>(q, cache, tables, lens, out, count, rows, h, hkv, d, bs, nb, tb, window, scale))
+        decode_plain<T>(q, cache, tables, lens, out, count, rows, h, hkv, d, bs, nb, tb, window, scale);
 }
 
 torch::Tensor paged_decode(torch::Tensor q, torch::Tensor cache, torch::Tensor tables, torch::Tensor lens,
-                           int64_t num_heads, int64_t window, double scale, torch::Tensor out) {
+                           int64_t num_heads, int64_t window, double scale, torch::Tensor out, int64_t amx_rows) {
     TORCH_CHECK(q.is_contiguous() && cache.is_contiguous() && tables.stride(1) == 1 && lens.is_contiguous() &&
                 out.is_contiguous(), "paged_decode: operands must be contiguous (tables: along a row)");
     TORCH_CHECK(cache.dim() == 5 && cache.size(0) == 2, "paged_decode: cache must be [2, NB, BS, Hkv, D]");
@@ -333,12 +365,12 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor cache, torch::Tensor t
     if (q.scalar_type() == torch::kFloat32) {
         decode<float>(q.data_ptr<float>(), cache.data_ptr<float>(), tables.data_ptr<int64_t>(),
                       lens.data_ptr<int64_t>(), out.data_ptr<float>(), n, num_heads, hkv, d, bs, nb, tables.stride(0),
-                      window, static_cast<float>(scale));
+                      window, static_cast<float>(scale), amx_rows);
     } else if (q.scalar_type() == torch::kBFloat16) {
         using bf16 = c10::BFloat16;
         decode<bf16>(q.data_ptr<bf16>(), cache.data_ptr<bf16>(), tables.data_ptr<int64_t>(),
                      lens.data_ptr<int64_t>(), out.data_ptr<bf16>(), n, num_heads, hkv, d, bs, nb, tables.stride(0),
-                     window, static_cast<float>(scale));
+                     window, static_cast<float>(scale), amx_rows);
     } else {
         TORCH_CHECK(false, "paged_decode: f32 or bf16 only");
     }

@@ -2,7 +2,9 @@
 
 Engines, one run, same GGUF weights, same prompts, EOS ignored so every request makes 128 tokens:
   deepfuse   continuous batching (all 64 submitted at once), f32 and bf16+int4; and bf16+int4
-             compiled batch-invariant (engine key deepfuse-int4-invariant, not run by default)
+             compiled batch-invariant (engine key deepfuse-int4-invariant), and bf16+int4 with n-gram
+             speculation (prompt lookup, confidence-scheduled; deepfuse-int4-ngram): not run by default.
+             The prompts are drawn from 24 words, so prompt lookup finds more here than in real text
   HF         transformers `generate` on the whole batch (left-padded), bf16, streamer for token times
   llama.cpp  llama-cpp-python on the Q4_1 GGUF, requests one after another (as its Python API
              serves them); needs `pip install -e .[bench]` (builds llama.cpp, ~7 min), else skipped.
@@ -54,21 +56,27 @@ def summary(wall: float, ttft: list[float], tpot: list[float], n_out: int) -> di
             "tpot_p50_s": pct(tpot, 0.5), "tpot_p99_s": pct(tpot, 0.99), "output_tokens": n_out}
 
 
-def run_deepfuse(model, prompts, dtype: str, quant: str | None, batch_invariant: bool = False) -> dict:
+def run_deepfuse(model, prompts, dtype: str, quant: str | None, batch_invariant: bool = False,
+                 ngram: bool = False) -> dict:
     import deepfuse
     from deepfuse.runtime.engine import Engine, SamplingParams
     from deepfuse.runtime.kv_cache import CacheConfig
+    from deepfuse.runtime.spec import SpecConfig
 
     eng = Engine(deepfuse.compile(model, dtype=dtype, quant=quant, batch_invariant=batch_invariant),
                  CacheConfig(num_blocks=4096),
-                 max_num_tokens=1024, max_num_seqs=len(prompts))
+                 max_num_tokens=1024, max_num_seqs=len(prompts), spec=SpecConfig(method="ngram") if ngram else None)
     p = SamplingParams(temperature=0, max_tokens=OUT_TOKENS, ignore_eos=True)
     eng.generate(prompts[:2], [SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)] * 2)  # warm-up
     t = time.perf_counter()
     outs = eng.generate(prompts, [p] * len(prompts))
     wall = time.perf_counter() - t
     assert all(len(o.token_ids) == OUT_TOKENS for o in outs)
-    return summary(wall, [o.ttft_s for o in outs], [o.tpot_s for o in outs], sum(len(o.token_ids) for o in outs))
+    result = summary(wall, [o.ttft_s for o in outs], [o.tpot_s for o in outs], sum(len(o.token_ids) for o in outs))
+    if ngram:
+        result["acceptance_rate"] = eng.spec_stats.acceptance_rate
+        result["mean_accepted_length"] = eng.spec_stats.mean_accepted_length
+    return result
 
 
 def run_hf(prompts) -> dict:
@@ -151,6 +159,7 @@ def main() -> None:
         "deepfuse bf16+int4": ("deepfuse-int4", lambda: run_deepfuse(model, prompts, "bf16", "int4")),
         "deepfuse int4 inv.": ("deepfuse-int4-invariant",
                                lambda: run_deepfuse(model, prompts, "bf16", "int4", batch_invariant=True)),
+        "deepfuse int4 ngram": ("deepfuse-int4-ngram", lambda: run_deepfuse(model, prompts, "bf16", "int4", ngram=True)),
         "HF bf16 batched": ("hf", lambda: run_hf(prompts)),
         "llama.cpp (Q4_1)": ("llama.cpp", lambda: run_llama_cpp(prompts)),
     }
@@ -185,6 +194,10 @@ def main() -> None:
             if name != peer:
                 ratios = [a["output_tps"] / b["output_tps"] for a, b in zip(results[name]["runs"], results[peer]["runs"])]
                 print(f"{name} vs {peer}, per round: " + ", ".join(f"{x:.2f}x" for x in ratios))
+    for name, r in results.items():
+        if "acceptance_rate" in r:
+            print(f"{name}: draft acceptance {r['acceptance_rate']:.2f}, "
+                  f"{r['mean_accepted_length']:.2f} tokens per verifying sequence and step")
     meta = {"requests": args.requests, "prompt_tokens": [len(p) for p in prompts], "output_tokens": OUT_TOKENS,
             "runs": args.runs, "threads": torch.get_num_threads(), "torch": torch.__version__,
             "machine": platform.machine()}

@@ -6,7 +6,8 @@ sinks) they all run in one native call that reads the cache (prefill_attention.c
 rows of decoding sequences (one new token each) and of short chunks that continue a cached
 sequence (speculative verification: the last token and its drafts) all run in one call of a
 native kernel that reads their blocks in place, each row causally limited to its own position
-(paged_decode.cpp; f32/bf16, no sinks). Where it cannot run they are grouped by length and
+(paged_decode.cpp; f32/bf16, no sinks; in bf16 with AMX a chunk's rows run together on the tile
+unit, decode_amx.cpp, and lone decode rows on the vector path). Where it cannot run they are grouped by length and
 each group runs one SDPA over blocks gathered as rows of the contiguous k and v halves of the
 cache, chunks padded to the group's widest with a causal mask. Host-side facts about the step
 (StepLayout) are computed once per step and shared by all layers.

@@ -9,6 +9,7 @@
 //   lens    [N] int64           each row's causal length (its keys: positions 0 .. len-1)
 //   window  0, or attend only to the last `window` positions before len
 //   out     [N, H*D]            written
+//   amx_rows bf16 runs of at least this many rows of one sequence on AMX (see below; 0: never)
 //
 // Work item: (row, kv head); its H/Hkv query heads share every key and value read.
 // Scores of one block at a time, then an online softmax (running max and sum) in float.
@@ -18,6 +19,10 @@
 // values in one pass with the accumulators in registers. The running max and sum carry across
 // segments. Keys two blocks ahead and the current block's values are prefetched: a step's time
 // is mostly waiting on memory (the cache is far larger than L3).
+// bf16 rows in runs of at least `amx_rows` rows of one sequence (a verify chunk's, a prompt
+// chunk's) go to the AMX path (decode_amx.cpp), which reads each key and value once for all of
+// the run's query vectors: amx_rows 2 (the default) keeps lone rows on the vector path (faster
+// for them), 1 sends every row to AMX (batch invariance), 0 none.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 

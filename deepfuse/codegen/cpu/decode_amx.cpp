@@ -71,12 +71,6 @@ inline void transpose16(const float* in, float* out, int64_t ldo, float scale, i
     }
 }
 
-inline void prefetch_block(const bf16* rows, int64_t count, int64_t stride, int64_t d) {
-    for (int64_t r = 0; r < count; ++r)
-        for (int64_t c = 0; c < d * 2; c += 64)
-            _mm_prefetch(reinterpret_cast<const char*>(rows + r * stride) + c, _MM_HINT_T0);
-}
-
 // The scores of 16 keys (rows at `keys`, `stride` elements apart) against the packed queries
 // in C tile `slot` (0: tile 0, 1-4: tiles 3-6), stored to dst [16 keys][16 lanes].
 template <int64_t kParts>
@@ -137,20 +131,16 @@ inline void pack_values(const bf16* vbase, const int64_t* table, int64_t stride,
 
 using Span = std::pair<int64_t, int64_t>;  // first query row, count
 
-// Consecutive rows with nondecreasing lengths whose blocks agree with the span's last row's,
-// at most kLanes / g rows per span.
+// Consecutive rows with nondecreasing lengths, each reading the blocks the next one reads at the
+// same places (so all of them agree with the last, longest one), at most `most` rows per span.
 std::vector<Span> make_spans(const int64_t* tables, const int64_t* lens, int64_t n, int64_t tb, int64_t bs,
                              int64_t most) {
     std::vector<Span> spans;
     for (int64_t r = 0; r < n;) {
         int64_t e = r + 1;
-        while (e < n && e - r < most && lens[e] >= lens[e - 1]) {
-            bool same = true;  // every row so far reads blocks that row e reads too, at the same places
-            for (int64_t s = r; s < e && same; ++s)
-                same = std::equal(tables + s * tb, tables + s * tb + (lens[s] + bs - 1) / bs, tables + e * tb);
-            if (!same) break;
+        while (e < n && e - r < most && lens[e] >= lens[e - 1] &&
+               std::equal(tables + (e - 1) * tb, tables + (e - 1) * tb + (lens[e - 1] + bs - 1) / bs, tables + e * tb))
             ++e;
-        }
         spans.emplace_back(r, e - r);
         r = e;
     }
@@ -198,8 +188,8 @@ void decode_span(const bf16* q, const bf16* cache, const int64_t* tables, const 
         for (int64_t p0 = t_lo; p0 < t_hi; p0 += 16) {
             const int64_t b = p0 / bs, at = table[b] * bs + p0 - b * bs, j = (p0 - seg) / 16;
             if (p0 == std::max(t_lo, b * bs)) {  // entering block b: its values, and keys ahead
-                if ((b + kAhead) * bs < p_hi) prefetch_block(kbase + table[b + kAhead] * bs * stride, bs, stride, D);
-                prefetch_block(vbase + table[b] * bs * stride, bs, stride, D);
+                if ((b + kAhead) * bs < p_hi) prefetch_rows<bf16, D>(kbase + table[b + kAhead] * bs * stride, bs, stride);
+                prefetch_rows<bf16, D>(vbase + table[b] * bs * stride, bs, stride);
             }
             score_tile<kParts>(static_cast<int>(j % 5), kbase + at * stride, stride, qpack, ctmp + j * 256);
         }

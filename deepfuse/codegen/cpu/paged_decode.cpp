@@ -45,16 +45,6 @@ constexpr bool kPairScores =
     false;
 #endif
 
-// Asks for one head's rows of a block (keys or values): the block ids a sequence reads are
-// scattered, so the hardware prefetcher cannot guess them.
-template <typename T, int D>
-static inline void prefetch_rows(const T* rows, int64_t count, int64_t stride) {
-    constexpr int64_t lines = (D * sizeof(T) + 63) / 64;
-    for (int64_t r = 0; r < count; ++r)
-        for (int64_t c = 0; c < lines; ++c)
-            _mm_prefetch(reinterpret_cast<const char*>(rows + r * stride) + 64 * c, _MM_HINT_T0);
-}
-
 // Sums each of 16 vectors: lane i of the result is the sum of p[i]'s 16 lanes (a butterfly
 // of in-lane unpacks, then 128-bit lane shuffles: 45 instructions instead of 16 reductions).
 static inline __m512 sum16(__m512 p[16]) {

@@ -4,6 +4,8 @@
 
 #include <immintrin.h>
 
+#include <cstdint>
+
 #include <c10/util/BFloat16.h>
 
 static inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
@@ -30,6 +32,16 @@ static inline __m512 exp16(__m512 x) {
     p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
     p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
     return _mm512_scalef_ps(p, n);
+}
+
+// Asks for one head's rows of a paged-cache block (keys or values, `stride` elements apart): the
+// block ids a sequence reads are scattered, so the hardware prefetcher cannot guess them.
+template <typename T, int D>
+static inline void prefetch_rows(const T* rows, int64_t count, int64_t stride) {
+    constexpr int64_t lines = (D * sizeof(T) + 63) / 64;
+    for (int64_t r = 0; r < count; ++r)
+        for (int64_t c = 0; c < lines; ++c)
+            _mm_prefetch(reinterpret_cast<const char*>(rows + r * stride) + 64 * c, _MM_HINT_T0);
 }
 
 static inline void store16(float* p, __m512 x) { _mm512_storeu_ps(p, x); }

@@ -1,4 +1,5 @@
-"""The native AMX prefill attention (codegen/cpu/prefill_attention.cpp) against a plain
+"""The native prefill attention (codegen/cpu/prefill_attention.cpp), on AMX tiles where the CPU
+has them and on its AVX512-BF16 vector path, against a plain
 per-row softmax in float64 over keys gathered through the block tables: several chunks in one
 call (whole prompts, a chunk continuing a cached prefix, a single row), grouped-query heads,
 head sizes 64 and 128, block sizes 8 to 32, a sliding window; and its errors."""
@@ -7,10 +8,17 @@ import torch
 
 
 @pytest.fixture(scope="module")
-def amx(native):
-    if not native.amx_available():
-        pytest.skip("no AMX tiles on this machine")
+def kernel(native):
+    if not native.paged_prefill_available():
+        pytest.skip("no AVX512-BF16 (nor AMX) on this machine")
     return native
+
+
+@pytest.fixture(params=[True, False], ids=["amx", "vector"])
+def use_amx(request, kernel):
+    if request.param and not kernel.amx_available():
+        pytest.skip("no AMX tiles on this machine")
+    return request.param
 
 
 def reference(q, cache, tables, rows, qlens, lens, h, window, scale):
@@ -44,10 +52,10 @@ def case(h, hkv, d, bs, seed=0):
 
 @pytest.mark.parametrize("h,hkv,d,bs,window", [(9, 3, 64, 16, 0), (6, 2, 128, 8, 0), (4, 4, 64, 32, 37),
                                                (8, 1, 128, 16, 100)])
-def test_paged_prefill_matches_a_plain_softmax(amx, h, hkv, d, bs, window):
+def test_paged_prefill_matches_a_plain_softmax(kernel, use_amx, h, hkv, d, bs, window):
     q, cache, tables, rows, qlens, lens = case(h, hkv, d, bs)
     out = torch.full_like(q, 7.0)
-    amx.paged_prefill(q, cache, tables, rows, qlens, lens, h, window, d ** -0.5, out)
+    kernel.paged_prefill(q, cache, tables, rows, qlens, lens, h, window, d ** -0.5, out, use_amx)
     want = reference(q, cache, tables, rows, qlens, lens, h, window, d ** -0.5)
     mine = torch.cat([torch.arange(int(r), int(r) + int(n)) for r, n in zip(rows, qlens)])
     torch.testing.assert_close(out[mine].double(), want[mine], atol=2e-2, rtol=2e-2)
@@ -55,22 +63,22 @@ def test_paged_prefill_matches_a_plain_softmax(amx, h, hkv, d, bs, window):
     assert bool((out[others] == 7.0).all())  # rows of no chunk are left alone
 
 
-def test_paged_prefill_rejects_bad_operands_with_clear_errors(amx):
+def test_paged_prefill_rejects_bad_operands_with_clear_errors(kernel):
     q, cache, tables, rows, qlens, lens = case(4, 2, 64, 16)
     out = torch.empty_like(q)
     with pytest.raises(RuntimeError, match="bfloat16"):
-        amx.paged_prefill(q.float(), cache, tables, rows, qlens, lens, 4, 0, 0.125, out.float())
+        kernel.paged_prefill(q.float(), cache, tables, rows, qlens, lens, 4, 0, 0.125, out.float())
     with pytest.raises(RuntimeError, match="head size 64 or 128"):
-        amx.paged_prefill(q, cache[..., :32].contiguous(), tables, rows, qlens, lens, 4, 0, 0.125, out)
+        kernel.paged_prefill(q, cache[..., :32].contiguous(), tables, rows, qlens, lens, 4, 0, 0.125, out)
     with pytest.raises(RuntimeError, match="out of range"):
-        amx.paged_prefill(q, cache, tables, rows, qlens, torch.tensor([1, 70, 40, 200]), 4, 0, 0.125, out)
+        kernel.paged_prefill(q, cache, tables, rows, qlens, torch.tensor([1, 70, 40, 200]), 4, 0, 0.125, out)
     bad = tables.clone()
     bad[1, 0] = 10_000
     with pytest.raises(RuntimeError, match="block id outside the cache"):
-        amx.paged_prefill(q, cache, bad, rows, qlens, lens, 4, 0, 0.125, out)
+        kernel.paged_prefill(q, cache, bad, rows, qlens, lens, 4, 0, 0.125, out)
 
 
-def test_smollm2_bf16_long_prompt_in_chunks_gives_sdpas_tokens(amx, smollm2, monkeypatch):
+def test_smollm2_bf16_long_prompt_in_chunks_gives_sdpas_tokens(kernel, smollm2, monkeypatch):
     """A 1,500-token prompt prefilled in 256-token chunks (each continuing the cached prefix)
     through the native kernel, and through SDPA: the same greedy tokens and close logprobs."""
     import deepfuse
@@ -97,17 +105,17 @@ def test_smollm2_bf16_long_prompt_in_chunks_gives_sdpas_tokens(amx, smollm2, mon
                 calls.append(name)
             return getattr(real(), name)
 
-    class NoAmx:  # the native module as on a machine without AMX: prefill chunks take SDPA
+    class NoPrefill:  # the native module as on a machine without the kernel: prefill chunks take SDPA
         def __getattr__(self, name):
             return getattr(real(), name)
 
-        def amx_available(self):
+        def paged_prefill_available(self):
             return False
 
     monkeypatch.setattr(attention, "native_kernels", lambda: Counting())
     native = run()
     assert len(calls) >= 6 * 30  # six chunks or more, 30 layers
-    monkeypatch.setattr(attention, "native_kernels", lambda: NoAmx())
+    monkeypatch.setattr(attention, "native_kernels", lambda: NoPrefill())
     sdpa = run()
     assert native.token_ids == sdpa.token_ids
     for a, b in zip(native.logprobs, sdpa.logprobs):

@@ -1,9 +1,15 @@
-// What the AMX kernels share (amx_gemm.cpp, prefill_attention.cpp): the build guard and the
+// What the AMX kernels share (amx_gemm.cpp, prefill_attention.cpp): the build guards and the
 // tile configuration. DEEPFUSE_AMX is defined where the build has AMX tiles, bf16 tile dot
-// products and AVX512-BF16 on Linux.
+// products and AVX512-BF16 on Linux; DEEPFUSE_BF16_DOT where it has AVX512-BF16 (vdpbf16ps:
+// the vector paths of machines without AMX, such as AMD Zen 4, use it).
 #pragma once
 
 #include <cstdint>
+
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+#define DEEPFUSE_BF16_DOT 1
+#include <immintrin.h>
+#endif
 
 bool amx_available();  // amx_gemm.cpp: the build has AMX and this process may use the tiles
 

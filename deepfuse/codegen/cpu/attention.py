@@ -1,8 +1,9 @@
 """CPU paged attention: one launch per layer for the whole step.
 
 Prefill chunks run one SDPA each (4-d operands: torch's flash path; a whole prompt in one
-chunk attends to its own k/v rows, plainly causal); in bf16 with AMX (head size 64 or 128, no
-sinks) they all run in one native call that reads the cache (prefill_attention.cpp). The query
+chunk attends to its own k/v rows, plainly causal); in bf16 on a CPU with AMX or AVX512-BF16
+(head size 64 or 128, no sinks) they all run in one native call that reads the cache
+(prefill_attention.cpp). The query
 rows of decoding sequences (one new token each) and of short chunks that continue a cached
 sequence (speculative verification: the last token and its drafts) all run in one call of a
 native kernel that reads their blocks in place, each row causally limited to its own position
@@ -195,9 +196,10 @@ def _attention(attrs: dict) -> Kernel:
         return sink_sdpa(q, k, v, mask, scale, sinks)
 
     def prefill_kernel(dtype: torch.dtype):
-        """The native module where prefill_attention.cpp runs (bf16, head size 64/128, AMX), else None."""
+        """The native module where prefill_attention.cpp runs (bf16, head size 64/128, AMX or
+        AVX512-BF16), else None."""
         native = native_kernels() if dtype == torch.bfloat16 and hd in (64, 128) else None
-        return native if native is not None and native.amx_available() else None
+        return native if native is not None and native.paged_prefill_available() else None
 
     def decode(q, cache, tables, g: DecodeGroup, sinks) -> torch.Tensor:
         """One group in one SDPA call: q[G,H*hd] -> [G,H*hd], or q[G,W,H*hd] -> [G,W,H*hd]."""
@@ -236,9 +238,9 @@ def _attention(attrs: dict) -> Kernel:
                     out[g.rows] = o
                 else:
                     out[g.rows[g.valid]] = o[g.valid]
-        amx = prefill_kernel(q.dtype) if lay.prefills and sinks is None else None
-        if amx is not None:  # every prefill chunk in one call, over the cache
-            amx.paged_prefill(q.contiguous(), cache, lay.prefill_tables(tables), lay.prefill_rows, lay.prefill_qlens,
+        kernel = prefill_kernel(q.dtype) if lay.prefills and sinks is None else None
+        if kernel is not None:  # every prefill chunk in one call, over the cache
+            kernel.paged_prefill(q.contiguous(), cache, lay.prefill_tables(tables), lay.prefill_rows, lay.prefill_qlens,
                               lay.prefill_lens, h, window, scale, out)
             return out
         for s, a, n, length in lay.prefills:

@@ -8,7 +8,8 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor cache, torch::Tensor t
                            int64_t num_heads, int64_t window, double scale, torch::Tensor out, int64_t amx_rows);
 void paged_prefill(const torch::Tensor& q, const torch::Tensor& cache, const torch::Tensor& tables,
                    const torch::Tensor& rows, const torch::Tensor& qlens, const torch::Tensor& lens, int64_t num_heads,
-                   int64_t window, double scale, torch::Tensor out);
+                   int64_t window, double scale, torch::Tensor out, bool amx);
+bool paged_prefill_available();
 torch::Tensor pack_panels(const torch::Tensor& w);
 torch::Tensor panel_gemm(torch::Tensor x, const torch::Tensor& panels, int64_t n, std::optional<torch::Tensor> out);
 bool amx_available();
@@ -30,7 +31,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("paged_decode", &paged_decode, "decode attention over the paged cache (paged_decode.cpp)", py::arg("q"),
           py::arg("cache"), py::arg("tables"), py::arg("lens"), py::arg("num_heads"), py::arg("window"),
           py::arg("scale"), py::arg("out"), py::arg("amx_rows") = 2);
-    m.def("paged_prefill", &paged_prefill, "causal prefill attention over the paged cache on AMX (prefill_attention.cpp)");
+    m.def("paged_prefill", &paged_prefill,
+          "causal prefill attention over the paged cache, AMX or AVX512-BF16 (prefill_attention.cpp)", py::arg("q"),
+          py::arg("cache"), py::arg("tables"), py::arg("rows"), py::arg("qlens"), py::arg("lens"), py::arg("num_heads"),
+          py::arg("window"), py::arg("scale"), py::arg("out"), py::arg("amx") = true);
+    m.def("paged_prefill_available", &paged_prefill_available,
+          "whether this build has paged_prefill (AVX512-BF16; prefill_attention.cpp)");
     m.def("pack_panels", &pack_panels, "an f32 weight [N, K] as 16-column panels (panel_gemm.cpp)");
     m.def("panel_gemm", &panel_gemm, "x [M, K] @ w^T over pack_panels(w), into out if given (panel_gemm.cpp)",
           py::arg("x"), py::arg("panels"), py::arg("n"), py::arg("out") = py::none());

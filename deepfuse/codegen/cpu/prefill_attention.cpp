@@ -1,5 +1,6 @@
-// Causal prefill attention on AMX tiles (bf16), keys and values read from the paged cache: every
-// prompt chunk of a step in one call, flash-style (an online softmax over chunks of 64 keys).
+// Causal prefill attention in bf16 on AMX tiles, or with AVX512-BF16 dot products where the CPU
+// has no AMX (AMD Zen 4), keys and values read from the paged cache: every prompt chunk of a step
+// in one call, flash-style (an online softmax over chunks of 64 keys).
 //
 //   q       [T, H*D] bf16      the step's query rows (roped)
 //   cache   [2, NB, BS, Hkv, D] the layer's paged k/v cache, this step's rows already written
@@ -9,13 +10,17 @@
 //   lens    [S] int64          its sequence's length after this step (keys 0 .. len-1)
 //   window  0, or each query sees only the `window` positions up to its own
 //   out     [T, H*D] bf16      the chunks' rows written (others left alone)
+//   amx     false: the vector path even where AMX tiles are available (tests run both)
 //
 // Per (chunk, kv head) the keys are packed once as VNNI B tiles of K^T (16 keys x 32 dims each,
 // by gathers) and the values as B tiles of V (32 keys x 16 dims, key pairs interleaved); every
 // query head of the group and every block of 16 query rows then reads them. Per (chunk, query
 // head, 16-row block): for each 64-key chunk up to the block's last position, S = Q K^T into four
 // f32 tiles, the softmax in AVX-512 (f32; P rounded to bf16 for the second product, as flash
-// kernels do), O = O * alpha + P V with P V from four tiles per 64 output dims.
+// kernels do), O = O * alpha + P V with P V from four tiles per 64 output dims. Without AMX the
+// two products run as vdpbf16ps over the same packed layouts (a tile row is one 16-lane vector:
+// 16 keys x a dim pair for S, 16 dims x a key pair for P V), a few query rows at a time sharing
+// each loaded vector; the softmax and the rounding of P are the same code.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -27,13 +32,13 @@
 
 #include "amx.h"
 
-#if DEEPFUSE_AMX
+#if DEEPFUSE_BF16_DOT
 #include "vec.h"
 #endif
 
 namespace {
 
-#if DEEPFUSE_AMX
+#if DEEPFUSE_BF16_DOT
 constexpr int64_t kChunk = 64;  // keys per softmax step: four 16-key tiles of S
 
 // The packed keys and values of one (chunk, kv head): padded to a multiple of kChunk keys (zeros).
@@ -79,6 +84,7 @@ void pack_kv(const uint16_t* k, const uint16_t* v, const int64_t* table, int64_t
     }
 }
 
+#if DEEPFUSE_AMX
 // S tiles 0-3 = Q (tile rows of qbuf, d/32 pieces) times the four K^T tiles of a 64-key chunk.
 void scores(const uint16_t* qbuf, const uint16_t* kt, int64_t d, float* s) {
     _tile_zero(0);
@@ -128,8 +134,89 @@ void values(const uint16_t* p, const uint16_t* vv, int64_t d, int64_t g, float* 
     _tile_stored(3, pv + 48, 64 * 4);
 }
 
+#endif
+
+// The vector products: R query rows at a time (R * 4 accumulators; each loaded key or value
+// vector serves R rows). A query's or P's dim or key pair is one 32-bit broadcast.
+template <int R>
+void scores_rows(const uint16_t* q, int64_t d, const uint16_t* kt, float* s) {
+    __m512 acc[R][4];
+    for (int r = 0; r < R; ++r)
+        for (int v = 0; v < 4; ++v) acc[r][v] = _mm512_setzero_ps();
+    const int64_t pieces = d / 32;
+    for (int64_t j = 0; j < d / 2; ++j) {  // dim pair j: row j % 16 of piece j / 16 of each key tile
+        const uint16_t* base = kt + ((j / 16) * 16 + j % 16) * 32;
+        __m512bh k[4];
+        for (int v = 0; v < 4; ++v) k[v] = reinterpret_cast<__m512bh>(_mm512_load_si512(base + v * pieces * 512));
+        for (int r = 0; r < R; ++r) {
+            int32_t pair;
+            std::memcpy(&pair, q + r * d + 2 * j, 4);
+            const __m512bh qb = reinterpret_cast<__m512bh>(_mm512_set1_epi32(pair));
+            for (int v = 0; v < 4; ++v) acc[r][v] = _mm512_dpbf16_ps(acc[r][v], qb, k[v]);
+        }
+    }
+    for (int r = 0; r < R; ++r)
+        for (int v = 0; v < 4; ++v) _mm512_store_ps(s + r * kChunk + 16 * v, acc[r][v]);
+}
+
+template <int R>
+void values_rows(const uint16_t* p, const uint16_t* vv, int64_t d, int64_t g, float* pv) {
+    __m512 acc[R][4];
+    for (int r = 0; r < R; ++r)
+        for (int c = 0; c < 4; ++c) acc[r][c] = _mm512_setzero_ps();
+    const int64_t cols = d / 16;
+    for (int64_t j = 0; j < kChunk / 2; ++j) {  // key pair j: row j % 16 of key half j / 16
+        const uint16_t* base = vv + ((j / 16) * cols + 4 * g) * 512 + (j % 16) * 32;
+        __m512bh v[4];
+        for (int c = 0; c < 4; ++c) v[c] = reinterpret_cast<__m512bh>(_mm512_load_si512(base + c * 512));
+        for (int r = 0; r < R; ++r) {
+            int32_t pair;
+            std::memcpy(&pair, p + r * kChunk + 2 * j, 4);
+            const __m512bh pb = reinterpret_cast<__m512bh>(_mm512_set1_epi32(pair));
+            for (int c = 0; c < 4; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], pb, v[c]);
+        }
+    }
+    for (int r = 0; r < R; ++r)
+        for (int c = 0; c < 4; ++c) _mm512_store_ps(pv + r * 64 + 16 * c, acc[r][c]);
+}
+
+constexpr int kVecRows = 6;  // 24 accumulators and 4 loaded vectors of the 32 registers
+
+// scores() and values() for the first nq rows of the block, kVecRows rows at a time.
+void scores_vec(int64_t nq, const uint16_t* qbuf, const uint16_t* kt, int64_t d, float* s) {
+    int64_t r = 0;
+    for (; r + kVecRows <= nq; r += kVecRows) scores_rows<kVecRows>(qbuf + r * d, d, kt, s + r * kChunk);
+    const uint16_t* q = qbuf + r * d;
+    float* out = s + r * kChunk;
+    switch (nq - r) {
+        case 5: return scores_rows<5>(q, d, kt, out);
+        case 4: return scores_rows<4>(q, d, kt, out);
+        case 3: return scores_rows<3>(q, d, kt, out);
+        case 2: return scores_rows<2>(q, d, kt, out);
+        case 1: return scores_rows<1>(q, d, kt, out);
+        default: return;
+    }
+}
+
+void values_vec(int64_t nq, const uint16_t* p, const uint16_t* vv, int64_t d, int64_t g, float* pv) {
+    int64_t r = 0;
+    for (; r + kVecRows <= nq; r += kVecRows) values_rows<kVecRows>(p + r * kChunk, vv, d, g, pv + r * 64);
+    const uint16_t* pr = p + r * kChunk;
+    float* out = pv + r * 64;
+    switch (nq - r) {
+        case 5: return values_rows<5>(pr, vv, d, g, out);
+        case 4: return values_rows<4>(pr, vv, d, g, out);
+        case 3: return values_rows<3>(pr, vv, d, g, out);
+        case 2: return values_rows<2>(pr, vv, d, g, out);
+        case 1: return values_rows<1>(pr, vv, d, g, out);
+        default: return;
+    }
+}
+
 // One block of up to 16 query rows of one head: rows q0 .. q0+nq-1 of q (positions pos0 ..),
-// against the packed keys and values of its kv head; writes its rows of out.
+// against the packed keys and values of its kv head; writes its rows of out. Tiles: the products
+// on AMX tiles (this thread's tiles configured), else in vector registers.
+template <bool Tiles>
 void attend_block(const at::BFloat16* q, at::BFloat16* out, int64_t ld, int64_t head, int64_t q0, int64_t nq,
                   int64_t pos0, const Packed& kv, int64_t d, int64_t window, float scale) {
     alignas(64) uint16_t qbuf[16 * 128];
@@ -151,7 +238,10 @@ void attend_block(const at::BFloat16* q, at::BFloat16* out, int64_t ld, int64_t 
     const int64_t lo = window > 0 ? std::max<int64_t>(0, pos0 - window + 1) : 0;
     const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
     for (int64_t k0 = lo / kChunk * kChunk; k0 <= last; k0 += kChunk) {
-        scores(qbuf, kv.kt + k0 / 16 * (d / 32) * 512, d, s);
+#if DEEPFUSE_AMX
+        if constexpr (Tiles) scores(qbuf, kv.kt + k0 / 16 * (d / 32) * 512, d, s); else
+#endif
+        scores_vec(nq, qbuf, kv.kt + k0 / 16 * (d / 32) * 512, d, s);
         for (int64_t i = 0; i < 16; ++i) {
             if (i >= nq) {
                 std::memset(p + i * kChunk, 0, kChunk * 2);
@@ -187,7 +277,10 @@ void attend_block(const at::BFloat16* q, at::BFloat16* out, int64_t ld, int64_t 
             _mm512_store_si512(p + i * kChunk + 32, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(w[3], w[2])));
         }
         for (int64_t g = 0; g < d / 64; ++g) {
-            values(p, kv.vv + k0 / 32 * (d / 16) * 512, d, g, pv);
+#if DEEPFUSE_AMX
+            if constexpr (Tiles) values(p, kv.vv + k0 / 32 * (d / 16) * 512, d, g, pv); else
+#endif
+            values_vec(nq, p, kv.vv + k0 / 32 * (d / 16) * 512, d, g, pv);
             for (int64_t i = 0; i < nq; ++i) {
                 const __m512 a = _mm512_set1_ps(alpha[i]);
                 float* oi = o + i * d + 64 * g;
@@ -207,10 +300,18 @@ void attend_block(const at::BFloat16* q, at::BFloat16* out, int64_t ld, int64_t 
 
 }  // namespace
 
+bool paged_prefill_available() {
+#if DEEPFUSE_BF16_DOT
+    return true;
+#else
+    return false;
+#endif
+}
+
 void paged_prefill(const torch::Tensor& q, const torch::Tensor& cache, const torch::Tensor& tables,
                    const torch::Tensor& rows, const torch::Tensor& qlens, const torch::Tensor& lens, int64_t num_heads,
-                   int64_t window, double scale, torch::Tensor out) {
-    TORCH_CHECK(amx_available(), "paged_prefill: no AMX on this machine or in this build");
+                   int64_t window, double scale, torch::Tensor out, bool amx) {
+    TORCH_CHECK(paged_prefill_available(), "paged_prefill: this build has no AVX512-BF16 (nor AMX)");
     TORCH_CHECK(q.scalar_type() == torch::kBFloat16 && cache.scalar_type() == torch::kBFloat16 &&
                     out.scalar_type() == torch::kBFloat16, "paged_prefill: q, cache and out must be bfloat16");
     TORCH_CHECK(q.is_contiguous() && cache.is_contiguous() && out.is_contiguous() && tables.dim() == 2 &&
@@ -238,7 +339,7 @@ void paged_prefill(const torch::Tensor& q, const torch::Tensor& cache, const tor
             TORCH_CHECK(tab[c * tb + b] >= 0 && tab[c * tb + b] < nb, "paged_prefill: block id outside the cache");
         offset[c + 1] = offset[c] + (len[c] + pad - 1) / pad * pad;
     }
-#if DEEPFUSE_AMX
+#if DEEPFUSE_BF16_DOT
     const int64_t total = offset[chunks];
     auto scratch = torch::empty({2, hkv, total * d}, torch::kBFloat16);  // packed K^T, then V
     auto* kt = reinterpret_cast<uint16_t*>(scratch.data_ptr());
@@ -264,18 +365,23 @@ void paged_prefill(const torch::Tensor& q, const torch::Tensor& cache, const tor
     const auto* qp = q.data_ptr<at::BFloat16>();
     auto* op = out.data_ptr<at::BFloat16>();
     const int64_t ld = q.size(1), n_items = static_cast<int64_t>(items.size());
+    const bool tiles = amx && amx_available();
 #pragma omp parallel num_threads(at::get_num_threads())
     {
-        configure_tiles({16, 16, 16, 16, 16, 16, 16, 16});  // every tile 16 rows x 64 bytes
+#if DEEPFUSE_AMX
+        if (tiles) configure_tiles({16, 16, 16, 16, 16, 16, 16, 16});  // every tile 16 rows x 64 bytes
+#endif
 #pragma omp for schedule(dynamic, 1)
         for (int64_t i = 0; i < n_items; ++i) {
             const Item& it = items[i];
             const int64_t kv = it.head / group, at = (kv * total + offset[it.chunk]) * d;
-            attend_block(qp, op, ld, it.head, row0[it.chunk] + it.first, it.count,
-                         len[it.chunk] - nq[it.chunk] + it.first, Packed{kt + at, vv + at}, d, window,
-                         static_cast<float>(scale));
+            (tiles ? attend_block<true> : attend_block<false>)(
+                qp, op, ld, it.head, row0[it.chunk] + it.first, it.count, len[it.chunk] - nq[it.chunk] + it.first,
+                Packed{kt + at, vv + at}, d, window, static_cast<float>(scale));
         }
-        _tile_release();
+#if DEEPFUSE_AMX
+        if (tiles) _tile_release();
+#endif
     }
 #endif
 }

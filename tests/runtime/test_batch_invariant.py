@@ -1,7 +1,7 @@
 """SmolLM2 in bf16 with int4 weights, compiled batch-invariant: a request's tokens are the same
 alone, in a batch whose token budget chunks its prompt differently, and with speculative
 decoding; a saved artifact keeps the property. (Without it this build's steps of a few rows
-take torch's int4 GEMM and prompt chunks the AMX prefill kernel, and tokens drift apart.)"""
+take torch's int4 GEMM and prompt chunks the native prefill kernel, and tokens drift apart.)"""
 import pytest
 
 import deepfuse
@@ -15,8 +15,8 @@ TOPICS = ["the ocean", "a lighthouse", "mountains", "bread", "a violin", "winter
 
 @pytest.fixture(scope="module")
 def invariant(smollm2, native):
-    if not native.amx_available():
-        pytest.skip("no AMX tiles on this machine: bf16 batch invariance is refused here")
+    if not native.bf16_gemm_available():
+        pytest.skip("neither AMX nor AVX512-BF16 on this machine: bf16 batch invariance is refused here")
     model, tok = smollm2
     return deepfuse.compile(model, dtype="bf16", quant="int4", tokenizer=tok, batch_invariant=True)
 

@@ -1,4 +1,4 @@
-// What the AMX kernels share (amx_gemm.cpp, prefill_attention.cpp): the build guards and the
+// What the AMX kernels share (bf16_gemm.cpp, prefill_attention.cpp, vec_gemm.cpp): the build guards and the
 // tile configuration. DEEPFUSE_AMX is defined where the build has AMX tiles, bf16 tile dot
 // products and AVX512-BF16 on Linux; DEEPFUSE_BF16_DOT where it has AVX512-BF16 (vdpbf16ps:
 // the vector paths of machines without AMX, such as AMD Zen 4, use it).
@@ -11,7 +11,7 @@
 #include <immintrin.h>
 #endif
 
-bool amx_available();  // amx_gemm.cpp: the build has AMX and this process may use the tiles
+bool amx_available();  // bf16_gemm.cpp: the build has AMX and this process may use the tiles
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__linux__)
 #define DEEPFUSE_AMX 1

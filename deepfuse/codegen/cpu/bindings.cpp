@@ -18,9 +18,11 @@ std::tuple<torch::Tensor, torch::Tensor> add_rms_norm(const torch::Tensor& x, co
                                                       double eps, std::optional<torch::Tensor> sum_out,
                                                       std::optional<torch::Tensor> norm_out);
 torch::Tensor pack_vnni(const torch::Tensor& w);
-torch::Tensor amx_gemm(torch::Tensor x, const torch::Tensor& panels, int64_t n, std::optional<torch::Tensor> out);
-torch::Tensor amx_q4_gemm(torch::Tensor x, const torch::Tensor& nibbles, const torch::Tensor& scales,
-                          const torch::Tensor& mins, int64_t n, std::optional<torch::Tensor> out);
+bool bf16_gemm_available();
+torch::Tensor bf16_gemm(torch::Tensor x, const torch::Tensor& panels, int64_t n, std::optional<torch::Tensor> out,
+                        bool amx);
+torch::Tensor q4_gemm(torch::Tensor x, const torch::Tensor& nibbles, const torch::Tensor& scales,
+                      const torch::Tensor& mins, int64_t n, std::optional<torch::Tensor> out, bool amx);
 torch::Tensor swiglu(const torch::Tensor& x, std::optional<torch::Tensor> out);
 void rope_cache(const torch::Tensor& qkv, const torch::Tensor& pos, const torch::Tensor& cos, const torch::Tensor& sin,
                 torch::Tensor cache, const torch::Tensor& slots, int64_t num_heads, torch::Tensor q_out,
@@ -44,12 +46,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           py::arg("out") = py::none());
     m.def("add_rms_norm", &add_rms_norm, "(x + res, rms_norm(x + res, w)) (norms.cpp)", py::arg("x"), py::arg("res"),
           py::arg("w"), py::arg("eps"), py::arg("sum_out") = py::none(), py::arg("norm_out") = py::none());
-    m.def("amx_available", &amx_available, "whether bf16 GEMMs can use AMX tiles here (amx_gemm.cpp)");
-    m.def("pack_vnni", &pack_vnni, "a bf16 weight [N, K] as VNNI panels (amx_gemm.cpp)");
-    m.def("amx_gemm", &amx_gemm, "x [M, K] @ w^T over pack_vnni(w) on AMX tiles, into out if given (amx_gemm.cpp)",
-          py::arg("x"), py::arg("panels"), py::arg("n"), py::arg("out") = py::none());
-    m.def("amx_q4_gemm", &amx_q4_gemm, "x [M, K] @ int4 w^T, dequantized to bf16 panel pairs for AMX (amx_gemm.cpp)",
-          py::arg("x"), py::arg("nibbles"), py::arg("scales"), py::arg("mins"), py::arg("n"), py::arg("out") = py::none());
+    m.def("amx_available", &amx_available, "whether bf16 GEMMs can use AMX tiles here (bf16_gemm.cpp)");
+    m.def("bf16_gemm_available", &bf16_gemm_available,
+          "whether bf16_gemm and q4_gemm run here: AMX or AVX512-BF16 (bf16_gemm.cpp)");
+    m.def("pack_vnni", &pack_vnni, "a bf16 weight [N, K] as VNNI panels (bf16_gemm.cpp)");
+    m.def("bf16_gemm", &bf16_gemm,
+          "x [M, K] @ w^T over pack_vnni(w), on AMX tiles or AVX512-BF16, into out if given (bf16_gemm.cpp)",
+          py::arg("x"), py::arg("panels"), py::arg("n"), py::arg("out") = py::none(), py::arg("amx") = true);
+    m.def("q4_gemm", &q4_gemm, "x [M, K] @ int4 w^T, dequantized to bf16 panels in the GEMM (bf16_gemm.cpp)",
+          py::arg("x"), py::arg("nibbles"), py::arg("scales"), py::arg("mins"), py::arg("n"), py::arg("out") = py::none(),
+          py::arg("amx") = true);
     m.def("swiglu", &swiglu, "silu(x[:, :F]) * x[:, F:] for x [T, 2F], into out if given (rows.cpp)", py::arg("x"),
           py::arg("out") = py::none());
     m.def("rope_cache", &rope_cache, "rotary q and k of qkv rows, k and v into the paged cache (rows.cpp)");

@@ -35,7 +35,7 @@ INVARIANT_AWARE = ("attention", "qkv_attention")  # kernels told when the plan a
 
 def check_batch_invariant(plan: dict, prepack: bool) -> None:
     """Raises DeepfuseError unless this machine runs `plan` with one kernel per op for every
-    batch shape: projections on the native panel (f32) or AMX (bf16) GEMMs, whose rows never
+    batch shape: projections on the native panel (f32) or bf16 (AMX or AVX512-BF16) GEMMs, whose rows never
     depend on one another, and attention in the native paged kernel, which computes each query
     row alone over its own keys in a fixed order."""
     why = None
@@ -47,8 +47,8 @@ def check_batch_invariant(plan: dict, prepack: bool) -> None:
         why = "projections are not prepacked for the native GEMMs"
     elif "f16" in dtypes:
         why = "f16 projections run on oneDNN, whose kernels change with the row count"
-    elif "bf16" in dtypes and not native.amx_available():
-        why = "bf16 projections need AMX for one kernel at every row count, and this CPU has none"
+    elif "bf16" in dtypes and not native.bf16_gemm_available():
+        why = "bf16 projections need AMX or AVX512-BF16 for one kernel at every row count, and this CPU has neither"
     elif any(p["op"] in ("fused_moe", "moe") for p in plan["launches"]):
         why = "MoE layers group tokens by expert, so an expert's GEMM shape depends on the batch"
     elif any(p["op"] in INVARIANT_AWARE and p["attrs"].get("sinks") for p in plan["launches"]):
@@ -100,7 +100,7 @@ class StepBuffers:
 class CpuExecutor:
     """plan: see plan.py; weights: the final graph's params by name. prepack: pack
     projection weights once at load (f32: the native kernel's panels; bf16: VNNI panels for
-    the AMX kernel, or oneDNN's blocked layout without AMX, as for f16; int4 weights: torch's
+    the native kernel (AMX or AVX512-BF16), else oneDNN's blocked layout, as for f16; int4 weights: torch's
     int4 layout plus a dense copy, see kernels.Q4Weights).
     use_buffers: launches whose op has an out-kernel (out_kernels.py) and whose outputs all
     have a planned buffer write into the step buffers instead of allocating.

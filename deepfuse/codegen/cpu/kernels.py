@@ -56,14 +56,14 @@ def can_prepack() -> bool:
 class PanelWeight:
     """A projection w[N,K] packed at load for a native GEMM: f32 as 16-column panels
     [ceil(N/16),K,16] (panel_gemm.cpp: decode and verification steps read each weight about
-    once), bf16 as VNNI panels for AMX tiles (amx_gemm.cpp)."""
+    once), bf16 as VNNI panels for AMX tiles or AVX512-BF16 (bf16_gemm.cpp)."""
 
     def __init__(self, w: torch.Tensor, native):
         self.n = w.shape[0]
         if w.dtype == torch.float32:
             self.gemm, self.panels = native.panel_gemm, native.pack_panels(w.contiguous())
         else:
-            self.gemm, self.panels = native.amx_gemm, native.pack_vnni(w.contiguous())
+            self.gemm, self.panels = native.bf16_gemm, native.pack_vnni(w.contiguous())
 
     def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         return self.gemm(x, self.panels, self.n, out)
@@ -77,12 +77,12 @@ def writes_in_place(packed) -> bool:
 
 def prepack_linear_weight(w: torch.Tensor) -> torch.Tensor | PanelWeight:
     """w[N,K] packed for packed_linear: f32 as panels for the native kernel (unpacked where it
-    cannot be built: MKL's GEMM then), bf16 as VNNI panels for the AMX kernel where this CPU
-    has AMX, else (and f16) in oneDNN's blocked layout."""
+    cannot be built: MKL's GEMM then), bf16 as VNNI panels for the native kernel where this CPU
+    has AMX or AVX512-BF16, else (and f16) in oneDNN's blocked layout."""
     native = native_kernels()
     if w.dtype == torch.float32:
         return PanelWeight(w, native) if native is not None else w
-    if w.dtype == torch.bfloat16 and native is not None and native.amx_available():
+    if w.dtype == torch.bfloat16 and native is not None and native.bf16_gemm_available():
         return PanelWeight(w, native)
     return torch.ops.mkldnn._reorder_linear_weight(w, 1)
 
@@ -107,13 +107,15 @@ def packed_logits(x: torch.Tensor, packed: torch.Tensor, rows: torch.Tensor) -> 
 
 HALF = (torch.bfloat16, torch.float16)
 # rows up to which torch's int4 GEMM beats the dense copy, measured over SmolLM2's 120 projections:
-# against oneDNN it wins below 8 rows and ties at 8; against AMX it wins at 1-2 rows and ties at 4
-INT4_MAX_ROWS, INT4_MAX_ROWS_AMX = 7, 3
+# against oneDNN it wins below 8 rows and ties at 8; against the native int4 GEMM it wins at 1-2
+# rows and ties at 4 (AMX; on Zen 4's AVX512-BF16 path: 0.12 vs 0.19 ms at 1 row, 0.20 vs 0.21 at
+# 4, 0.37 vs 0.29 at 8, over SmolLM2's four projection shapes)
+INT4_MAX_ROWS, INT4_MAX_ROWS_NATIVE = 7, 3
 
 
 def pack_q4_vnni(packed: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor):
     """An int4 weight (packed u8[N,K/2], groups of 32 along K: scales, mins [N,K/32]) as the
-    native amx_q4_gemm's tiles: nibbles u8[N/16,K/32,256] (a tile's 16 x 32 values in VNNI
+    native q4_gemm's tiles: nibbles u8[N/16,K/32,256] (a tile's 16 x 32 values in VNNI
     order: row r, column n, k = 2r + e at nibble 32r + 2n + e), scales and mins f32[N/16,K/32,16]."""
     q = unpack_q4(packed)
     n, k = q.shape
@@ -124,12 +126,12 @@ def pack_q4_vnni(packed: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor)
     return nibbles, *per_tile
 
 
-class AmxQ4Weight:
-    """An int4 projection for the native AMX kernel (bf16): dequantized a chunk at a time inside
-    the GEMM, so no dense copy is kept."""
+class Q4Panels:
+    """An int4 projection for the native bf16 GEMM (AMX or AVX512-BF16): dequantized a chunk at a
+    time inside the GEMM, so no dense copy is kept."""
 
     def __init__(self, packed: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, native):
-        self.n, self.gemm = packed.shape[0], native.amx_q4_gemm
+        self.n, self.gemm = packed.shape[0], native.q4_gemm
         self.tiles = pack_q4_vnni(packed, scales, mins)
 
     def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -138,22 +140,22 @@ class AmxQ4Weight:
 
 class Q4Weights:
     """A linear_q4 weight, packed at load: torch's int4 layout (bf16 only) for decode-sized
-    steps, and for the rest the native AMX int4 kernel (bf16 with AMX, groups of 32) or a
-    dense copy packed by prepack_linear_weight."""
+    steps, and for the rest the native int4 GEMM (bf16 with AMX or AVX512-BF16, groups of 32) or
+    a dense copy packed by prepack_linear_weight."""
 
     def __init__(self, dtype: torch.dtype, packed: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor,
                  one_kernel: bool = False):
-        """one_kernel: every row count through the dense-side kernel (AMX int4 or the dense copy),
+        """one_kernel: every row count through the dense-side kernel (native int4 or the dense copy),
         so a row's result never depends on how many rows share the call (batch invariance), at
         the cost of torch's faster int4 GEMM for steps of a few rows (not packed then)."""
         self.group = packed.shape[1] * 2 // scales.shape[1]
         native = native_kernels()
-        if dtype == torch.bfloat16 and self.group == 32 and native is not None and native.amx_available():
-            self.dense = AmxQ4Weight(packed, scales, mins, native)
-            self.int4_rows = INT4_MAX_ROWS_AMX
+        if dtype == torch.bfloat16 and self.group == 32 and native is not None and native.bf16_gemm_available():
+            self.dense = Q4Panels(packed, scales, mins, native)
+            self.int4_rows = INT4_MAX_ROWS_NATIVE
         else:
             self.dense = prepack_linear_weight(dequantize_q4(packed, scales, mins).to(dtype))
-            self.int4_rows = INT4_MAX_ROWS_AMX if isinstance(self.dense, PanelWeight) else INT4_MAX_ROWS
+            self.int4_rows = INT4_MAX_ROWS_NATIVE if isinstance(self.dense, PanelWeight) else INT4_MAX_ROWS
         self.int4 = None
         if one_kernel:
             self.int4_rows = 0
@@ -168,7 +170,7 @@ def q4_linear(x: torch.Tensor, w: Q4Weights) -> torch.Tensor:
     """x[T,K] @ w^T -> [T,N]."""
     if w.int4 is not None and x.shape[0] <= w.int4_rows:
         return torch.ops.aten._weight_int4pack_mm_for_cpu(x, w.int4, w.group, w.scale_zero)
-    if isinstance(w.dense, AmxQ4Weight):
+    if isinstance(w.dense, Q4Panels):
         return w.dense(x)
     return packed_linear(x, w.dense)
 
@@ -463,7 +465,9 @@ PREPACKED = {
     # f32: the native panel GEMM; SmolLM2's 120 projections at 1 / 8 / 64 / 512 rows took
     # 15 / 17 / 68 / 532 ms against MKL's 18 / 37 / 95 / 530 (2 cores). bf16: the AMX GEMM,
     # 16 / 20 / 45 / 509 ms at 1 / 8 / 64 / 1024 rows against oneDNN's packed 43 / 39 / 74 / 631;
-    # without AMX, and f16: oneDNN's packed GEMM beats its unpacked one (15 vs 11 GB/s at one row)
+    # on AVX512-BF16 without AMX (Zen 4) the vector GEMM, SmolLM2's four projection shapes at
+    # 8 / 64 / 1,000 rows in 0.20 / 1.18 / 19.0 ms against oneDNN's 0.39 / 1.36 / 18.4;
+    # elsewhere, and f16: oneDNN's packed GEMM beats its unpacked one (15 vs 11 GB/s at one row)
     "linear": Prepack((1,), _DENSE, lambda attrs: packed_linear, ALL),
     "logits": Prepack((1,), _DENSE, lambda attrs: packed_logits, ALL),
     "fused_moe": Prepack((1, 2, 3), MoeWeights, make_fused_moe, ALL),

@@ -1,9 +1,12 @@
-// bf16 projections on the AMX tile unit, over weights packed once at load into VNNI panels.
+// bf16 projections over weights packed once at load into VNNI panels: on the AMX tile unit, or
+// where the CPU has no AMX, with AVX512-BF16 dot products over the same panels (vec_gemm.cpp).
 //
 //   amx_available()                   whether this build and this kernel allow AMX tiles
+//   bf16_gemm_available()             whether bf16_gemm and q4_gemm run here (AMX or AVX512-BF16)
 //   pack_vnni(w [N, K])               -> panels [ceil(N/16), K'/2, 16, 2] (K' = K rounded up to 32; zero padding)
-//   amx_gemm(x [M, K], panels, N, out) -> y [M, N] = x @ w^T in bf16, f32 accumulation (into out when given)
-//   amx_q4_gemm(x [M, K], nibbles, scales, mins, N, out) -> the same over an int4 weight (groups of 32
+//   bf16_gemm(x [M, K], panels, N, out, amx) -> y [M, N] = x @ w^T in bf16, f32 accumulation (into out
+//       when given); amx false: the vector path even where AMX is available (tests run both)
+//   q4_gemm(x [M, K], nibbles, scales, mins, N, out, amx) -> the same over an int4 weight (groups of 32
 //       along K, w = q * scale + min) packed by kernels.pack_q4_vnni: nibbles u8 [N/16, K/32, 256] (a
 //       tile's 16 x 32 values in VNNI order, two a byte), scales and mins f32 [N/16, K/32, 16]. Panels
 //       are dequantized to bf16 (the dense copy's values exactly) once per call, a ~512 KB chunk at
@@ -28,6 +31,7 @@
 #include <optional>
 
 #include "amx.h"
+#include "q4.h"
 
 #if DEEPFUSE_AMX
 #include <sys/syscall.h>
@@ -131,33 +135,16 @@ void configure_rows(int64_t m, int64_t m0, int& r0, int& r1, int& shape) {
     }
 }
 
-// a * b + c rounded twice, as torch computes it (plain vector * and + may be fused into an FMA)
-inline __m512 mul_add(__m512 a, __m512 b, __m512 c) {
-    constexpr int rn = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
-    return _mm512_add_round_ps(_mm512_mul_round_ps(a, b, rn), c, rn);
-}
-
-// One int4 tile (16 columns x 32 k: 256 bytes of nibbles in VNNI order, f32 scale and min per
-// column) to bf16 VNNI rows, as q * scale + min rounded once (what the dense copy holds).
-void dequant_tile(const uint8_t* nib, const float* scale, const float* min, uint16_t* dst) {
-    const __m512 s = _mm512_loadu_ps(scale), mn = _mm512_loadu_ps(min);
-    const __m512i lo_cols = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
-    const __m512i hi_cols = _mm512_add_epi32(lo_cols, _mm512_set1_epi32(8));
-    const __m512 s0 = _mm512_permutexvar_ps(lo_cols, s), s1 = _mm512_permutexvar_ps(hi_cols, s);
-    const __m512 m0 = _mm512_permutexvar_ps(lo_cols, mn), m1 = _mm512_permutexvar_ps(hi_cols, mn);
-    const __m128i low4 = _mm_set1_epi8(0x0F);
-    for (int r = 0; r < 16; ++r) {  // row r: byte c holds column c's k = 2r (low nibble) and 2r + 1
-        const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(nib + 16 * r));
-        const __m128i lo = _mm_and_si128(bytes, low4), hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), low4);
-        const __m512 a = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_unpacklo_epi8(lo, hi)));  // columns 0-7
-        const __m512 b = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_unpackhi_epi8(lo, hi)));  // columns 8-15
-        const __m512bh w = _mm512_cvtne2ps_pbh(mul_add(b, s1, m1), mul_add(a, s0, m0));
-        _mm512_store_si512(dst + 32 * r, reinterpret_cast<__m512i>(w));
-    }
-}
 #endif
 
 }  // namespace
+
+// vec_gemm.cpp: the AVX512-BF16 path over the same panels and int4 tiles
+bool vec_gemm_available();
+void vec_gemm_rows(const uint16_t* x, int64_t ldx, int64_t m, const uint16_t* panels, int64_t kp, int64_t nb, int64_t n,
+                   at::BFloat16* y, int64_t ldy);
+void vec_q4_rows(const uint16_t* x, int64_t ldx, int64_t m, const uint8_t* nibbles, const float* scales,
+                 const float* mins, int64_t groups, int64_t nb, int64_t n, at::BFloat16* y, int64_t ldy);
 
 bool amx_available() {
 #if DEEPFUSE_AMX
@@ -175,24 +162,31 @@ torch::Tensor pack_vnni(const torch::Tensor& w) {
     return padded.view({nb, kCols, kp / 2, 2}).permute({0, 2, 1, 3}).contiguous();
 }
 
-torch::Tensor amx_gemm(torch::Tensor x, const torch::Tensor& panels, int64_t n, std::optional<torch::Tensor> out) {
-    TORCH_CHECK(amx_available(), "amx_gemm: no AMX on this machine or in this build");
-    TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kBFloat16, "amx_gemm: x must be [M, K] bfloat16");
+bool bf16_gemm_available() { return amx_available() || vec_gemm_available(); }
+
+torch::Tensor bf16_gemm(torch::Tensor x, const torch::Tensor& panels, int64_t n, std::optional<torch::Tensor> out,
+                        bool amx) {
+    TORCH_CHECK(bf16_gemm_available(), "bf16_gemm: this build has neither AMX nor AVX512-BF16");
+    TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kBFloat16, "bf16_gemm: x must be [M, K] bfloat16");
     TORCH_CHECK(panels.dim() == 4 && panels.scalar_type() == torch::kBFloat16 && panels.is_contiguous() &&
                     panels.size(2) == kCols && panels.size(3) == 2 && panels.size(1) * 2 % kDepth == 0 &&
                     panels.size(1) * 2 - x.size(1) >= 0 && panels.size(1) * 2 - x.size(1) < kDepth &&
                     (n + kCols - 1) / kCols == panels.size(0),
-                "amx_gemm: panels must come from pack_vnni of a [N, K] weight with x's K");
+                "bf16_gemm: panels must come from pack_vnni of a [N, K] weight with x's K");
     const int64_t m = x.size(0), kp = panels.size(1) * 2, nb = panels.size(0);
     auto y = out.has_value() ? *out : torch::empty({m, n}, x.options());
     TORCH_CHECK(y.dim() == 2 && y.size(0) == m && y.size(1) == n && y.scalar_type() == torch::kBFloat16 &&
-                    y.stride(1) == 1, "amx_gemm: out must be [M, N] bfloat16 with unit column stride");
+                    y.stride(1) == 1, "bf16_gemm: out must be [M, N] bfloat16 with unit column stride");
     if (m == 0 || n == 0) return y;
     if (x.size(1) != kp || x.stride(1) != 1) x = torch::constant_pad_nd(x, {0, kp - x.size(1)}).contiguous();
-#if DEEPFUSE_AMX
     const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr());
     const auto* wp = reinterpret_cast<const uint16_t*>(panels.data_ptr());
     auto* yp = y.data_ptr<at::BFloat16>();
+    if (!(amx && amx_available())) {
+        vec_gemm_rows(xp, x.stride(0), m, wp, kp, nb, n, yp, y.stride(0));
+        return y;
+    }
+#if DEEPFUSE_AMX
     const int64_t ldx = x.stride(0), ldy = y.stride(0), pairs = (nb + 1) / 2;
     // weight panels in chunks of about 512 KB (they stay in L2 while every row block passes)
     const int64_t chunk = std::max<int64_t>(1, (512 << 10) / (2 * kp * kCols * 2));
@@ -218,33 +212,37 @@ torch::Tensor amx_gemm(torch::Tensor x, const torch::Tensor& panels, int64_t n, 
     return y;
 }
 
-torch::Tensor amx_q4_gemm(torch::Tensor x, const torch::Tensor& nibbles, const torch::Tensor& scales,
-                          const torch::Tensor& mins, int64_t n, std::optional<torch::Tensor> out) {
-    TORCH_CHECK(amx_available(), "amx_q4_gemm: no AMX on this machine or in this build");
-    TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kBFloat16, "amx_q4_gemm: x must be [M, K] bfloat16");
+torch::Tensor q4_gemm(torch::Tensor x, const torch::Tensor& nibbles, const torch::Tensor& scales,
+                      const torch::Tensor& mins, int64_t n, std::optional<torch::Tensor> out, bool amx) {
+    TORCH_CHECK(bf16_gemm_available(), "q4_gemm: this build has neither AMX nor AVX512-BF16");
+    TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kBFloat16, "q4_gemm: x must be [M, K] bfloat16");
     TORCH_CHECK(nibbles.dim() == 3 && nibbles.scalar_type() == torch::kUInt8 && nibbles.is_contiguous() &&
                     nibbles.size(2) == 256 && nibbles.size(1) * kDepth == x.size(1) &&
                     nibbles.size(0) == (n + kCols - 1) / kCols,
-                "amx_q4_gemm: nibbles must come from pack_q4_vnni of a [N, K] weight with x's K");
+                "q4_gemm: nibbles must come from pack_q4_vnni of a [N, K] weight with x's K");
     for (const auto* t : {&scales, &mins})
         TORCH_CHECK(t->scalar_type() == torch::kFloat32 && t->is_contiguous() && t->dim() == 3 &&
                         t->size(0) == nibbles.size(0) && t->size(1) == nibbles.size(1) && t->size(2) == kCols,
-                    "amx_q4_gemm: scales and mins must be f32 [N/16, K/32, 16]");
+                    "q4_gemm: scales and mins must be f32 [N/16, K/32, 16]");
     const int64_t m = x.size(0), nb = nibbles.size(0), groups = nibbles.size(1), kp = groups * kDepth;
     auto y = out.has_value() ? *out : torch::empty({m, n}, x.options());
     TORCH_CHECK(y.dim() == 2 && y.size(0) == m && y.size(1) == n && y.scalar_type() == torch::kBFloat16 &&
-                    y.stride(1) == 1, "amx_q4_gemm: out must be [M, N] bfloat16 with unit column stride");
+                    y.stride(1) == 1, "q4_gemm: out must be [M, N] bfloat16 with unit column stride");
     if (m == 0 || n == 0) return y;
     if (x.stride(1) != 1) x = x.contiguous();
-#if DEEPFUSE_AMX
     const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr());
     const uint8_t* np = nibbles.data_ptr<uint8_t>();
     const float* sp = scales.data_ptr<float>();
     const float* mp = mins.data_ptr<float>();
     auto* yp = y.data_ptr<at::BFloat16>();
+    if (!(amx && amx_available())) {
+        vec_q4_rows(xp, x.stride(0), m, np, sp, mp, groups, nb, n, yp, y.stride(0));
+        return y;
+    }
+#if DEEPFUSE_AMX
     const int64_t ldx = x.stride(0), ldy = y.stride(0), pairs = (nb + 1) / 2;
     // panel pairs in chunks of about 512 KB of bf16, each dequantized once per call into a
-    // per-thread buffer that every 32-row block then passes through (as amx_gemm walks its chunks)
+    // per-thread buffer that every 32-row block then passes through (as bf16_gemm walks its chunks)
     const int64_t chunk = std::max<int64_t>(1, (512 << 10) / (2 * kp * kCols * 2));
     at::parallel_for(0, pairs, 1, [&](int64_t begin, int64_t end) {
         const int64_t span = std::min(chunk, end - begin);

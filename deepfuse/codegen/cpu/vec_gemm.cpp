@@ -10,9 +10,11 @@
 // keeps 24 f32 accumulators in registers over all of K: each loaded weight vector serves 6 rows,
 // each broadcast 4 panels. Every row's sums run in one order (k pairs in turn, from zero) whatever
 // M is and whichever rows share its tile, so a row's result never depends on the batch.
-// Threads split the panels in groups of 4; each walks its panels in chunks of about 256 KB (L2)
-// and takes every 6-row block through a chunk before the next (x's block stays in L1). int4
-// chunks are dequantized once per call into a per-thread buffer first, to the dense copy's values.
+// Work items are (chunk of panels, slab of rows): a chunk holds about 256 KB of weights (L2) and
+// every 6-row block of the slab passes through it (x's block stays in L1). Rows are cut into
+// slabs only where the chunks alone are too few for every thread to get several items (N = 576
+// is 3 chunks: 2 threads would split them 2:1). Consecutive items share a chunk; an int4 chunk
+// is dequantized into a per-thread buffer when a thread first takes it, to the dense copy's values.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -20,6 +22,8 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <memory>
+#include <vector>
 
 #include "amx.h"
 #include "q4.h"
@@ -73,11 +77,11 @@ void micro_rows(int rows, const uint16_t* x, int64_t ldx, const uint16_t* w, int
     }
 }
 
-// Every row of x through panels b0 .. b1-1 (at w, kp * 16 elements apart) into y's columns from 16 * b0.
-void through_panels(const uint16_t* x, int64_t ldx, int64_t m, const uint16_t* w, int64_t kp, int64_t b0, int64_t b1,
-                    int64_t n, at::BFloat16* y, int64_t ldy) {
-    for (int64_t m0 = 0; m0 < m; m0 += kRows) {
-        const int rows = static_cast<int>(std::min<int64_t>(kRows, m - m0));
+// Rows r0 .. r1-1 of x through panels b0 .. b1-1 (at w, kp * 16 elements apart) into y's columns from 16 * b0.
+void through_panels(const uint16_t* x, int64_t ldx, int64_t r0, int64_t r1, const uint16_t* w, int64_t kp, int64_t b0,
+                    int64_t b1, int64_t n, at::BFloat16* y, int64_t ldy) {
+    for (int64_t m0 = r0; m0 < r1; m0 += kRows) {
+        const int rows = static_cast<int>(std::min<int64_t>(kRows, r1 - m0));
         for (int64_t b = b0; b < b1; b += kPanels) {
             const int np = static_cast<int>(std::min<int64_t>(kPanels, b1 - b));
             const uint16_t* wb = w + (b - b0) * kp * kCols;
@@ -94,10 +98,74 @@ void through_panels(const uint16_t* x, int64_t ldx, int64_t m, const uint16_t* w
     }
 }
 
-// Panels per chunk: a multiple of kPanels holding about kChunkBytes of bf16.
-int64_t chunk_panels(int64_t kp) {
-    return std::max<int64_t>(1, kChunkBytes / (kPanels * kp * kCols * 2)) * kPanels;
+// The (chunk, slab) items of an [M, K'] x [K', 16 NB] product.
+struct Split {
+    int64_t chunk;  // panels per chunk (a multiple of kPanels holding about kChunkBytes of bf16)
+    int64_t chunks, slab, slabs;  // slab: rows per slab (a multiple of kRows)
+
+    Split(int64_t m, int64_t nb, int64_t kp) {
+        chunk = std::max<int64_t>(1, kChunkBytes / (kPanels * kp * kCols * 2)) * kPanels;
+        chunks = (nb + chunk - 1) / chunk;
+        const int64_t want = 8 * at::get_num_threads(), blocks = (m + kRows - 1) / kRows;
+        const int64_t cuts = std::clamp<int64_t>((want + chunks - 1) / chunks, 1, std::max<int64_t>(1, blocks));
+        slab = std::max<int64_t>(1, (blocks + cuts - 1) / cuts) * kRows;
+        slabs = (m + slab - 1) / slab;
+    }
+};
+
+// Runs every item of `split`, the items cut between threads into runs of equal work (a last chunk
+// of few panels is a small item). panels() makes a thread's source of chunks, called as (c, b0, b1)
+// for chunk c's panels b0 .. b1-1 (the weight itself, or a buffer the int4 weight is decoded into).
+template <typename Panels>
+void run_items(const Split& split, const uint16_t* x, int64_t ldx, int64_t m, int64_t kp, int64_t nb, int64_t n,
+               at::BFloat16* y, int64_t ldy, const Panels& panels) {
+    const int64_t items = split.chunks * split.slabs;
+    std::vector<int64_t> done(items + 1, 0);  // work (panels x rows) before each item
+    for (int64_t item = 0; item < items; ++item) {
+        const int64_t c = item / split.slabs, s = item % split.slabs;
+        done[item + 1] = done[item] + (std::min(nb, (c + 1) * split.chunk) - c * split.chunk) *
+                                          (std::min(m, (s + 1) * split.slab) - s * split.slab);
+    }
+    const int64_t runs = std::min<int64_t>(items, at::get_num_threads());
+    at::parallel_for(0, runs, 1, [&](int64_t r0, int64_t r1) {
+        auto chunk_panels = panels();  // this thread's view of the chunks
+        for (int64_t r = r0; r < r1; ++r) {
+            const auto at = [&](int64_t q) {  // the first item of run q
+                return std::lower_bound(done.begin(), done.end(), done.back() * q / runs) - done.begin();
+            };
+            for (int64_t item = at(r); item < (r + 1 == runs ? items : at(r + 1)); ++item) {
+                const int64_t c = item / split.slabs, s = item % split.slabs;
+                const int64_t b0 = c * split.chunk, b1 = std::min(nb, b0 + split.chunk);
+                through_panels(x, ldx, s * split.slab, std::min(m, (s + 1) * split.slab), chunk_panels(c, b0, b1), kp,
+                               b0, b1, n, y, ldy);
+            }
+        }
+    });
 }
+
+// A thread's dequantized int4 chunk: chunk c decoded into its buffer when first asked for.
+struct Q4Chunk {
+    const uint8_t* nibbles;
+    const float *scales, *mins;
+    int64_t groups;
+    std::unique_ptr<uint16_t, decltype(&std::free)> buf;
+    int64_t held = -1;
+
+    Q4Chunk(const uint8_t* nibbles, const float* scales, const float* mins, int64_t groups, int64_t panels)
+        : nibbles(nibbles), scales(scales), mins(mins), groups(groups),
+          buf(static_cast<uint16_t*>(std::aligned_alloc(64, panels * groups * 512 * 2)), &std::free) {}
+
+    const uint16_t* operator()(int64_t c, int64_t b0, int64_t b1) {
+        if (c != held) {
+            for (int64_t b = b0; b < b1; ++b)
+                for (int64_t g = 0; g < groups; ++g)
+                    dequant_tile(nibbles + (b * groups + g) * 256, scales + (b * groups + g) * kCols,
+                                 mins + (b * groups + g) * kCols, buf.get() + ((b - b0) * groups + g) * 512);
+            held = c;
+        }
+        return buf.get();
+    }
+};
 #endif
 
 }  // namespace
@@ -113,12 +181,9 @@ bool vec_gemm_available() {
 void vec_gemm_rows(const uint16_t* x, int64_t ldx, int64_t m, const uint16_t* panels, int64_t kp, int64_t nb, int64_t n,
                    at::BFloat16* y, int64_t ldy) {
 #if DEEPFUSE_BF16_DOT
-    const int64_t chunk = chunk_panels(kp), groups = (nb + kPanels - 1) / kPanels;
-    at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
-        for (int64_t b0 = begin * kPanels; b0 < std::min(nb, end * kPanels); b0 += chunk) {
-            const int64_t b1 = std::min({nb, end * kPanels, b0 + chunk});
-            through_panels(x, ldx, m, panels + b0 * kp * kCols, kp, b0, b1, n, y, ldy);
-        }
+    const Split split(m, nb, kp);
+    run_items(split, x, ldx, m, kp, nb, n, y, ldy, [&] {
+        return [&](int64_t, int64_t b0, int64_t) { return panels + b0 * kp * kCols; };
     });
 #else
     TORCH_CHECK(false, "vec_gemm_rows: this build has no AVX512-BF16");
@@ -128,19 +193,10 @@ void vec_gemm_rows(const uint16_t* x, int64_t ldx, int64_t m, const uint16_t* pa
 void vec_q4_rows(const uint16_t* x, int64_t ldx, int64_t m, const uint8_t* nibbles, const float* scales,
                  const float* mins, int64_t groups, int64_t nb, int64_t n, at::BFloat16* y, int64_t ldy) {
 #if DEEPFUSE_BF16_DOT
-    const int64_t kp = groups * 32, chunk = chunk_panels(kp), quads = (nb + kPanels - 1) / kPanels;
-    at::parallel_for(0, quads, 1, [&](int64_t begin, int64_t end) {
-        const int64_t last = std::min(nb, end * kPanels);
-        auto* w = static_cast<uint16_t*>(std::aligned_alloc(64, std::min(chunk, last - begin * kPanels) * kp * kCols * 2));
-        for (int64_t b0 = begin * kPanels; b0 < last; b0 += chunk) {
-            const int64_t b1 = std::min(last, b0 + chunk);
-            for (int64_t b = b0; b < b1; ++b)
-                for (int64_t g = 0; g < groups; ++g)
-                    dequant_tile(nibbles + (b * groups + g) * 256, scales + (b * groups + g) * kCols,
-                                 mins + (b * groups + g) * kCols, w + ((b - b0) * groups + g) * 512);
-            through_panels(x, ldx, m, w, kp, b0, b1, n, y, ldy);
-        }
-        std::free(w);
+    const int64_t kp = groups * 32;
+    const Split split(m, nb, kp);
+    run_items(split, x, ldx, m, kp, nb, n, y, ldy, [&] {
+        return Q4Chunk(nibbles, scales, mins, groups, std::min(split.chunk, nb));
     });
 #else
     TORCH_CHECK(false, "vec_q4_rows: this build has no AVX512-BF16");

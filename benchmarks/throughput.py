@@ -130,16 +130,17 @@ def run_llama_cpp(prompts) -> dict | None:
 
     llm = Llama(model_path=smollm2_gguf_path(), n_ctx=1024, n_threads=torch.get_num_threads(), n_batch=512,
                 verbose=False)
-    eos = llm.token_eos()
     ttft, tpot = [], []
     t0 = time.perf_counter()
     for p in prompts:
         times = []
-        for chunk in llm.create_completion(p, max_tokens=OUT_TOKENS, temperature=0.0, stream=True,
-                                           logit_bias={eos: -1e9}):
-            if chunk["choices"][0]["finish_reason"] is None:  # the last chunk only carries the reason
-                times.append(time.perf_counter())
-        assert len(times) == OUT_TOKENS, len(times)
+        # token by token, greedy: generate() never stops on its own, so EOS is ignored as for the
+        # other engines (create_completion's stream stops on any end-of-generation token and may
+        # merge tokens into one chunk)
+        for _ in llm.generate(p, temp=0.0):
+            times.append(time.perf_counter())
+            if len(times) == OUT_TOKENS:
+                break
         ttft.append(times[0] - t0)  # every request arrived at t0 and waited its turn
         tpot.append((times[-1] - times[0]) / (len(times) - 1))
     wall = time.perf_counter() - t0

@@ -9,6 +9,9 @@
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
 #define DEEPFUSE_BF16_DOT 1
 #include <immintrin.h>
+constexpr bool kBf16DotBuilt = true;  // the vector bf16 kernels are built (AMX builds have them too)
+#else
+constexpr bool kBf16DotBuilt = false;
 #endif
 
 bool amx_available();  // bf16_gemm.cpp: the build has AMX and this process may use the tiles

@@ -140,7 +140,6 @@ void configure_rows(int64_t m, int64_t m0, int& r0, int& r1, int& shape) {
 }  // namespace
 
 // vec_gemm.cpp: the AVX512-BF16 path over the same panels and int4 tiles
-bool vec_gemm_available();
 void vec_gemm_rows(const uint16_t* x, int64_t ldx, int64_t m, const uint16_t* panels, int64_t kp, int64_t nb, int64_t n,
                    at::BFloat16* y, int64_t ldy);
 void vec_q4_rows(const uint16_t* x, int64_t ldx, int64_t m, const uint8_t* nibbles, const float* scales,
@@ -162,7 +161,7 @@ torch::Tensor pack_vnni(const torch::Tensor& w) {
     return padded.view({nb, kCols, kp / 2, 2}).permute({0, 2, 1, 3}).contiguous();
 }
 
-bool bf16_gemm_available() { return amx_available() || vec_gemm_available(); }
+bool bf16_gemm_available() { return kBf16DotBuilt; }  // AMX builds have AVX512-BF16 too
 
 torch::Tensor bf16_gemm(torch::Tensor x, const torch::Tensor& panels, int64_t n, std::optional<torch::Tensor> out,
                         bool amx) {

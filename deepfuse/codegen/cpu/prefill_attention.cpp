@@ -182,35 +182,23 @@ void values_rows(const uint16_t* p, const uint16_t* vv, int64_t d, int64_t g, fl
 
 constexpr int kVecRows = 6;  // 24 accumulators and 4 loaded vectors of the 32 registers
 
-// scores() and values() for the first nq rows of the block, kVecRows rows at a time.
+// scores() and values() for the first nq rows of the block, kVecRows rows at a time (the last
+// run through the instance for the rows left).
+using ScoresFn = void (*)(const uint16_t*, int64_t, const uint16_t*, float*);
+using ValuesFn = void (*)(const uint16_t*, const uint16_t*, int64_t, int64_t, float*);
+constexpr ScoresFn kScores[kVecRows] = {scores_rows<1>, scores_rows<2>, scores_rows<3>,
+                                        scores_rows<4>, scores_rows<5>, scores_rows<6>};
+constexpr ValuesFn kValues[kVecRows] = {values_rows<1>, values_rows<2>, values_rows<3>,
+                                        values_rows<4>, values_rows<5>, values_rows<6>};
+
 void scores_vec(int64_t nq, const uint16_t* qbuf, const uint16_t* kt, int64_t d, float* s) {
-    int64_t r = 0;
-    for (; r + kVecRows <= nq; r += kVecRows) scores_rows<kVecRows>(qbuf + r * d, d, kt, s + r * kChunk);
-    const uint16_t* q = qbuf + r * d;
-    float* out = s + r * kChunk;
-    switch (nq - r) {
-        case 5: return scores_rows<5>(q, d, kt, out);
-        case 4: return scores_rows<4>(q, d, kt, out);
-        case 3: return scores_rows<3>(q, d, kt, out);
-        case 2: return scores_rows<2>(q, d, kt, out);
-        case 1: return scores_rows<1>(q, d, kt, out);
-        default: return;
-    }
+    for (int64_t r = 0; r < nq; r += kVecRows)
+        kScores[std::min<int64_t>(kVecRows, nq - r) - 1](qbuf + r * d, d, kt, s + r * kChunk);
 }
 
 void values_vec(int64_t nq, const uint16_t* p, const uint16_t* vv, int64_t d, int64_t g, float* pv) {
-    int64_t r = 0;
-    for (; r + kVecRows <= nq; r += kVecRows) values_rows<kVecRows>(p + r * kChunk, vv, d, g, pv + r * 64);
-    const uint16_t* pr = p + r * kChunk;
-    float* out = pv + r * 64;
-    switch (nq - r) {
-        case 5: return values_rows<5>(pr, vv, d, g, out);
-        case 4: return values_rows<4>(pr, vv, d, g, out);
-        case 3: return values_rows<3>(pr, vv, d, g, out);
-        case 2: return values_rows<2>(pr, vv, d, g, out);
-        case 1: return values_rows<1>(pr, vv, d, g, out);
-        default: return;
-    }
+    for (int64_t r = 0; r < nq; r += kVecRows)
+        kValues[std::min<int64_t>(kVecRows, nq - r) - 1](p + r * kChunk, vv, d, g, pv + r * 64);
 }
 
 // One block of up to 16 query rows of one head: rows q0 .. q0+nq-1 of q (positions pos0 ..),
@@ -300,13 +288,7 @@ void attend_block(const at::BFloat16* q, at::BFloat16* out, int64_t ld, int64_t 
 
 }  // namespace
 
-bool paged_prefill_available() {
-#if DEEPFUSE_BF16_DOT
-    return true;
-#else
-    return false;
-#endif
-}
+bool paged_prefill_available() { return kBf16DotBuilt; }
 
 void paged_prefill(const torch::Tensor& q, const torch::Tensor& cache, const torch::Tensor& tables,
                    const torch::Tensor& rows, const torch::Tensor& qlens, const torch::Tensor& lens, int64_t num_heads,

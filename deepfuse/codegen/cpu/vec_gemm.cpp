@@ -64,36 +64,21 @@ void micro(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t kp, at::BF
     }
 }
 
+// micro<R, P> for R = rows, P = panels: kMicro[P - 1][R - 1]
+using MicroFn = void (*)(const uint16_t*, int64_t, const uint16_t*, int64_t, at::BFloat16*, int64_t, int64_t);
 template <int P>
-void micro_rows(int rows, const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t kp, at::BFloat16* y,
-                int64_t ldy, int64_t cols) {
-    switch (rows) {
-        case 1: return micro<1, P>(x, ldx, w, kp, y, ldy, cols);
-        case 2: return micro<2, P>(x, ldx, w, kp, y, ldy, cols);
-        case 3: return micro<3, P>(x, ldx, w, kp, y, ldy, cols);
-        case 4: return micro<4, P>(x, ldx, w, kp, y, ldy, cols);
-        case 5: return micro<5, P>(x, ldx, w, kp, y, ldy, cols);
-        default: return micro<6, P>(x, ldx, w, kp, y, ldy, cols);
-    }
-}
+constexpr MicroFn kByRows[kRows] = {micro<1, P>, micro<2, P>, micro<3, P>, micro<4, P>, micro<5, P>, micro<6, P>};
+constexpr const MicroFn* kMicro[kPanels] = {kByRows<1>, kByRows<2>, kByRows<3>, kByRows<4>};
 
 // Rows r0 .. r1-1 of x through panels b0 .. b1-1 (at w, kp * 16 elements apart) into y's columns from 16 * b0.
 void through_panels(const uint16_t* x, int64_t ldx, int64_t r0, int64_t r1, const uint16_t* w, int64_t kp, int64_t b0,
                     int64_t b1, int64_t n, at::BFloat16* y, int64_t ldy) {
     for (int64_t m0 = r0; m0 < r1; m0 += kRows) {
-        const int rows = static_cast<int>(std::min<int64_t>(kRows, r1 - m0));
+        const int64_t rows = std::min<int64_t>(kRows, r1 - m0);
         for (int64_t b = b0; b < b1; b += kPanels) {
-            const int np = static_cast<int>(std::min<int64_t>(kPanels, b1 - b));
-            const uint16_t* wb = w + (b - b0) * kp * kCols;
-            at::BFloat16* yb = y + m0 * ldy + b * kCols;
-            const uint16_t* xb = x + m0 * ldx;
-            const int64_t cols = n - b * kCols;
-            switch (np) {
-                case 1: micro_rows<1>(rows, xb, ldx, wb, kp, yb, ldy, cols); break;
-                case 2: micro_rows<2>(rows, xb, ldx, wb, kp, yb, ldy, cols); break;
-                case 3: micro_rows<3>(rows, xb, ldx, wb, kp, yb, ldy, cols); break;
-                default: micro_rows<4>(rows, xb, ldx, wb, kp, yb, ldy, cols); break;
-            }
+            const int64_t np = std::min<int64_t>(kPanels, b1 - b);
+            kMicro[np - 1][rows - 1](x + m0 * ldx, ldx, w + (b - b0) * kp * kCols, kp, y + m0 * ldy + b * kCols, ldy,
+                                     n - b * kCols);
         }
     }
 }
@@ -129,10 +114,10 @@ void run_items(const Split& split, const uint16_t* x, int64_t ldx, int64_t m, in
     const int64_t runs = std::min<int64_t>(items, at::get_num_threads());
     at::parallel_for(0, runs, 1, [&](int64_t r0, int64_t r1) {
         auto chunk_panels = panels();  // this thread's view of the chunks
+        const auto at = [&](int64_t q) {  // the first item of run q
+            return std::lower_bound(done.begin(), done.end(), done.back() * q / runs) - done.begin();
+        };
         for (int64_t r = r0; r < r1; ++r) {
-            const auto at = [&](int64_t q) {  // the first item of run q
-                return std::lower_bound(done.begin(), done.end(), done.back() * q / runs) - done.begin();
-            };
             for (int64_t item = at(r); item < (r + 1 == runs ? items : at(r + 1)); ++item) {
                 const int64_t c = item / split.slabs, s = item % split.slabs;
                 const int64_t b0 = c * split.chunk, b1 = std::min(nb, b0 + split.chunk);
@@ -169,14 +154,6 @@ struct Q4Chunk {
 #endif
 
 }  // namespace
-
-bool vec_gemm_available() {
-#if DEEPFUSE_BF16_DOT
-    return true;
-#else
-    return false;
-#endif
-}
 
 void vec_gemm_rows(const uint16_t* x, int64_t ldx, int64_t m, const uint16_t* panels, int64_t kp, int64_t nb, int64_t n,
                    at::BFloat16* y, int64_t ldy) {

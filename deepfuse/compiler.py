@@ -26,7 +26,8 @@ def compile(model: str | Llama, target: str = "cpu", dtype: str = "f32", fuse: b
             dump_dir: str | None = None, tokenizer: Tokenizer | None = None, quant: str | None = None,
             batch_invariant: bool = False) -> CompiledModel:
     """Compiles `model` (a name/path that load_model accepts, or a Llama) for `target`.
-    quant: None, or "int4" (weight-only, 4-bit groups of 32; see passes/quantize.py).
+    quant: None, "int4" (weight-only, 4-bit groups of 32) or "w8a8" (int8 weights, int8
+        activations per row and group of 64; see passes/quantize.py).
     batch_invariant (cpu): one kernel per op for every batch shape, so a request's tokens never
     depend on what shares its steps or how its prompt was chunked (slower small steps; see
     codegen/cpu/executor.check_batch_invariant for where it is available)."""

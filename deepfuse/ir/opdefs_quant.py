@@ -1,9 +1,19 @@
-"""Weight-only quantized ops: 4-bit weights in groups along K with a scale and a minimum.
+"""Quantized projections.
 
-Format (the same as GGUF's Q4_1, so Q4_1 weights round-trip exactly in f32):
+linear_q4: weight-only, 4-bit weights in groups along K with a scale and a minimum (the same
+format as GGUF's Q4_1, so Q4_1 weights round-trip exactly in f32):
     w[n, k] = scales[n, k // G] * q[n, k] + mins[n, k // G],   q in 0..15
     packed u8[N, K/2]: byte j of a row holds q[2j] in its low nibble, q[2j+1] in its high one
     scales, mins f32[N, K/G]
+
+linear_w8a8: 8-bit weights and 8-bit activations (integer dot products: AVX512-VNNI,
+AMX-INT8, the NPU's int8 cube). The weight has one scale per output row, stored offset binary:
+    w[n, k] = (wq[n, k] - 128) * scale[n],   wq u8[N, K] in 1..255, scale f32[N]
+Activations are quantized as the op runs, per row and per group of G (act_group) along K:
+    d[t, g] = max|x[t, group g]| / 127,   q[t, k] = round(x[t, k] * 127 / max|x|) in -127..127
+and the result is  scale[n] * sum over groups g (in order, f32) of d[t, g] * (exact integer dot
+of q's and wq - 128's group g). Each row is quantized alone, so its result never depends on the
+batch.
 """
 from __future__ import annotations
 
@@ -61,3 +71,48 @@ def linear_q4(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, mins:
     """x[T,K] @ dequantize(packed, scales, mins)^T -> [T,N]; the weight is rounded to x's dtype first,
     as a dense weight of that dtype would be."""
     return F.linear(x, dequantize_q4(packed, scales, mins).to(x.dtype))
+
+
+W8_ZERO = 128  # linear_w8a8's weight offset
+
+
+def quantize_w8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """w[N,K] -> (wq u8[N,K], scale f32[N]): per output row, symmetric, scale = max|w| / 127."""
+    wf = w.detach().to(torch.float64)
+    amax = wf.abs().amax(1)
+    scale = amax / 127
+    q = (wf / torch.where(amax > 0, scale, 1)[:, None]).round().clamp_(-127, 127)
+    return (q + W8_ZERO).to(torch.uint8).contiguous(), scale.float()
+
+
+def quantize_rows_i8(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x[T,K] -> (q f32[T,K/G,G] integers in -127..127, d f32[T,K/G]), per row and group of K as
+    linear_w8a8 quantizes its activations (in f32: q = round(x * (127 / max|x|)), ties to even)."""
+    xf = x.float().reshape(x.shape[0], -1, group)
+    amax = xf.abs().amax(-1)
+    # a true f32 division (torch turns `127 / amax` into a reciprocal times 127, one unit off at times)
+    inv = torch.where(amax > 0, torch.full_like(amax, 127.0).div(amax), torch.zeros_like(amax))
+    return (xf * inv[..., None]).round().clamp_(-127, 127), amax.div(torch.full_like(amax, 127.0))
+
+
+def _linear_w8a8_type(types: list[TensorType], attrs: dict) -> list[TensorType]:
+    x, wq, scale = types
+    g = attrs["act_group"]
+    expect(x.rank == 2 and wq.rank == 2 and wq.dtype == "u8", f"linear_w8a8 wants x[T,K], wq u8[N,K]; got {x}, {wq}")
+    k, n = x.shape[1], wq.shape[0]
+    expect(isinstance(k, int) and wq.shape[1] == k and g % 16 == 0 and k % g == 0,
+           f"linear_w8a8 K mismatch: x {x}, wq {wq}, act_group {g} (a multiple of 16 dividing K)")
+    expect(scale.dtype == "f32" and scale.shape == (n,), f"linear_w8a8 scale must be f32[{n}], got {scale}")
+    return [x.with_shape(x.shape[0], n)]
+
+
+@register("linear_w8a8", _linear_w8a8_type)
+def linear_w8a8(x: torch.Tensor, wq: torch.Tensor, scale: torch.Tensor, *, act_group: int) -> torch.Tensor:
+    """x[T,K] (float) @ w^T with x quantized per row and group -> [T,N] in x's dtype."""
+    q, d = quantize_rows_i8(x, act_group)
+    w = (wq.to(torch.float64) - W8_ZERO).view(wq.shape[0], -1, act_group)
+    dots = torch.einsum("tgk,ngk->gtn", q.double(), w).float()  # exact integers (|dot| < 2^24 for G <= 1024)
+    acc = torch.zeros(x.shape[0], wq.shape[0])
+    for g in range(dots.shape[0]):
+        acc = acc + dots[g] * d[:, g, None]
+    return (acc * scale).to(x.dtype)

@@ -10,9 +10,9 @@ from .fuse_qkv_rope import fuse_qkv_rope
 from .fuse_swiglu import fuse_swiglu
 from .fuse_swiglu_linear import fuse_swiglu_linear
 from .manager import Pass, PassManager, PassReport
-from .quantize import quantize_int4
+from .quantize import quantize_int4, quantize_w8a8
 
-QUANT_MODES = ("int4",)
+QUANT_MODES = ("int4", "w8a8")
 
 
 def cleanup_passes() -> list[Pass]:
@@ -46,11 +46,14 @@ def prologue_passes() -> list[Pass]:
 
 
 def quant_passes(quant: str | None) -> list[Pass]:
-    """Weight quantization: None (weights stay in the compile dtype) or "int4"."""
+    """Quantization: None (weights stay in the compile dtype), "int4" (weight-only) or "w8a8"
+    (int8 weights and activations)."""
     if quant is None:
         return []
     if quant not in QUANT_MODES:
         raise DeepfuseError(f"unknown quantization {quant!r} (available: {', '.join(QUANT_MODES)})")
+    if quant == "w8a8":
+        return [Pass("quantize_w8a8", quantize_w8a8(64))]
     return [Pass("quantize_int4", quantize_int4(32))]
 
 
@@ -78,4 +81,5 @@ __all__ = [
     "register_fusion",
     "unregister_fusion",
     "quantize_int4",
+    "quantize_w8a8",
 ]

@@ -11,8 +11,9 @@ from .spec import SpecConfig
 
 class LLM:
     """model: a model name/path (compiled now) or an artifact directory; artifact: an
-    artifact directory (loaded and verified, never recompiled); quant: None or "int4"
-    (4-bit weights; with dtype="bf16" the fastest decode on CPU). Engine settings:
+    artifact directory (loaded and verified, never recompiled); quant: None, "int4" (4-bit
+    weights) or "w8a8" (int8 weights and activations: the fastest on CPUs with AVX512-VNNI, at
+    about 1% perplexity over int4, docs/quantization.md). Engine settings:
     block_size and num_blocks size the paged KV cache; max_num_tokens is the token budget
     of one step (and the prefill chunk); max_num_seqs caps the batch; spec: a SpecConfig for
     speculative decoding (same outputs, fewer steps when drafts are accepted);

@@ -23,6 +23,10 @@ torch::Tensor bf16_gemm(torch::Tensor x, const torch::Tensor& panels, int64_t n,
                         bool amx);
 torch::Tensor q4_gemm(torch::Tensor x, const torch::Tensor& nibbles, const torch::Tensor& scales,
                       const torch::Tensor& mins, int64_t n, std::optional<torch::Tensor> out, bool amx);
+bool i8_gemm_available();
+torch::Tensor pack_w8(const torch::Tensor& wq);
+torch::Tensor i8_gemm(torch::Tensor x, const torch::Tensor& panels, const torch::Tensor& scale, int64_t n,
+                      int64_t group, std::optional<torch::Tensor> out);
 torch::Tensor swiglu(const torch::Tensor& x, std::optional<torch::Tensor> out);
 void rope_cache(const torch::Tensor& qkv, const torch::Tensor& pos, const torch::Tensor& cos, const torch::Tensor& sin,
                 torch::Tensor cache, const torch::Tensor& slots, int64_t num_heads, torch::Tensor q_out,
@@ -56,6 +60,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("q4_gemm", &q4_gemm, "x [M, K] @ int4 w^T, dequantized to bf16 panels in the GEMM (bf16_gemm.cpp)",
           py::arg("x"), py::arg("nibbles"), py::arg("scales"), py::arg("mins"), py::arg("n"), py::arg("out") = py::none(),
           py::arg("amx") = true);
+    m.def("i8_gemm_available", &i8_gemm_available, "whether i8_gemm runs here: AVX512-VNNI (i8_gemm.cpp)");
+    m.def("pack_w8", &pack_w8, "a linear_w8a8 weight u8 [N, K] as 16-column panels of k quads (i8_gemm.cpp)");
+    m.def("i8_gemm", &i8_gemm,
+          "x [M, K] quantized per row and group to int8, @ (wq - 128)^T * scale over pack_w8(wq) (i8_gemm.cpp)",
+          py::arg("x"), py::arg("panels"), py::arg("scale"), py::arg("n"), py::arg("group"), py::arg("out") = py::none());
     m.def("swiglu", &swiglu, "silu(x[:, :F]) * x[:, F:] for x [T, 2F], into out if given (rows.cpp)", py::arg("x"),
           py::arg("out") = py::none());
     m.def("rope_cache", &rope_cache, "rotary q and k of qkv rows, k and v into the paged cache (rows.cpp)");

@@ -28,7 +28,7 @@ def build_tag() -> str:
 
 
 SOURCES = ("paged_decode.cpp", "decode_amx.cpp", "prefill_attention.cpp", "panel_gemm.cpp", "bf16_gemm.cpp",
-           "vec_gemm.cpp", "norms.cpp", "rows.cpp", "bindings.cpp")
+           "vec_gemm.cpp", "i8_gemm.cpp", "norms.cpp", "rows.cpp", "bindings.cpp")
 HEADERS = ("vec.h", "amx.h", "q4.h")
 
 
@@ -46,7 +46,8 @@ def source_hash() -> str:
 @functools.cache
 def kernels():
     """The native kernels' extension module (paged_decode, paged_prefill; pack_panels, panel_gemm;
-    amx_available, bf16_gemm_available, pack_vnni, bf16_gemm, q4_gemm; rms_norm, add_rms_norm; swiglu, rope_cache, argmax;
+    amx_available, bf16_gemm_available, pack_vnni, bf16_gemm, q4_gemm;
+    i8_gemm_available, pack_w8, i8_gemm; rms_norm, add_rms_norm; swiglu, rope_cache, argmax;
     see the .cpp files), or None
     where it cannot be built. Built once per machine and torch install under
     ~/.cache/deepfuse/native/ (one to three minutes on 2 cores; a line on stderr says so)."""

@@ -1,0 +1,196 @@
+// W8A8 projections (linear_w8a8, ir/opdefs_quant.py) with AVX512-VNNI integer dot products
+// (vpdpbusd: 64 byte products a cycle, twice vdpbf16ps's 32).
+//
+//   i8_gemm_available()                whether this build has AVX512-VNNI
+//   pack_w8(wq [N, K] u8)              -> panels u8 [ceil(N/16), K/4, 16, 4] (padding columns: 128, weight 0)
+//   i8_gemm(x [M, K] f32/bf16, panels, scale [N] f32, N, group, out) -> y [M, N] in x's dtype
+//
+// The weight is offset binary: w = (wq - 128) * scale[n]. Each row of x is quantized here, per
+// group of `group` k: d = max|x| / 127, q = round(x * (127 / max|x|)) in -127..127 (ties to even),
+// exactly as the op's reference does. vpdpbusd multiplies the weight's unsigned bytes by q's
+// signed ones, so a group's integer sum is exact and carries 128 * sum(q), which is taken off
+// before the sum is scaled by d and added to the row's f32 sums (groups in order). The column
+// scale comes last.
+// A panel's k quad (16 columns x 4 k) is one 64-byte vector and a row's k quad one 32-bit
+// broadcast. A micro-tile of up to 4 rows x 3 panels keeps 12 integer and 12 f32 accumulators in
+// registers. Each row's sums run in one order whatever M is, so a row's result never depends on the
+// batch. Work items are (chunk of panels, slab of rows), as in vec_gemm.cpp.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#define DEEPFUSE_I8_DOT 1
+#include "vec.h"
+#endif
+
+namespace {
+
+constexpr int64_t kCols = 16;  // columns per panel
+constexpr int kRows = 4;       // rows per micro-tile
+constexpr int kPanels = 3;     // panels per micro-tile
+constexpr int64_t kChunkBytes = 128 << 10;
+
+#if DEEPFUSE_I8_DOT
+// One row x[K] (f32 or bf16) quantized per group: q [K] s8, d [K/group] f32, offset [K/group]
+// int32 (128 * the group's sum of q, which vpdpbusd's unsigned weight bytes add).
+template <typename T>
+void quantize_row(const T* x, int64_t k, int64_t group, int8_t* q, float* d, int32_t* offset) {
+    for (int64_t g0 = 0, g = 0; g0 < k; g0 += group, ++g) {
+        __m512 top = _mm512_setzero_ps();
+        for (int64_t i = g0; i < g0 + group; i += 16) top = _mm512_max_ps(top, _mm512_abs_ps(load16(x + i)));
+        const float amax = _mm512_reduce_max_ps(top);
+        const __m512 inv = _mm512_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
+        d[g] = amax / 127.f;
+        __m512i sum = _mm512_setzero_si512();
+        for (int64_t i = g0; i < g0 + group; i += 16) {
+            __m512i v = _mm512_cvtps_epi32(_mm512_mul_ps(load16(x + i), inv));  // ties to even (MXCSR default)
+            v = _mm512_max_epi32(_mm512_min_epi32(v, _mm512_set1_epi32(127)), _mm512_set1_epi32(-127));
+            sum = _mm512_add_epi32(sum, v);
+            _mm_storeu_si128(reinterpret_cast<__m128i*>(q + i), _mm512_cvtepi32_epi8(v));
+        }
+        offset[g] = 128 * _mm512_reduce_add_epi32(sum);
+    }
+}
+
+// R rows of q (ldq apart; their d and offset rows `groups` apart) times P panels (k/4 * 64 bytes
+// apart) into y's R rows, `cols` valid columns from the first panel's first.
+template <typename T, int R, int P>
+void micro(const int8_t* q, int64_t ldq, const float* d, const int32_t* offset, int64_t groups, int64_t group,
+           const uint8_t* w, int64_t k, const float* scale, T* y, int64_t ldy, int64_t cols) {
+    __m512 f[R][P];
+    for (int r = 0; r < R; ++r)
+        for (int p = 0; p < P; ++p) f[r][p] = _mm512_setzero_ps();
+    const int64_t panel = k * kCols;  // bytes
+    for (int64_t g = 0; g < groups; ++g) {
+        __m512i a[R][P];
+        for (int r = 0; r < R; ++r)
+            for (int p = 0; p < P; ++p) a[r][p] = _mm512_setzero_si512();
+        for (int64_t j = g * group / 4; j < (g + 1) * group / 4; ++j) {
+            __m512i wv[P];
+            for (int p = 0; p < P; ++p) wv[p] = _mm512_load_si512(w + p * panel + j * 64);
+            for (int r = 0; r < R; ++r) {
+                int32_t quad;
+                std::memcpy(&quad, q + r * ldq + 4 * j, 4);
+                const __m512i xv = _mm512_set1_epi32(quad);
+                for (int p = 0; p < P; ++p) a[r][p] = _mm512_dpbusd_epi32(a[r][p], wv[p], xv);
+            }
+        }
+        for (int r = 0; r < R; ++r) {
+            const __m512i off = _mm512_set1_epi32(offset[r * groups + g]);
+            const __m512 dg = _mm512_set1_ps(d[r * groups + g]);
+            for (int p = 0; p < P; ++p)
+                f[r][p] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(a[r][p], off)), dg, f[r][p]);
+        }
+    }
+    for (int p = 0; p < P; ++p) {
+        const int64_t c = std::min<int64_t>(kCols, cols - p * kCols);
+        const __m512 s = _mm512_loadu_ps(scale + p * kCols);  // scale is padded to whole panels
+        for (int r = 0; r < R; ++r) {
+            const __m512 v = _mm512_mul_ps(f[r][p], s);
+            if (c == kCols) {
+                store16(y + r * ldy + p * kCols, v);
+            } else {
+                alignas(64) T tmp[kCols];
+                store16(tmp, v);
+                std::memcpy(y + r * ldy + p * kCols, tmp, c * sizeof(T));
+            }
+        }
+    }
+}
+
+template <typename T>
+using MicroFn = void (*)(const int8_t*, int64_t, const float*, const int32_t*, int64_t, int64_t, const uint8_t*,
+                         int64_t, const float*, T*, int64_t, int64_t);
+template <typename T, int P>
+constexpr MicroFn<T> kByRows[kRows] = {micro<T, 1, P>, micro<T, 2, P>, micro<T, 3, P>, micro<T, 4, P>};
+template <typename T>
+constexpr const MicroFn<T>* kMicro[kPanels] = {kByRows<T, 1>, kByRows<T, 2>, kByRows<T, 3>};
+
+template <typename T>
+void gemm(const T* x, int64_t ldx, int64_t m, int64_t k, const uint8_t* panels, int64_t nb, int64_t n,
+          const float* scale, int64_t group, T* y, int64_t ldy) {
+    const int64_t groups = k / group;
+    std::vector<int8_t> q(m * k);
+    std::vector<float> d(m * groups);
+    std::vector<int32_t> offset(m * groups);
+    at::parallel_for(0, m, 16, [&](int64_t r0, int64_t r1) {
+        for (int64_t r = r0; r < r1; ++r)
+            quantize_row(x + r * ldx, k, group, q.data() + r * k, d.data() + r * groups, offset.data() + r * groups);
+    });
+    // items: (chunk of panels holding about kChunkBytes, slab of rows); enough of them for
+    // every thread to get several
+    const int64_t chunk = std::max<int64_t>(1, kChunkBytes / (kPanels * k * kCols)) * kPanels;
+    const int64_t chunks = (nb + chunk - 1) / chunk, blocks = (m + kRows - 1) / kRows;
+    const int64_t cuts = std::clamp<int64_t>((8 * at::get_num_threads() + chunks - 1) / chunks, 1, blocks);
+    const int64_t slab = (blocks + cuts - 1) / cuts * kRows, slabs = (m + slab - 1) / slab;
+    at::parallel_for(0, chunks * slabs, 1, [&](int64_t i0, int64_t i1) {
+        for (int64_t item = i0; item < i1; ++item) {
+            const int64_t c = item / slabs, s = item % slabs;
+            const int64_t b1 = std::min(nb, (c + 1) * chunk), m1 = std::min(m, (s + 1) * slab);
+            for (int64_t b = c * chunk; b < b1; b += kPanels) {  // a micro-tile's panels stay in L1 for the slab
+                const int64_t np = std::min<int64_t>(kPanels, b1 - b);
+                for (int64_t m0 = s * slab; m0 < m1; m0 += kRows) {
+                    const int64_t rows = std::min<int64_t>(kRows, m1 - m0);
+                    kMicro<T>[np - 1][rows - 1](q.data() + m0 * k, k, d.data() + m0 * groups,
+                                                offset.data() + m0 * groups, groups, group, panels + b * k * kCols, k,
+                                                scale + b * kCols, y + m0 * ldy + b * kCols, ldy, n - b * kCols);
+                }
+            }
+        }
+    });
+}
+#endif
+
+}  // namespace
+
+bool i8_gemm_available() {
+#if DEEPFUSE_I8_DOT
+    return true;
+#else
+    return false;
+#endif
+}
+
+torch::Tensor pack_w8(const torch::Tensor& wq) {
+    TORCH_CHECK(wq.dim() == 2 && wq.scalar_type() == torch::kUInt8 && wq.size(1) % 4 == 0,
+                "pack_w8: wq must be u8 [N, K] with K a multiple of 4");
+    const int64_t n = wq.size(0), k = wq.size(1), nb = (n + kCols - 1) / kCols;
+    auto padded = torch::constant_pad_nd(wq, {0, 0, 0, nb * kCols - n}, 128);
+    return padded.view({nb, kCols, k / 4, 4}).permute({0, 2, 1, 3}).contiguous();
+}
+
+torch::Tensor i8_gemm(torch::Tensor x, const torch::Tensor& panels, const torch::Tensor& scale, int64_t n,
+                      int64_t group, std::optional<torch::Tensor> out) {
+    TORCH_CHECK(i8_gemm_available(), "i8_gemm: this build has no AVX512-VNNI");
+    TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == torch::kFloat32 || x.scalar_type() == torch::kBFloat16),
+                "i8_gemm: x must be [M, K] float32 or bfloat16");
+    const int64_t m = x.size(0), k = x.size(1), nb = (n + kCols - 1) / kCols;
+    TORCH_CHECK(group > 0 && group % 16 == 0 && k % group == 0, "i8_gemm: K must be a multiple of the group, itself of 16");
+    TORCH_CHECK(panels.dim() == 4 && panels.scalar_type() == torch::kUInt8 && panels.is_contiguous() &&
+                    panels.size(0) == nb && panels.size(1) * 4 == k && panels.size(2) == kCols && panels.size(3) == 4,
+                "i8_gemm: panels must come from pack_w8 of a [N, K] weight with x's K");
+    TORCH_CHECK(scale.dim() == 1 && scale.scalar_type() == torch::kFloat32 && scale.is_contiguous() &&
+                    scale.size(0) == nb * kCols, "i8_gemm: scale must be f32 [N] padded to a multiple of 16");
+    auto y = out.has_value() ? *out : torch::empty({m, n}, x.options());
+    TORCH_CHECK(y.dim() == 2 && y.size(0) == m && y.size(1) == n && y.scalar_type() == x.scalar_type() &&
+                    y.stride(1) == 1, "i8_gemm: out must be [M, N] of x's dtype with unit column stride");
+    if (m == 0 || n == 0) return y;
+    if (x.stride(1) != 1) x = x.contiguous();
+#if DEEPFUSE_I8_DOT
+    const uint8_t* w = panels.data_ptr<uint8_t>();
+    if (x.scalar_type() == torch::kFloat32) {
+        gemm<float>(x.data_ptr<float>(), x.stride(0), m, k, w, nb, n, scale.data_ptr<float>(), group,
+                    y.data_ptr<float>(), y.stride(0));
+    } else {
+        using bf16 = c10::BFloat16;
+        gemm<bf16>(x.data_ptr<bf16>(), x.stride(0), m, k, w, nb, n, scale.data_ptr<float>(), group, y.data_ptr<bf16>(),
+                   y.stride(0));
+    }
+#endif
+    return y;
+}

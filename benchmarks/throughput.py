@@ -4,7 +4,9 @@ Engines, one run, same GGUF weights, same prompts, EOS ignored so every request 
   deepfuse   continuous batching (all 64 submitted at once), f32 and bf16+int4; and bf16+int4
              compiled batch-invariant (engine key deepfuse-int4-invariant), and bf16+int4 with n-gram
              speculation (prompt lookup, confidence-scheduled; deepfuse-int4-ngram): not run by default.
-             The prompts are drawn from 24 words, so prompt lookup finds more here than in real text
+             The prompts are drawn from 24 words, so prompt lookup finds more here than in real text.
+             Also not by default: W8A8 (int8 weights and activations, AVX512-VNNI; deepfuse-w8a8,
+             deepfuse-w8a8-ngram), a precision change: see docs/quantization.md
   HF         transformers `generate` on the whole batch (left-padded), bf16, streamer for token times
   llama.cpp  llama-cpp-python on the Q4_1 GGUF, requests one after another (as its Python API
              serves them); needs `pip install -e .[bench]` (builds llama.cpp, ~7 min), else skipped.
@@ -164,6 +166,9 @@ def main() -> None:
         "deepfuse int4 inv.": ("deepfuse-int4-invariant",
                                lambda: run_deepfuse(model, prompts, warmup, "bf16", "int4", batch_invariant=True)),
         "deepfuse int4 ngram": ("deepfuse-int4-ngram", lambda: run_deepfuse(model, prompts, warmup, "bf16", "int4", ngram=True)),
+        "deepfuse w8a8": ("deepfuse-w8a8", lambda: run_deepfuse(model, prompts, warmup, "bf16", "w8a8")),
+        "deepfuse w8a8 ngram": ("deepfuse-w8a8-ngram", lambda: run_deepfuse(model, prompts, warmup, "bf16", "w8a8",
+                                                                            ngram=True)),
         "HF bf16 batched": ("hf", lambda: run_hf(prompts)),
         "llama.cpp (Q4_1)": ("llama.cpp", lambda: run_llama_cpp(prompts)),
     }

@@ -111,7 +111,12 @@ def zeros_on_huge_pages(count: int, shape: tuple[int, ...], dtype: torch.dtype) 
     mapping that Linux is asked to back with transparent huge pages. A step's attention reads
     every sequence's blocks, scattered over the whole cache: on 4 KiB pages nearly each block
     read misses the TLB (batch-64 decode attention on SmolLM2 went from ~53 to ~41 ms a step
-    with scattered blocks). Where the platform has no MADV_HUGEPAGE: plain torch.zeros."""
+    with scattered blocks). Every page is touched here, once: a first write to a huge page faults,
+    and the fault can include the kernel compacting memory to find 2 MiB (3-11 ms a page on a
+    2-core Zen 4, 1.5 GB in 3-8 s; 0.1 s when huge pages are at hand). Inside steps those faults
+    had cost the throughput workload 2-3 s of its ~21 s (in the cache writes of the first pass
+    over each block); here they are paid once, when the engine is made, in proportion to
+    num_blocks. Where the platform has no MADV_HUGEPAGE: plain torch.zeros."""
     nbytes = math.prod(shape) * dtype.itemsize
     if not hasattr(mmap, "MADV_HUGEPAGE") or nbytes == 0:
         return [torch.zeros(shape, dtype=dtype) for _ in range(count)]
@@ -119,6 +124,7 @@ def zeros_on_huge_pages(count: int, shape: tuple[int, ...], dtype: torch.dtype) 
     memory = mmap.mmap(-1, stride * count + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)  # zero-filled
     memory.madvise(mmap.MADV_HUGEPAGE)
     raw = torch.frombuffer(memory, dtype=torch.uint8)  # keeps the mapping alive
+    raw[::4096].fill_(0)  # fault every page in now (zeros: the mapping stays zero-filled)
     start = -raw.data_ptr() % HUGE_PAGE
     return [raw[start + i * stride: start + i * stride + nbytes].view(dtype).view(shape) for i in range(count)]
 

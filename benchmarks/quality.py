@@ -24,12 +24,12 @@ import os
 import torch
 
 import deepfuse
+from deepfuse.ir.types import DTYPES
 from deepfuse.runtime.batch import SeqChunk, build_step
 from deepfuse.runtime.kv_cache import CacheConfig, KVCache
 
 MODES = {"f32": ("f32", None), "bf16": ("bf16", None), "bf16-int4": ("bf16", "int4"),
          "f32-w8a8": ("f32", "w8a8"), "bf16-w8a8": ("bf16", "w8a8")}
-TORCH_DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16}
 
 
 def held_out_text() -> str:
@@ -56,6 +56,9 @@ def main() -> None:
     ap.add_argument("--chunk", type=int, default=512)
     ap.add_argument("--modes", default="f32,bf16,bf16-int4,f32-w8a8,bf16-w8a8")
     args = ap.parse_args()
+    unknown = [m for m in args.modes.split(",") if m not in MODES]
+    if unknown:
+        raise SystemExit(f"unknown mode(s) {', '.join(unknown)} (available: {', '.join(MODES)})")
     from deepfuse.models import load_model
 
     model, tok = load_model("smollm2")
@@ -63,11 +66,9 @@ def main() -> None:
     target = torch.tensor(ids[1:])
     results, ref_top = {}, None
     for mode in args.modes.split(","):
-        if mode not in MODES:
-            raise SystemExit(f"unknown mode {mode!r} (available: {', '.join(MODES)})")
         dtype, quant = MODES[mode]
         compiled = deepfuse.compile(model, dtype=dtype, quant=quant)
-        logits = teacher_forced_logits(compiled, model.config, ids, args.chunk, TORCH_DTYPES[dtype])
+        logits = teacher_forced_logits(compiled, model.config, ids, args.chunk, DTYPES[dtype])
         nll = torch.nn.functional.cross_entropy(logits, target, reduction="mean").item()
         top = logits.argmax(-1)
         ref_top = top if ref_top is None else ref_top

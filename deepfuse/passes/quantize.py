@@ -14,44 +14,44 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import torch
+
 from ..ir import Graph, Node
 from ..ir.opdefs_quant import quantize_q4, quantize_w8
 
 
-def quantize_int4(group_size: int = 32) -> Callable[[Graph], Graph]:
+def _quantize_linears(op: str, group: int, attrs: dict,
+                      encode: Callable[[str, torch.Tensor], dict[str, torch.Tensor]]) -> Callable[[Graph], Graph]:
+    """A pass rewriting linear(x, W) -> op(x, *params) for each param W whose K is a multiple of
+    `group`; encode(W's name, W) gives the new params by name, in the op's input order."""
     def quantize(g: Graph) -> Graph:
         params = set(g.params)
         for i, n in enumerate(g.nodes):
             if n.op != "linear":
                 continue
             x, w = n.inputs
-            if w not in params or w.name not in g.weights or w.type.shape[1] % group_size:
+            if w not in params or w.name not in g.weights or w.type.shape[1] % group:
                 continue
-            packed, scales, mins = quantize_q4(g.weights[w.name], group_size)
-            ins = [g.add_param(f"{w.name}.q4", packed), g.add_param(f"{w.name}.scales", scales),
-                   g.add_param(f"{w.name}.mins", mins)]
+            ins = [g.add_param(name, t) for name, t in encode(w.name, g.weights[w.name]).items()]
             params.update(ins)
-            g.nodes[i] = Node("linear_q4", [x, *ins], n.outputs, {"group_size": group_size})
+            g.nodes[i] = Node(op, [x, *ins], n.outputs, dict(attrs))
         g.drop_unused_params()
         return g
 
     return quantize
+
+
+def quantize_int4(group_size: int = 32) -> Callable[[Graph], Graph]:
+    def encode(name: str, w: torch.Tensor) -> dict[str, torch.Tensor]:
+        packed, scales, mins = quantize_q4(w, group_size)
+        return {f"{name}.q4": packed, f"{name}.scales": scales, f"{name}.mins": mins}
+
+    return _quantize_linears("linear_q4", group_size, {"group_size": group_size}, encode)
 
 
 def quantize_w8a8(act_group: int = 64) -> Callable[[Graph], Graph]:
-    def quantize(g: Graph) -> Graph:
-        params = set(g.params)
-        for i, n in enumerate(g.nodes):
-            if n.op != "linear":
-                continue
-            x, w = n.inputs
-            if w not in params or w.name not in g.weights or w.type.shape[1] % act_group:
-                continue
-            wq, scale = quantize_w8(g.weights[w.name])
-            ins = [g.add_param(f"{w.name}.w8", wq), g.add_param(f"{w.name}.w8_scale", scale)]
-            params.update(ins)
-            g.nodes[i] = Node("linear_w8a8", [x, *ins], n.outputs, {"act_group": act_group})
-        g.drop_unused_params()
-        return g
+    def encode(name: str, w: torch.Tensor) -> dict[str, torch.Tensor]:
+        wq, scale = quantize_w8(w)
+        return {f"{name}.w8": wq, f"{name}.w8_scale": scale}
 
-    return quantize
+    return _quantize_linears("linear_w8a8", act_group, {"act_group": act_group}, encode)

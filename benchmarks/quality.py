@@ -7,11 +7,12 @@ row's logits: a chunk samples all its rows), continuing one sequence through the
 
 Modes: f32 (the GGUF's Q4_1 weights dequantized, f32 activations: the reference), bf16 (weights
 and activations in bf16), bf16+int4 (the same Q4_1 weights, bf16 activations), w8a8 in f32 and
-bf16 (weights re-quantized to int8 per output row, activations to int8 per row and group of 64).
+bf16 (weights re-quantized to int8 per output row, activations to int8 per row and group of 64);
+"-kv8": with the int8 KV cache (each cached k and v row as int8 with its scale).
 Printed: perplexity, its change against f32, and how often each mode's top-1 token agrees with
 f32's. Written to benchmarks/results/quality.json.
 
-    python benchmarks/quality.py [--tokens 4096] [--chunk 512] [--modes f32,bf16-int4,bf16-w8a8]
+    python benchmarks/quality.py [--tokens 4096] [--chunk 512] [--modes f32,bf16-int4,bf16-int4-kv8]
 """
 from __future__ import annotations
 
@@ -28,8 +29,11 @@ from deepfuse.ir.types import DTYPES
 from deepfuse.runtime.batch import SeqChunk, build_step
 from deepfuse.runtime.kv_cache import CacheConfig, KVCache
 
-MODES = {"f32": ("f32", None), "bf16": ("bf16", None), "bf16-int4": ("bf16", "int4"),
-         "f32-w8a8": ("f32", "w8a8"), "bf16-w8a8": ("bf16", "w8a8")}
+# mode: (dtype, quant, kv_cache_dtype)
+MODES = {"f32": ("f32", None, None), "bf16": ("bf16", None, None), "bf16-int4": ("bf16", "int4", None),
+         "f32-w8a8": ("f32", "w8a8", None), "bf16-w8a8": ("bf16", "w8a8", None),
+         "bf16-kv8": ("bf16", None, "int8"), "bf16-int4-kv8": ("bf16", "int4", "int8"),
+         "bf16-w8a8-kv8": ("bf16", "w8a8", "int8")}
 
 
 def held_out_text() -> str:
@@ -38,9 +42,10 @@ def held_out_text() -> str:
     return "\n\n".join(open(f, encoding="utf-8").read() for f in files)
 
 
-def teacher_forced_logits(compiled, config, ids: list[int], chunk: int, dtype: torch.dtype) -> torch.Tensor:
+def teacher_forced_logits(compiled, config, ids: list[int], chunk: int) -> torch.Tensor:
     """Logits [len(ids) - 1, V] (f32) of every next token, the text fed in chunks."""
-    cache = KVCache(config.num_layers, config.num_kv_heads, config.head_dim, dtype,
+    kv = compiled.kv_cache_type
+    cache = KVCache(config.num_layers, config.num_kv_heads, kv.shape[4], DTYPES[kv.dtype],
                     CacheConfig(block_size=16, num_blocks=-(-len(ids) // 16) + 1))
     blocks, out = [], []
     for start in range(0, len(ids) - 1, chunk):
@@ -66,9 +71,9 @@ def main() -> None:
     target = torch.tensor(ids[1:])
     results, ref_top = {}, None
     for mode in args.modes.split(","):
-        dtype, quant = MODES[mode]
-        compiled = deepfuse.compile(model, dtype=dtype, quant=quant)
-        logits = teacher_forced_logits(compiled, model.config, ids, args.chunk, DTYPES[dtype])
+        dtype, quant, kv_cache_dtype = MODES[mode]
+        compiled = deepfuse.compile(model, dtype=dtype, quant=quant, kv_cache_dtype=kv_cache_dtype)
+        logits = teacher_forced_logits(compiled, model.config, ids, args.chunk)
         nll = torch.nn.functional.cross_entropy(logits, target, reduction="mean").item()
         top = logits.argmax(-1)
         ref_top = top if ref_top is None else ref_top

@@ -6,7 +6,8 @@ Engines, one run, same GGUF weights, same prompts, EOS ignored so every request 
              speculation (prompt lookup, confidence-scheduled; deepfuse-int4-ngram): not run by default.
              The prompts are drawn from 24 words, so prompt lookup finds more here than in real text.
              Also not by default: W8A8 (int8 weights and activations, AVX512-VNNI; deepfuse-w8a8,
-             deepfuse-w8a8-ngram), a precision change: see docs/quantization.md
+             deepfuse-w8a8-ngram), and the int8 KV cache (deepfuse-int4-kv8, deepfuse-w8a8-kv8): precision
+             changes, see docs/quantization.md
   HF         transformers `generate` on the whole batch (left-padded), bf16, streamer for token times
   llama.cpp  llama-cpp-python on the Q4_1 GGUF, requests one after another (as its Python API
              serves them); needs `pip install -e .[bench]` (builds llama.cpp, ~7 min), else skipped.
@@ -59,7 +60,7 @@ def summary(wall: float, ttft: list[float], tpot: list[float], n_out: int) -> di
 
 
 def run_deepfuse(model, prompts, warmup, dtype: str, quant: str | None, batch_invariant: bool = False,
-                 ngram: bool = False) -> dict:
+                 ngram: bool = False, kv_cache_dtype: str | None = None) -> dict:
     """warmup: prompts for the untimed first call, other than the workload's (the prefix cache
     would otherwise hand some of the timed prompts their prefill)."""
     import deepfuse
@@ -67,7 +68,8 @@ def run_deepfuse(model, prompts, warmup, dtype: str, quant: str | None, batch_in
     from deepfuse.runtime.kv_cache import CacheConfig
     from deepfuse.runtime.spec import SpecConfig
 
-    eng = Engine(deepfuse.compile(model, dtype=dtype, quant=quant, batch_invariant=batch_invariant),
+    eng = Engine(deepfuse.compile(model, dtype=dtype, quant=quant, batch_invariant=batch_invariant,
+                                  kv_cache_dtype=kv_cache_dtype),
                  CacheConfig(num_blocks=4096),
                  max_num_tokens=1024, max_num_seqs=len(prompts), spec=SpecConfig(method="ngram") if ngram else None)
     p = SamplingParams(temperature=0, max_tokens=OUT_TOKENS, ignore_eos=True)
@@ -169,6 +171,10 @@ def main() -> None:
         "deepfuse w8a8": ("deepfuse-w8a8", lambda: run_deepfuse(model, prompts, warmup, "bf16", "w8a8")),
         "deepfuse w8a8 ngram": ("deepfuse-w8a8-ngram", lambda: run_deepfuse(model, prompts, warmup, "bf16", "w8a8",
                                                                             ngram=True)),
+        "deepfuse int4 kv8": ("deepfuse-int4-kv8", lambda: run_deepfuse(model, prompts, warmup, "bf16", "int4",
+                                                                        kv_cache_dtype="int8")),
+        "deepfuse w8a8 kv8": ("deepfuse-w8a8-kv8", lambda: run_deepfuse(model, prompts, warmup, "bf16", "w8a8",
+                                                                        kv_cache_dtype="int8")),
         "HF bf16 batched": ("hf", lambda: run_hf(prompts)),
         "llama.cpp (Q4_1)": ("llama.cpp", lambda: run_llama_cpp(prompts)),
     }

@@ -15,6 +15,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="f32", choices=["f32", "bf16", "f16"])
     p.add_argument("--quant", default=None, choices=["int4", "w8a8"],
                    help="int4: weight-only, 4-bit groups of 32; w8a8: int8 weights and activations")
+    p.add_argument("--kv-cache-dtype", default=None, choices=["int8"],
+                   help="int8: cached k and v rows as int8 with a scale each (cpu; default: the model dtype)")
 
 
 def _add_invariant_arg(p: argparse.ArgumentParser) -> None:
@@ -75,7 +77,8 @@ def _generate(args: argparse.Namespace) -> None:
     method = dict(method="mtp", draft_head=args.draft_head) if args.draft_head else {}
     spec = SpecConfig(num_draft_tokens=args.speculate, **method) if args.speculate else None
     llm = LLM(artifact=args.artifact, spec=spec, batch_invariant=args.batch_invariant) if args.artifact else \
-        LLM(args.model, dtype=args.dtype, quant=args.quant, spec=spec, batch_invariant=args.batch_invariant)
+        LLM(args.model, dtype=args.dtype, quant=args.quant, spec=spec, batch_invariant=args.batch_invariant,
+            kv_cache_dtype=args.kv_cache_dtype)
     tok = llm.tokenizer
     prompt = args.prompt if args.no_chat else tok.render_chat([{"role": "user", "content": args.prompt}])
     params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
@@ -158,7 +161,7 @@ def _train_drafter(args: argparse.Namespace) -> None:
     prompts = read_prompts(args.prompts, tok, not args.no_chat) if args.prompts else None
     config = TrainConfig(num_prompts=args.num_prompts, max_tokens=args.max_tokens, seconds=args.minutes * 60,
                          steps=args.steps, depth=args.depth)
-    art = compile(model, dtype=args.dtype, quant=args.quant, tokenizer=tok)
+    art = compile(model, dtype=args.dtype, quant=args.quant, tokenizer=tok, kv_cache_dtype=args.kv_cache_dtype)
     log = lambda msg: print(msg, file=sys.stderr)
     m = train_drafter(art, args.output, config, prompts=prompts, log=log)
     held = m["heldout"]
@@ -175,7 +178,7 @@ def _compile(args: argparse.Namespace) -> None:
     from .compiler import compile
 
     art = compile(args.model, target=args.target, dtype=args.dtype, quant=args.quant,
-                  batch_invariant=args.batch_invariant)
+                  batch_invariant=args.batch_invariant, kv_cache_dtype=args.kv_cache_dtype)
     art.save(args.output)
     print(f"wrote {args.output} ({len(art.graph.nodes)} ops, {len(art.graph.params)} weights, "
           f"target {art.target})", file=sys.stderr)
@@ -190,7 +193,8 @@ def _ir(args: argparse.Namespace) -> None:
 
     target = get_target(args.target)
     model, _ = load_model(args.model, with_tokenizer=False)
-    graph, reports = PassManager(target.pipeline(quant=args.quant)).run(trace_model(model, args.dtype), args.dump_dir)
+    graph, reports = PassManager(target.pipeline(quant=args.quant)).run(trace_model(model, args.dtype, args.kv_cache_dtype),
+                                                                            args.dump_dir)
     if args.stats:
         sys.stdout.write(stats_table(graph, reports))
         return

@@ -3,15 +3,17 @@ from __future__ import annotations
 
 import torch
 
+from deepfuse.ir import DTYPES
 from deepfuse.models import step_specs
 from deepfuse.runtime.batch import SeqChunk, build_step
 from deepfuse.runtime.kv_cache import CacheConfig, KVCache
 
 
-def greedy_with(step, config, prompt: list[int], n: int, dtype=torch.float32, block_size: int = 4):
-    """step(inputs: dict) -> (logits, next, hidden). Returns (tokens, first-step logits)."""
-    cache = KVCache(config.num_layers, config.num_kv_heads, config.head_dim, dtype,
-                    CacheConfig(block_size=block_size, num_blocks=256))
+def greedy_with(step, config, prompt: list[int], n: int, dtype=torch.float32, block_size: int = 4, kv=None):
+    """step(inputs: dict) -> (logits, next, hidden). Returns (tokens, first-step logits).
+    kv: the cache inputs' TensorType where it is not [.., head_dim] of `dtype` (an int8 cache)."""
+    row, dtype = (kv.shape[4], DTYPES[kv.dtype]) if kv is not None else (config.head_dim, dtype)
+    cache = KVCache(config.num_layers, config.num_kv_heads, row, dtype, CacheConfig(block_size=block_size, num_blocks=256))
     seq, blocks, start, out, first = list(prompt), [], 0, [], None
     for _ in range(n):
         logits, nxt, _ = step(build_step([SeqChunk(seq[start:], start, blocks)], cache))

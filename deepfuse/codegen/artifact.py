@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from safetensors.torch import save_file
 
 from .. import __version__
-from ..ir import Graph, print_graph
+from ..ir import Graph, TensorType, print_graph
 from ..models.llama import LlamaConfig
 from ..runtime.tokenizer import Tokenizer
 from .targets import Runner
@@ -53,6 +53,16 @@ class CompiledModel:
         """Whether it was compiled to run one kernel per op for every batch shape."""
         return bool(self.plan.get("batch_invariant"))
 
+    @property
+    def kv_cache_type(self) -> TensorType:
+        """The type of each layer's cache input ([2,N,BS,Hkv,row]; dtype i8 for an int8 cache)."""
+        return next(v.type for v in self.graph.inputs if v.name.startswith("kv_cache."))
+
+    @property
+    def kv_cache_dtype(self) -> str | None:
+        """None (caches of the model dtype) or "int8", as compile() was given it."""
+        return "int8" if self.kv_cache_type.dtype == "i8" else None
+
     def __call__(self, inputs: dict) -> list:
         return self.runner(inputs)
 
@@ -79,6 +89,7 @@ class CompiledModel:
             "target": self.target,
             "dtype": self.dtype,
             "quant": self.quant,
+            "kv_cache_dtype": self.kv_cache_dtype,
             "batch_invariant": self.batch_invariant,
             "model": {"family": self.config.family, "config": self.config.to_dict()},
             "passes": [{"name": p["name"], "id": p["id"]} for p in self.passes],

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from .opdefs_basic import swiglu
-from .opdefs_llm import attention, rms_norm, rope, write_kv
+from .opdefs_llm import attention, check_kv_cache, rms_norm, rope, write_kv
 from .opdefs_moe import head_rms_norm
 from .opdefs_quant import _linear_q4_type, linear_q4
 from .ops import OPS, decomposition, expect, register
@@ -113,7 +113,7 @@ def _qkv_rope_cache_type(types: list[TensorType], attrs: dict) -> list[TensorTyp
                                                                              for w in norms)),
            f"qkv_rope_cache head norms must be two [{attrs['head_dim']}] weights with qk_norm_eps, got {norms}")
     expect(len(sizes) == 3 and qkv.shape[1] == sum(sizes), f"qkv_rope_cache sizes {sizes} do not split {qkv}")
-    expect(cache.rank == 5 and cache.dtype == qkv.dtype, f"qkv_rope_cache cache {cache} does not fit {qkv}")
+    check_kv_cache(cache, qkv.dtype, sizes[1] // attrs["head_dim"], attrs["head_dim"])
     return [qkv.with_shape(qkv.shape[0], s) for s in sizes]
 
 

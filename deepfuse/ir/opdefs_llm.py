@@ -88,28 +88,64 @@ def _attention_type(types: list[TensorType], attrs: dict) -> list[TensorType]:
     expect(q.shape[1:] == (h * hd,), f"attention q {q} does not match {h} heads of {hd}")
     expect(k.shape[1:] == (hkv * hd,) and v.shape[1:] == (hkv * hd,), f"attention k/v {k}, {v} do not match {hkv} kv heads")
     expect(h % hkv == 0, f"num_heads {h} not a multiple of num_kv_heads {hkv}")
-    expect(cache.rank == 5 and cache.shape[0] == 2 and cache.shape[3:] == (hkv, hd),
-           f"kv cache must be [2,N,BS,{hkv},{hd}], got {cache}")
-    expect(cache.dtype == k.dtype, f"kv cache dtype {cache.dtype} differs from k {k.dtype}")
+    check_kv_cache(cache, k.dtype, hkv, hd)
     expect(tables.rank == 2 and lens.rank == 1 and qlens.rank == 1, "block_tables[S,B], seq_lens[S], query_lens[S] expected")
     return [q]
 
 
+KV_SCALE_BYTES = 4  # an int8 cache row ends in the f32 scale of its head_dim values
+
+
+def kv_row_size(head_dim: int, cache_dtype: str) -> int:
+    """Elements of one (position, kv head) row of a cache: head_dim, plus the scale's 4 bytes in int8."""
+    return head_dim + KV_SCALE_BYTES if cache_dtype == "i8" else head_dim
+
+
+def check_kv_cache(cache: TensorType, dtype: str, hkv: int, hd: int) -> None:
+    """A layer's cache is [2,N,BS,Hkv,hd] of the model's float dtype, or int8 rows
+    [2,N,BS,Hkv,hd+4] (quantize_kv_rows)."""
+    row = kv_row_size(hd, cache.dtype)
+    expect(cache.rank == 5 and cache.shape[0] == 2 and cache.shape[3:] == (hkv, row),
+           f"kv cache must be [2,N,BS,{hkv},{row}], got {cache}")
+    expect(cache.dtype in (dtype, "i8"), f"kv cache dtype {cache.dtype} is neither k's {dtype} nor i8")
+
+
+def quantize_kv_rows(x: torch.Tensor) -> torch.Tensor:
+    """Rows x[..., hd] (float) -> int8 [..., hd+4]: q = round(x * (127/amax)) (ties to even) and, in the
+    last 4 bytes, the f32 scale amax/127, amax = max |x| of the row (a zero row: all zeros)."""
+    x = x.float()
+    amax = x.abs().amax(-1, keepdim=True)
+    inv = torch.where(amax > 0, torch.full_like(amax, 127).div(amax), torch.zeros_like(amax))
+    q = torch.round(x * inv).clamp_(-127, 127).to(torch.int8)
+    return torch.cat([q, (amax / 127).view(torch.int8)], -1)
+
+
+def dequantize_kv_rows(rows: torch.Tensor) -> torch.Tensor:
+    """int8 rows [..., hd+4] -> f32 [..., hd]: q * scale."""
+    hd = rows.shape[-1] - KV_SCALE_BYTES
+    return rows[..., :hd].float() * rows[..., hd:].contiguous().view(torch.float32)
+
+
 def write_kv_rows(cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
-    """Writes k/v rows [T, Hkv*hd] into cache[2,N,BS,Hkv,hd] at flat slots[T] (each in [0, N*BS))."""
-    flat = cache.view(2, -1, cache.shape[3], cache.shape[4])
-    flat[0].index_copy_(0, slots, k.reshape(-1, cache.shape[3], cache.shape[4]))
-    flat[1].index_copy_(0, slots, v.reshape(-1, cache.shape[3], cache.shape[4]))
+    """Writes k/v rows [T, Hkv*hd] into cache[2,N,BS,Hkv,hd] at flat slots[T] (each in [0, N*BS));
+    into an int8 cache as quantize_kv_rows of each head's row."""
+    hkv, row = cache.shape[3], cache.shape[4]
+    flat = cache.view(2, -1, hkv, row)
+    for half, x in ((0, k), (1, v)):
+        x = x.reshape(x.shape[0], hkv, -1)
+        flat[half].index_copy_(0, slots, quantize_kv_rows(x) if cache.dtype == torch.int8 else x)
 
 
 write_kv = write_kv_rows
 
 
 def gather_kv(cache: torch.Tensor, table: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The first `length` cached k and v of one sequence: each [length, Hkv, hd]."""
+    """The first `length` cached k and v of one sequence: each [length, Hkv, hd] (f32 from an int8 cache)."""
     bs = cache.shape[2]
     blocks = table[: (length + bs - 1) // bs].long()
     kv = cache[:, blocks].reshape(2, -1, cache.shape[3], cache.shape[4])
+    if cache.dtype == torch.int8:
+        kv = dequantize_kv_rows(kv)
     return kv[0, :length], kv[1, :length]
 
 

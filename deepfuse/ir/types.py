@@ -17,6 +17,7 @@ DTYPES: dict[str, torch.dtype] = {
     "i32": torch.int32,
     "i64": torch.int64,
     "u8": torch.uint8,
+    "i8": torch.int8,
     "bool": torch.bool,
 }
 TORCH_TO_DTYPE = {v: k for k, v in DTYPES.items()}

@@ -12,6 +12,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from ..frontend import Spec, ops
+from ..ir.opdefs_llm import kv_row_size
 
 
 @dataclass(frozen=True)
@@ -50,14 +51,22 @@ class LlamaConfig:
         return self.num_experts > 0 and i not in self.dense_layers
 
 
-def step_specs(config: LlamaConfig, dtype: str) -> list[Spec]:
+KV_CACHE_DTYPES = ("int8",)  # besides the model's own float dtype (None)
+
+
+def step_specs(config: LlamaConfig, dtype: str, kv_cache_dtype: str | None = None) -> list[Spec]:
     """Inputs of one engine step. T tokens, S sequences, B blocks per table, N blocks of BS slots,
     R sampled rows (sample_rows: indices into the T tokens, strictly increasing) with their
-    sampling parameters and the draft each row verifies (draft_tokens; -1: none)."""
+    sampling parameters and the draft each row verifies (draft_tokens; -1: none).
+    kv_cache_dtype None: the caches hold `dtype`; "int8": int8 rows with a scale each
+    (ir.opdefs_llm.quantize_kv_rows), [2,N,BS,Hkv,hd+4]."""
+    if kv_cache_dtype not in (None, *KV_CACHE_DTYPES):
+        raise ValueError(f"kv_cache_dtype must be None or one of {KV_CACHE_DTYPES}, got {kv_cache_dtype!r}")
+    cache_dtype = "i8" if kv_cache_dtype == "int8" else dtype
     seq = [Spec(n, "i64", ("S",)) for n in ("seq_lens", "query_lens")]
     sampling = [Spec("sample_rows", "i64", ("R",)), Spec("temperature", "f32", ("R",)), Spec("top_k", "i64", ("R",)),
                 Spec("top_p", "f32", ("R",)), Spec("seeds", "i64", ("R",)), Spec("draft_tokens", "i64", ("R",))]
-    caches = [Spec(f"kv_cache.{i}", dtype, (2, "N", "BS", config.num_kv_heads, config.head_dim))
+    caches = [Spec(f"kv_cache.{i}", cache_dtype, (2, "N", "BS", config.num_kv_heads, kv_row_size(config.head_dim, cache_dtype)))
               for i in range(config.num_layers)]
     return [Spec("tokens", "i64", ("T",)), Spec("positions", "i64", ("T",)),
             Spec("slot_mapping", "i64", ("T",)), Spec("block_tables", "i64", ("S", "B")),

@@ -1,7 +1,7 @@
 """Paged KV cache: per-layer block tensors, a reference-counted block pool with prefix
 caching, and the manager that gives sequences their blocks.
 
-Layer i's cache is one tensor [2, N, BS, Hkv, hd] (k and v). A sequence owns a list of
+Layer i's cache is one tensor [2, N, BS, Hkv, hd] (k and v; int8 rows are hd + 4 long). A sequence owns a list of
 block ids (its block table); the token at position p lives in slot
 table[p // BS] * BS + p % BS. This module owns memory; it does not schedule.
 
@@ -132,9 +132,11 @@ def zeros_on_huge_pages(count: int, shape: tuple[int, ...], dtype: torch.dtype) 
 class KVCache:
     """The cache tensors of every layer plus their block pool."""
 
-    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, config: CacheConfig):
+    def __init__(self, num_layers: int, num_kv_heads: int, row: int, dtype: torch.dtype, config: CacheConfig):
+        """row: elements of one (position, kv head) row: head_dim, or head_dim + 4 for int8 rows
+        that end in their scale (ir.opdefs_llm.kv_row_size)."""
         self.config = config
-        shape = (2, config.num_blocks, config.block_size, num_kv_heads, head_dim)
+        shape = (2, config.num_blocks, config.block_size, num_kv_heads, row)
         self.layers = zeros_on_huge_pages(num_layers, shape, dtype)
         self.pool = BlockPool(config.num_blocks)
 

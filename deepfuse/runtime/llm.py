@@ -13,7 +13,9 @@ class LLM:
     """model: a model name/path (compiled now) or an artifact directory; artifact: an
     artifact directory (loaded and verified, never recompiled); quant: None, "int4" (4-bit
     weights) or "w8a8" (int8 weights and activations: the fastest on CPUs with AVX512-VNNI, at
-    about 1% perplexity over int4, docs/quantization.md). Engine settings:
+    about 1% perplexity over int4, docs/quantization.md); kv_cache_dtype: None (the cache holds
+    `dtype`) or "int8" (cpu: k and v rows as int8 with a scale each, half of bf16's bytes for
+    attention to read; docs/quantization.md). Engine settings:
     block_size and num_blocks size the paged KV cache; max_num_tokens is the token budget
     of one step (and the prefill chunk); max_num_seqs caps the batch; spec: a SpecConfig for
     speculative decoding (same outputs, fewer steps when drafts are accepted);
@@ -23,7 +25,7 @@ class LLM:
     def __init__(self, model: str = "smollm2", target: str = "cpu", dtype: str = "f32",
                  block_size: int = 16, num_blocks: int = 1024, max_num_tokens: int = 512, max_num_seqs: int = 64,
                  enable_prefix_caching: bool = True, artifact: str | None = None, quant: str | None = None,
-                 spec: SpecConfig | None = None, batch_invariant: bool = False):
+                 spec: SpecConfig | None = None, batch_invariant: bool = False, kv_cache_dtype: str | None = None):
         from ..compiler import compile
         from .loader import load
 
@@ -35,12 +37,15 @@ class LLM:
                                     "`deepfuse compile --batch-invariant`")
             if spec is not None and spec.method == "draft":
                 raise DeepfuseError('speculative method "draft" needs the model itself, not an artifact')
+            if kv_cache_dtype is not None and kv_cache_dtype != self.model.kv_cache_dtype:
+                raise DeepfuseError(f"this artifact was compiled with kv_cache_dtype {self.model.kv_cache_dtype!r}, "
+                                    f"not {kv_cache_dtype!r}; recompile it with `deepfuse compile --kv-cache-dtype`")
         else:
             from ..models import load_model
 
             source, tok = load_model(model)
             self.model = compile(source, target=target, dtype=dtype, quant=quant, tokenizer=tok,
-                                 batch_invariant=batch_invariant)
+                                 batch_invariant=batch_invariant, kv_cache_dtype=kv_cache_dtype)
             if spec is not None and spec.method == "draft":
                 if spec.draft_layers < 1:
                     raise DeepfuseError("SpecConfig.draft_layers must be >= 1 for the draft method")
@@ -48,7 +53,8 @@ class LLM:
                     first = source.first_layers(spec.draft_layers)
                 except ValueError as e:
                     raise DeepfuseError(str(e)) from None
-                draft = compile(first, target=target, dtype=dtype, quant=quant, batch_invariant=batch_invariant)
+                draft = compile(first, target=target, dtype=dtype, quant=quant, batch_invariant=batch_invariant,
+                                kv_cache_dtype=kv_cache_dtype)
         if self.model.tokenizer is None:
             raise DeepfuseError("this model has no tokenizer; pass token ids to Engine.generate instead")
         self.tokenizer = self.model.tokenizer

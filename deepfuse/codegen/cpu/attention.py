@@ -26,21 +26,26 @@ import torch
 import torch.nn.functional as F
 
 from ...errors import DeepfuseError
-from ...ir.opdefs_llm import causal_mask, write_kv
+from ...ir.opdefs_llm import causal_mask, dequantize_kv_rows, write_kv
 from .kernels import Kernel, factory
 from .native import kernels as native_kernels
 
 NATIVE_DTYPES = (torch.float32, torch.bfloat16)  # paged_decode.cpp's
 
 
-def gather_blocks(cache: torch.Tensor, tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rows of cache[2,N,BS,Hkv,hd] for block ids tables[...] -> (k, v), each [..., BS*Hkv*hd].
-    cache[0] and cache[1] are contiguous: a row gather on each is ~5x faster than indexing
-    the block dim of the 5-d tensor."""
+def gather_blocks(cache: torch.Tensor, tables: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows of cache[2,N,BS,Hkv,hd] for block ids tables[...] -> (k, v), each [..., BS*Hkv*hd] of
+    `dtype` (an int8 cache's rows dequantized). cache[0] and cache[1] are contiguous: a row gather on
+    each is ~5x faster than indexing the block dim of the 5-d tensor (F.embedding wants float rows:
+    int8 blocks are gathered as index_select)."""
     n = cache.shape[1]
     flat = tables.reshape(-1)
-    k = F.embedding(flat, cache[0].view(n, -1))
-    v = F.embedding(flat, cache[1].view(n, -1))
+    if cache.dtype == torch.int8:
+        k, v = (dequantize_kv_rows(cache[i].view(n, -1).index_select(0, flat).view(-1, cache.shape[4])).to(dtype)
+                for i in (0, 1))
+    else:
+        k = F.embedding(flat, cache[0].view(n, -1))
+        v = F.embedding(flat, cache[1].view(n, -1))
     return k.view(*tables.shape, -1), v.view(*tables.shape, -1)
 
 
@@ -204,7 +209,7 @@ def _attention(attrs: dict) -> Kernel:
     def decode(q, cache, tables, g: DecodeGroup, sinks) -> torch.Tensor:
         """One group in one SDPA call: q[G,H*hd] -> [G,H*hd], or q[G,W,H*hd] -> [G,W,H*hd]."""
         n, width = q.shape[0], q.shape[1] if q.dim() == 3 else 1
-        keys, vals = gather_blocks(cache, tables[:, : g.blocks])
+        keys, vals = gather_blocks(cache, tables[:, : g.blocks], q.dtype)
         keys = keys.view(n, -1, hkv, hd)[:, : g.length].transpose(1, 2)
         vals = vals.view(n, -1, hkv, hd)[:, : g.length].transpose(1, 2)
         o = sdpa(q.view(n, width, h, hd).transpose(1, 2), keys, vals, g.mask, False, sinks)
@@ -244,12 +249,14 @@ def _attention(attrs: dict) -> Kernel:
                               lay.prefill_lens, h, window, scale, out)
             return out
         for s, a, n, length in lay.prefills:
-            whole = n == length and not window  # a prompt in one chunk: plain causal, upper half skipped
+            # a prompt in one chunk: plain causal, upper half skipped (an int8 cache's keys are read
+            # back from it, quantized, as every later step reads them)
+            whole = n == length and not window and cache.dtype != torch.int8
             if whole:  # its keys are exactly this step's k/v rows: no gather from the cache
                 keys, vals = k[a:a + n].view(n, hkv, hd), v[a:a + n].view(n, hkv, hd)
             else:
                 nb = -(-length // cache.shape[2])
-                keys, vals = (t.view(-1, hkv, hd)[:length] for t in gather_blocks(cache, tables[s, :nb]))
+                keys, vals = (t.view(-1, hkv, hd)[:length] for t in gather_blocks(cache, tables[s, :nb], q.dtype))
             # 4-D operands: torch's CPU flash kernel (3-D ones fall back to a ~5x slower path)
             qs = q[a:a + n].view(1, n, h, hd).transpose(1, 2)
             o = sdpa(qs, keys.transpose(0, 1)[None], vals.transpose(0, 1)[None],

@@ -4,7 +4,9 @@
 // limited to its own position, so a whole decode/verify step is one call.
 //
 //   q       [N, H*D]            query rows (f32 or bf16)
-//   cache   [2, NB, BS, Hkv, D] the layer's paged k/v cache (same dtype as q)
+//   cache   [2, NB, BS, Hkv, D] the layer's paged k/v cache (same dtype as q), or int8 rows
+//           [2, NB, BS, Hkv, D + 4] each ending in its f32 scale (ir.opdefs_llm.quantize_kv_rows):
+//           a key's scores and a value's weights are scaled by its row's scale, half the bytes read
 //   tables  [N, B] int64        each row's sequence's block ids (rows may be strided, entries not)
 //   lens    [N] int64           each row's causal length (its keys: positions 0 .. len-1)
 //   window  0, or attend only to the last `window` positions before len
@@ -31,10 +33,36 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <type_traits>
 #include <utility>
 #include <vector>
+
+// C: the cache's element: the query's type, or int8_t (rows of D values + their f32 scale)
+template <typename C>
+constexpr bool kInt8Rows = std::is_same_v<C, int8_t>;
+
+template <typename C>
+constexpr int64_t row_elems(int64_t d) {
+    return kInt8Rows<C> ? d + 4 : d;
+}
+
+// The scale of a cache row of d values (1 for float rows)
+template <typename C>
+static inline float row_scale(const C* row, int64_t d) {
+    if constexpr (kInt8Rows<C>) {
+        float s;
+        std::memcpy(&s, row + d, sizeof(float));
+        return s;
+    } else {
+        return 1.f;
+    }
+}
+
+static inline float to_float(float x) { return x; }
+static inline float to_float(c10::BFloat16 x) { return static_cast<float>(x); }
+static inline float to_float(int8_t x) { return static_cast<float>(x); }
 
 #if defined(__AVX512F__)
 #include "vec.h"
@@ -102,13 +130,13 @@ constexpr int64_t kAhead = 2;      // blocks of keys prefetched ahead
 // G query heads per kv head, DV: the head size in 16-float vectors (4 or 8). Same contract as
 // `decode`. Per segment: scores (per tile of 16 keys, every head in turn with its query in
 // registers, so the tile is read from memory once and twice more from L1), softmax, values.
-template <typename T, int G, int DV>
-static void decode_avx512(const T* q, const T* cache, const int64_t* tables, const int64_t* lens, T* out, int64_t n,
+template <typename T, typename C, int G, int DV>
+static void decode_avx512(const T* q, const C* cache, const int64_t* tables, const int64_t* lens, T* out, int64_t n,
                           const int64_t* rows, int64_t hkv, int64_t bs, int64_t nb, int64_t tb, int64_t window, float scale) {
-    constexpr int64_t D = DV * 16;
+    constexpr int64_t D = DV * 16, R = row_elems<C>(D);
     const int64_t h = G * hkv;
-    const int64_t half = nb * bs * hkv * D;
-    const int64_t stride = hkv * D;  // between a head's consecutive positions
+    const int64_t half = nb * bs * hkv * R;
+    const int64_t stride = hkv * R;  // between a head's consecutive positions
     at::parallel_for(0, n * hkv, 1, [&](int64_t begin, int64_t end) {
         alignas(64) float score[G][kSegment + 16];  // scores, then softmax weights (a short tile's
                                                     // dead lanes may spill past the segment)
@@ -124,8 +152,8 @@ static void decode_avx512(const T* q, const T* cache, const int64_t* tables, con
             const int64_t* ntable = tables + ns * tb;
             const int64_t first = window > 0 ? std::max<int64_t>(0, len - window) : 0;
             const int64_t* table = tables + s * tb;
-            const T* kbase = cache + kv * D;
-            const T* vbase = cache + half + kv * D;
+            const C* kbase = cache + kv * R;
+            const C* vbase = cache + half + kv * R;
             float m[G], l[G];
             for (int j = 0; j < G; ++j) {
                 m[j] = -std::numeric_limits<float>::infinity();
@@ -140,25 +168,33 @@ static void decode_avx512(const T* q, const T* cache, const int64_t* tables, con
                     if (p0 == std::max(s0, b * bs)) {  // entering block b
                         const int64_t next_b = nfirst / bs + (b - first / bs);  // its block as far in as b is in this one
                         if (has_next && next_b * bs < nlen) {
-                            const int64_t off = ntable[next_b] * bs * stride + nkv * D;
-                            prefetch_rows<T, D, _MM_HINT_T1>(cache + off, bs, stride);
-                            prefetch_rows<T, D, _MM_HINT_T1>(cache + half + off, bs, stride);
+                            const int64_t off = ntable[next_b] * bs * stride + nkv * R;
+                            prefetch_rows<C, R, _MM_HINT_T1>(cache + off, bs, stride);
+                            prefetch_rows<C, R, _MM_HINT_T1>(cache + half + off, bs, stride);
                         }
                         if ((b + kAhead) * bs < s1)
-                            prefetch_rows<T, D>(kbase + table[b + kAhead] * bs * stride, bs, stride);
-                        prefetch_rows<T, D>(vbase + (at + p0) * stride, std::min(s1, (b + 1) * bs) - p0, stride);
+                            prefetch_rows<C, R>(kbase + table[b + kAhead] * bs * stride, bs, stride);
+                        prefetch_rows<C, R>(vbase + (at + p0) * stride, std::min(s1, (b + 1) * bs) - p0, stride);
+                    }
+                    const C* tile = kbase + (at + p0) * stride;
+                    __m512 key_scale = _mm512_set1_ps(1.f);  // int8 rows: each row's scale in its lane
+                    if constexpr (kInt8Rows<C>) {
+                        alignas(64) float sc[16] = {};
+                        for (int i = 0; i < cnt; ++i) sc[i] = row_scale(tile + i * stride, D);
+                        key_scale = _mm512_load_ps(sc);
                     }
                     for (int j = 0; j < G; ++j) {  // every head's scores while the tile's keys are in L1
                         const T* src = q + s * h * D + (kv * G + j) * D;
                         __m512 qv[DV];     // f32 keys: the query, scaled
                         __m512i qb[DV / 2];  // bf16 keys: the query as it is (scaled after the dot)
-                        if constexpr (kPairScores<T>) {
+                        if constexpr (kPairScores<C>) {
                             for (int v = 0; v < DV / 2; ++v) qb[v] = _mm512_loadu_si512(src + 32 * v);
                         } else {
                             for (int v = 0; v < DV; ++v) qv[v] = _mm512_mul_ps(load16(src + 16 * v), _mm512_set1_ps(scale));
                         }
-                        __m512 sc = tile_scores<T, DV>(qv, qb, kbase + (at + p0) * stride, stride, cnt);
-                        if constexpr (kPairScores<T>) sc = _mm512_mul_ps(sc, _mm512_set1_ps(scale));
+                        __m512 sc = tile_scores<C, DV>(qv, qb, tile, stride, cnt);
+                        if constexpr (kPairScores<C>) sc = _mm512_mul_ps(sc, _mm512_set1_ps(scale));
+                        if constexpr (kInt8Rows<C>) sc = _mm512_mul_ps(sc, key_scale);
                         _mm512_storeu_ps(&score[j][p0 - s0], sc);  // dead lanes: overwritten or never read
                     }
                     p0 += cnt;
@@ -191,12 +227,13 @@ static void decode_avx512(const T* q, const T* cache, const int64_t* tables, con
                     for (int v = 0; v < DV; ++v) a[j][v] = _mm512_load_ps(acc[j] + 16 * v);
                 for (int64_t p0 = s0; p0 < s1;) {  // values: each row converted once, added to G accumulators
                     const int64_t b = p0 / bs, p1 = std::min(s1, (b + 1) * bs);
-                    const T* vb = vbase + (table[b] * bs - b * bs) * stride;
+                    const C* vb = vbase + (table[b] * bs - b * bs) * stride;
                     for (int64_t p = p0; p < p1; ++p) {
                         __m512 val[DV];
                         for (int v = 0; v < DV; ++v) val[v] = load16(vb + p * stride + 16 * v);
+                        const float vs = row_scale(vb + p * stride, D);
                         for (int j = 0; j < G; ++j) {
-                            const __m512 w = _mm512_set1_ps(score[j][p - s0]);
+                            const __m512 w = _mm512_set1_ps(kInt8Rows<C> ? score[j][p - s0] * vs : score[j][p - s0]);
                             for (int v = 0; v < DV; ++v) a[j][v] = _mm512_fmadd_ps(w, val[v], a[j][v]);
                         }
                     }
@@ -214,12 +251,12 @@ static void decode_avx512(const T* q, const T* cache, const int64_t* tables, con
     });
 }
 
-template <typename T, int DV>
-static bool decode_heads(const T* q, const T* cache, const int64_t* tables, const int64_t* lens, T* out, int64_t n,
+template <typename T, typename C, int DV>
+static bool decode_heads(const T* q, const C* cache, const int64_t* tables, const int64_t* lens, T* out, int64_t n,
                          const int64_t* rows, int64_t g, int64_t hkv, int64_t bs, int64_t nb, int64_t tb, int64_t window, float scale) {
     switch (g) {
 #define DEEPFUSE_G(G) \
-    case G: decode_avx512<T, G, DV>(q, cache, tables, lens, out, n, rows, hkv, bs, nb, tb, window, scale); return true;
+    case G: decode_avx512<T, C, G, DV>(q, cache, tables, lens, out, n, rows, hkv, bs, nb, tb, window, scale); return true;
         DEEPFUSE_G(1) DEEPFUSE_G(2) DEEPFUSE_G(3) DEEPFUSE_G(4) DEEPFUSE_G(5) DEEPFUSE_G(6) DEEPFUSE_G(7) DEEPFUSE_G(8)
 #undef DEEPFUSE_G
         default: return false;
@@ -229,23 +266,23 @@ static bool decode_heads(const T* q, const T* cache, const int64_t* tables, cons
 
 // Runs the vector kernel where it applies (AVX-512, head size 64 or 128, 1 to 8 query heads per
 // kv head); false otherwise.
-template <typename T>
-static bool decode_fast(const T* q, const T* cache, const int64_t* tables, const int64_t* lens, T* out, int64_t n,
+template <typename T, typename C>
+static bool decode_fast(const T* q, const C* cache, const int64_t* tables, const int64_t* lens, T* out, int64_t n,
                         const int64_t* rows, int64_t h, int64_t hkv, int64_t d, int64_t bs, int64_t nb, int64_t tb, int64_t window,
                         float scale) {
 #if defined(__AVX512F__)
-    if (d == 64) return decode_heads<T, 4>(q, cache, tables, lens, out, n, rows, h / hkv, hkv, bs, nb, tb, window, scale);
-    if (d == 128) return decode_heads<T, 8>(q, cache, tables, lens, out, n, rows, h / hkv, hkv, bs, nb, tb, window, scale);
+    if (d == 64) return decode_heads<T, C, 4>(q, cache, tables, lens, out, n, rows, h / hkv, hkv, bs, nb, tb, window, scale);
+    if (d == 128) return decode_heads<T, C, 8>(q, cache, tables, lens, out, n, rows, h / hkv, hkv, bs, nb, tb, window, scale);
 #endif
     return false;
 }
 
-template <typename T>
-static void decode_plain(const T* q, const T* cache, const int64_t* tables, const int64_t* lens, T* out, int64_t n,
+template <typename T, typename C>
+static void decode_plain(const T* q, const C* cache, const int64_t* tables, const int64_t* lens, T* out, int64_t n,
                    const int64_t* rows, int64_t h, int64_t hkv, int64_t d, int64_t bs, int64_t nb, int64_t tb, int64_t window,
                    float scale) {
     const int64_t g = h / hkv;
-    const int64_t half = nb * bs * hkv * d;  // elements of the k half; the v half follows
+    const int64_t r = row_elems<C>(d), half = nb * bs * hkv * r;  // elements of the k half; the v half follows
     at::parallel_for(0, n * hkv, 1, [&](int64_t begin, int64_t end) {
         std::vector<float> qf(g * d), acc(g * d), score(g * bs), m(g), l(g), row(d);
         for (int64_t item = begin; item < end; ++item) {
@@ -268,12 +305,13 @@ static void decode_plain(const T* q, const T* cache, const int64_t* tables, cons
             for (int64_t b = first / bs; b * bs < len; ++b) {
                 const int64_t block = tables[s * tb + b];
                 const int64_t lo = std::max(first, b * bs) - b * bs, hi = std::min(len, (b + 1) * bs) - b * bs;
-                const T* kb = cache + (block * bs * hkv + kv) * d;
-                const T* vb = cache + half + (block * bs * hkv + kv) * d;
+                const C* kb = cache + (block * bs * hkv + kv) * r;
+                const C* vb = cache + half + (block * bs * hkv + kv) * r;
                 for (int64_t p = lo; p < hi; ++p) {  // scores: each key row converted once, dotted with g queries
-                    const T* kp = kb + p * hkv * d;
+                    const C* kp = kb + p * hkv * r;
+                    const float ks = row_scale(kp, d);
 #pragma omp simd
-                    for (int64_t e = 0; e < d; ++e) row[e] = static_cast<float>(kp[e]);
+                    for (int64_t e = 0; e < d; ++e) row[e] = to_float(kp[e]) * ks;
                     for (int64_t j = 0; j < g; ++j) {
                         const float* qj = qf.data() + j * d;
                         float dot = 0.f;
@@ -299,9 +337,10 @@ static void decode_plain(const T* q, const T* cache, const int64_t* tables, cons
                     l[j] = sum;
                 }
                 for (int64_t p = lo; p < hi; ++p) {  // values: each row converted once, added to g accumulators
-                    const T* vp = vb + p * hkv * d;
+                    const C* vp = vb + p * hkv * r;
+                    const float vs = row_scale(vp, d);
 #pragma omp simd
-                    for (int64_t e = 0; e < d; ++e) row[e] = static_cast<float>(vp[e]);
+                    for (int64_t e = 0; e < d; ++e) row[e] = to_float(vp[e]) * vs;
                     for (int64_t j = 0; j < g; ++j) {
                         const float w = score[j * bs + p];
                         float* aj = acc.data() + j * d;
@@ -330,13 +369,13 @@ void paged_decode_amx(const c10::BFloat16* q, const c10::BFloat16* cache, const 
 
 // Rows in spans of at least amx_rows rows (a verify chunk's, a prompt chunk's) on AMX tiles
 // where they apply (bf16); the other rows on the vector kernel (faster for a lone row).
-template <typename T>
-static void decode(const T* q, const T* cache, const int64_t* tables, const int64_t* lens, T* out, int64_t n,
+template <typename T, typename C>
+static void decode(const T* q, const C* cache, const int64_t* tables, const int64_t* lens, T* out, int64_t n,
                    int64_t h, int64_t hkv, int64_t d, int64_t bs, int64_t nb, int64_t tb, int64_t window,
                    float scale, int64_t amx_rows) {
     std::vector<int64_t> rest;  // rows left to the vector kernel (all of them when empty and not `split`)
     bool split = false;
-    if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    if constexpr (std::is_same_v<T, c10::BFloat16> && std::is_same_v<C, T>) {
         if (amx_rows > 0 && n > 0 && amx_decode_applies(d, bs, h / hkv)) {
             std::vector<std::pair<int64_t, int64_t>> amx;
             for (const auto& span : decode_spans(tables, lens, n, tb, bs, h / hkv)) {
@@ -355,8 +394,8 @@ static void decode(const T* q, const T* cache, const int64_t* tables, const int6
     }
     const int64_t* rows = split ? rest.data() : nullptr;
     const int64_t count = split ? static_cast<int64_t>(rest.size()) : n;
-    if (!decode_fast<T>(q, cache, tables, lens, out, count, rows, h, hkv, d, bs, nb, tb, window, scale))
-        decode_plain<T>(q, cache, tables, lens, out, count, rows, h, hkv, d, bs, nb, tb, window, scale);
+    if (!decode_fast<T, C>(q, cache, tables, lens, out, count, rows, h, hkv, d, bs, nb, tb, window, scale))
+        decode_plain<T, C>(q, cache, tables, lens, out, count, rows, h, hkv, d, bs, nb, tb, window, scale);
 }
 
 torch::Tensor paged_decode(torch::Tensor q, torch::Tensor cache, torch::Tensor tables, torch::Tensor lens,
@@ -364,11 +403,13 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor cache, torch::Tensor t
     TORCH_CHECK(q.is_contiguous() && cache.is_contiguous() && tables.stride(1) == 1 && lens.is_contiguous() &&
                 out.is_contiguous(), "paged_decode: operands must be contiguous (tables: along a row)");
     TORCH_CHECK(cache.dim() == 5 && cache.size(0) == 2, "paged_decode: cache must be [2, NB, BS, Hkv, D]");
-    TORCH_CHECK(q.scalar_type() == cache.scalar_type() && out.scalar_type() == q.scalar_type(),
-                "paged_decode: q, cache and out must share a dtype");
+    const bool int8 = cache.scalar_type() == torch::kInt8;
+    TORCH_CHECK((int8 || q.scalar_type() == cache.scalar_type()) && out.scalar_type() == q.scalar_type(),
+                "paged_decode: q and out must share a dtype, the cache that dtype or int8");
     TORCH_CHECK(tables.scalar_type() == torch::kInt64 && lens.scalar_type() == torch::kInt64,
                 "paged_decode: tables and lens must be int64");
-    const int64_t n = q.size(0), nb = cache.size(1), bs = cache.size(2), hkv = cache.size(3), d = cache.size(4);
+    const int64_t n = q.size(0), nb = cache.size(1), bs = cache.size(2), hkv = cache.size(3);
+    const int64_t d = int8 ? cache.size(4) - 4 : cache.size(4);
     TORCH_CHECK(q.size(1) == num_heads * d && num_heads % hkv == 0, "paged_decode: q must be [N, H*D]");
     TORCH_CHECK(tables.size(0) == n && lens.size(0) == n, "paged_decode: one table row and length per query row");
     const int64_t* tab = tables.data_ptr<int64_t>();
@@ -380,18 +421,25 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor cache, torch::Tensor t
             TORCH_CHECK(tab[s * tables.stride(0) + b] >= 0 && tab[s * tables.stride(0) + b] < nb,
                         "paged_decode: block id outside the cache");
     }
-    if (q.scalar_type() == torch::kFloat32) {
-        decode<float>(q.data_ptr<float>(), cache.data_ptr<float>(), tables.data_ptr<int64_t>(),
-                      lens.data_ptr<int64_t>(), out.data_ptr<float>(), n, num_heads, hkv, d, bs, nb, tables.stride(0),
-                      window, static_cast<float>(scale), amx_rows);
-    } else if (q.scalar_type() == torch::kBFloat16) {
-        using bf16 = c10::BFloat16;
-        decode<bf16>(q.data_ptr<bf16>(), cache.data_ptr<bf16>(), tables.data_ptr<int64_t>(),
-                     lens.data_ptr<int64_t>(), out.data_ptr<bf16>(), n, num_heads, hkv, d, bs, nb, tables.stride(0),
-                     window, static_cast<float>(scale), amx_rows);
-    } else {
+    auto run = [&](auto* qp) {
+        using T = std::remove_pointer_t<decltype(qp)>;
+        const int64_t* tp = tables.data_ptr<int64_t>();
+        const int64_t* lp = lens.data_ptr<int64_t>();
+        T* op = out.data_ptr<T>();
+        const float sc = static_cast<float>(scale);
+        if (int8)
+            decode<T, int8_t>(qp, cache.data_ptr<int8_t>(), tp, lp, op, n, num_heads, hkv, d, bs, nb, tables.stride(0),
+                              window, sc, amx_rows);
+        else
+            decode<T, T>(qp, cache.data_ptr<T>(), tp, lp, op, n, num_heads, hkv, d, bs, nb, tables.stride(0), window,
+                         sc, amx_rows);
+    };
+    if (q.scalar_type() == torch::kFloat32)
+        run(q.data_ptr<float>());
+    else if (q.scalar_type() == torch::kBFloat16)
+        run(q.data_ptr<c10::BFloat16>());
+    else
         TORCH_CHECK(false, "paged_decode: f32 or bf16 only");
-    }
     return out;
 }
 

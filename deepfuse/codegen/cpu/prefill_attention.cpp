@@ -3,7 +3,9 @@
 // in one call, flash-style (an online softmax over chunks of 64 keys).
 //
 //   q       [T, H*D] bf16      the step's query rows (roped)
-//   cache   [2, NB, BS, Hkv, D] the layer's paged k/v cache, this step's rows already written
+//   cache   [2, NB, BS, Hkv, D] the layer's paged k/v cache, this step's rows already written: bf16,
+//           or int8 rows [.., D + 4] that end in their f32 scale: packed as their integers (exact in
+//           bf16), each key's scale applied to its scores and each value's to its softmax weights
 //   tables  [S, B] int64       each chunk's sequence's block ids
 //   rows    [S] int64          each chunk's first row in q and out
 //   qlens   [S] int64          its number of query rows n; they sit at positions len-n .. len-1
@@ -28,6 +30,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include "amx.h"
@@ -45,22 +48,44 @@ constexpr int64_t kChunk = 64;  // keys per softmax step: four 16-key tiles of S
 struct Packed {
     const uint16_t* kt;  // [keys/16][D/32] tiles of 16 rows (dim pairs) x 16 keys x 2
     const uint16_t* vv;  // [keys/32][D/16] tiles of 16 rows (key pairs) x 16 dims x 2
+    const float* ks;     // int8 rows: each key's scale [keys] (nullptr: bf16 rows, scale 1)
+    const float* vs;     // int8 rows: each value's scale [keys]
 };
 
+// Position p's row of kv head `kv` in one half of the cache (k or v) as d bf16 values in dst: a
+// copy of a bf16 row, or an int8 row's integers (exact in bf16) with its scale put in *scale.
+template <typename C>
+inline void stage_row(const C* half, const int64_t* table, int64_t p, int64_t bs, int64_t hkv, int64_t kv, int64_t d,
+                      uint16_t* dst, float* scale) {
+    constexpr bool int8 = std::is_same_v<C, int8_t>;
+    const int64_t width = int8 ? d + 4 : d;
+    const C* src = half + ((table[p / bs] * bs + p % bs) * hkv + kv) * width;
+    if constexpr (int8) {
+        std::memcpy(scale, src + d, sizeof(float));
+        for (int64_t v = 0; v < d / 16; ++v) store16(reinterpret_cast<c10::BFloat16*>(dst) + 16 * v, load16(src + 16 * v));
+    } else {
+        std::memcpy(dst, src, d * 2);
+    }
+}
+
 // Packs keys and values 0 .. len-1 of kv head `kv` (positions through the block table; k and v:
-// the cache's two halves).
-void pack_kv(const uint16_t* k, const uint16_t* v, const int64_t* table, int64_t len, int64_t padded, int64_t bs,
-             int64_t hkv, int64_t kv, int64_t d, uint16_t* kt, uint16_t* vv) {
-    auto row = [&](const uint16_t* half, int64_t p) { return half + ((table[p / bs] * bs + p % bs) * hkv + kv) * d; };
-    alignas(64) uint16_t stage[16 * 128];
+// the cache's two halves, bf16 rows (C uint16_t) or int8 rows (C int8_t), whose scales go to
+// ks and vs [padded], 0 past len).
+template <typename C>
+void pack_kv(const C* k, const C* v, const int64_t* table, int64_t len, int64_t padded, int64_t bs,
+             int64_t hkv, int64_t kv, int64_t d, uint16_t* kt, uint16_t* vv, float* ks, float* vs) {
+    float unused;
+    alignas(64) uint16_t stage[32 * 128];
     const __m512i lanes = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
                                              _mm512_set1_epi32(static_cast<int>(d / 2)));
     for (int64_t k0 = 0; k0 < padded; k0 += 16) {  // K^T: tile (block, piece) row r = dim pair 16*piece + r of 16 keys
         for (int64_t i = 0; i < 16; ++i) {
-            if (k0 + i < len)
-                std::memcpy(stage + i * d, row(k, k0 + i), d * 2);
-            else
+            if (k0 + i < len) {
+                stage_row(k, table, k0 + i, bs, hkv, kv, d, stage + i * d, ks ? ks + k0 + i : &unused);
+            } else {
                 std::memset(stage + i * d, 0, d * 2);
+                if (ks) ks[k0 + i] = 0.f;
+            }
         }
         for (int64_t t = 0; t < d / 32; ++t)
             for (int64_t r = 0; r < 16; ++r) {
@@ -70,13 +95,18 @@ void pack_kv(const uint16_t* k, const uint16_t* v, const int64_t* table, int64_t
             }
     }
     for (int64_t k0 = 0; k0 < padded; k0 += 32) {  // V: tile (pair block, column block) row r = keys 2r, 2r+1
+        for (int64_t i = 0; i < 32; ++i) {
+            if (k0 + i < len) {
+                stage_row(v, table, k0 + i, bs, hkv, kv, d, stage + i * d, vs ? vs + k0 + i : &unused);
+            } else {
+                std::memset(stage + i * d, 0, d * 2);
+                if (vs) vs[k0 + i] = 0.f;
+            }
+        }
         for (int64_t c = 0; c < d / 16; ++c)
             for (int64_t r = 0; r < 16; ++r) {
-                const int64_t p = k0 + 2 * r;
-                const __m256i zero = _mm256_setzero_si256();
-                const __m256i a = p < len ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row(v, p) + 16 * c)) : zero;
-                const __m256i b =
-                    p + 1 < len ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row(v, p + 1) + 16 * c)) : zero;
+                const __m256i a = _mm256_load_si256(reinterpret_cast<const __m256i*>(stage + 2 * r * d + 16 * c));
+                const __m256i b = _mm256_load_si256(reinterpret_cast<const __m256i*>(stage + (2 * r + 1) * d + 16 * c));
                 const __m512i dw = _mm512_or_si512(_mm512_cvtepu16_epi32(a),
                                                    _mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16));
                 _mm512_store_si512(vv + ((k0 / 32 * (d / 16) + c) * 16 + r) * 32, dw);
@@ -245,6 +275,7 @@ void attend_block(const at::BFloat16* q, at::BFloat16* out, int64_t ld, int64_t 
                 live[v] = _mm512_cmple_epi32_mask(key, _mm512_set1_epi32(static_cast<int>(pos))) &
                           _mm512_cmpge_epi32_mask(key, _mm512_set1_epi32(static_cast<int>(first)));
                 sv[v] = _mm512_mul_ps(_mm512_load_ps(s + i * kChunk + 16 * v), _mm512_set1_ps(scale));
+                if (kv.ks) sv[v] = _mm512_mul_ps(sv[v], _mm512_loadu_ps(kv.ks + k0 + 16 * v));
                 top = _mm512_mask_max_ps(top, live[v], top, sv[v]);
             }
             const float mx = _mm512_reduce_max_ps(top);
@@ -261,6 +292,8 @@ void attend_block(const at::BFloat16* q, at::BFloat16* out, int64_t ld, int64_t 
             alpha[i] = std::exp(m[i] - mx);  // 0 on the first chunk seen (m = -inf)
             l[i] = l[i] * alpha[i] + _mm512_reduce_add_ps(sum);
             m[i] = mx;
+            if (kv.vs)  // int8 values: each weight times its value's scale, P V over the integers
+                for (int v = 0; v < 4; ++v) w[v] = _mm512_mul_ps(w[v], _mm512_loadu_ps(kv.vs + k0 + 16 * v));
             _mm512_store_si512(p + i * kChunk, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(w[1], w[0])));
             _mm512_store_si512(p + i * kChunk + 32, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(w[3], w[2])));
         }
@@ -294,12 +327,13 @@ void paged_prefill(const torch::Tensor& q, const torch::Tensor& cache, const tor
                    const torch::Tensor& rows, const torch::Tensor& qlens, const torch::Tensor& lens, int64_t num_heads,
                    int64_t window, double scale, torch::Tensor out, bool amx) {
     TORCH_CHECK(paged_prefill_available(), "paged_prefill: this build has no AVX512-BF16 (nor AMX)");
-    TORCH_CHECK(q.scalar_type() == torch::kBFloat16 && cache.scalar_type() == torch::kBFloat16 &&
-                    out.scalar_type() == torch::kBFloat16, "paged_prefill: q, cache and out must be bfloat16");
+    const bool int8 = cache.scalar_type() == torch::kInt8;
+    TORCH_CHECK(q.scalar_type() == torch::kBFloat16 && (int8 || cache.scalar_type() == torch::kBFloat16) &&
+                    out.scalar_type() == torch::kBFloat16, "paged_prefill: q and out must be bfloat16, the cache bf16 or int8");
     TORCH_CHECK(q.is_contiguous() && cache.is_contiguous() && out.is_contiguous() && tables.dim() == 2 &&
                     tables.stride(1) == 1, "paged_prefill: operands must be contiguous (tables: along a row)");
     TORCH_CHECK(cache.dim() == 5 && cache.size(0) == 2, "paged_prefill: cache must be [2, NB, BS, Hkv, D]");
-    const int64_t nb = cache.size(1), bs = cache.size(2), hkv = cache.size(3), d = cache.size(4);
+    const int64_t nb = cache.size(1), bs = cache.size(2), hkv = cache.size(3), d = int8 ? cache.size(4) - 4 : cache.size(4);
     TORCH_CHECK(d == 64 || d == 128, "paged_prefill: head size 64 or 128");
     TORCH_CHECK(q.dim() == 2 && q.size(1) == num_heads * d && num_heads % hkv == 0 && out.sizes() == q.sizes(),
                 "paged_prefill: q and out must be [T, H*D]");
@@ -326,14 +360,24 @@ void paged_prefill(const torch::Tensor& q, const torch::Tensor& cache, const tor
     auto scratch = torch::empty({2, hkv, total * d}, torch::kBFloat16);  // packed K^T, then V
     auto* kt = reinterpret_cast<uint16_t*>(scratch.data_ptr());
     uint16_t* vv = kt + hkv * total * d;
-    const auto* kc = reinterpret_cast<const uint16_t*>(cache.data_ptr());
-    const uint16_t* vc = kc + nb * bs * hkv * d;
-    at::parallel_for(0, chunks * hkv, 1, [&](int64_t begin, int64_t end) {
-        for (int64_t item = begin; item < end; ++item) {
-            const int64_t c = item / hkv, kv = item % hkv, at = (kv * total + offset[c]) * d;
-            pack_kv(kc, vc, tab + c * tb, len[c], offset[c + 1] - offset[c], bs, hkv, kv, d, kt + at, vv + at);
-        }
-    });
+    std::vector<float> scales(int8 ? 2 * hkv * total : 0);  // int8 rows: each key's, then each value's scale
+    float* ks = int8 ? scales.data() : nullptr;
+    float* vs = int8 ? ks + hkv * total : nullptr;
+    auto pack = [&](const auto* kc) {  // the cache's k half; its v half follows
+        const auto* vc = kc + nb * bs * hkv * cache.size(4);
+        at::parallel_for(0, chunks * hkv, 1, [&](int64_t begin, int64_t end) {
+            for (int64_t item = begin; item < end; ++item) {
+                const int64_t c = item / hkv, kv = item % hkv, at = (kv * total + offset[c]) * d;
+                const int64_t first = kv * total + offset[c];
+                pack_kv(kc, vc, tab + c * tb, len[c], offset[c + 1] - offset[c], bs, hkv, kv, d, kt + at, vv + at,
+                        ks ? ks + first : nullptr, vs ? vs + first : nullptr);
+            }
+        });
+    };
+    if (int8)
+        pack(cache.data_ptr<int8_t>());
+    else
+        pack(reinterpret_cast<const uint16_t*>(cache.data_ptr()));
     struct Item {
         int64_t chunk, head, first, count;
     };
@@ -359,7 +403,8 @@ void paged_prefill(const torch::Tensor& q, const torch::Tensor& cache, const tor
             const int64_t kv = it.head / group, at = (kv * total + offset[it.chunk]) * d;
             (tiles ? attend_block<true> : attend_block<false>)(
                 qp, op, ld, it.head, row0[it.chunk] + it.first, it.count, len[it.chunk] - nq[it.chunk] + it.first,
-                Packed{kt + at, vv + at}, d, window, static_cast<float>(scale));
+                Packed{kt + at, vv + at, ks ? ks + kv * total + offset[it.chunk] : nullptr,
+                       vs ? vs + kv * total + offset[it.chunk] : nullptr}, d, window, static_cast<float>(scale));
         }
 #if DEEPFUSE_AMX
         if (tiles) _tile_release();

@@ -5,7 +5,8 @@
 //              slots [T], num_heads, q_out [T, H hd], k_out [T, Hkv hd])
 //       rotary embedding (rotate-half) on q and k, and k, v written into the paged cache at
 //       slots; q_out and k_out get the rotated rows (f32 / bf16 rows; cos and sin f32; sin
-//       sign-folded: [-sin | sin], so rotate_half(x) * sin == swap_halves(x) * sin_folded)
+//       sign-folded: [-sin | sin], so rotate_half(x) * sin == swap_halves(x) * sin_folded); an int8
+//       cache [2, NB, BS, Hkv, hd + 4] gets each head's row quantized (quantize_kv_row)
 //   argmax(x [T, V] f32)                     -> [T] int64, the first index of each row's largest
 //       value (a NaN counts as largest, as torch.argmax has it)
 //
@@ -15,7 +16,9 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
+#include <type_traits>
 
 #if defined(__AVX512F__)
 #include "vec.h"
@@ -84,20 +87,42 @@ void rope_rows(const T* src, const float* cos, const float* sin, T* dst, int64_t
     }
 }
 
+// One row of hd values as int8 and, in the 4 bytes after them, its f32 scale: bit for bit
+// ir.opdefs_llm.quantize_kv_rows (inv = 127 / amax, q = round-half-even(x * inv), scale = amax / 127).
 template <typename T>
-void rope_cache_rows(const T* qkv, const int64_t* pos, const float* cos, const float* sin, T* cache, const int64_t* slots,
-                     T* q_out, T* k_out, int64_t t, int64_t h, int64_t hkv, int64_t hd, int64_t ldqkv,
+void quantize_kv_row(const T* x, int8_t* dst, int64_t hd) {
+    float amax = 0.f;
+    for (int64_t e = 0; e < hd; ++e) amax = std::max(amax, std::fabs(to_float(x[e])));
+    const float inv = amax > 0.f ? 127.f / amax : 0.f;
+    for (int64_t e = 0; e < hd; ++e)
+        dst[e] = static_cast<int8_t>(std::clamp(std::nearbyint(to_float(x[e]) * inv), -127.f, 127.f));
+    const float scale = amax / 127.f;
+    std::memcpy(dst + hd, &scale, sizeof(float));
+}
+
+// C: the cache's element, T (rows copied) or int8_t (rows quantized, `row` = hd + 4 bytes each)
+template <typename T, typename C>
+void rope_cache_rows(const T* qkv, const int64_t* pos, const float* cos, const float* sin, C* cache, const int64_t* slots,
+                     T* q_out, T* k_out, int64_t t, int64_t h, int64_t hkv, int64_t hd, int64_t ldqkv, int64_t row,
                      int64_t cache_half) {
     at::parallel_for(0, t, 1, [&](int64_t begin, int64_t end) {
         for (int64_t r = begin; r < end; ++r) {
-            const T* row = qkv + r * ldqkv;
+            const T* src = qkv + r * ldqkv;
             const float* c = cos + pos[r] * hd;
             const float* s = sin + pos[r] * hd;
-            T* kc = cache + slots[r] * hkv * hd;
-            rope_rows(row, c, s, q_out + r * h * hd, h, hd);
-            rope_rows(row + h * hd, c, s, k_out + r * hkv * hd, hkv, hd);
-            std::copy(k_out + r * hkv * hd, k_out + (r + 1) * hkv * hd, kc);
-            std::copy(row + (h + hkv) * hd, row + (h + 2 * hkv) * hd, kc + cache_half);
+            C* kc = cache + slots[r] * hkv * row;
+            rope_rows(src, c, s, q_out + r * h * hd, h, hd);
+            rope_rows(src + h * hd, c, s, k_out + r * hkv * hd, hkv, hd);
+            const T* v = src + (h + hkv) * hd;
+            if constexpr (std::is_same_v<C, int8_t>) {
+                for (int64_t j = 0; j < hkv; ++j) {
+                    quantize_kv_row(k_out + (r * hkv + j) * hd, kc + j * row, hd);
+                    quantize_kv_row(v + j * hd, kc + cache_half + j * row, hd);
+                }
+            } else {
+                std::copy(k_out + r * hkv * hd, k_out + (r + 1) * hkv * hd, kc);
+                std::copy(v, v + hkv * hd, kc + cache_half);
+            }
         }
     });
 }
@@ -150,9 +175,11 @@ void rope_cache(const torch::Tensor& qkv, const torch::Tensor& pos, const torch:
                 torch::Tensor cache, const torch::Tensor& slots, int64_t num_heads, torch::Tensor q_out,
                 torch::Tensor k_out) {
     check_rows(qkv, "rope_cache");
-    TORCH_CHECK(cache.dim() == 5 && cache.size(0) == 2 && cache.is_contiguous() && cache.scalar_type() == qkv.scalar_type(),
-                "rope_cache: cache must be a contiguous [2, NB, BS, Hkv, hd] of qkv's dtype");
-    const int64_t t = qkv.size(0), hkv = cache.size(3), hd = cache.size(4), h = num_heads;
+    const bool int8 = cache.scalar_type() == torch::kInt8;
+    TORCH_CHECK(cache.dim() == 5 && cache.size(0) == 2 && cache.is_contiguous() &&
+                    (int8 || cache.scalar_type() == qkv.scalar_type()),
+                "rope_cache: cache must be a contiguous [2, NB, BS, Hkv, hd] of qkv's dtype, or int8 [.., hd + 4]");
+    const int64_t t = qkv.size(0), hkv = cache.size(3), row = cache.size(4), hd = int8 ? row - 4 : row, h = num_heads;
     TORCH_CHECK(hd % 2 == 0 && qkv.size(1) == (h + 2 * hkv) * hd, "rope_cache: qkv must be [T, (H + 2 Hkv) hd]");
     TORCH_CHECK(cos.scalar_type() == torch::kFloat32 && sin.scalar_type() == torch::kFloat32 && cos.is_contiguous() &&
                     sin.is_contiguous() && cos.dim() == 2 && cos.size(1) == hd && sin.sizes() == cos.sizes(),
@@ -171,16 +198,24 @@ void rope_cache(const torch::Tensor& qkv, const torch::Tensor& pos, const torch:
         TORCH_CHECK(slots.data_ptr<int64_t>()[r] >= 0 && slots.data_ptr<int64_t>()[r] < capacity,
                     "rope_cache: a slot outside the cache");
     }
-    const int64_t half = capacity * hkv * hd;
+    const int64_t half = capacity * hkv * row;
+    auto run = [&](auto* rows) {
+        using T = std::remove_pointer_t<decltype(rows)>;
+        T* q = q_out.data_ptr<T>();
+        T* k = k_out.data_ptr<T>();
+        const float* c = cos.data_ptr<float>();
+        const float* s = sin.data_ptr<float>();
+        const int64_t* p = pos.data_ptr<int64_t>();
+        const int64_t* sl = slots.data_ptr<int64_t>();
+        if (int8)
+            rope_cache_rows(rows, p, c, s, cache.data_ptr<int8_t>(), sl, q, k, t, h, hkv, hd, qkv.stride(0), row, half);
+        else
+            rope_cache_rows(rows, p, c, s, cache.data_ptr<T>(), sl, q, k, t, h, hkv, hd, qkv.stride(0), row, half);
+    };
     if (qkv.scalar_type() == torch::kFloat32)
-        rope_cache_rows(qkv.data_ptr<float>(), pos.data_ptr<int64_t>(), cos.data_ptr<float>(), sin.data_ptr<float>(),
-                        cache.data_ptr<float>(), slots.data_ptr<int64_t>(), q_out.data_ptr<float>(),
-                        k_out.data_ptr<float>(), t, h, hkv, hd, qkv.stride(0), half);
+        run(qkv.data_ptr<float>());
     else
-        rope_cache_rows(qkv.data_ptr<c10::BFloat16>(), pos.data_ptr<int64_t>(), cos.data_ptr<float>(),
-                        sin.data_ptr<float>(), cache.data_ptr<c10::BFloat16>(), slots.data_ptr<int64_t>(),
-                        q_out.data_ptr<c10::BFloat16>(), k_out.data_ptr<c10::BFloat16>(), t, h, hkv, hd,
-                        qkv.stride(0), half);
+        run(qkv.data_ptr<c10::BFloat16>());
 }
 
 torch::Tensor argmax(const torch::Tensor& x) {

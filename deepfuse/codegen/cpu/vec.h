@@ -1,5 +1,5 @@
 // AVX-512 helpers shared by the native CPU kernels: 16-lane loads and stores of f32 or bf16
-// rows (as f32 lanes) and a vector exp. Included only where __AVX512F__ is defined.
+// rows (as f32 lanes; int8 loads too) and a vector exp. Included only where __AVX512F__ is defined.
 #pragma once
 
 #include <immintrin.h>
@@ -13,6 +13,10 @@ static inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 static inline __m512 load16(const c10::BFloat16* p) {  // 16 bf16 -> f32 (exact: the high half of each)
     const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+static inline __m512 load16(const int8_t* p) {  // 16 int8 -> f32 (the integers themselves)
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
 }
 
 // exp(x) for x <= 0 to about 1 ulp: x = n ln2 + r (Cody-Waite), |r| <= ln2/2, exp(r) by its

@@ -76,6 +76,12 @@ constexpr bool kPairScores =
     false;
 #endif
 
+// int8 keys with bf16 queries: each tile's rows converted once to bf16 (their integers: exact) and
+// then dotted in pairs by vdpbf16ps as bf16 keys are (converting to f32 for every head's f32 dot
+// had made the scores three times the work of bf16 keys')
+template <typename T, typename C>
+constexpr bool kStagedPairs = kPairScores<T> && kInt8Rows<C>;
+
 // Sums each of 16 vectors: lane i of the result is the sum of p[i]'s 16 lanes (a butterfly
 // of in-lane unpacks, then 128-bit lane shuffles: 45 instructions instead of 16 reductions).
 static inline __m512 sum16(__m512 p[16]) {
@@ -141,6 +147,7 @@ static void decode_avx512(const T* q, const C* cache, const int64_t* tables, con
         alignas(64) float score[G][kSegment + 16];  // scores, then softmax weights (a short tile's
                                                     // dead lanes may spill past the segment)
         alignas(64) float acc[G][D];           // weighted sums of values (in registers during the values pass)
+        alignas(64) uint16_t staged[16 * D];   // kStagedPairs: a tile's int8 keys as bf16
         for (int64_t item = begin; item < end; ++item) {
             const int64_t s = rows != nullptr ? rows[item / hkv] : item / hkv, kv = item % hkv, len = lens[s];
             // the thread's next item: its blocks are prefetched into L2 while this one computes,
@@ -183,17 +190,30 @@ static void decode_avx512(const T* q, const C* cache, const int64_t* tables, con
                         for (int i = 0; i < cnt; ++i) sc[i] = row_scale(tile + i * stride, D);
                         key_scale = _mm512_load_ps(sc);
                     }
+                    if constexpr (kStagedPairs<T, C>) {
+                        for (int i = 0; i < cnt; ++i)
+                            for (int v = 0; v < DV / 2; ++v) {
+                                const C* r = tile + i * stride + 32 * v;
+                                _mm512_store_si512(staged + i * D + 32 * v, reinterpret_cast<__m512i>(
+                                                       _mm512_cvtne2ps_pbh(load16(r + 16), load16(r))));
+                            }
+                    }
                     for (int j = 0; j < G; ++j) {  // every head's scores while the tile's keys are in L1
                         const T* src = q + s * h * D + (kv * G + j) * D;
                         __m512 qv[DV];     // f32 keys: the query, scaled
                         __m512i qb[DV / 2];  // bf16 keys: the query as it is (scaled after the dot)
-                        if constexpr (kPairScores<C>) {
+                        constexpr bool pairs = kPairScores<C> || kStagedPairs<T, C>;
+                        if constexpr (pairs) {
                             for (int v = 0; v < DV / 2; ++v) qb[v] = _mm512_loadu_si512(src + 32 * v);
                         } else {
                             for (int v = 0; v < DV; ++v) qv[v] = _mm512_mul_ps(load16(src + 16 * v), _mm512_set1_ps(scale));
                         }
-                        __m512 sc = tile_scores<C, DV>(qv, qb, tile, stride, cnt);
-                        if constexpr (kPairScores<C>) sc = _mm512_mul_ps(sc, _mm512_set1_ps(scale));
+                        __m512 sc;
+                        if constexpr (kStagedPairs<T, C>)
+                            sc = tile_scores<c10::BFloat16, DV>(qv, qb, reinterpret_cast<const c10::BFloat16*>(staged), D, cnt);
+                        else
+                            sc = tile_scores<C, DV>(qv, qb, tile, stride, cnt);
+                        if constexpr (pairs) sc = _mm512_mul_ps(sc, _mm512_set1_ps(scale));
                         if constexpr (kInt8Rows<C>) sc = _mm512_mul_ps(sc, key_scale);
                         _mm512_storeu_ps(&score[j][p0 - s0], sc);  // dead lanes: overwritten or never read
                     }

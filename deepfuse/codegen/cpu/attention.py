@@ -13,6 +13,10 @@ each group runs one SDPA over blocks gathered as rows of the contiguous k and v 
 cache, chunks padded to the group's widest with a causal mask. Host-side facts about the step
 (StepLayout) are computed once per step and shared by all layers.
 
+An int8 cache (i8 rows of hd values and their f32 scale, ir.opdefs_llm.quantize_kv_rows) goes
+through the same native kernels, which apply each row's scale; the SDPA paths gather its blocks
+dequantized, and a whole prompt then reads its keys back from the cache like every later step.
+
 With attrs["batch_invariant"] every row, prompt chunks' too, runs in the native paged kernel:
 it computes each row alone over its own keys in an order fixed by the row's position, so the
 result never depends on the batch or on how a prompt was split into chunks.

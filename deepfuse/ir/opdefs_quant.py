@@ -106,13 +106,33 @@ def _linear_w8a8_type(types: list[TensorType], attrs: dict) -> list[TensorType]:
     return [x.with_shape(x.shape[0], n)]
 
 
-@register("linear_w8a8", _linear_w8a8_type)
-def linear_w8a8(x: torch.Tensor, wq: torch.Tensor, scale: torch.Tensor, *, act_group: int) -> torch.Tensor:
-    """x[T,K] (float) @ w^T with x quantized per row and group -> [T,N] in x's dtype."""
+def w8a8_product(x: torch.Tensor, wq: torch.Tensor, scale: torch.Tensor, act_group: int) -> torch.Tensor:
+    """x[T,K] (float) @ w^T with x quantized per row and group -> f32 [T,N]."""
     q, d = quantize_rows_i8(x, act_group)
     w = (wq.to(torch.float64) - W8_ZERO).view(wq.shape[0], -1, act_group)
     dots = torch.einsum("tgk,ngk->gtn", q.double(), w).float()  # exact integers (|dot| < 2^24 for G <= 1024)
     acc = torch.zeros(x.shape[0], wq.shape[0])
     for g in range(dots.shape[0]):
         acc = acc + dots[g] * d[:, g, None]
-    return (acc * scale).to(x.dtype)
+    return acc * scale
+
+
+@register("linear_w8a8", _linear_w8a8_type)
+def linear_w8a8(x: torch.Tensor, wq: torch.Tensor, scale: torch.Tensor, *, act_group: int) -> torch.Tensor:
+    """x[T,K] (float) @ w^T with x quantized per row and group -> [T,N] in x's dtype."""
+    return w8a8_product(x, wq, scale, act_group).to(x.dtype)
+
+
+def _logits_w8a8_type(types: list[TensorType], attrs: dict) -> list[TensorType]:
+    x, wq, scale, rows = types
+    expect(rows.rank == 1 and rows.dtype in ("i32", "i64"), f"logits_w8a8 wants integer rows[R], got {rows}")
+    _linear_w8a8_type([x, wq, scale], attrs)
+    return [TensorType("f32", (rows.shape[0], wq.shape[0]))]
+
+
+@register("logits_w8a8", _logits_w8a8_type)
+def logits_w8a8(x: torch.Tensor, wq: torch.Tensor, scale: torch.Tensor, sample_rows: torch.Tensor, *,
+                act_group: int) -> torch.Tensor:
+    """The logits op over a W8A8 head: f32 [R,V] = x[sample_rows] @ w^T, the rows quantized as
+    linear_w8a8 quantizes them (the sums stay f32: no rounding to x's dtype)."""
+    return w8a8_product(x.index_select(0, sample_rows), wq, scale, act_group)

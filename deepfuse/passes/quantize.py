@@ -5,8 +5,9 @@ along K, each with its own scale and minimum (GGUF's Q4_1 layout). Weights that 
 Q4_1 GGUF and were traced in f32 are reproduced exactly; others are rounded to 16 levels per group.
 
 quantize_w8a8: 8-bit weights (one scale per output row) and 8-bit activations (quantized as the
-op runs, per row and group of `act_group`), -> linear_w8a8(x, wq, scale). On SmolLM2 with
-Q4_1 weights, perplexity rises about 1% over the weight-only int4 model (docs/quantization.md).
+op runs, per row and group of `act_group`), -> linear_w8a8(x, wq, scale), and the LM head ->
+logits_w8a8. On SmolLM2 with Q4_1 weights, perplexity rises about 1% over the weight-only int4
+model (docs/quantization.md).
 
 Linears whose K is not a multiple of the group size, or whose weight is computed, stay dense.
 """
@@ -50,8 +51,26 @@ def quantize_int4(group_size: int = 32) -> Callable[[Graph], Graph]:
 
 
 def quantize_w8a8(act_group: int = 64) -> Callable[[Graph], Graph]:
+    """Every linear as above, and the LM head: logits(x, W, rows) -> logits_w8a8(x, wq, scale, rows)
+    (f32 logits; a tied head keeps W for the embedding, which reads rows of it)."""
     def encode(name: str, w: torch.Tensor) -> dict[str, torch.Tensor]:
         wq, scale = quantize_w8(w)
         return {f"{name}.w8": wq, f"{name}.w8_scale": scale}
 
-    return _quantize_linears("linear_w8a8", act_group, {"act_group": act_group}, encode)
+    linears = _quantize_linears("linear_w8a8", act_group, {"act_group": act_group}, encode)
+
+    def quantize(g: Graph) -> Graph:
+        g = linears(g)
+        params = set(g.params)
+        for i, n in enumerate(g.nodes):
+            if n.op != "logits":
+                continue
+            x, w, rows = n.inputs
+            if w not in params or w.name not in g.weights or w.type.shape[1] % act_group:
+                continue
+            ins = [g.add_param(name, t) for name, t in encode(w.name, g.weights[w.name]).items()]
+            g.nodes[i] = Node("logits_w8a8", [x, *ins, rows], n.outputs, {"act_group": act_group})
+        g.drop_unused_params()
+        return g
+
+    return quantize

@@ -8,7 +8,7 @@ import deepfuse
 from deepfuse.codegen.cpu.kernels import PREPACKED, W8A8Weights
 from deepfuse.compiler import trace_model
 from deepfuse.ir import OPS, TensorType, interpret, verify
-from deepfuse.ir.opdefs_quant import W8_ZERO, linear_w8a8, quantize_rows_i8, quantize_w8
+from deepfuse.ir.opdefs_quant import W8_ZERO, linear_w8a8, logits_w8a8, quantize_rows_i8, quantize_w8
 from deepfuse.passes import PassManager, cleanup_passes, fusion_passes, quant_passes
 from tests.helpers import greedy_with
 
@@ -120,6 +120,29 @@ def test_prepacked_kernel_matches_the_reference_with_or_without_the_native_gemm(
     torch.testing.assert_close(pre.make({"act_group": 64})(x, packed), want)
 
 
+@pytest.mark.parametrize("rows", [[0, 3, 5], [0, 1, 2, 3, 4, 5]])
+def test_w8a8_lm_head_gives_f32_logits_of_the_sampled_rows(native, rows):
+    """logits_w8a8: the native GEMM (bf16 rows in, f32 logits out) and the reference path against
+    the op's reference; every row sampled or some."""
+    nat = native_i8(native)
+    torch.manual_seed(3)
+    wq, scale = quantize_w8(torch.randn(200, 128))  # 200: a part panel
+    x, rows = torch.randn(6, 128).bfloat16(), torch.tensor(rows)
+    want = logits_w8a8(x, wq, scale, rows, act_group=64)
+    assert want.dtype == torch.float32 and want.shape == (len(rows), 200)
+    torch.testing.assert_close(want, linear_w8a8(x[rows].float(), wq, scale, act_group=64))
+    pre = PREPACKED["logits_w8a8"]
+    packed = pre.pack(torch.bfloat16, wq, scale)
+    assert packed.native is not None
+    got = pre.make({"act_group": 64})(x, packed, rows)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, want, atol=1e-5 * float(want.abs().max()), rtol=1e-5)
+    packed.native = None
+    torch.testing.assert_close(pre.make({"act_group": 64})(x, packed, rows), want)
+    with pytest.raises(RuntimeError, match="f32"):
+        nat.i8_gemm(x, packed.panels, packed.padded_scale, 200, 64, torch.empty(6, 200, dtype=torch.float16))
+
+
 def test_quantize_pass_rewrites_projections_whose_k_fits_the_group(tiny_model):
     before, _ = PassManager(cleanup_passes() + fusion_passes()).run(trace_model(tiny_model))
     after, reports = PassManager(quant_passes("w8a8")).run(before.copy())
@@ -129,6 +152,7 @@ def test_quantize_pass_rewrites_projections_whose_k_fits_the_group(tiny_model):
     # the tiny model's down projection has K = 96, not a multiple of 64: it stays dense
     assert counts["linear_w8a8"] == before.op_counts()["linear"] - tiny_model.config.num_layers
     assert counts["linear"] == tiny_model.config.num_layers
+    assert counts["logits_w8a8"] == 1 and "logits" not in counts  # the LM head too
     again, _ = PassManager(quant_passes("w8a8")).run(after.copy())
     assert again.op_counts() == counts  # idempotent
 
@@ -145,6 +169,7 @@ def test_smollm2_w8a8_cpu_matches_the_interpreter_and_survives_an_artifact(smoll
     art = deepfuse.compile(model, quant="w8a8", tokenizer=tok)
     launches = art.plan["launches"]
     assert sum(p["op"] == "linear_w8a8" for p in launches) == 4 * model.config.num_layers  # qkv, o, gate_up, down
+    assert sum(p["op"] == "logits_w8a8" for p in launches) == 1  # and the tied LM head
     worst = []
 
     def checked(kernel):

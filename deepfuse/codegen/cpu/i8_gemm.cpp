@@ -3,7 +3,8 @@
 //
 //   i8_gemm_available()                whether this build has AVX512-VNNI
 //   pack_w8(wq [N, K] u8)              -> panels u8 [ceil(N/16), K/4, 16, 4] (padding columns: 128, weight 0)
-//   i8_gemm(x [M, K] f32/bf16, panels, scale [N] f32, N, group, out) -> y [M, N] in x's dtype
+//   i8_gemm(x [M, K] f32/bf16, panels, scale [N] f32, N, group, out) -> y [M, N] in x's dtype (or
+//       into an f32 out: a W8A8 LM head's logits)
 //
 // The weight is offset binary: w = (wq - 128) * scale[n]. Each row of x is quantized here, per
 // group of `group` k: d = max|x| / 127, q = round(x * (127 / max|x|)) in -127..127 (ties to even),
@@ -113,8 +114,8 @@ constexpr MicroFn<T> kByRows[kRows] = {micro<T, 1, P>, micro<T, 2, P>, micro<T, 
 template <typename T>
 constexpr const MicroFn<T>* kMicro[kPanels] = {kByRows<T, 1>, kByRows<T, 2>};
 
-template <typename T>
-void gemm(const T* x, int64_t ldx, int64_t m, int64_t k, const uint8_t* panels, int64_t nb, int64_t n,
+template <typename X, typename T>
+void gemm(const X* x, int64_t ldx, int64_t m, int64_t k, const uint8_t* panels, int64_t nb, int64_t n,
           const float* scale, int64_t group, T* y, int64_t ldy) {
     const int64_t groups = k / group;
     std::vector<int8_t> q(m * k);
@@ -179,20 +180,21 @@ torch::Tensor i8_gemm(torch::Tensor x, const torch::Tensor& panels, const torch:
     TORCH_CHECK(scale.dim() == 1 && scale.scalar_type() == torch::kFloat32 && scale.is_contiguous() &&
                     scale.size(0) == nb * kCols, "i8_gemm: scale must be f32 [N] padded to a multiple of 16");
     auto y = out.has_value() ? *out : torch::empty({m, n}, x.options());
-    TORCH_CHECK(y.dim() == 2 && y.size(0) == m && y.size(1) == n && y.scalar_type() == x.scalar_type() &&
-                    y.stride(1) == 1, "i8_gemm: out must be [M, N] of x's dtype with unit column stride");
+    TORCH_CHECK(y.dim() == 2 && y.size(0) == m && y.size(1) == n &&
+                    (y.scalar_type() == x.scalar_type() || y.scalar_type() == torch::kFloat32) && y.stride(1) == 1,
+                "i8_gemm: out must be [M, N] of x's dtype or f32 with unit column stride");
     if (m == 0 || n == 0) return y;
     if (x.stride(1) != 1) x = x.contiguous();
 #if DEEPFUSE_I8_DOT
     const uint8_t* w = panels.data_ptr<uint8_t>();
-    if (x.scalar_type() == torch::kFloat32) {
-        gemm<float>(x.data_ptr<float>(), x.stride(0), m, k, w, nb, n, scale.data_ptr<float>(), group,
-                    y.data_ptr<float>(), y.stride(0));
-    } else {
-        using bf16 = c10::BFloat16;
-        gemm<bf16>(x.data_ptr<bf16>(), x.stride(0), m, k, w, nb, n, scale.data_ptr<float>(), group, y.data_ptr<bf16>(),
-                   y.stride(0));
-    }
+    using bf16 = c10::BFloat16;
+    const float* sc = scale.data_ptr<float>();
+    if (x.scalar_type() == torch::kFloat32)
+        gemm(x.data_ptr<float>(), x.stride(0), m, k, w, nb, n, sc, group, y.data_ptr<float>(), y.stride(0));
+    else if (y.scalar_type() == torch::kFloat32)
+        gemm(x.data_ptr<bf16>(), x.stride(0), m, k, w, nb, n, sc, group, y.data_ptr<float>(), y.stride(0));
+    else
+        gemm(x.data_ptr<bf16>(), x.stride(0), m, k, w, nb, n, sc, group, y.data_ptr<bf16>(), y.stride(0));
 #endif
     return y;
 }

@@ -18,7 +18,7 @@ from ...ir import OPS
 from ...ir.opdefs_fused import split_extra
 from ...ir.opdefs_llm import rope_cos_sin, write_kv
 from ...ir.opdefs_moe import route, routing_attrs
-from ...ir.opdefs_quant import dequantize_q4, linear_w8a8, unpack_q4
+from ...ir.opdefs_quant import dequantize_q4, linear_w8a8, unpack_q4, w8a8_product
 from .native import kernels as native_kernels
 
 Kernel = Callable[..., Any]
@@ -197,6 +197,15 @@ def w8a8_linear(x: torch.Tensor, w: W8A8Weights, act_group: int) -> torch.Tensor
     if w.native is not None and x.dtype in NATIVE_W8A8:
         return w.native.i8_gemm(x, w.panels, w.padded_scale, w.n, act_group)
     return linear_w8a8(x, w.wq, w.scale, act_group=act_group)
+
+
+def w8a8_logits(x: torch.Tensor, w: W8A8Weights, rows: torch.Tensor, act_group: int) -> torch.Tensor:
+    """f32 logits [R,V] of x[rows] over a W8A8 head."""
+    x = take_rows(x, rows)
+    if w.native is not None and x.dtype in NATIVE_W8A8:
+        out = torch.empty(x.shape[0], w.n, dtype=torch.float32)
+        return w.native.i8_gemm(x, w.panels, w.padded_scale, w.n, act_group, out)
+    return w8a8_product(x, w.wq, w.scale, act_group)
 
 
 class MoeWeights:
@@ -501,6 +510,9 @@ PREPACKED = {
     # f32 and bf16 activations: the native int8 GEMM (AVX512-VNNI); SmolLM2's projections ran
     # 1.6x faster than the bf16 vector GEMM on Zen 4 (docs/quantization.md)
     "linear_w8a8": Prepack((1, 2), W8A8Weights, lambda attrs: lambda x, w: w8a8_linear(x, w, attrs["act_group"]), ALL),
+    # the LM head of a W8A8 build (f32 logits; SmolLM2's [64 rows, 576] x [49152, 576]: ~2x the bf16 GEMM)
+    "logits_w8a8": Prepack((1, 2), W8A8Weights,
+                           lambda attrs: lambda x, w, rows: w8a8_logits(x, w, rows, attrs["act_group"]), ALL),
 }
 PREPACKED_Q4 = {  # ops whose projection is int4 (attr group_size): packed for every dtype
     "linear_q4": Prepack((1, 2, 3), Q4Weights, lambda attrs: q4_linear, ALL),

@@ -128,7 +128,7 @@ class CpuExecutor:
                 else p["attrs"]
             kernel = make_kernel(p["op"], attrs)
             pre = prepack_for(p["op"], attrs) if prepack and can_prepack() else None
-            in_place = True  # its kernel could write into planned buffers
+            in_place, prepacked = True, False  # its kernel could write into planned buffers
             if pre is not None and DTYPES[p["dtype"]] in pre.dtypes and all(ins[i] in param_slots for i in pre.weights):
                 key = tuple(ins[i] for i in pre.weights)
                 if key not in packed:
@@ -137,8 +137,9 @@ class CpuExecutor:
                     self.base.append(pre.pack(DTYPES[p["dtype"]], *[self.base[s] for s in key], **one_kernel))
                 ins = [packed[key] if i == pre.weights[0] else s for i, s in enumerate(ins) if i not in pre.weights[1:]]
                 kernel = pre.make(attrs)
-                in_place = writes_in_place(self.base[packed[key]])
-            if in_place and use_buffers and p["op"] in OUT_FACTORIES and "group_size" not in attrs \
+                in_place, prepacked = writes_in_place(self.base[packed[key]]), True
+            # an int4 projection writes in place only prepacked (its reference allocates)
+            if in_place and use_buffers and p["op"] in OUT_FACTORIES and ("group_size" not in attrs or prepacked) \
                     and -1 not in p.get("out_buf", [-1]):
                 kernel = OUT_FACTORIES[p["op"]](attrs)
                 self.planned.append(p)

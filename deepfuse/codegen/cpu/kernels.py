@@ -70,8 +70,12 @@ class PanelWeight:
 
 
 def writes_in_place(packed) -> bool:
-    """Whether a projection packed by prepack_linear_weight can write into a planned buffer
-    (out_kernels.mm_into): native panels, or the f32 weight itself; not oneDNN's layout."""
+    """Whether a prepacked projection can write into a planned buffer (out_kernels): native
+    panels, the f32 weight itself, or W8A8 weights of the native int8 GEMM; not oneDNN's layout."""
+    if isinstance(packed, W8A8Weights):
+        return packed.native is not None
+    if isinstance(packed, Q4Weights):  # the native int4 GEMM writes in place (others are copied)
+        return isinstance(packed.dense, Q4Panels) or writes_in_place(packed.dense)
     return isinstance(packed, PanelWeight) or (isinstance(packed, torch.Tensor) and packed.dtype == torch.float32)
 
 
@@ -166,13 +170,16 @@ class Q4Weights:
             self.scale_zero = torch.stack((scales, mins + 8 * scales), -1).transpose(0, 1).contiguous().to(dtype)
 
 
-def q4_linear(x: torch.Tensor, w: Q4Weights) -> torch.Tensor:
-    """x[T,K] @ w^T -> [T,N]."""
+def q4_linear(x: torch.Tensor, w: Q4Weights, out: torch.Tensor | None = None) -> torch.Tensor:
+    """x[T,K] @ w^T -> [T,N] (into out if given: the native GEMMs write there, torch's int4 GEMM
+    and oneDNN's are copied)."""
     if w.int4 is not None and x.shape[0] <= w.int4_rows:
-        return torch.ops.aten._weight_int4pack_mm_for_cpu(x, w.int4, w.group, w.scale_zero)
-    if isinstance(w.dense, Q4Panels):
-        return w.dense(x)
-    return packed_linear(x, w.dense)
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, w.int4, w.group, w.scale_zero)
+    elif isinstance(w.dense, (Q4Panels, PanelWeight)):
+        return w.dense(x, out)
+    else:
+        y = packed_linear(x, w.dense)
+    return y if out is None else out.copy_(y)
 
 
 class W8A8Weights:
@@ -192,11 +199,12 @@ class W8A8Weights:
 NATIVE_W8A8 = (torch.float32, torch.bfloat16)
 
 
-def w8a8_linear(x: torch.Tensor, w: W8A8Weights, act_group: int) -> torch.Tensor:
-    """x[T,K] @ w^T -> [T,N], activations quantized per row and group of act_group."""
+def w8a8_linear(x: torch.Tensor, w: W8A8Weights, act_group: int, out: torch.Tensor | None = None) -> torch.Tensor:
+    """x[T,K] @ w^T -> [T,N], activations quantized per row and group of act_group (into out if given)."""
     if w.native is not None and x.dtype in NATIVE_W8A8:
-        return w.native.i8_gemm(x, w.panels, w.padded_scale, w.n, act_group)
-    return linear_w8a8(x, w.wq, w.scale, act_group=act_group)
+        return w.native.i8_gemm(x, w.panels, w.padded_scale, w.n, act_group, out)
+    y = linear_w8a8(x, w.wq, w.scale, act_group=act_group)
+    return y if out is None else out.copy_(y)
 
 
 def w8a8_logits(x: torch.Tensor, w: W8A8Weights, rows: torch.Tensor, act_group: int) -> torch.Tensor:

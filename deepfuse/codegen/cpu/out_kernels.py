@@ -1,7 +1,8 @@
 """CPU kernels that write into planned buffers (passes/plan_memory.py): kernel(*inputs, out=[views]).
 
 Only ops whose kernels take `out=` have one (projections: MKL's GEMM and the native panel
-GEMMs, f32 and AMX bf16, write in place; the oneDNN-packed and int4 GEMMs allocate their result, so such a
+GEMMs, f32 and bf16, the native int4 and int8 GEMMs write in place (torch's int4 GEMM, for
+steps of a few rows, is copied there); the oneDNN-packed GEMM allocates its result, so such a
 prepacked launch keeps its allocating kernel). Each computes what its kernels.py twin computes.
 """
 from __future__ import annotations
@@ -10,7 +11,8 @@ from collections.abc import Callable
 
 import torch
 
-from .kernels import FACTORIES, Kernel, PanelWeight, add_rms_rows, factory, rms_rows, swiglu_rows
+from .kernels import (FACTORIES, Kernel, PanelWeight, Q4Weights, add_rms_rows, factory, q4_linear, rms_rows, swiglu_rows,
+                      w8a8_linear)
 
 OUT_FACTORIES: dict[str, Callable[[dict], Kernel]] = {}
 
@@ -19,9 +21,12 @@ def out_factory(op: str) -> Callable:
     return factory(op, OUT_FACTORIES)
 
 
-def mm_into(x: torch.Tensor, w: torch.Tensor | PanelWeight, out: torch.Tensor) -> None:
-    """out[T,N] = x[T,K] @ w[N,K]^T; w dense f32, or native panels (kernels.PanelWeight)."""
-    if isinstance(w, PanelWeight):
+def mm_into(x: torch.Tensor, w: torch.Tensor | PanelWeight | Q4Weights, out: torch.Tensor) -> None:
+    """out[T,N] = x[T,K] @ w[N,K]^T; w dense f32, native panels (kernels.PanelWeight) or int4
+    (kernels.Q4Weights)."""
+    if isinstance(w, Q4Weights):
+        q4_linear(x, w, out)
+    elif isinstance(w, PanelWeight):
         w(x, out)
     else:
         torch.mm(x, w.t(), out=out)
@@ -40,6 +45,17 @@ def _add(attrs: dict) -> Kernel:
 @out_factory("linear")
 def _linear(attrs: dict) -> Kernel:
     return lambda x, w, out: mm_into(x, w, out[0])
+
+
+@out_factory("linear_q4")
+def _linear_q4(attrs: dict) -> Kernel:
+    return lambda x, w, out: q4_linear(x, w, out[0])
+
+
+@out_factory("linear_w8a8")
+def _linear_w8a8(attrs: dict) -> Kernel:
+    group = attrs["act_group"]
+    return lambda x, w, out: w8a8_linear(x, w, group, out[0])
 
 
 @out_factory("rms_norm_linear")

@@ -177,3 +177,29 @@ def test_int8_cache_refuses_what_it_does_not_do(tiny_model, tmp_path):
     path = deepfuse.compile(tiny_model).save(str(tmp_path / "float-cache"))
     with pytest.raises(DeepfuseError, match="recompile"):
         deepfuse.LLM(artifact=path, kv_cache_dtype="int8")
+
+
+def test_engine_with_an_int8_cache_batches_preempts_and_shares_prefixes_without_changing_outputs(tiny_model):
+    """The runtime over int8 caches: a batch gives each request's tokens alone, a cache too small
+    for every request (preemption by recompute) gives the large cache's, and the prefix cache
+    serves shared prompt blocks (hit rate reported) with unchanged outputs."""
+    from deepfuse.runtime.engine import Engine, SamplingParams
+
+    art = deepfuse.compile(tiny_model, kv_cache_dtype="int8")
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    prompts = [[1, 2, 3], [9, 8, 7, 6, 5, 4, 3, 2, 1, 0, 11, 12, 13], [42], [5, 5, 5, 5, 5]] * 2
+    engine = lambda blocks, prefix=True: Engine(art, CacheConfig(block_size=4, num_blocks=blocks,
+                                                                 enable_prefix_caching=prefix))
+    big = engine(128)
+    assert big.cache.layers[0].dtype == torch.int8
+    want = [o.token_ids for o in big.generate(prompts, [greedy] * 8)]
+    assert want == [big.generate([p], [greedy])[0].token_ids for p in prompts]
+    small = engine(12, prefix=False)
+    assert [o.token_ids for o in small.generate(prompts, [greedy] * 8)] == want
+    assert small.scheduler.num_preemptions > 0
+    prefix = [(7 * i) % 120 for i in range(40)]
+    shared = [prefix + [100 + i, 3, 4] for i in range(4)]
+    off, on = engine(128, prefix=False), engine(128)
+    expect = [o.token_ids for o in off.generate(shared, [greedy] * 4)]
+    assert [o.token_ids for o in on.generate(shared, [greedy] * 4)] == expect
+    assert on.stats.prompt_tokens_computed == 43 + 3 * 3 and on.kv.usage()["prefix_hit_rate"] > 0.6

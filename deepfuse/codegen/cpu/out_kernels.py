@@ -11,8 +11,18 @@ from collections.abc import Callable
 
 import torch
 
-from .kernels import (FACTORIES, Kernel, PanelWeight, Q4Weights, add_rms_rows, factory, q4_linear, rms_rows, swiglu_rows,
-                      w8a8_linear)
+from .kernels import (
+    FACTORIES,
+    Kernel,
+    PanelWeight,
+    Q4Weights,
+    add_rms_rows,
+    factory,
+    q4_linear,
+    rms_rows,
+    swiglu_rows,
+    w8a8_linear,
+)
 
 OUT_FACTORIES: dict[str, Callable[[dict], Kernel]] = {}
 

@@ -9,7 +9,6 @@ from .errors import DeepfuseError
 from .frontend import trace
 from .ir import DTYPES
 from .models import Llama, load_model, step_specs
-from .models.llama import KV_CACHE_DTYPES
 from .passes import PassManager
 from .runtime.tokenizer import Tokenizer
 
@@ -18,8 +17,6 @@ def trace_model(model: Llama, dtype: str = "f32", kv_cache_dtype: str | None = N
     """The model's step graph with weights cast to `dtype` (and caches of kv_cache_dtype, see step_specs)."""
     if dtype not in ("f32", "bf16", "f16"):
         raise DeepfuseError(f"unsupported dtype {dtype!r} (use f32, bf16 or f16)")
-    if kv_cache_dtype not in (None, *KV_CACHE_DTYPES):
-        raise DeepfuseError(f"unsupported kv_cache_dtype {kv_cache_dtype!r} (use None or one of {KV_CACHE_DTYPES})")
     weights = {k: v.to(DTYPES[dtype]) for k, v in model.weights.items()}
     cast = Llama(model.config, weights)
     return trace(cast.step, *step_specs(model.config, dtype, kv_cache_dtype), weights=weights, name=model.config.family)

@@ -11,6 +11,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from ..errors import DeepfuseError
 from ..frontend import Spec, ops
 from ..ir.opdefs_llm import kv_row_size
 
@@ -61,7 +62,7 @@ def step_specs(config: LlamaConfig, dtype: str, kv_cache_dtype: str | None = Non
     kv_cache_dtype None: the caches hold `dtype`; "int8": int8 rows with a scale each
     (ir.opdefs_llm.quantize_kv_rows), [2,N,BS,Hkv,hd+4]."""
     if kv_cache_dtype not in (None, *KV_CACHE_DTYPES):
-        raise ValueError(f"kv_cache_dtype must be None or one of {KV_CACHE_DTYPES}, got {kv_cache_dtype!r}")
+        raise DeepfuseError(f"unsupported kv_cache_dtype {kv_cache_dtype!r} (use None or one of {KV_CACHE_DTYPES})")
     cache_dtype = "i8" if kv_cache_dtype == "int8" else dtype
     seq = [Spec(n, "i64", ("S",)) for n in ("seq_lens", "query_lens")]
     sampling = [Spec("sample_rows", "i64", ("R",)), Spec("temperature", "f32", ("R",)), Spec("top_k", "i64", ("R",)),

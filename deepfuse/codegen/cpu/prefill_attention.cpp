@@ -74,19 +74,23 @@ inline void stage_row(const C* half, const int64_t* table, int64_t p, int64_t bs
 template <typename C>
 void pack_kv(const C* k, const C* v, const int64_t* table, int64_t len, int64_t padded, int64_t bs,
              int64_t hkv, int64_t kv, int64_t d, uint16_t* kt, uint16_t* vv, float* ks, float* vs) {
-    float unused;
     alignas(64) uint16_t stage[32 * 128];
+    // rows k0 .. k0+count-1 of one half into stage (zeros, and scale 0, past len)
+    auto stage_rows = [&](const C* half, float* scales, int64_t k0, int64_t count) {
+        float unused;
+        for (int64_t i = 0; i < count; ++i) {
+            if (k0 + i < len) {
+                stage_row(half, table, k0 + i, bs, hkv, kv, d, stage + i * d, scales ? scales + k0 + i : &unused);
+            } else {
+                std::memset(stage + i * d, 0, d * 2);
+                if (scales) scales[k0 + i] = 0.f;
+            }
+        }
+    };
     const __m512i lanes = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
                                              _mm512_set1_epi32(static_cast<int>(d / 2)));
     for (int64_t k0 = 0; k0 < padded; k0 += 16) {  // K^T: tile (block, piece) row r = dim pair 16*piece + r of 16 keys
-        for (int64_t i = 0; i < 16; ++i) {
-            if (k0 + i < len) {
-                stage_row(k, table, k0 + i, bs, hkv, kv, d, stage + i * d, ks ? ks + k0 + i : &unused);
-            } else {
-                std::memset(stage + i * d, 0, d * 2);
-                if (ks) ks[k0 + i] = 0.f;
-            }
-        }
+        stage_rows(k, ks, k0, 16);
         for (int64_t t = 0; t < d / 32; ++t)
             for (int64_t r = 0; r < 16; ++r) {
                 const __m512i dw = _mm512_i32gather_epi32(_mm512_add_epi32(lanes, _mm512_set1_epi32(16 * t + r)),
@@ -95,14 +99,7 @@ void pack_kv(const C* k, const C* v, const int64_t* table, int64_t len, int64_t 
             }
     }
     for (int64_t k0 = 0; k0 < padded; k0 += 32) {  // V: tile (pair block, column block) row r = keys 2r, 2r+1
-        for (int64_t i = 0; i < 32; ++i) {
-            if (k0 + i < len) {
-                stage_row(v, table, k0 + i, bs, hkv, kv, d, stage + i * d, vs ? vs + k0 + i : &unused);
-            } else {
-                std::memset(stage + i * d, 0, d * 2);
-                if (vs) vs[k0 + i] = 0.f;
-            }
-        }
+        stage_rows(v, vs, k0, 32);
         for (int64_t c = 0; c < d / 16; ++c)
             for (int64_t r = 0; r < 16; ++r) {
                 const __m256i a = _mm256_load_si256(reinterpret_cast<const __m256i*>(stage + 2 * r * d + 16 * c));

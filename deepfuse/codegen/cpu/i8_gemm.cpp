@@ -9,15 +9,17 @@
 // The weight is offset binary: w = (wq - 128) * scale[n]. Each row of x is quantized here, per
 // group of `group` k: d = max|x| / 127, q = round(x * (127 / max|x|)) in -127..127 (ties to even),
 // exactly as the op's reference does. vpdpbusd multiplies the weight's unsigned bytes by q's
-// signed ones, so a group's integer sum is exact and carries 128 * sum(q), which is taken off
-// before the sum is scaled by d and added to the row's f32 sums (groups in order). The column
-// scale comes last.
+// signed ones, so a group's integer sum is exact and carries 128 * sum(q); the sums are scaled by
+// their group's d and added up in f32 (groups in order), and the row's sum of d * 128 * sum(q)
+// (one number a row) is taken off at the end, then the column scale applied.
 // A panel's k quad (16 columns x 4 k) is one 64-byte vector and a row's k quad one 32-bit
 // broadcast. A micro-tile of up to 6 rows x 2 panels keeps 12 integer and 12 f32 accumulators in
-// registers. Each row's sums run in one order whatever M is, so a row's result never depends on the
-// batch. Work items are (chunk of panels, slab of rows); within one, each micro-tile's rows stay
-// in L1 while it sweeps the chunk's panels from L2 (single-thread, SmolLM2's four shapes at 1,024
-// rows: ~335 -> ~370 GOPS against 4 x 3 tiles panel by panel; the same at 64 rows).
+// registers; each vpdpbusd reads its row's quad as an embedded broadcast (written as asm: from
+// the intrinsics GCC 12 copied the accumulators between registers every step; +10-13%). Each
+// row's sums run in one order whatever M is, so a row's result never depends on the batch. Work
+// items are (chunk of panels, slab of rows); within one, each micro-tile's rows stay in L1 while
+// it sweeps the chunk's panels from L2 (single-thread, SmolLM2's four shapes at 1,024 rows:
+// ~335 -> ~370 GOPS against 4 x 3 tiles panel by panel; the same at 64 rows).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -39,10 +41,11 @@ constexpr int kPanels = 2;     // panels per micro-tile
 constexpr int64_t kChunkBytes = 128 << 10;
 
 #if DEEPFUSE_I8_DOT
-// One row x[K] (f32 or bf16) quantized per group: q [K] s8, d [K/group] f32, offset [K/group]
-// int32 (128 * the group's sum of q, which vpdpbusd's unsigned weight bytes add).
+// One row x[K] (f32 or bf16) quantized per group: q [K] s8, d [K/group] f32, and *offset the
+// row's sum over groups of d * 128 * sum(q) (what vpdpbusd's unsigned weight bytes add).
 template <typename T>
-void quantize_row(const T* x, int64_t k, int64_t group, int8_t* q, float* d, int32_t* offset) {
+void quantize_row(const T* x, int64_t k, int64_t group, int8_t* q, float* d, float* offset) {
+    float corr = 0.f;
     for (int64_t g0 = 0, g = 0; g0 < k; g0 += group, ++g) {
         __m512 top = _mm512_setzero_ps();
         for (int64_t i = g0; i < g0 + group; i += 16) top = _mm512_max_ps(top, _mm512_abs_ps(load16(x + i)));
@@ -56,14 +59,15 @@ void quantize_row(const T* x, int64_t k, int64_t group, int8_t* q, float* d, int
             sum = _mm512_add_epi32(sum, v);
             _mm_storeu_si128(reinterpret_cast<__m128i*>(q + i), _mm512_cvtepi32_epi8(v));
         }
-        offset[g] = 128 * _mm512_reduce_add_epi32(sum);
+        corr += d[g] * static_cast<float>(128 * _mm512_reduce_add_epi32(sum));
     }
+    *offset = corr;
 }
 
-// R rows of q (ldq apart; their d and offset rows `groups` apart) times P panels (k/4 * 64 bytes
+// R rows of q (ldq apart; their d rows `groups` apart, their offsets consecutive) times P panels (k/4 * 64 bytes
 // apart) into y's R rows, `cols` valid columns from the first panel's first.
 template <typename T, int R, int P>
-void micro(const int8_t* q, int64_t ldq, const float* d, const int32_t* offset, int64_t groups, int64_t group,
+void micro(const int8_t* q, int64_t ldq, const float* d, const float* offset, int64_t groups, int64_t group,
            const uint8_t* w, int64_t k, const float* scale, T* y, int64_t ldy, int64_t cols) {
     __m512 f[R][P];
     for (int r = 0; r < R; ++r)
@@ -76,25 +80,20 @@ void micro(const int8_t* q, int64_t ldq, const float* d, const int32_t* offset, 
         for (int64_t j = g * group / 4; j < (g + 1) * group / 4; ++j) {
             __m512i wv[P];
             for (int p = 0; p < P; ++p) wv[p] = _mm512_load_si512(w + p * panel + j * 64);
-            for (int r = 0; r < R; ++r) {
-                int32_t quad;
-                std::memcpy(&quad, q + r * ldq + 4 * j, 4);
-                const __m512i xv = _mm512_set1_epi32(quad);
-                for (int p = 0; p < P; ++p) a[r][p] = _mm512_dpbusd_epi32(a[r][p], wv[p], xv);
-            }
+            for (int r = 0; r < R; ++r)
+                for (int p = 0; p < P; ++p)  // the row's quad broadcast by the instruction itself
+                    asm("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(a[r][p]) : "v"(wv[p]), "m"(*(const int32_t*)(q + r * ldq + 4 * j)));
         }
         for (int r = 0; r < R; ++r) {
-            const __m512i off = _mm512_set1_epi32(offset[r * groups + g]);
             const __m512 dg = _mm512_set1_ps(d[r * groups + g]);
-            for (int p = 0; p < P; ++p)
-                f[r][p] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(a[r][p], off)), dg, f[r][p]);
+            for (int p = 0; p < P; ++p) f[r][p] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a[r][p]), dg, f[r][p]);
         }
     }
     for (int p = 0; p < P; ++p) {
         const int64_t c = std::min<int64_t>(kCols, cols - p * kCols);
         const __m512 s = _mm512_loadu_ps(scale + p * kCols);  // scale is padded to whole panels
         for (int r = 0; r < R; ++r) {
-            const __m512 v = _mm512_mul_ps(f[r][p], s);
+            const __m512 v = _mm512_mul_ps(_mm512_sub_ps(f[r][p], _mm512_set1_ps(offset[r])), s);
             if (c == kCols) {
                 store16(y + r * ldy + p * kCols, v);
             } else {
@@ -107,7 +106,7 @@ void micro(const int8_t* q, int64_t ldq, const float* d, const int32_t* offset, 
 }
 
 template <typename T>
-using MicroFn = void (*)(const int8_t*, int64_t, const float*, const int32_t*, int64_t, int64_t, const uint8_t*,
+using MicroFn = void (*)(const int8_t*, int64_t, const float*, const float*, int64_t, int64_t, const uint8_t*,
                          int64_t, const float*, T*, int64_t, int64_t);
 template <typename T, int P>
 constexpr MicroFn<T> kByRows[kRows] = {micro<T, 1, P>, micro<T, 2, P>, micro<T, 3, P>, micro<T, 4, P>, micro<T, 5, P>, micro<T, 6, P>};
@@ -120,28 +119,45 @@ void gemm(const X* x, int64_t ldx, int64_t m, int64_t k, const uint8_t* panels, 
     const int64_t groups = k / group;
     std::vector<int8_t> q(m * k);
     std::vector<float> d(m * groups);
-    std::vector<int32_t> offset(m * groups);
+    std::vector<float> offset(m);
     at::parallel_for(0, m, 16, [&](int64_t r0, int64_t r1) {
         for (int64_t r = r0; r < r1; ++r)
-            quantize_row(x + r * ldx, k, group, q.data() + r * k, d.data() + r * groups, offset.data() + r * groups);
+            quantize_row(x + r * ldx, k, group, q.data() + r * k, d.data() + r * groups, offset.data() + r);
     });
-    // items: (chunk of panels holding about kChunkBytes, slab of rows); enough of them for
-    // every thread to get several
-    const int64_t chunk = std::max<int64_t>(1, kChunkBytes / (kPanels * k * kCols)) * kPanels;
-    const int64_t chunks = (nb + chunk - 1) / chunk, blocks = (m + kRows - 1) / kRows;
-    const int64_t cuts = std::clamp<int64_t>((8 * at::get_num_threads() + chunks - 1) / chunks, 1, blocks);
+    // items: (chunk of panels, slab of rows), chunks of equal size holding at most about
+    // kChunkBytes, ~16 items a thread; each thread runs a contiguous run of items of about equal
+    // work (an even split of the item list left one thread idle up to a third of the time where
+    // the last chunk or slab is short)
+    const int64_t most = std::max<int64_t>(1, kChunkBytes / (kPanels * k * kCols)) * kPanels;
+    const int64_t chunks = (nb + most - 1) / most;
+    const int64_t chunk = ((nb + chunks - 1) / chunks + kPanels - 1) / kPanels * kPanels;
+    const int64_t blocks = (m + kRows - 1) / kRows, threads = at::get_num_threads();
+    const int64_t cuts = std::clamp<int64_t>((16 * threads + chunks - 1) / chunks, 1, blocks);
     const int64_t slab = (blocks + cuts - 1) / cuts * kRows, slabs = (m + slab - 1) / slab;
-    at::parallel_for(0, chunks * slabs, 1, [&](int64_t i0, int64_t i1) {
-        for (int64_t item = i0; item < i1; ++item) {
+    const int64_t items = chunks * slabs;
+    auto cost = [&](int64_t item) {
+        const int64_t c = item / slabs, s = item % slabs;
+        return (std::min(nb, (c + 1) * chunk) - c * chunk) * (std::min(m, (s + 1) * slab) - s * slab);
+    };
+    std::vector<int64_t> start(threads + 1, items);  // thread t runs items start[t] .. start[t+1]-1
+    int64_t total = 0;
+    for (int64_t i = 0; i < items; ++i) total += cost(i);
+    start[0] = 0;
+    for (int64_t i = 0, t = 1, sum = 0; i < items && t < threads; ++i) {
+        sum += cost(i);
+        while (t < threads && sum * threads >= total * t) start[t++] = i + 1;
+    }
+    at::parallel_for(0, threads, 1, [&](int64_t t0, int64_t t1) {
+        for (int64_t item = start[t0]; item < start[t1]; ++item) {
             const int64_t c = item / slabs, s = item % slabs;
             const int64_t b1 = std::min(nb, (c + 1) * chunk), m1 = std::min(m, (s + 1) * slab);
             for (int64_t m0 = s * slab; m0 < m1; m0 += kRows) {  // a micro-tile's rows stay in L1 for the chunk
                 const int64_t rows = std::min<int64_t>(kRows, m1 - m0);
                 for (int64_t b = c * chunk; b < b1; b += kPanels) {
                     const int64_t np = std::min<int64_t>(kPanels, b1 - b);
-                    kMicro<T>[np - 1][rows - 1](q.data() + m0 * k, k, d.data() + m0 * groups,
-                                                offset.data() + m0 * groups, groups, group, panels + b * k * kCols, k,
-                                                scale + b * kCols, y + m0 * ldy + b * kCols, ldy, n - b * kCols);
+                    kMicro<T>[np - 1][rows - 1](q.data() + m0 * k, k, d.data() + m0 * groups, offset.data() + m0,
+                                                groups, group, panels + b * k * kCols, k, scale + b * kCols,
+                                                y + m0 * ldy + b * kCols, ldy, n - b * kCols);
                 }
             }
         }

@@ -82,6 +82,82 @@ constexpr bool kPairScores =
 template <typename T, typename C>
 constexpr bool kStagedPairs = kPairScores<T> && kInt8Rows<C>;
 
+// int8 keys with bf16 queries where the build has AVX512-VNNI: integer scores by vpdpbusd
+// (kVnniScores replaces kStagedPairs). The query is split into two int8 parts, q ~ s1 * q1 + s2 * q2
+// with s1 = max|q| / 127 and s2 = s1 / 254: the residual's step is ~1/32,000 of max|q|, finer than
+// bf16's own rounding of q (1/256 of each value). A tile of 16 keys is transposed into 16-key
+// columns of 4 dims (a 16 x 16 dword transpose, once for every head) and each part's scores are
+// 16 vpdpbusd a head, against 32 vdpbf16ps and a 45-instruction horizontal sum per head before
+// (and the tile's conversion to bf16): ~2.3x fewer instructions for the scores.
+template <typename T, typename C>
+constexpr bool kVnniScores =
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+    kStagedPairs<T, C>;
+#else
+    false;
+#endif
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+// One head's query split in two int8 parts (see kVnniScores): q1 and q2 [D] (-127..127), their steps
+// s[0..1] and 128 * the sum of each part in c[0..1] (what the keys' +128 offset adds to its dots).
+template <typename T, int DV>
+static inline void split_query(const T* src, int8_t* q1, int8_t* q2, float* s, int32_t* c) {
+    __m512 x[DV], top = _mm512_setzero_ps();
+    for (int v = 0; v < DV; ++v) {
+        x[v] = load16(src + 16 * v);
+        top = _mm512_max_ps(top, _mm512_abs_ps(x[v]));
+    }
+    const float amax = _mm512_reduce_max_ps(top);
+    s[0] = amax / 127.f;
+    s[1] = s[0] / 254.f;
+    const __m512 inv1 = _mm512_set1_ps(amax > 0.f ? 127.f / amax : 0.f), inv2 = _mm512_set1_ps(amax > 0.f ? 254.f * 127.f / amax : 0.f);
+    const __m512i lo = _mm512_set1_epi32(-127), hi = _mm512_set1_epi32(127);
+    __m512i sum1 = _mm512_setzero_si512(), sum2 = _mm512_setzero_si512();
+    for (int v = 0; v < DV; ++v) {
+        const __m512i a = _mm512_max_epi32(_mm512_min_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(x[v], inv1)), hi), lo);
+        const __m512 r = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(a), _mm512_set1_ps(s[0]), x[v]);  // x - a * s1
+        const __m512i b = _mm512_max_epi32(_mm512_min_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(r, inv2)), hi), lo);
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(q1 + 16 * v), _mm512_cvtepi32_epi8(a));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(q2 + 16 * v), _mm512_cvtepi32_epi8(b));
+        sum1 = _mm512_add_epi32(sum1, a);
+        sum2 = _mm512_add_epi32(sum2, b);
+    }
+    c[0] = 128 * _mm512_reduce_add_epi32(sum1);
+    c[1] = 128 * _mm512_reduce_add_epi32(sum2);
+}
+
+// 16 rows of 16 dwords (r[i]: row i) -> t[c]: dword c of every row (lane i: row i's)
+static inline void transpose16(const __m512i r[16], __m512i t[16]) {
+    __m512i a[16], b[16], s[4][4];
+    for (int i = 0; i < 8; ++i) {  // per 128-bit lane L: rows 2i, 2i+1 interleaved, dwords 4L, 4L+1 (a[2i]) and 4L+2, 4L+3
+        a[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+        a[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+    }
+    for (int i = 0; i < 4; ++i) {  // b[4i+e], lane L: dword 4L+e of rows 4i .. 4i+3
+        b[4 * i] = _mm512_unpacklo_epi64(a[4 * i], a[4 * i + 2]);
+        b[4 * i + 1] = _mm512_unpackhi_epi64(a[4 * i], a[4 * i + 2]);
+        b[4 * i + 2] = _mm512_unpacklo_epi64(a[4 * i + 1], a[4 * i + 3]);
+        b[4 * i + 3] = _mm512_unpackhi_epi64(a[4 * i + 1], a[4 * i + 3]);
+    }
+    for (int e = 0; e < 4; ++e) {  // gather lane L of b[e], b[4+e], b[8+e], b[12+e] into t[4L+e]
+        s[e][0] = _mm512_shuffle_i32x4(b[e], b[4 + e], _MM_SHUFFLE(2, 0, 2, 0));
+        s[e][1] = _mm512_shuffle_i32x4(b[e], b[4 + e], _MM_SHUFFLE(3, 1, 3, 1));
+        s[e][2] = _mm512_shuffle_i32x4(b[8 + e], b[12 + e], _MM_SHUFFLE(2, 0, 2, 0));
+        s[e][3] = _mm512_shuffle_i32x4(b[8 + e], b[12 + e], _MM_SHUFFLE(3, 1, 3, 1));
+        t[e] = _mm512_shuffle_i32x4(s[e][0], s[e][2], _MM_SHUFFLE(2, 0, 2, 0));
+        t[8 + e] = _mm512_shuffle_i32x4(s[e][0], s[e][2], _MM_SHUFFLE(3, 1, 3, 1));
+        t[4 + e] = _mm512_shuffle_i32x4(s[e][1], s[e][3], _MM_SHUFFLE(2, 0, 2, 0));
+        t[12 + e] = _mm512_shuffle_i32x4(s[e][1], s[e][3], _MM_SHUFFLE(3, 1, 3, 1));
+    }
+}
+
+// acc += (16 keys' 4 dims as unsigned bytes) . (the query's 4 dims, broadcast from memory)
+static inline __m512i dot_quad(__m512i acc, __m512i keys, const int8_t* q4) {
+    asm("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(keys), "m"(*reinterpret_cast<const int32_t*>(q4)));
+    return acc;
+}
+#endif
+
 // Sums each of 16 vectors: lane i of the result is the sum of p[i]'s 16 lanes (a butterfly
 // of in-lane unpacks, then 128-bit lane shuffles: 45 instructions instead of 16 reductions).
 static inline __m512 sum16(__m512 p[16]) {
@@ -148,6 +224,9 @@ static void decode_avx512(const T* q, const C* cache, const int64_t* tables, con
                                                     // dead lanes may spill past the segment)
         alignas(64) float acc[G][D];           // weighted sums of values (in registers during the values pass)
         alignas(64) uint16_t staged[16 * D];   // kStagedPairs: a tile's int8 keys as bf16
+        alignas(64) int8_t qparts[G][2][D];    // kVnniScores: each head's query in two int8 parts,
+        float qstep[G][2];                     // their steps
+        int32_t qsum[G][2];                    // and 128 * their sums
         for (int64_t item = begin; item < end; ++item) {
             const int64_t s = rows != nullptr ? rows[item / hkv] : item / hkv, kv = item % hkv, len = lens[s];
             // the thread's next item: its blocks are prefetched into L2 while this one computes,
@@ -161,6 +240,11 @@ static void decode_avx512(const T* q, const C* cache, const int64_t* tables, con
             const int64_t* table = tables + s * tb;
             const C* kbase = cache + kv * R;
             const C* vbase = cache + half + kv * R;
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+            if constexpr (kVnniScores<T, C>)
+                for (int j = 0; j < G; ++j)
+                    split_query<T, DV>(q + s * h * D + (kv * G + j) * D, qparts[j][0], qparts[j][1], qstep[j], qsum[j]);
+#endif
             float m[G], l[G];
             for (int j = 0; j < G; ++j) {
                 m[j] = -std::numeric_limits<float>::infinity();
@@ -190,6 +274,34 @@ static void decode_avx512(const T* q, const C* cache, const int64_t* tables, con
                         for (int i = 0; i < cnt; ++i) sc[i] = row_scale(tile + i * stride, D);
                         key_scale = _mm512_load_ps(sc);
                     }
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+                    if constexpr (kVnniScores<T, C>) {
+                        __m512i cols[DV / 4][16];  // cols[h][c]: dims 64h+4c .. +3 of the 16 keys, as unsigned bytes
+                        const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
+                        for (int hh = 0; hh < DV / 4; ++hh) {
+                            __m512i r[16];
+                            for (int i = 0; i < 16; ++i)  // dead rows: zeros (their lanes are never read)
+                                r[i] = i < cnt ? _mm512_xor_si512(_mm512_loadu_si512(tile + i * stride + 64 * hh), flip)
+                                               : _mm512_setzero_si512();
+                            transpose16(r, cols[hh]);
+                        }
+                        for (int j = 0; j < G; ++j) {
+                            __m512i d1 = _mm512_setzero_si512(), d2 = _mm512_setzero_si512();
+                            for (int hh = 0; hh < DV / 4; ++hh)
+                                for (int c = 0; c < 16; ++c) {
+                                    d1 = dot_quad(d1, cols[hh][c], qparts[j][0] + 64 * hh + 4 * c);
+                                    d2 = dot_quad(d2, cols[hh][c], qparts[j][1] + 64 * hh + 4 * c);
+                                }
+                            const __m512 dot = _mm512_fmadd_ps(
+                                _mm512_cvtepi32_ps(_mm512_sub_epi32(d2, _mm512_set1_epi32(qsum[j][1]))), _mm512_set1_ps(qstep[j][1]),
+                                _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(d1, _mm512_set1_epi32(qsum[j][0]))),
+                                              _mm512_set1_ps(qstep[j][0])));
+                            _mm512_storeu_ps(&score[j][p0 - s0], _mm512_mul_ps(_mm512_mul_ps(dot, key_scale), _mm512_set1_ps(scale)));
+                        }
+                        p0 += cnt;
+                        continue;
+                    }
+#endif
                     if constexpr (kStagedPairs<T, C>) {
                         for (int i = 0; i < cnt; ++i)
                             for (int v = 0; v < DV / 2; ++v) {

@@ -62,26 +62,35 @@ def add_rms_norm(x: Any, res: Any, w: Any, *, eps: float) -> Any:
     return apply("add_rms_norm", x, res, w, eps=float(eps))
 
 
-def _q4(group_size: int | None) -> dict[str, int]:
-    return {} if group_size is None else {"group_size": group_size}
+def _quant(group_size: int | None, act_group: int | None) -> dict[str, int]:
+    """The projection's attrs: int4's group_size or W8A8's act_group (neither for a dense W)."""
+    return {k: v for k, v in (("group_size", group_size), ("act_group", act_group)) if v is not None}
 
 
-def rms_norm_linear(x: Any, w: Any, *proj: Any, eps: float, group_size: int | None = None) -> Any:
-    """proj: W[N,K], or (packed, scales, mins) of linear_q4 with its group_size."""
-    return apply("rms_norm_linear", x, w, *proj, eps=float(eps), **_q4(group_size))
+def rms_norm_linear(x: Any, w: Any, *proj: Any, eps: float, group_size: int | None = None,
+                    act_group: int | None = None) -> Any:
+    """proj: W[N,K], (packed, scales, mins) of linear_q4 with its group_size, or (wq, scale) of
+    linear_w8a8 with its act_group."""
+    return apply("rms_norm_linear", x, w, *proj, eps=float(eps), **_quant(group_size, act_group))
 
 
-def add_rms_norm_linear(x: Any, res: Any, w: Any, *proj: Any, eps: float, group_size: int | None = None) -> Any:
-    return apply("add_rms_norm_linear", x, res, w, *proj, eps=float(eps), **_q4(group_size))
+def add_rms_norm_linear(x: Any, res: Any, w: Any, *proj: Any, eps: float, group_size: int | None = None,
+                        act_group: int | None = None) -> Any:
+    return apply("add_rms_norm_linear", x, res, w, *proj, eps=float(eps), **_quant(group_size, act_group))
 
 
-def swiglu_linear(x: Any, *proj: Any, group_size: int | None = None) -> Any:
-    return apply("swiglu_linear", x, *proj, **_q4(group_size))
+def swiglu_linear(x: Any, *proj: Any, group_size: int | None = None, act_group: int | None = None) -> Any:
+    return apply("swiglu_linear", x, *proj, **_quant(group_size, act_group))
 
 
 def linear_q4(x: Any, packed: Any, scales: Any, mins: Any, *, group_size: int) -> Any:
     """x[T,K] @ dequantize_q4(packed[N,K/2], scales, mins)^T -> [T,N]."""
     return apply("linear_q4", x, packed, scales, mins, group_size=group_size)
+
+
+def linear_w8a8(x: Any, wq: Any, scale: Any, *, act_group: int) -> Any:
+    """x[T,K] (quantized per row and group of act_group) @ ((wq[N,K] - 128) * scale[N])^T -> [T,N]."""
+    return apply("linear_w8a8", x, wq, scale, act_group=act_group)
 
 
 def qkv_rope_cache(qkv: Any, positions: Any, kv_cache: Any, slot_mapping: Any, *norms: Any, sizes: list[int],

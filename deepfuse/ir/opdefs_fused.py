@@ -10,8 +10,9 @@
     qkv_attention(qkv, pos, cache, slots, tables, lens, qlens) = attention(*qkv_rope_cache(...)):
                                             the split, RoPE and cache write as the attention's
                                             prologue (new keys come from qkv, older ones from the cache)
-`*W` is the projection: one dense weight W[N,K], or linear_q4's (packed, scales, mins) with
-the attr group_size. Each op has a decomposition into the ops it replaced.
+`*W` is the projection: one dense weight W[N,K], linear_q4's (packed, scales, mins) with the
+attr group_size, or linear_w8a8's (wq, scale) with the attr act_group. Each op has a
+decomposition into the ops it replaced.
 """
 from __future__ import annotations
 
@@ -21,30 +22,38 @@ import torch.nn.functional as F
 from .opdefs_basic import swiglu
 from .opdefs_llm import attention, check_kv_cache, rms_norm, rope, write_kv
 from .opdefs_moe import head_rms_norm
-from .opdefs_quant import _linear_q4_type, linear_q4
+from .opdefs_quant import _linear_q4_type, _linear_w8a8_type, linear_q4, linear_w8a8
 from .ops import OPS, decomposition, expect, register
 from .types import TensorType
 
 
 def _proj(x: TensorType, proj: list[TensorType], attrs: dict) -> TensorType:
-    """The type of linear(x, *proj): a dense weight, or (packed, scales, mins) with group_size."""
+    """The type of linear(x, *proj): a dense weight, (packed, scales, mins) with group_size, or
+    (wq, scale) with act_group (W8A8)."""
     if len(proj) == 3 and "group_size" in attrs:
         return _linear_q4_type([x, *proj], attrs)[0]
-    expect(len(proj) == 1 and "group_size" not in attrs, f"projection must be W or (packed, scales, mins), got {proj}")
+    if len(proj) == 2 and "act_group" in attrs:
+        return _linear_w8a8_type([x, *proj], attrs)[0]
+    expect(len(proj) == 1 and "group_size" not in attrs and "act_group" not in attrs,
+           f"projection must be W, (packed, scales, mins) or (wq, scale), got {proj}")
     w = proj[0]
     expect(w.rank == 2 and x.shape[-1] == w.shape[1] and x.dtype == w.dtype, f"projection {w} does not fit {x}")
     return x.with_shape(x.shape[0], w.shape[0])
 
 
-def project(x: torch.Tensor, proj: tuple, group_size: int | None) -> torch.Tensor:
-    """linear(x, W) or linear_q4(x, packed, scales, mins)."""
-    return F.linear(x, proj[0]) if group_size is None else linear_q4(x, *proj, group_size=group_size)
+def project(x: torch.Tensor, proj: tuple, group_size: int | None, act_group: int | None = None) -> torch.Tensor:
+    """linear(x, W), linear_q4(x, packed, scales, mins) or linear_w8a8(x, wq, scale)."""
+    if group_size is not None:
+        return linear_q4(x, *proj, group_size=group_size)
+    return F.linear(x, proj[0]) if act_group is None else linear_w8a8(x, *proj, act_group=act_group)
 
 
-def _project_decomp(x, proj: tuple, group_size: int | None):
+def _project_decomp(x, proj: tuple, group_size: int | None, act_group: int | None = None):
     from ..frontend import ops
 
-    return ops.linear(x, *proj) if group_size is None else ops.linear_q4(x, *proj, group_size=group_size)
+    if group_size is not None:
+        return ops.linear_q4(x, *proj, group_size=group_size)
+    return ops.linear(x, *proj) if act_group is None else ops.linear_w8a8(x, *proj, act_group=act_group)
 
 
 def _rms_norm_linear_type(types: list[TensorType], attrs: dict) -> list[TensorType]:
@@ -54,16 +63,16 @@ def _rms_norm_linear_type(types: list[TensorType], attrs: dict) -> list[TensorTy
 
 
 @register("rms_norm_linear", _rms_norm_linear_type)
-def rms_norm_linear(x, w, *proj, eps: float, group_size: int | None = None) -> torch.Tensor:
+def rms_norm_linear(x, w, *proj, eps: float, group_size: int | None = None, act_group: int | None = None) -> torch.Tensor:
     """linear(rms_norm(x[T,D], w[D]), proj[N,D]) -> [T,N]."""
-    return project(rms_norm(x, w, eps=eps), proj, group_size)
+    return project(rms_norm(x, w, eps=eps), proj, group_size, act_group)
 
 
 @decomposition("rms_norm_linear")
-def _rms_norm_linear_decomp(x, w, *proj, eps, group_size=None):
+def _rms_norm_linear_decomp(x, w, *proj, eps, group_size=None, act_group=None):
     from ..frontend import ops
 
-    return _project_decomp(ops.rms_norm(x, w, eps=eps), proj, group_size)
+    return _project_decomp(ops.rms_norm(x, w, eps=eps), proj, group_size, act_group)
 
 
 def _add_rms_norm_linear_type(types: list[TensorType], attrs: dict) -> list[TensorType]:
@@ -73,18 +82,19 @@ def _add_rms_norm_linear_type(types: list[TensorType], attrs: dict) -> list[Tens
 
 
 @register("add_rms_norm_linear", _add_rms_norm_linear_type)
-def add_rms_norm_linear(x, res, w, *proj, eps: float, group_size: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def add_rms_norm_linear(x, res, w, *proj, eps: float, group_size: int | None = None,
+                        act_group: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(s, linear(rms_norm(s, w), proj)) with s = x + res."""
     s = x + res
-    return s, project(rms_norm(s, w, eps=eps), proj, group_size)
+    return s, project(rms_norm(s, w, eps=eps), proj, group_size, act_group)
 
 
 @decomposition("add_rms_norm_linear")
-def _add_rms_norm_linear_decomp(x, res, w, *proj, eps, group_size=None):
+def _add_rms_norm_linear_decomp(x, res, w, *proj, eps, group_size=None, act_group=None):
     from ..frontend import ops
 
     s, normed = ops.add_rms_norm(x, res, w, eps=eps)
-    return s, _project_decomp(normed, proj, group_size)
+    return s, _project_decomp(normed, proj, group_size, act_group)
 
 
 def _swiglu_linear_type(types: list[TensorType], attrs: dict) -> list[TensorType]:
@@ -94,16 +104,16 @@ def _swiglu_linear_type(types: list[TensorType], attrs: dict) -> list[TensorType
 
 
 @register("swiglu_linear", _swiglu_linear_type)
-def swiglu_linear(x, *proj, group_size: int | None = None) -> torch.Tensor:
+def swiglu_linear(x, *proj, group_size: int | None = None, act_group: int | None = None) -> torch.Tensor:
     """linear(swiglu(x[T,2I]), proj[N,I]) -> [T,N]."""
-    return project(swiglu(x), proj, group_size)
+    return project(swiglu(x), proj, group_size, act_group)
 
 
 @decomposition("swiglu_linear")
-def _swiglu_linear_decomp(x, *proj, group_size=None):
+def _swiglu_linear_decomp(x, *proj, group_size=None, act_group=None):
     from ..frontend import ops
 
-    return _project_decomp(ops.swiglu(x), proj, group_size)
+    return _project_decomp(ops.swiglu(x), proj, group_size, act_group)
 
 
 def _qkv_rope_cache_type(types: list[TensorType], attrs: dict) -> list[TensorType]:

@@ -5,8 +5,9 @@
 
 Fires only where the normalised activation has no other reader (after fuse_sibling_linears
 the q/k/v and gate/up projections are one linear each, so every pre-projection norm
-qualifies). The projection may be dense (`linear`) or int4 (`linear_q4`: the fused op then
-takes packed, scales and mins and the group_size attr).
+qualifies). The projection may be dense (`linear`), int4 (`linear_q4`: the fused op then
+takes packed, scales and mins and the group_size attr) or W8A8 (`linear_w8a8`: wq and scale, and
+the act_group attr; on the CPU the norm is then the int8 GEMM's quantization prologue).
 """
 from __future__ import annotations
 
@@ -15,11 +16,17 @@ from .pattern import Op, Rule, Var, rule_pass
 
 x, res, w, proj = Var("x"), Var("res"), Var("w"), Var("proj")
 packed, scales, mins = Var("packed"), Var("scales"), Var("mins")
+wq, wscale = Var("wq"), Var("wscale")
 
 
 def q4(m) -> tuple[tuple, dict]:
     """The projection operands and attrs of a matched linear_q4 (node `proj_out`)."""
     return (m["packed"], m["scales"], m["mins"]), {"group_size": m.attrs("proj_out")["group_size"]}
+
+
+def w8(m) -> tuple[tuple, dict]:
+    """The projection operands and attrs of a matched linear_w8a8 (node `proj_out`)."""
+    return (m["wq"], m["wscale"]), {"act_group": m.attrs("proj_out")["act_group"]}
 
 NORM_LINEAR = Rule(
     "rms_norm_linear",
@@ -59,4 +66,24 @@ ADD_NORM_LINEAR_Q4 = Rule(
     replaces=("norm", "proj_out"),
 )
 
-fuse_norm_linear = rule_pass("fuse_norm_linear", [NORM_LINEAR, ADD_NORM_LINEAR, NORM_LINEAR_Q4, ADD_NORM_LINEAR_Q4])
+NORM_LINEAR_W8 = Rule(
+    "rms_norm_linear_w8a8",
+    Op("linear_w8a8", Op("rms_norm", x, w, name="norm"), wq, wscale, name="proj_out"),
+    lambda m: ops.rms_norm_linear(m["x"], m["w"], *w8(m)[0], eps=m.attrs("norm")["eps"], **w8(m)[1]),
+)
+
+
+def _add_norm_linear_w8(m):
+    s, y = ops.add_rms_norm_linear(m["x"], m["res"], m["w"], *w8(m)[0], eps=m.attrs("norm")["eps"], **w8(m)[1])
+    return s, None, y
+
+
+ADD_NORM_LINEAR_W8 = Rule(
+    "add_rms_norm_linear_w8a8",
+    Op("linear_w8a8", Op("add_rms_norm", x, res, w, name="norm", out=1), wq, wscale, name="proj_out"),
+    _add_norm_linear_w8,
+    replaces=("norm", "proj_out"),
+)
+
+fuse_norm_linear = rule_pass("fuse_norm_linear", [NORM_LINEAR, ADD_NORM_LINEAR, NORM_LINEAR_Q4, ADD_NORM_LINEAR_Q4,
+                                                  NORM_LINEAR_W8, ADD_NORM_LINEAR_W8])

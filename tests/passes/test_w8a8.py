@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 
 import deepfuse
-from deepfuse.codegen.cpu.kernels import PREPACKED, W8A8Weights
+from deepfuse.codegen.cpu.kernels import PREPACKED, W8A8Weights, add_rms_rows, rms_rows, swiglu_rows, w8a8_linear
 from deepfuse.compiler import trace_model
 from deepfuse.ir import OPS, TensorType, interpret, verify
 from deepfuse.ir.opdefs_quant import W8_ZERO, linear_w8a8, logits_w8a8, quantize_rows_i8, quantize_w8
@@ -93,6 +93,79 @@ def test_native_int8_gemm_rows_do_not_depend_on_the_batch(native):
     assert torch.equal(nat.i8_gemm(x[7:40], panels, padded, 960, 64), whole[7:40])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 5, 33])
+def test_prologue_fused_int8_gemms_equal_the_separate_passes(native, dtype, rows):
+    """i8_gemm_swiglu and i8_gemm_norm make each row's activation in a buffer and quantize it
+    from there: bit for bit the native swiglu / rms_norm / add_rms_norm, then i8_gemm (the sum
+    written as add_rms_norm writes it)."""
+    nat = native_i8(native)
+    torch.manual_seed(rows)
+    wq, scale = quantize_w8(torch.randn(40, 192))
+    panels, padded = nat.pack_w8(wq), F.pad(scale, (0, -40 % 16))
+    gu = torch.randn(rows, 2 * 192).to(dtype)
+    assert torch.equal(nat.i8_gemm_swiglu(gu, panels, padded, 40, 64), nat.i8_gemm(nat.swiglu(gu), panels, padded, 40, 64))
+    x, res, w = torch.randn(rows, 192).to(dtype), torch.randn(rows, 192).to(dtype), torch.randn(192).to(dtype)
+    s = torch.empty_like(x)
+    y = nat.i8_gemm_norm(x, res, w, 1e-5, s, panels, padded, 40, 64)
+    want_s, normed = nat.add_rms_norm(x, res, w, 1e-5)
+    assert torch.equal(s, want_s) and torch.equal(y, nat.i8_gemm(normed, panels, padded, 40, 64))
+    y = nat.i8_gemm_norm(x, None, w, 1e-5, None, panels, padded, 40, 64)
+    assert torch.equal(y, nat.i8_gemm(nat.rms_norm(x, w, 1e-5), panels, padded, 40, 64))
+    with pytest.raises(RuntimeError, match="res and sum_out go together"):
+        nat.i8_gemm_norm(x, res, w, 1e-5, None, panels, padded, 40, 64)
+    with pytest.raises(RuntimeError, match=r"must be \[M, 2K\]"):
+        nat.i8_gemm_swiglu(gu[:, 1:], panels, padded, 40, 64)
+
+
+def test_fused_kernels_fall_back_to_the_separate_passes_without_the_native_gemm():
+    """Without the native GEMM (no VNNI, an f16 model) the prologue-fused forms run the norm or
+    SwiGLU, then the op's reference: the fused ops' own references."""
+    torch.manual_seed(0)
+    wq, scale = quantize_w8(torch.randn(24, 128))
+    w = W8A8Weights(torch.float16, wq, scale)  # f16: never the native GEMM
+    assert w.native is None
+    gu, x, res, nw = torch.randn(3, 256), torch.randn(3, 128), torch.randn(3, 128), torch.randn(128)
+    from deepfuse.codegen.cpu.kernels import w8a8_norm_linear, w8a8_swiglu_linear
+    torch.testing.assert_close(w8a8_swiglu_linear(gu, w, 64),
+                               OPS["swiglu_linear"].reference(gu, wq, scale, act_group=64), atol=1e-5, rtol=1e-5)
+    s, y = w8a8_norm_linear(x, res, nw, 1e-5, w, 64)
+    want_s, want_y = OPS["add_rms_norm_linear"].reference(x, res, nw, wq, scale, eps=1e-5, act_group=64)
+    torch.testing.assert_close(s, want_s)
+    torch.testing.assert_close(y, want_y, atol=1e-5, rtol=1e-5)
+
+
+def test_fused_ops_over_a_w8a8_projection_type_check_and_decompose(tiny_model):
+    """The quantized graph after the prologue passes holds the fused ops over (wq, scale); their
+    types check, and decomposing them gives back norm / SwiGLU + linear_w8a8, computing the same."""
+    art = deepfuse.compile(tiny_model, quant="w8a8")
+    ops = [n.op for n in art.graph.nodes if "act_group" in n.attrs]
+    assert {"add_rms_norm_linear", "linear_w8a8"} <= set(ops)  # (its down projection's K is no multiple of 64)
+    verify(art.graph)
+    from deepfuse.passes.decompose import decompose_unsupported
+    fused_ops = {"swiglu_linear", "rms_norm_linear", "add_rms_norm_linear"}
+    plain = decompose_unsupported(set(OPS) - fused_ops)(art.graph.copy())
+    assert not any(n.op in fused_ops for n in plain.nodes) and any(n.op == "linear_w8a8" for n in plain.nodes)
+    want = greedy_with(lambda inputs: interpret(art.graph, inputs), tiny_model.config, [1, 5, 9, 2], 4)
+    got = greedy_with(lambda inputs: interpret(plain, inputs), tiny_model.config, [1, 5, 9, 2], 4)
+    assert got[0] == want[0]
+    torch.testing.assert_close(got[1], want[1])
+
+
+def test_w8a8_artifacts_for_the_device_targets_run_the_fused_forms_as_references(tiny_model):
+    """Triton and AscendC have no W8A8 kernels: the prologue-fused projections run their
+    references there (host steps), so a W8A8 ascend950 build decodes as the CPU interpreter does."""
+    from deepfuse.codegen.ascendc import emittable as ascend_emittable
+    from deepfuse.codegen.triton.emit import emittable as triton_emittable
+    art = deepfuse.compile(tiny_model, quant="w8a8", target="ascend950")
+    fused = [n for n in art.graph.nodes if "act_group" in n.attrs]
+    assert fused and not any(ascend_emittable(n) or triton_emittable(n) for n in fused)
+    prompt = [5, 17, 99, 3, 42, 7]
+    want = greedy_with(lambda inputs: interpret(art.graph, inputs), tiny_model.config, prompt, 4, block_size=16)
+    got = greedy_with(art, tiny_model.config, prompt, 4, block_size=16)
+    assert got[0] == want[0]
+
+
 def test_native_int8_gemm_refuses_bad_operands(native):
     nat = native_i8(native)
     wq, scale = quantize_w8(torch.randn(32, 128))
@@ -168,7 +241,11 @@ def test_smollm2_w8a8_cpu_matches_the_interpreter_and_survives_an_artifact(smoll
     model, tok = smollm2
     art = deepfuse.compile(model, quant="w8a8", tokenizer=tok)
     launches = art.plan["launches"]
-    assert sum(p["op"] == "linear_w8a8" for p in launches) == 4 * model.config.num_layers  # qkv, o, gate_up, down
+    layers = model.config.num_layers
+    fused = [p["op"] for p in launches if "act_group" in p["attrs"] and p["op"] not in ("linear_w8a8", "logits_w8a8")]
+    assert sum(p["op"] == "linear_w8a8" for p in launches) == layers  # o (the others are prologue-fused:)
+    assert sorted(set(fused)) == ["add_rms_norm_linear", "rms_norm_linear", "swiglu_linear"]
+    assert len(fused) == 3 * layers  # qkv and gate_up after their norms, down after SwiGLU
     assert sum(p["op"] == "logits_w8a8" for p in launches) == 1  # and the tied LM head
     worst = []
 
@@ -180,11 +257,30 @@ def test_smollm2_w8a8_cpu_matches_the_interpreter_and_survives_an_artifact(smoll
             return y
         return run
 
-    art.runner.launches = [(checked(k) if launches[i]["op"] == "linear_w8a8" else k, *rest)
-                           for i, (k, *rest) in enumerate(art.runner.launches)]
+    unfused = []  # prologue-fused projections: bit for bit the separate norm / SwiGLU, then linear_w8a8
+
+    def checked_fused(op, attrs, kernel):
+        def run(*ins, **kw):
+            y = kernel(*ins, **kw)
+            *acts, w = ins
+            if op == "swiglu_linear":
+                want = w8a8_linear(swiglu_rows(acts[0]), w, 64)
+            elif op == "rms_norm_linear":
+                want = w8a8_linear(rms_rows(acts[0], acts[1], attrs["eps"]), w, 64)
+            else:
+                want = w8a8_linear(add_rms_rows(*acts, attrs["eps"])[1], w, 64)
+            unfused.append(torch.equal(y[1] if isinstance(y, tuple) else y, want))
+            return y
+        return run
+
+    art.runner.launches = [
+        (checked(k) if launches[i]["op"] == "linear_w8a8"
+         else checked_fused(launches[i]["op"], launches[i]["attrs"], k) if launches[i]["op"] in fused else k, *rest)
+        for i, (k, *rest) in enumerate(art.runner.launches)]
     prompt = tok.encode("The capital of France is")
     got, got_logits = greedy_with(art, model.config, prompt, 6)
-    assert len(worst) == 6 * 4 * model.config.num_layers and max(worst) < 1e-5
+    assert len(worst) == 6 * layers and max(worst) < 1e-5
+    assert len(unfused) == 6 * 3 * layers and all(unfused)
     want, want_logits = greedy_with(lambda inputs: interpret(art.graph, inputs), model.config, prompt, 6)
     assert got == want
     assert int(got_logits.argmax()) == int(want_logits.argmax())

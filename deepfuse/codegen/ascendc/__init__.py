@@ -48,6 +48,8 @@ def emittable(node: Node) -> bool:
     does not tile go to the reference (a host step)."""
     if node.op not in EMITTERS:
         return False
+    if "act_group" in node.attrs:  # a prologue-fused W8A8 projection: the reference, as linear_w8a8's
+        return False
     if "group_size" in node.attrs:  # int4: K in whole 64-element repeats, groups of whole 32-byte halves
         k = 2 * node.inputs[-3].type.shape[1]
         return k % 64 == 0 and node.attrs["group_size"] % 16 == 0

@@ -27,6 +27,11 @@ bool i8_gemm_available();
 torch::Tensor pack_w8(const torch::Tensor& wq);
 torch::Tensor i8_gemm(torch::Tensor x, const torch::Tensor& panels, const torch::Tensor& scale, int64_t n,
                       int64_t group, std::optional<torch::Tensor> out);
+torch::Tensor i8_gemm_swiglu(torch::Tensor x, const torch::Tensor& panels, const torch::Tensor& scale, int64_t n,
+                             int64_t group, std::optional<torch::Tensor> out);
+torch::Tensor i8_gemm_norm(const torch::Tensor& x, std::optional<torch::Tensor> res, const torch::Tensor& w, double eps,
+                           std::optional<torch::Tensor> sum_out, const torch::Tensor& panels, const torch::Tensor& scale,
+                           int64_t n, int64_t group, std::optional<torch::Tensor> out);
 torch::Tensor swiglu(const torch::Tensor& x, std::optional<torch::Tensor> out);
 void rope_cache(const torch::Tensor& qkv, const torch::Tensor& pos, const torch::Tensor& cos, const torch::Tensor& sin,
                 torch::Tensor cache, const torch::Tensor& slots, int64_t num_heads, torch::Tensor q_out,
@@ -65,6 +70,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("i8_gemm", &i8_gemm,
           "x [M, K] quantized per row and group to int8, @ (wq - 128)^T * scale over pack_w8(wq) (i8_gemm.cpp)",
           py::arg("x"), py::arg("panels"), py::arg("scale"), py::arg("n"), py::arg("group"), py::arg("out") = py::none());
+    m.def("i8_gemm_swiglu", &i8_gemm_swiglu, "i8_gemm over swiglu(x) for x [M, 2K], the activation never stored (i8_gemm.cpp)",
+          py::arg("x"), py::arg("panels"), py::arg("scale"), py::arg("n"), py::arg("group"), py::arg("out") = py::none());
+    m.def("i8_gemm_norm", &i8_gemm_norm,
+          "i8_gemm over rms_norm(x (+ res), w), x + res into sum_out when res is given (i8_gemm.cpp)", py::arg("x"),
+          py::arg("res"), py::arg("w"), py::arg("eps"), py::arg("sum_out"), py::arg("panels"), py::arg("scale"),
+          py::arg("n"), py::arg("group"), py::arg("out") = py::none());
     m.def("swiglu", &swiglu, "silu(x[:, :F]) * x[:, F:] for x [T, 2F], into out if given (rows.cpp)", py::arg("x"),
           py::arg("out") = py::none());
     m.def("rope_cache", &rope_cache, "rotary q and k of qkv rows, k and v into the paged cache (rows.cpp)");

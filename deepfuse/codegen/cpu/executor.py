@@ -138,8 +138,9 @@ class CpuExecutor:
                 ins = [packed[key] if i == pre.weights[0] else s for i, s in enumerate(ins) if i not in pre.weights[1:]]
                 kernel = pre.make(attrs)
                 in_place, prepacked = writes_in_place(self.base[packed[key]]), True
-            # an int4 projection writes in place only prepacked (its reference allocates)
-            if in_place and use_buffers and p["op"] in OUT_FACTORIES and ("group_size" not in attrs or prepacked) \
+            # an int4 or W8A8 projection writes in place only prepacked (its reference allocates)
+            quantized = "group_size" in attrs or "act_group" in attrs
+            if in_place and use_buffers and p["op"] in OUT_FACTORIES and (not quantized or prepacked) \
                     and -1 not in p.get("out_buf", [-1]):
                 kernel = OUT_FACTORIES[p["op"]](attrs)
                 self.planned.append(p)

@@ -5,6 +5,13 @@
 //   pack_w8(wq [N, K] u8)              -> panels u8 [ceil(N/16), K/4, 16, 4] (padding columns: 128, weight 0)
 //   i8_gemm(x [M, K] f32/bf16, panels, scale [N] f32, N, group, out) -> y [M, N] in x's dtype (or
 //       into an f32 out: a W8A8 LM head's logits)
+//   i8_gemm_swiglu(x [M, 2K], ...)   the same over swiglu(x) (swiglu_linear with a W8A8 projection)
+//   i8_gemm_norm(x [M, K], res, w [K], eps, sum_out, ...)   the same over rms_norm(x (+ res), w),
+//       x + res written to sum_out when res is given (rms_norm_linear, add_rms_norm_linear)
+//
+// The fused forms make each row's activation (row_ops.h, bit for bit what the unfused kernels
+// write) in a buffer of the thread's and quantize it from there: the [M, K] activation is never
+// written out and read back, and there is one pass over the rows instead of two.
 //
 // The weight is offset binary: w = (wq - 128) * scale[n]. Each row of x is quantized here, per
 // group of `group` k: d = max|x| / 127, q = round(x * (127 / max|x|)) in -127..127 (ties to even),
@@ -32,6 +39,8 @@
 #define DEEPFUSE_I8_DOT 1
 #include "vec.h"
 #endif
+
+#include "row_ops.h"
 
 namespace {
 
@@ -113,16 +122,19 @@ constexpr MicroFn<T> kByRows[kRows] = {micro<T, 1, P>, micro<T, 2, P>, micro<T, 
 template <typename T>
 constexpr const MicroFn<T>* kMicro[kPanels] = {kByRows<T, 1>, kByRows<T, 2>};
 
-template <typename X, typename T>
-void gemm(const X* x, int64_t ldx, int64_t m, int64_t k, const uint8_t* panels, int64_t nb, int64_t n,
-          const float* scale, int64_t group, T* y, int64_t ldy) {
+// row(r, buf) -> a pointer to row r of the activation (X [K]): x's own row, or `buf` (K of X,
+// the thread's) filled with a fused prologue's.
+template <typename X, typename T, typename Row>
+void gemm(Row row, int64_t m, int64_t k, const uint8_t* panels, int64_t nb, int64_t n, const float* scale,
+          int64_t group, T* y, int64_t ldy) {
     const int64_t groups = k / group;
     std::vector<int8_t> q(m * k);
     std::vector<float> d(m * groups);
     std::vector<float> offset(m);
     at::parallel_for(0, m, 16, [&](int64_t r0, int64_t r1) {
+        std::vector<X> buf(k);
         for (int64_t r = r0; r < r1; ++r)
-            quantize_row(x + r * ldx, k, group, q.data() + r * k, d.data() + r * groups, offset.data() + r);
+            quantize_row(row(r, buf.data()), k, group, q.data() + r * k, d.data() + r * groups, offset.data() + r);
     });
     // items: (chunk of panels, slab of rows), chunks of equal size holding at most about
     // kChunkBytes, ~16 items a thread; each thread runs a contiguous run of items of about equal
@@ -183,12 +195,15 @@ torch::Tensor pack_w8(const torch::Tensor& wq) {
     return padded.view({nb, kCols, k / 4, 4}).permute({0, 2, 1, 3}).contiguous();
 }
 
-torch::Tensor i8_gemm(torch::Tensor x, const torch::Tensor& panels, const torch::Tensor& scale, int64_t n,
-                      int64_t group, std::optional<torch::Tensor> out) {
+namespace {
+
+// Checks panels, scale, group and out against x's K (k) and M rows; returns out or a new y.
+torch::Tensor checked_out(const torch::Tensor& x, int64_t k, const torch::Tensor& panels, const torch::Tensor& scale,
+                          int64_t n, int64_t group, const std::optional<torch::Tensor>& out) {
     TORCH_CHECK(i8_gemm_available(), "i8_gemm: this build has no AVX512-VNNI");
     TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == torch::kFloat32 || x.scalar_type() == torch::kBFloat16),
                 "i8_gemm: x must be [M, K] float32 or bfloat16");
-    const int64_t m = x.size(0), k = x.size(1), nb = (n + kCols - 1) / kCols;
+    const int64_t m = x.size(0), nb = (n + kCols - 1) / kCols;
     TORCH_CHECK(group > 0 && group % 16 == 0 && k % group == 0, "i8_gemm: K must be a multiple of the group, itself of 16");
     TORCH_CHECK(panels.dim() == 4 && panels.scalar_type() == torch::kUInt8 && panels.is_contiguous() &&
                     panels.size(0) == nb && panels.size(1) * 4 == k && panels.size(2) == kCols && panels.size(3) == 4,
@@ -199,18 +214,93 @@ torch::Tensor i8_gemm(torch::Tensor x, const torch::Tensor& panels, const torch:
     TORCH_CHECK(y.dim() == 2 && y.size(0) == m && y.size(1) == n &&
                     (y.scalar_type() == x.scalar_type() || y.scalar_type() == torch::kFloat32) && y.stride(1) == 1,
                 "i8_gemm: out must be [M, N] of x's dtype or f32 with unit column stride");
-    if (m == 0 || n == 0) return y;
-    if (x.stride(1) != 1) x = x.contiguous();
+    return y;
+}
+
+// The GEMM over x's dtype X and y's (X, or f32), rows from row_of<X>() (see gemm)
+template <typename RowOf>
+void dispatch(const torch::Tensor& x, int64_t k, const torch::Tensor& panels, const torch::Tensor& scale, int64_t n,
+              int64_t group, torch::Tensor& y, RowOf row_of) {
 #if DEEPFUSE_I8_DOT
+    const int64_t m = x.size(0), nb = (n + kCols - 1) / kCols;
+    if (m == 0 || n == 0) return;
     const uint8_t* w = panels.data_ptr<uint8_t>();
-    using bf16 = c10::BFloat16;
     const float* sc = scale.data_ptr<float>();
+    using bf16 = c10::BFloat16;
     if (x.scalar_type() == torch::kFloat32)
-        gemm(x.data_ptr<float>(), x.stride(0), m, k, w, nb, n, sc, group, y.data_ptr<float>(), y.stride(0));
+        gemm<float>(row_of(float{}), m, k, w, nb, n, sc, group, y.data_ptr<float>(), y.stride(0));
     else if (y.scalar_type() == torch::kFloat32)
-        gemm(x.data_ptr<bf16>(), x.stride(0), m, k, w, nb, n, sc, group, y.data_ptr<float>(), y.stride(0));
+        gemm<bf16>(row_of(bf16{}), m, k, w, nb, n, sc, group, y.data_ptr<float>(), y.stride(0));
     else
-        gemm(x.data_ptr<bf16>(), x.stride(0), m, k, w, nb, n, sc, group, y.data_ptr<bf16>(), y.stride(0));
+        gemm<bf16>(row_of(bf16{}), m, k, w, nb, n, sc, group, y.data_ptr<bf16>(), y.stride(0));
 #endif
+}
+
+void check_rows(const torch::Tensor& t, const torch::Tensor& x, const char* what) {
+    TORCH_CHECK(t.dim() == 2 && t.sizes() == x.sizes() && t.scalar_type() == x.scalar_type() && t.stride(1) == 1,
+                "i8_gemm_norm: ", what, " must be [M, K] rows of x's dtype with unit column stride");
+}
+
+}  // namespace
+
+torch::Tensor i8_gemm(torch::Tensor x, const torch::Tensor& panels, const torch::Tensor& scale, int64_t n,
+                      int64_t group, std::optional<torch::Tensor> out) {
+    TORCH_CHECK(x.dim() == 2, "i8_gemm: x must be [M, K] float32 or bfloat16");
+    auto y = checked_out(x, x.size(1), panels, scale, n, group, out);
+    if (x.stride(1) != 1) x = x.contiguous();
+    const int64_t ldx = x.stride(0);
+    dispatch(x, x.size(1), panels, scale, n, group, y, [&](auto zero) {
+        using X = decltype(zero);
+        const X* xp = x.data_ptr<X>();
+        return [xp, ldx](int64_t r, X*) { return xp + r * ldx; };
+    });
+    return y;
+}
+
+torch::Tensor i8_gemm_swiglu(torch::Tensor x, const torch::Tensor& panels, const torch::Tensor& scale, int64_t n,
+                             int64_t group, std::optional<torch::Tensor> out) {
+    TORCH_CHECK(x.dim() == 2 && x.size(1) % 2 == 0, "i8_gemm_swiglu: x must be [M, 2K]");
+    const int64_t k = x.size(1) / 2;
+    auto y = checked_out(x, k, panels, scale, n, group, out);
+    if (x.stride(1) != 1) x = x.contiguous();
+    const int64_t ldx = x.stride(0);
+    dispatch(x, k, panels, scale, n, group, y, [&](auto zero) {
+        using X = decltype(zero);
+        const X* xp = x.data_ptr<X>();
+        return [xp, ldx, k](int64_t r, X* buf) {
+            row_ops::swiglu_row(xp + r * ldx, xp + r * ldx + k, buf, k);
+            return static_cast<const X*>(buf);
+        };
+    });
+    return y;
+}
+
+torch::Tensor i8_gemm_norm(const torch::Tensor& x, std::optional<torch::Tensor> res, const torch::Tensor& w, double eps,
+                           std::optional<torch::Tensor> sum_out, const torch::Tensor& panels, const torch::Tensor& scale,
+                           int64_t n, int64_t group, std::optional<torch::Tensor> out) {
+    TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "i8_gemm_norm: x must be [M, K] rows with unit column stride");
+    const int64_t k = x.size(1);
+    TORCH_CHECK(w.dim() == 1 && w.size(0) == k && w.scalar_type() == x.scalar_type() && w.is_contiguous(),
+                "i8_gemm_norm: w must be [K] of x's dtype");
+    TORCH_CHECK(res.has_value() == sum_out.has_value(), "i8_gemm_norm: res and sum_out go together");
+    if (res.has_value()) {
+        check_rows(*res, x, "res");
+        check_rows(*sum_out, x, "sum_out");
+    }
+    auto y = checked_out(x, k, panels, scale, n, group, out);
+    const float e = static_cast<float>(eps);
+    dispatch(x, k, panels, scale, n, group, y, [&](auto zero) {
+        using X = decltype(zero);
+        const X* xp = x.data_ptr<X>();
+        const X* rp = res.has_value() ? res->data_ptr<X>() : nullptr;
+        X* sp = sum_out.has_value() ? sum_out->data_ptr<X>() : nullptr;
+        const X* wp = w.data_ptr<X>();
+        const int64_t lx = x.stride(0), lr = rp != nullptr ? res->stride(0) : 0, ls = sp != nullptr ? sum_out->stride(0) : 0;
+        return [=](int64_t r, X* buf) {
+            row_ops::norm_row(xp + r * lx, rp != nullptr ? rp + r * lr : nullptr, wp, sp != nullptr ? sp + r * ls : nullptr,
+                              buf, k, e);
+            return static_cast<const X*>(buf);
+        };
+    });
     return y;
 }

@@ -1,11 +1,10 @@
-// RMS norms in one pass over each row, f32 math, for the CPU target (f32 and bf16).
+// RMS norms in one pass over each row, f32 math, for the CPU target (f32 and bf16): row_ops.h's
+// norm_row over rows split between torch's threads.
 //
 //   rms_norm(x [T, D], w [D], eps, out)              -> out [T, D]
 //   add_rms_norm(x, res, w, eps, sum_out, norm_out)  -> (s = x + res, rms_norm(s, w)) [T, D] each
 //
-// Rounding follows the IR's reference (ir/opdefs_llm.py): h = x * rsqrt(mean(x^2) + eps) in f32,
-// rounded to x's dtype, then times w in x's dtype (one more rounding); for add_rms_norm the sum
-// is rounded to x's dtype first, as torch.add does. Rows are split between torch's threads.
+// Rounding: see row_ops.h (the IR's reference, ir/opdefs_llm.py).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -13,57 +12,9 @@
 #include <optional>
 #include <tuple>
 
-#if defined(__AVX512F__)
-#include "vec.h"
-#endif
+#include "row_ops.h"
 
 namespace {
-
-template <typename T>
-inline T round_to(float v) {
-    return static_cast<T>(v);
-}
-
-// one row: s (if res) = x + res, written to sum; out = rms_norm(s) * w. With AVX-512, 16 lanes
-// at a time (the sum of squares in 16 partial sums), the tail of a row past a multiple of 16 as
-// scalars; the roundings are the same either way.
-template <typename T>
-void norm_row(const T* x, const T* res, const T* w, T* sum, T* out, int64_t d, float eps) {
-    float ss = 0.f;
-    int64_t j = 0;
-#if defined(__AVX512F__)
-    __m512 ss16 = _mm512_setzero_ps();
-    for (; j + 16 <= d; j += 16) {
-        __m512 f = load16(x + j);
-        if (res != nullptr) {
-            f = round16(_mm512_add_ps(f, load16(res + j)), x);
-            store16(sum + j, f);
-        }
-        ss16 = _mm512_fmadd_ps(f, f, ss16);
-    }
-    ss = _mm512_reduce_add_ps(ss16);
-#endif
-    for (; j < d; ++j) {
-        float f = static_cast<float>(x[j]);
-        if (res != nullptr) {
-            const T s = round_to<T>(f + static_cast<float>(res[j]));
-            sum[j] = s;
-            f = static_cast<float>(s);
-        }
-        ss += f * f;
-    }
-    if (res != nullptr) x = sum;
-    const float rstd = 1.f / std::sqrt(ss / static_cast<float>(d) + eps);
-    j = 0;
-#if defined(__AVX512F__)
-    for (const __m512 r = _mm512_set1_ps(rstd); j + 16 <= d; j += 16)
-        store16(out + j, _mm512_mul_ps(load16(w + j), round16(_mm512_mul_ps(load16(x + j), r), x)));
-#endif
-    for (; j < d; ++j) {
-        const T h = round_to<T>(static_cast<float>(x[j]) * rstd);
-        out[j] = round_to<T>(static_cast<float>(w[j]) * static_cast<float>(h));
-    }
-}
 
 template <typename T>
 void norm_rows(const torch::Tensor& x, const torch::Tensor* res, const torch::Tensor& w, torch::Tensor* sum,
@@ -79,7 +30,7 @@ void norm_rows(const torch::Tensor& x, const torch::Tensor* res, const torch::Te
     const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(d, 1));
     at::parallel_for(0, t, grain, [&](int64_t begin, int64_t end) {
         for (int64_t i = begin; i < end; ++i)
-            norm_row<T>(xp + i * lx, rp != nullptr ? rp + i * lr : nullptr, wp, sp != nullptr ? sp + i * ls : nullptr,
+            row_ops::norm_row<T>(xp + i * lx, rp != nullptr ? rp + i * lr : nullptr, wp, sp != nullptr ? sp + i * ls : nullptr,
                         op + i * lo, d, static_cast<float>(eps));
     });
 }

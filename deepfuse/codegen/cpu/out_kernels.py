@@ -22,6 +22,8 @@ from .kernels import (
     rms_rows,
     swiglu_rows,
     w8a8_linear,
+    w8a8_norm_linear,
+    w8a8_swiglu_linear,
 )
 
 OUT_FACTORIES: dict[str, Callable[[dict], Kernel]] = {}
@@ -71,12 +73,18 @@ def _linear_w8a8(attrs: dict) -> Kernel:
 @out_factory("rms_norm_linear")
 def _rms_norm_linear(attrs: dict) -> Kernel:
     eps = attrs["eps"]
+    if "act_group" in attrs:  # a W8A8 projection (kernels.W8A8Weights)
+        group = attrs["act_group"]
+        return lambda x, w, proj, out: w8a8_norm_linear(x, None, w, eps, proj, group, out=out[0])
     return lambda x, w, proj, out: mm_into(rms_rows(x, w, eps), proj, out[0])
 
 
 @out_factory("add_rms_norm_linear")
 def _add_rms_norm_linear(attrs: dict) -> Kernel:
     eps = attrs["eps"]
+    if "act_group" in attrs:
+        group = attrs["act_group"]
+        return lambda x, res, w, proj, out: w8a8_norm_linear(x, res, w, eps, proj, group, out[0], out[1])
 
     def run(x, res, w, proj, out):
         _, normed = add_rms_rows(x, res, w, eps, out[0])
@@ -87,6 +95,9 @@ def _add_rms_norm_linear(attrs: dict) -> Kernel:
 
 @out_factory("swiglu_linear")
 def _swiglu_linear(attrs: dict) -> Kernel:
+    if "act_group" in attrs:
+        group = attrs["act_group"]
+        return lambda x, proj, out: w8a8_swiglu_linear(x, proj, group, out[0])
     return lambda x, proj, out: mm_into(swiglu_rows(x), proj, out[0])
 
 

@@ -20,9 +20,7 @@
 #include <limits>
 #include <type_traits>
 
-#if defined(__AVX512F__)
-#include "vec.h"
-#endif
+#include "row_ops.h"
 
 namespace {
 
@@ -33,28 +31,7 @@ template <typename T>
 void swiglu_rows(const T* x, T* y, int64_t t, int64_t f, int64_t ldx, int64_t ldy) {
     at::parallel_for(0, t, 1, [&](int64_t begin, int64_t end) {
         for (int64_t r = begin; r < end; ++r) {
-            const T* gate = x + r * ldx;
-            const T* up = gate + f;
-            T* dst = y + r * ldy;
-            int64_t i = 0;
-#if defined(__AVX512F__)
-            for (; i + 16 <= f; i += 16) {  // silu(g) = g * sigmoid(g), from e = exp(-|g|) <= 1
-                const __m512 g = load16(gate + i);
-                const __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(g)));
-                const __m512 one_e = _mm512_add_ps(_mm512_set1_ps(1.f), e);
-                const __mmask16 neg = _mm512_cmp_ps_mask(g, _mm512_setzero_ps(), _CMP_LT_OQ);
-                __m512 inv = _mm512_rcp14_ps(one_e);  // 1 / (1 + e), one Newton step from 14 bits
-                inv = _mm512_mul_ps(inv, _mm512_fnmadd_ps(one_e, inv, _mm512_set1_ps(2.f)));
-                const __m512 sigmoid = _mm512_mask_mul_ps(inv, neg, inv, e);
-                store16(dst + i, _mm512_mul_ps(_mm512_mul_ps(g, sigmoid), load16(up + i)));
-            }
-#endif
-            for (; i < f; ++i) {
-                const float g = to_float(gate[i]);
-                const float e = std::exp(-std::fabs(g));  // <= 1: no overflow either side
-                const float sigmoid = g >= 0.f ? 1.f / (1.f + e) : e / (1.f + e);
-                dst[i] = static_cast<T>(g * sigmoid * to_float(up[i]));
-            }
+            row_ops::swiglu_row(x + r * ldx, x + r * ldx + f, y + r * ldy, f);
         }
     });
 }

@@ -226,6 +226,8 @@ def emittable(node: Node) -> bool:
     """Shapes the templates do not cover go to the reference."""
     if node.op not in EMITTERS:
         return False
+    if "act_group" in node.attrs:  # a prologue-fused W8A8 projection: the reference, as linear_w8a8's
+        return False
     if node.op == "qkv_attention":
         hd = node.attrs["head_dim"]
         return hd == pow2(hd) and hd >= 16

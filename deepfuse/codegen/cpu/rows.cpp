@@ -66,9 +66,28 @@ void rope_rows(const T* src, const float* cos, const float* sin, T* dst, int64_t
 
 // One row of hd values as int8 and, in the 4 bytes after them, its f32 scale: bit for bit
 // ir.opdefs_llm.quantize_kv_rows (inv = 127 / amax, q = round-half-even(x * inv), scale = amax / 127).
+// With AVX-512 and hd a multiple of 16, 16 values at a time: the same products, rounded by
+// vcvtps2dq in the default (half-even) mode as nearbyint rounds them (a prompt step writes
+// ~400k values a layer; the scalar loop had cost ~0.2 s of the throughput workload).
 template <typename T>
 void quantize_kv_row(const T* x, int8_t* dst, int64_t hd) {
     float amax = 0.f;
+#if defined(__AVX512F__)
+    if (hd % 16 == 0) {
+        __m512 top = _mm512_setzero_ps();
+        for (int64_t e = 0; e < hd; e += 16) top = _mm512_max_ps(top, _mm512_abs_ps(load16(x + e)));
+        amax = _mm512_reduce_max_ps(top);
+        const __m512 inv = _mm512_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
+        const __m512i lo = _mm512_set1_epi32(-127), hi = _mm512_set1_epi32(127);
+        for (int64_t e = 0; e < hd; e += 16) {
+            const __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(load16(x + e), inv));
+            _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + e), _mm512_cvtepi32_epi8(_mm512_max_epi32(_mm512_min_epi32(q, hi), lo)));
+        }
+        const float scale = amax / 127.f;
+        std::memcpy(dst + hd, &scale, sizeof(float));
+        return;
+    }
+#endif
     for (int64_t e = 0; e < hd; ++e) amax = std::max(amax, std::fabs(to_float(x[e])));
     const float inv = amax > 0.f ? 127.f / amax : 0.f;
     for (int64_t e = 0; e < hd; ++e)

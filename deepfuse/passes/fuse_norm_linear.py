@@ -15,18 +15,6 @@ from ..frontend import ops
 from .pattern import Op, Rule, Var, rule_pass
 
 x, res, w, proj = Var("x"), Var("res"), Var("w"), Var("proj")
-packed, scales, mins = Var("packed"), Var("scales"), Var("mins")
-wq, wscale = Var("wq"), Var("wscale")
-
-
-def q4(m) -> tuple[tuple, dict]:
-    """The projection operands and attrs of a matched linear_q4 (node `proj_out`)."""
-    return (m["packed"], m["scales"], m["mins"]), {"group_size": m.attrs("proj_out")["group_size"]}
-
-
-def w8(m) -> tuple[tuple, dict]:
-    """The projection operands and attrs of a matched linear_w8a8 (node `proj_out`)."""
-    return (m["wq"], m["wscale"]), {"act_group": m.attrs("proj_out")["act_group"]}
 
 NORM_LINEAR = Rule(
     "rms_norm_linear",
@@ -47,43 +35,33 @@ ADD_NORM_LINEAR = Rule(
     replaces=("norm", "proj_out"),
 )
 
-NORM_LINEAR_Q4 = Rule(
-    "rms_norm_linear_q4",
-    Op("linear_q4", Op("rms_norm", x, w, name="norm"), packed, scales, mins, name="proj_out"),
-    lambda m: ops.rms_norm_linear(m["x"], m["w"], *q4(m)[0], eps=m.attrs("norm")["eps"], **q4(m)[1]),
-)
+
+def quantized_rules(suffix: str, op: str, operands: tuple[str, ...], attr: str) -> list[Rule]:
+    """rms_norm_linear_<suffix> and add_rms_norm_linear_<suffix> for a quantized projection
+    op(activation, *operands) whose attr `attr` the fused op keeps."""
+    args = tuple(Var(name) for name in operands)
+
+    def proj(m) -> tuple[list, dict]:
+        return [m[name] for name in operands], {attr: m.attrs("proj_out")[attr]}
+
+    def norm_linear(m):
+        ins, attrs = proj(m)
+        return ops.rms_norm_linear(m["x"], m["w"], *ins, eps=m.attrs("norm")["eps"], **attrs)
+
+    def add_norm_linear(m):
+        ins, attrs = proj(m)
+        s, y = ops.add_rms_norm_linear(m["x"], m["res"], m["w"], *ins, eps=m.attrs("norm")["eps"], **attrs)
+        return s, None, y
+
+    return [Rule(f"rms_norm_linear_{suffix}", Op(op, Op("rms_norm", x, w, name="norm"), *args, name="proj_out"),
+                 norm_linear),
+            Rule(f"add_rms_norm_linear_{suffix}",
+                 Op(op, Op("add_rms_norm", x, res, w, name="norm", out=1), *args, name="proj_out"), add_norm_linear,
+                 replaces=("norm", "proj_out"))]
 
 
-def _add_norm_linear_q4(m):
-    s, y = ops.add_rms_norm_linear(m["x"], m["res"], m["w"], *q4(m)[0], eps=m.attrs("norm")["eps"], **q4(m)[1])
-    return s, None, y
-
-
-ADD_NORM_LINEAR_Q4 = Rule(
-    "add_rms_norm_linear_q4",
-    Op("linear_q4", Op("add_rms_norm", x, res, w, name="norm", out=1), packed, scales, mins, name="proj_out"),
-    _add_norm_linear_q4,
-    replaces=("norm", "proj_out"),
-)
-
-NORM_LINEAR_W8 = Rule(
-    "rms_norm_linear_w8a8",
-    Op("linear_w8a8", Op("rms_norm", x, w, name="norm"), wq, wscale, name="proj_out"),
-    lambda m: ops.rms_norm_linear(m["x"], m["w"], *w8(m)[0], eps=m.attrs("norm")["eps"], **w8(m)[1]),
-)
-
-
-def _add_norm_linear_w8(m):
-    s, y = ops.add_rms_norm_linear(m["x"], m["res"], m["w"], *w8(m)[0], eps=m.attrs("norm")["eps"], **w8(m)[1])
-    return s, None, y
-
-
-ADD_NORM_LINEAR_W8 = Rule(
-    "add_rms_norm_linear_w8a8",
-    Op("linear_w8a8", Op("add_rms_norm", x, res, w, name="norm", out=1), wq, wscale, name="proj_out"),
-    _add_norm_linear_w8,
-    replaces=("norm", "proj_out"),
-)
-
-fuse_norm_linear = rule_pass("fuse_norm_linear", [NORM_LINEAR, ADD_NORM_LINEAR, NORM_LINEAR_Q4, ADD_NORM_LINEAR_Q4,
-                                                  NORM_LINEAR_W8, ADD_NORM_LINEAR_W8])
+fuse_norm_linear = rule_pass("fuse_norm_linear", [
+    NORM_LINEAR, ADD_NORM_LINEAR,
+    *quantized_rules("q4", "linear_q4", ("packed", "scales", "mins"), "group_size"),
+    *quantized_rules("w8a8", "linear_w8a8", ("wq", "wscale"), "act_group"),
+])

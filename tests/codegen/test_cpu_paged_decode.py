@@ -108,7 +108,7 @@ def test_cpu_step_is_the_same_with_and_without_the_native_kernel(native, tiny_mo
     with the native kernels (decode attention, f32 panel GEMMs) and with the torch ops they
     replace."""
     import deepfuse
-    from deepfuse.codegen.cpu import attention, kernels
+    from deepfuse.codegen.cpu import attention, kernels, row_kernels
     from deepfuse.runtime.engine import Engine, SamplingParams
 
     art = deepfuse.compile(tiny_model)
@@ -117,6 +117,7 @@ def test_cpu_step_is_the_same_with_and_without_the_native_kernel(native, tiny_mo
     with_native = Engine(art).generate(prompts, params)
     monkeypatch.setattr(attention, "native_kernels", lambda: None)
     monkeypatch.setattr(kernels, "native_kernels", lambda: None)
+    monkeypatch.setattr(row_kernels, "native_kernels", lambda: None)  # the norms'
     plain = Engine(deepfuse.compile(tiny_model)).generate(prompts, params)
     assert [o.token_ids for o in with_native] == [o.token_ids for o in plain]
     for a, b in zip(with_native, plain):

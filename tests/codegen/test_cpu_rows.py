@@ -79,14 +79,15 @@ def test_bf16_step_is_close_with_and_without_the_row_kernels(native, tiny_model,
     they replace (everything else the same): the same first tokens, log-probs within bf16's
     rounding."""
     import deepfuse
-    from deepfuse.codegen.cpu import kernels
+    from deepfuse.codegen.cpu import kernels, row_kernels
     from deepfuse.runtime.engine import Engine, SamplingParams
 
     prompts = [[5, 17, 99, 3, 42, 7, 7, 8] * 5, [9, 2, 64], [100, 3, 3, 3, 3, 3, 3, 3, 3, 3]]
     params = [SamplingParams(temperature=0, max_tokens=1, logprobs=3)] * 3
     with_native = Engine(deepfuse.compile(tiny_model, dtype="bf16")).generate(prompts, params)
     calls = []
-    monkeypatch.setattr(kernels, "_native_rows", lambda: calls.append(1))
+    monkeypatch.setattr(kernels, "native_rows", lambda: calls.append(1))
+    monkeypatch.setattr(row_kernels, "native_rows", lambda: calls.append(1))  # SwiGLU's
     plain = Engine(deepfuse.compile(tiny_model, dtype="bf16")).generate(prompts, params)
     assert calls  # the torch path ran
     assert [o.token_ids for o in with_native] == [o.token_ids for o in plain]

@@ -5,7 +5,9 @@ import torch
 import torch.nn.functional as F
 
 import deepfuse
-from deepfuse.codegen.cpu.kernels import PREPACKED, W8A8Weights, add_rms_rows, rms_rows, swiglu_rows, w8a8_linear
+from deepfuse.codegen.cpu.kernels import PREPACKED
+from deepfuse.codegen.cpu.row_kernels import add_rms_rows, rms_rows, swiglu_rows
+from deepfuse.codegen.cpu.w8a8_kernels import W8A8Weights, w8a8_linear, w8a8_norm_linear, w8a8_swiglu_linear
 from deepfuse.compiler import trace_model
 from deepfuse.ir import OPS, TensorType, interpret, verify
 from deepfuse.ir.opdefs_quant import W8_ZERO, linear_w8a8, logits_w8a8, quantize_rows_i8, quantize_w8
@@ -126,7 +128,6 @@ def test_fused_kernels_fall_back_to_the_separate_passes_without_the_native_gemm(
     w = W8A8Weights(torch.float16, wq, scale)  # f16: never the native GEMM
     assert w.native is None
     gu, x, res, nw = torch.randn(3, 256), torch.randn(3, 128), torch.randn(3, 128), torch.randn(128)
-    from deepfuse.codegen.cpu.kernels import w8a8_norm_linear, w8a8_swiglu_linear
     torch.testing.assert_close(w8a8_swiglu_linear(gu, w, 64),
                                OPS["swiglu_linear"].reference(gu, wq, scale, act_group=64), atol=1e-5, rtol=1e-5)
     s, y = w8a8_norm_linear(x, res, nw, 1e-5, w, 64)

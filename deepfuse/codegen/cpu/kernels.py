@@ -18,8 +18,10 @@ from ...ir import OPS
 from ...ir.opdefs_fused import split_extra
 from ...ir.opdefs_llm import rope_cos_sin, write_kv
 from ...ir.opdefs_moe import route, routing_attrs
-from ...ir.opdefs_quant import dequantize_q4, linear_w8a8, unpack_q4, w8a8_product
+from ...ir.opdefs_quant import dequantize_q4, unpack_q4
 from .native import kernels as native_kernels
+from .row_kernels import NORM_DTYPES, add_rms_rows, native_rows, rms_rows, swiglu_rows, take_rows
+from .w8a8_kernels import W8A8Weights, w8a8_linear, w8a8_logits, w8a8_norm_linear, w8a8_swiglu_linear
 
 Kernel = Callable[..., Any]
 FACTORIES: dict[str, Callable[[dict], Kernel]] = {}
@@ -100,11 +102,6 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor | PanelWeight) -> torch.
     return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
 
 
-def take_rows(x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-    """x[T,D] -> x[rows] [R,D]; rows are strictly increasing, so R == T means every row, no copy."""
-    return x if x.shape[0] == rows.shape[0] else x.index_select(0, rows)
-
-
 def packed_logits(x: torch.Tensor, packed: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     return packed_linear(take_rows(x, rows), packed).float()
 
@@ -182,67 +179,6 @@ def q4_linear(x: torch.Tensor, w: Q4Weights, out: torch.Tensor | None = None) ->
     return y if out is None else out.copy_(y)
 
 
-class W8A8Weights:
-    """A linear_w8a8 weight (wq u8[N,K], scale f32[N]), packed at load for the native int8 GEMM
-    (i8_gemm.cpp, AVX512-VNNI; f32 and bf16 activations); kept as it is for the op's reference
-    where that cannot run."""
-
-    def __init__(self, dtype: torch.dtype, wq: torch.Tensor, scale: torch.Tensor):
-        self.n, self.wq, self.scale = wq.shape[0], wq, scale
-        native = native_kernels()
-        self.native = native if native is not None and native.i8_gemm_available() and dtype in NATIVE_W8A8 else None
-        if self.native is not None:
-            self.panels = self.native.pack_w8(wq)
-            self.padded_scale = F.pad(scale, (0, -self.n % 16))
-
-
-NATIVE_W8A8 = (torch.float32, torch.bfloat16)
-
-
-def w8a8_linear(x: torch.Tensor, w: W8A8Weights, act_group: int, out: torch.Tensor | None = None) -> torch.Tensor:
-    """x[T,K] @ w^T -> [T,N], activations quantized per row and group of act_group (into out if given)."""
-    if w.native is not None and x.dtype in NATIVE_W8A8:
-        return w.native.i8_gemm(x, w.panels, w.padded_scale, w.n, act_group, out)
-    y = linear_w8a8(x, w.wq, w.scale, act_group=act_group)
-    return y if out is None else out.copy_(y)
-
-
-def w8a8_logits(x: torch.Tensor, w: W8A8Weights, rows: torch.Tensor, act_group: int) -> torch.Tensor:
-    """f32 logits [R,V] of x[rows] over a W8A8 head."""
-    x = take_rows(x, rows)
-    if w.native is not None and x.dtype in NATIVE_W8A8:
-        out = torch.empty(x.shape[0], w.n, dtype=torch.float32)
-        return w.native.i8_gemm(x, w.panels, w.padded_scale, w.n, act_group, out)
-    return w8a8_product(x, w.wq, w.scale, act_group)
-
-
-def w8a8_swiglu_linear(x: torch.Tensor, w: W8A8Weights, act_group: int,
-                       out: torch.Tensor | None = None) -> torch.Tensor:
-    """linear_w8a8(swiglu(x[T,2K]), w) -> [T,N]; the native GEMM makes each row's activation as it
-    quantizes it (the [T,K] activation is never stored)."""
-    if w.native is not None and x.dtype in NATIVE_W8A8:
-        return w.native.i8_gemm_swiglu(x, w.panels, w.padded_scale, w.n, act_group, out)
-    return w8a8_linear(swiglu_rows(x), w, act_group, out)
-
-
-def w8a8_norm_linear(x: torch.Tensor, res: torch.Tensor | None, nw: torch.Tensor, eps: float, w: W8A8Weights,
-                     act_group: int, sum_out: torch.Tensor | None = None,
-                     out: torch.Tensor | None = None) -> tuple[torch.Tensor | None, torch.Tensor]:
-    """(s, linear_w8a8(rms_norm(s, nw), w)) with s = x + res (written into sum_out when given), or
-    (None, linear_w8a8(rms_norm(x, nw), w)) without res; natively the norm is the GEMM's prologue."""
-    rows = (x,) if res is None else (x, res)
-    if w.native is not None and x.dtype in NATIVE_W8A8 and nw.dtype == x.dtype and x.dim() == 2 \
-            and all(t.stride(1) == 1 and t.shape == x.shape and t.dtype == x.dtype for t in rows):
-        if res is not None and sum_out is None:
-            sum_out = torch.empty_like(x, memory_format=torch.contiguous_format)
-        return sum_out, w.native.i8_gemm_norm(x, res, nw.contiguous(), eps, sum_out, w.panels, w.padded_scale, w.n,
-                                              act_group, out)
-    if res is None:
-        return None, w8a8_linear(rms_rows(x, nw, eps), w, act_group, out)
-    s, normed = add_rms_rows(x, res, nw, eps, sum_out)
-    return s, w8a8_linear(normed, w, act_group, out)
-
-
 class MoeWeights:
     """fused_moe weights packed at load: router [E,D], and the experts transposed for
     torch._grouped_mm: w13t [E,D,2I], w2t [E,I,D]."""
@@ -303,49 +239,6 @@ def _split(attrs: dict) -> Kernel:
 def _head_rms_norm(attrs: dict) -> Kernel:
     eps, hd = attrs["eps"], attrs["head_dim"]
     return lambda x, w: F.rms_norm(x.view(x.shape[0], -1, hd), (hd,), w, eps).view(x.shape)
-
-
-NORM_DTYPES = (torch.float32, torch.bfloat16)  # norms.cpp's
-
-
-def _native_norm(x: torch.Tensor, w: torch.Tensor):
-    """The native kernels where they take these rows (norms.cpp), else None."""
-    if x.dtype not in NORM_DTYPES or w.dtype != x.dtype or x.dim() != 2 or x.stride(1) != 1:
-        return None
-    return native_kernels()
-
-
-def rms_rows(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    """x[T,D] / rms(x) * w[D]: one native pass per row, else torch's (both accumulate in f32)."""
-    native = _native_norm(x, w)
-    if native is not None:
-        return native.rms_norm(x, w, eps)
-    return F.rms_norm(x, (x.shape[-1],), w, eps)
-
-
-def add_rms_rows(x: torch.Tensor, res: torch.Tensor, w: torch.Tensor, eps: float,
-                 sum_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(s, rms_rows(s, w)) with s = x + res, written into sum_out when given."""
-    native = _native_norm(x, w)
-    if native is not None and res.dtype == x.dtype and res.dim() == 2 and res.stride(1) == 1:
-        return native.add_rms_norm(x, res, w, eps, sum_out)
-    s = torch.add(x, res) if sum_out is None else torch.add(x, res, out=sum_out)
-    return s, rms_rows(s, w, eps)
-
-
-def _native_rows():
-    """The native kernels for swiglu, rope + cache write and greedy argmax (rows.cpp), or None."""
-    return native_kernels()
-
-
-def swiglu_rows(x: torch.Tensor) -> torch.Tensor:
-    """silu(gate) * up for x[T, 2F] = [gate | up] -> [T, F]: one native pass (rows.cpp), else torch's."""
-    if x.dtype in NORM_DTYPES and x.dim() == 2 and x.stride(1) == 1:
-        native = _native_rows()
-        if native is not None:
-            return native.swiglu(x)
-    gate, up = x.chunk(2, dim=-1)
-    return F.silu(gate).mul_(up)
 
 
 @factory("rms_norm")
@@ -464,7 +357,7 @@ def _qkv_rope_cache(attrs: dict) -> Kernel:
         if qkv.dtype not in NORM_DTYPES or qkv.dim() != 2 or qkv.stride(1) != 1 or pos.device.type != "cpu" \
                 or not cache.is_contiguous() or len(pos) == 0:
             return None
-        native = _native_rows()
+        native = native_rows()
         if native is None:
             return None
         cos, sin = tables.tables(int(pos.max()), torch.float32, pos.device)
@@ -515,7 +408,7 @@ def _sample(attrs: dict) -> Kernel:
 
     def sample(logits, temperature, top_k, top_p, seeds):
         if not bool((temperature > 0).any()):
-            native = _native_rows() if logits.dtype == torch.float32 and logits.dim() == 2 \
+            native = native_rows() if logits.dtype == torch.float32 and logits.dim() == 2 \
                 and logits.stride(1) == 1 and logits.shape[1] > 0 else None
             return native.argmax(logits) if native is not None else logits.argmax(-1)
         return ref(logits, temperature, top_k, top_p, seeds)

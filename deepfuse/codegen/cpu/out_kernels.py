@@ -11,20 +11,9 @@ from collections.abc import Callable
 
 import torch
 
-from .kernels import (
-    FACTORIES,
-    Kernel,
-    PanelWeight,
-    Q4Weights,
-    add_rms_rows,
-    factory,
-    q4_linear,
-    rms_rows,
-    swiglu_rows,
-    w8a8_linear,
-    w8a8_norm_linear,
-    w8a8_swiglu_linear,
-)
+from .kernels import FACTORIES, Kernel, PanelWeight, Q4Weights, factory, q4_linear
+from .row_kernels import add_rms_rows, rms_rows, swiglu_rows
+from .w8a8_kernels import w8a8_linear, w8a8_norm_linear, w8a8_swiglu_linear
 
 OUT_FACTORIES: dict[str, Callable[[dict], Kernel]] = {}
 
@@ -73,7 +62,7 @@ def _linear_w8a8(attrs: dict) -> Kernel:
 @out_factory("rms_norm_linear")
 def _rms_norm_linear(attrs: dict) -> Kernel:
     eps = attrs["eps"]
-    if "act_group" in attrs:  # a W8A8 projection (kernels.W8A8Weights)
+    if "act_group" in attrs:  # a W8A8 projection (w8a8_kernels.W8A8Weights)
         group = attrs["act_group"]
         return lambda x, w, proj, out: w8a8_norm_linear(x, None, w, eps, proj, group, out=out[0])
     return lambda x, w, proj, out: mm_into(rms_rows(x, w, eps), proj, out[0])

@@ -1,0 +1,57 @@
+"""Row-wise CPU kernels shared by the op kernels (kernels.py), their planned-buffer forms
+(out_kernels.py) and the W8A8 projections (w8a8_kernels.py): RMS norms (norms.cpp), SwiGLU
+(rows.cpp) and row selection, each native where it applies, else torch's."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .native import kernels as native_kernels
+
+
+def take_rows(x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """x[T,D] -> x[rows] [R,D]; rows are strictly increasing, so R == T means every row, no copy."""
+    return x if x.shape[0] == rows.shape[0] else x.index_select(0, rows)
+
+
+NORM_DTYPES = (torch.float32, torch.bfloat16)  # norms.cpp's
+
+
+def _native_norm(x: torch.Tensor, w: torch.Tensor):
+    """The native kernels where they take these rows (norms.cpp), else None."""
+    if x.dtype not in NORM_DTYPES or w.dtype != x.dtype or x.dim() != 2 or x.stride(1) != 1:
+        return None
+    return native_kernels()
+
+
+def rms_rows(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """x[T,D] / rms(x) * w[D]: one native pass per row, else torch's (both accumulate in f32)."""
+    native = _native_norm(x, w)
+    if native is not None:
+        return native.rms_norm(x, w, eps)
+    return F.rms_norm(x, (x.shape[-1],), w, eps)
+
+
+def add_rms_rows(x: torch.Tensor, res: torch.Tensor, w: torch.Tensor, eps: float,
+                 sum_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(s, rms_rows(s, w)) with s = x + res, written into sum_out when given."""
+    native = _native_norm(x, w)
+    if native is not None and res.dtype == x.dtype and res.dim() == 2 and res.stride(1) == 1:
+        return native.add_rms_norm(x, res, w, eps, sum_out)
+    s = torch.add(x, res) if sum_out is None else torch.add(x, res, out=sum_out)
+    return s, rms_rows(s, w, eps)
+
+
+def native_rows():
+    """The native kernels for swiglu, rope + cache write and greedy argmax (rows.cpp), or None."""
+    return native_kernels()
+
+
+def swiglu_rows(x: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up for x[T, 2F] = [gate | up] -> [T, F]: one native pass (rows.cpp), else torch's."""
+    if x.dtype in NORM_DTYPES and x.dim() == 2 and x.stride(1) == 1:
+        native = native_rows()
+        if native is not None:
+            return native.swiglu(x)
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate).mul_(up)

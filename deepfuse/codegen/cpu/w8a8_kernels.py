@@ -1,0 +1,72 @@
+"""W8A8 projections on the CPU (linear_w8a8, logits_w8a8, and the norm / SwiGLU prologue-fused
+forms): weights packed at load for the native int8 GEMM (i8_gemm.cpp), the op's reference
+where that cannot run."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ...ir.opdefs_quant import linear_w8a8, w8a8_product
+from .native import kernels as native_kernels
+from .row_kernels import add_rms_rows, rms_rows, swiglu_rows, take_rows
+
+
+class W8A8Weights:
+    """A linear_w8a8 weight (wq u8[N,K], scale f32[N]), packed at load for the native int8 GEMM
+    (i8_gemm.cpp, AVX512-VNNI; f32 and bf16 activations); kept as it is for the op's reference
+    where that cannot run."""
+
+    def __init__(self, dtype: torch.dtype, wq: torch.Tensor, scale: torch.Tensor):
+        self.n, self.wq, self.scale = wq.shape[0], wq, scale
+        native = native_kernels()
+        self.native = native if native is not None and native.i8_gemm_available() and dtype in NATIVE_W8A8 else None
+        if self.native is not None:
+            self.panels = self.native.pack_w8(wq)
+            self.padded_scale = F.pad(scale, (0, -self.n % 16))
+
+
+NATIVE_W8A8 = (torch.float32, torch.bfloat16)
+
+
+def w8a8_linear(x: torch.Tensor, w: W8A8Weights, act_group: int, out: torch.Tensor | None = None) -> torch.Tensor:
+    """x[T,K] @ w^T -> [T,N], activations quantized per row and group of act_group (into out if given)."""
+    if w.native is not None and x.dtype in NATIVE_W8A8:
+        return w.native.i8_gemm(x, w.panels, w.padded_scale, w.n, act_group, out)
+    y = linear_w8a8(x, w.wq, w.scale, act_group=act_group)
+    return y if out is None else out.copy_(y)
+
+
+def w8a8_logits(x: torch.Tensor, w: W8A8Weights, rows: torch.Tensor, act_group: int) -> torch.Tensor:
+    """f32 logits [R,V] of x[rows] over a W8A8 head."""
+    x = take_rows(x, rows)
+    if w.native is not None and x.dtype in NATIVE_W8A8:
+        out = torch.empty(x.shape[0], w.n, dtype=torch.float32)
+        return w.native.i8_gemm(x, w.panels, w.padded_scale, w.n, act_group, out)
+    return w8a8_product(x, w.wq, w.scale, act_group)
+
+
+def w8a8_swiglu_linear(x: torch.Tensor, w: W8A8Weights, act_group: int,
+                       out: torch.Tensor | None = None) -> torch.Tensor:
+    """linear_w8a8(swiglu(x[T,2K]), w) -> [T,N]; the native GEMM makes each row's activation as it
+    quantizes it (the [T,K] activation is never stored)."""
+    if w.native is not None and x.dtype in NATIVE_W8A8:
+        return w.native.i8_gemm_swiglu(x, w.panels, w.padded_scale, w.n, act_group, out)
+    return w8a8_linear(swiglu_rows(x), w, act_group, out)
+
+
+def w8a8_norm_linear(x: torch.Tensor, res: torch.Tensor | None, nw: torch.Tensor, eps: float, w: W8A8Weights,
+                     act_group: int, sum_out: torch.Tensor | None = None,
+                     out: torch.Tensor | None = None) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """(s, linear_w8a8(rms_norm(s, nw), w)) with s = x + res (written into sum_out when given), or
+    (None, linear_w8a8(rms_norm(x, nw), w)) without res; natively the norm is the GEMM's prologue."""
+    rows = (x,) if res is None else (x, res)
+    if w.native is not None and x.dtype in NATIVE_W8A8 and nw.dtype == x.dtype and x.dim() == 2 \
+            and all(t.stride(1) == 1 and t.shape == x.shape and t.dtype == x.dtype for t in rows):
+        if res is not None and sum_out is None:
+            sum_out = torch.empty_like(x, memory_format=torch.contiguous_format)
+        return sum_out, w.native.i8_gemm_norm(x, res, nw.contiguous(), eps, sum_out, w.panels, w.padded_scale, w.n,
+                                              act_group, out)
+    if res is None:
+        return None, w8a8_linear(rms_rows(x, nw, eps), w, act_group, out)
+    s, normed = add_rms_rows(x, res, nw, eps, sum_out)
+    return s, w8a8_linear(normed, w, act_group, out)

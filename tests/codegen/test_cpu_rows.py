@@ -44,6 +44,23 @@ def rope_reference(x, pos, hd, theta):
     return (h * cos.double()[:, None] + rotated * sin.double()[:, None]).reshape(x.shape[0], -1)
 
 
+def test_rope_tables_are_looked_up_once_per_positions_tensor_and_again_after_a_write():
+    from deepfuse.codegen.cpu.kernels import RopeTables
+
+    tables = RopeTables(16, 10000.0)
+    pos = torch.tensor([3, 9, 1], dtype=torch.int32)
+    cos, sin, pos64 = tables.native(pos)
+    assert pos64.dtype == torch.int64 and torch.equal(pos64, pos.long()) and len(cos) > 9
+    assert tables.native(pos)[2] is pos64  # the same tensor, unwritten: the step's first lookup reused
+    rows = tables.rows(pos, torch.float32)
+    assert tables.rows(pos, torch.float32) is rows
+    pos[1] = 5000  # written in place (a refilled step buffer): both looked up again
+    cos, sin, pos64 = tables.native(pos)
+    assert pos64[1] == 5000 and len(cos) > 5000
+    torch.testing.assert_close(tables.rows(pos, torch.float32)[0][1, 0], cos[5000])
+    assert tables.native(pos.clone())[2] is not pos64  # another tensor
+
+
 @pytest.mark.parametrize("dtype,hd", [(torch.float32, 64), (torch.bfloat16, 64), (torch.float32, 24)])
 def test_rope_cache_rotates_q_k_and_writes_the_cache_at_slots(native, dtype, hd):
     from deepfuse.codegen.cpu.kernels import RopeTables

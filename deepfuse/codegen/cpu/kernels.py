@@ -300,7 +300,8 @@ class RopeTables:
     def __init__(self, head_dim: int, theta: float):
         self.hd, self.theta = head_dim, theta
         self.full: dict[tuple[torch.dtype, torch.device], tuple[torch.Tensor, torch.Tensor]] = {}
-        self.last: tuple[torch.Tensor, torch.dtype, tuple[torch.Tensor, torch.Tensor]] | None = None
+        self.last: tuple[torch.Tensor, int, torch.dtype, tuple[torch.Tensor, torch.Tensor]] | None = None
+        self.last_native: tuple[torch.Tensor, int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = None
 
     def tables(self, top: int, dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """Whole cos and sign-folded sin tables [P, hd] with P > top (the native kernel takes f32 ones)."""
@@ -313,12 +314,24 @@ class RopeTables:
         return full
 
     def rows(self, pos: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.last is not None and self.last[0] is pos and self.last[1] == dtype:
-            return self.last[2]
+        """cos and sin rows [T, 1, hd] of pos [T]: made once for a step's positions tensor (the
+        same object, not written since: its version counter unchanged)."""
+        if self.last is not None and self.last[0] is pos and self.last[1] == pos._version and self.last[2] == dtype:
+            return self.last[3]
         full = self.tables(int(pos.max()), dtype, pos.device)
         rows = (full[0][pos][:, None, :], full[1][pos][:, None, :])
-        self.last = (pos, dtype, rows)
+        self.last = (pos, pos._version, dtype, rows)
         return rows
+
+    def native(self, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(cos, sin, pos as int64) for the native kernel: the whole f32 tables, grown past pos's
+        largest, looked up once for a step's positions tensor as `rows` is (a step's 30 layers
+        had each spent ~10 us on pos.max())."""
+        if self.last_native is not None and self.last_native[0] is pos and self.last_native[1] == pos._version:
+            return self.last_native[2]
+        found = (*self.tables(int(pos.max()), torch.float32, pos.device), pos.long())
+        self.last_native = (pos, pos._version, found)
+        return found
 
 
 def rope_tables(head_dim: int, theta: float) -> RopeTables:
@@ -360,10 +373,10 @@ def _qkv_rope_cache(attrs: dict) -> Kernel:
         native = native_rows()
         if native is None:
             return None
-        cos, sin = tables.tables(int(pos.max()), torch.float32, pos.device)
+        cos, sin, pos64 = tables.native(pos)
         q = torch.empty(qkv.shape[0], sizes[0], dtype=qkv.dtype)
         k = torch.empty(qkv.shape[0], sizes[1], dtype=qkv.dtype)
-        native.rope_cache(qkv, pos.long(), cos, sin, cache, slots.long(), sizes[0] // hd, q, k)
+        native.rope_cache(qkv, pos64, cos, sin, cache, slots.long(), sizes[0] // hd, q, k)
         return q, k, qkv[:, sizes[0] + sizes[1]:]
 
     def qkv_rope_cache(qkv, pos, cache, slots, *norms):

@@ -20,9 +20,9 @@
 // by vdpbf16ps, exact products in f32), one max, one vectorised exp and sum per head, then the
 // values in one pass with the accumulators in registers. The running max and sum carry across
 // segments. Keys two blocks ahead and the current block's values are prefetched into L1, and
-// the thread's next work item is prefetched into L2 while this one computes, a block of it per
+// the thread's work item two on is prefetched into L2 while this one computes, a block of it per
 // block of this one: a step's time is mostly waiting on memory (the cache is far larger than
-// L3), and the near prefetches alone left the kernel at ~10 GB/s where that one-item-ahead
+// L3), and the near prefetches alone left the kernel at ~10 GB/s where that item-ahead
 // stream gets it to ~17 (Zen 4, 64 sequences of 100-600 positions: 55-62 -> 32-35 ms a step).
 // bf16 rows in runs of at least `amx_rows` rows of one sequence (a verify chunk's, a prompt
 // chunk's) go to the AMX path (decode_amx.cpp), which reads each key and value once for all of
@@ -208,6 +208,8 @@ static inline __mmask16 first_lanes(int64_t count) {
 
 constexpr int64_t kSegment = 512;  // positions whose scores are held at once
 constexpr int64_t kAhead = 2;      // blocks of keys prefetched ahead
+constexpr int64_t kItemsAhead = 2;  // work items ahead whose blocks go to L2 (1: ~2-3% slower a step
+                                    // from memory, 64 sequences of 100-630 positions, two threads)
 
 // G query heads per kv head, DV: the head size in 16-float vectors (4 or 8). Same contract as
 // `decode`. Per segment: scores (per tile of 16 keys, every head in turn with its query in
@@ -229,11 +231,12 @@ static void decode_avx512(const T* q, const C* cache, const int64_t* tables, con
         int32_t qsum[G][2];                    // and 128 * their sums
         for (int64_t item = begin; item < end; ++item) {
             const int64_t s = rows != nullptr ? rows[item / hkv] : item / hkv, kv = item % hkv, len = lens[s];
-            // the thread's next item: its blocks are prefetched into L2 while this one computes,
-            // one block of it per block of this one
-            const bool has_next = item + 1 < end;
-            const int64_t ns = has_next ? (rows != nullptr ? rows[(item + 1) / hkv] : (item + 1) / hkv) : 0;
-            const int64_t nkv = (item + 1) % hkv, nlen = has_next ? lens[ns] : 0;
+            // the thread's item kItemsAhead on: its blocks are prefetched into L2 while this one
+            // computes, one block of it per block of this one
+            const int64_t ahead = item + kItemsAhead;
+            const bool has_next = ahead < end;
+            const int64_t ns = has_next ? (rows != nullptr ? rows[ahead / hkv] : ahead / hkv) : 0;
+            const int64_t nkv = ahead % hkv, nlen = has_next ? lens[ns] : 0;
             const int64_t nfirst = window > 0 ? std::max<int64_t>(0, nlen - window) : 0;
             const int64_t* ntable = tables + ns * tb;
             const int64_t first = window > 0 ? std::max<int64_t>(0, len - window) : 0;

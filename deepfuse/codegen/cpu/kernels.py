@@ -300,8 +300,7 @@ class RopeTables:
     def __init__(self, head_dim: int, theta: float):
         self.hd, self.theta = head_dim, theta
         self.full: dict[tuple[torch.dtype, torch.device], tuple[torch.Tensor, torch.Tensor]] = {}
-        self.last: tuple[torch.Tensor, int, torch.dtype, tuple[torch.Tensor, torch.Tensor]] | None = None
-        self.last_native: tuple[torch.Tensor, int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = None
+        self.last: dict[object, tuple[torch.Tensor, int, Any]] = {}  # per use: (pos, its version, found)
 
     def tables(self, top: int, dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """Whole cos and sign-folded sin tables [P, hd] with P > top (the native kernel takes f32 ones)."""
@@ -313,25 +312,27 @@ class RopeTables:
             full = self.full[(dtype, device)] = (cos.to(device, dtype), sin.to(device, dtype))
         return full
 
+    def per_step(self, pos: torch.Tensor, use: object, make: Callable[[], Any]) -> Any:
+        """make() once for a step's positions tensor: every layer passes the same object (a fresh
+        view each step), so it is made again only for another object or after a write to this
+        one (its version counter moved); a step's 30 layers had each spent ~10 us on pos.max()."""
+        last = self.last.get(use)
+        if last is None or last[0] is not pos or last[1] != pos._version:
+            last = self.last[use] = (pos, pos._version, make())
+        return last[2]
+
     def rows(self, pos: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin rows [T, 1, hd] of pos [T]: made once for a step's positions tensor (the
-        same object, not written since: its version counter unchanged)."""
-        if self.last is not None and self.last[0] is pos and self.last[1] == pos._version and self.last[2] == dtype:
-            return self.last[3]
-        full = self.tables(int(pos.max()), dtype, pos.device)
-        rows = (full[0][pos][:, None, :], full[1][pos][:, None, :])
-        self.last = (pos, pos._version, dtype, rows)
-        return rows
+        """cos and sin rows [T, 1, hd] of pos [T]."""
+        def make():
+            full = self.tables(int(pos.max()), dtype, pos.device)
+            return full[0][pos][:, None, :], full[1][pos][:, None, :]
+
+        return self.per_step(pos, dtype, make)
 
     def native(self, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(cos, sin, pos as int64) for the native kernel: the whole f32 tables, grown past pos's
-        largest, looked up once for a step's positions tensor as `rows` is (a step's 30 layers
-        had each spent ~10 us on pos.max())."""
-        if self.last_native is not None and self.last_native[0] is pos and self.last_native[1] == pos._version:
-            return self.last_native[2]
-        found = (*self.tables(int(pos.max()), torch.float32, pos.device), pos.long())
-        self.last_native = (pos, pos._version, found)
-        return found
+        """(cos, sin, pos as int64) for the native kernel: the whole f32 tables, grown past pos's largest."""
+        return self.per_step(pos, "native", lambda: (*self.tables(int(pos.max()), torch.float32, pos.device),
+                                                     pos.long()))
 
 
 def rope_tables(head_dim: int, theta: float) -> RopeTables:

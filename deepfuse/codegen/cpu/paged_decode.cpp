@@ -234,9 +234,9 @@ static void decode_avx512(const T* q, const C* cache, const int64_t* tables, con
             // the thread's item kItemsAhead on: its blocks are prefetched into L2 while this one
             // computes, one block of it per block of this one
             const int64_t ahead = item + kItemsAhead;
-            const bool has_next = ahead < end;
-            const int64_t ns = has_next ? (rows != nullptr ? rows[ahead / hkv] : ahead / hkv) : 0;
-            const int64_t nkv = ahead % hkv, nlen = has_next ? lens[ns] : 0;
+            const bool has_ahead = ahead < end;
+            const int64_t ns = has_ahead ? (rows != nullptr ? rows[ahead / hkv] : ahead / hkv) : 0;
+            const int64_t nkv = ahead % hkv, nlen = has_ahead ? lens[ns] : 0;
             const int64_t nfirst = window > 0 ? std::max<int64_t>(0, nlen - window) : 0;
             const int64_t* ntable = tables + ns * tb;
             const int64_t first = window > 0 ? std::max<int64_t>(0, len - window) : 0;
@@ -261,7 +261,7 @@ static void decode_avx512(const T* q, const C* cache, const int64_t* tables, con
                     const int cnt = static_cast<int>(std::min<int64_t>({16, s1 - p0, (b + 1) * bs - p0}));
                     if (p0 == std::max(s0, b * bs)) {  // entering block b
                         const int64_t next_b = nfirst / bs + (b - first / bs);  // its block as far in as b is in this one
-                        if (has_next && next_b * bs < nlen) {
+                        if (has_ahead && next_b * bs < nlen) {
                             const int64_t off = ntable[next_b] * bs * stride + nkv * R;
                             prefetch_rows<C, R, _MM_HINT_T1>(cache + off, bs, stride);
                             prefetch_rows<C, R, _MM_HINT_T1>(cache + half + off, bs, stride);

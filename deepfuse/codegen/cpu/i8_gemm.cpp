@@ -40,6 +40,7 @@
 #include "vec.h"
 #endif
 
+#include "balanced.h"
 #include "row_ops.h"
 
 namespace {
@@ -122,55 +123,64 @@ constexpr MicroFn<T> kByRows[kRows] = {micro<T, 1, P>, micro<T, 2, P>, micro<T, 
 template <typename T>
 constexpr const MicroFn<T>* kMicro[kPanels] = {kByRows<T, 1>, kByRows<T, 2>};
 
+// The quantized activation of one call: q [M, K] s8, d [M, K/group] f32, offset [M] f32. One per
+// calling thread, grown and never shrunk: allocating and zeroing them per call ran on the calling
+// thread alone, before the parallel part (perf: ~6% of that thread's time in the throughput run's
+// prefill steps, the other thread idle meanwhile).
+struct Quantized {
+    std::vector<int8_t> q;
+    std::vector<float> d, offset;
+};
+
+Quantized& quantized(int64_t m, int64_t k, int64_t groups) {
+    static thread_local Quantized buffers;
+    auto grow = [](auto& v, int64_t n) {
+        if (static_cast<int64_t>(v.size()) < n) v.resize(n);
+    };
+    grow(buffers.q, m * k);
+    grow(buffers.d, m * groups);
+    grow(buffers.offset, m);
+    return buffers;
+}
+
 // row(r, buf) -> a pointer to row r of the activation (X [K]): x's own row, or `buf` (K of X,
 // the thread's) filled with a fused prologue's.
 template <typename X, typename T, typename Row>
 void gemm(Row row, int64_t m, int64_t k, const uint8_t* panels, int64_t nb, int64_t n, const float* scale,
           int64_t group, T* y, int64_t ldy) {
     const int64_t groups = k / group;
-    std::vector<int8_t> q(m * k);
-    std::vector<float> d(m * groups);
-    std::vector<float> offset(m);
+    Quantized& qa = quantized(m, k, groups);
+    int8_t* q = qa.q.data();
+    float* d = qa.d.data();
+    float* offset = qa.offset.data();
     at::parallel_for(0, m, 16, [&](int64_t r0, int64_t r1) {
         std::vector<X> buf(k);
         for (int64_t r = r0; r < r1; ++r)
-            quantize_row(row(r, buf.data()), k, group, q.data() + r * k, d.data() + r * groups, offset.data() + r);
+            quantize_row(row(r, buf.data()), k, group, q + r * k, d + r * groups, offset + r);
     });
     // items: (chunk of panels, slab of rows), chunks of equal size holding at most about
-    // kChunkBytes, ~16 items a thread; each thread runs a contiguous run of items of about equal
-    // work (an even split of the item list left one thread idle up to a third of the time where
-    // the last chunk or slab is short)
+    // kChunkBytes, ~16 items a thread, split by work (balanced.h: an even split of the item list
+    // left one thread idle up to a third of the time where the last chunk or slab is short)
     const int64_t most = std::max<int64_t>(1, kChunkBytes / (kPanels * k * kCols)) * kPanels;
     const int64_t chunks = (nb + most - 1) / most;
     const int64_t chunk = ((nb + chunks - 1) / chunks + kPanels - 1) / kPanels * kPanels;
     const int64_t blocks = (m + kRows - 1) / kRows, threads = at::get_num_threads();
     const int64_t cuts = std::clamp<int64_t>((16 * threads + chunks - 1) / chunks, 1, blocks);
     const int64_t slab = (blocks + cuts - 1) / cuts * kRows, slabs = (m + slab - 1) / slab;
-    const int64_t items = chunks * slabs;
     auto cost = [&](int64_t item) {
         const int64_t c = item / slabs, s = item % slabs;
         return (std::min(nb, (c + 1) * chunk) - c * chunk) * (std::min(m, (s + 1) * slab) - s * slab);
     };
-    std::vector<int64_t> start(threads + 1, items);  // thread t runs items start[t] .. start[t+1]-1
-    int64_t total = 0;
-    for (int64_t i = 0; i < items; ++i) total += cost(i);
-    start[0] = 0;
-    for (int64_t i = 0, t = 1, sum = 0; i < items && t < threads; ++i) {
-        sum += cost(i);
-        while (t < threads && sum * threads >= total * t) start[t++] = i + 1;
-    }
-    at::parallel_for(0, threads, 1, [&](int64_t t0, int64_t t1) {
-        for (int64_t item = start[t0]; item < start[t1]; ++item) {
-            const int64_t c = item / slabs, s = item % slabs;
-            const int64_t b1 = std::min(nb, (c + 1) * chunk), m1 = std::min(m, (s + 1) * slab);
-            for (int64_t m0 = s * slab; m0 < m1; m0 += kRows) {  // a micro-tile's rows stay in L1 for the chunk
-                const int64_t rows = std::min<int64_t>(kRows, m1 - m0);
-                for (int64_t b = c * chunk; b < b1; b += kPanels) {
-                    const int64_t np = std::min<int64_t>(kPanels, b1 - b);
-                    kMicro<T>[np - 1][rows - 1](q.data() + m0 * k, k, d.data() + m0 * groups, offset.data() + m0,
-                                                groups, group, panels + b * k * kCols, k, scale + b * kCols,
-                                                y + m0 * ldy + b * kCols, ldy, n - b * kCols);
-                }
+    balanced::balanced_for(chunks * slabs, cost, [&](int64_t item, int64_t) {
+        const int64_t c = item / slabs, s = item % slabs;
+        const int64_t b1 = std::min(nb, (c + 1) * chunk), m1 = std::min(m, (s + 1) * slab);
+        for (int64_t m0 = s * slab; m0 < m1; m0 += kRows) {  // a micro-tile's rows stay in L1 for the chunk
+            const int64_t rows = std::min<int64_t>(kRows, m1 - m0);
+            for (int64_t b = c * chunk; b < b1; b += kPanels) {
+                const int64_t np = std::min<int64_t>(kPanels, b1 - b);
+                kMicro<T>[np - 1][rows - 1](q + m0 * k, k, d + m0 * groups, offset + m0, groups, group,
+                                            panels + b * k * kCols, k, scale + b * kCols, y + m0 * ldy + b * kCols,
+                                            ldy, n - b * kCols);
             }
         }
     });

@@ -39,6 +39,8 @@
 #include <utility>
 #include <vector>
 
+#include "balanced.h"
+
 // C: the cache's element: the query's type, or int8_t (rows of D values + their f32 scale)
 template <typename C>
 constexpr bool kInt8Rows = std::is_same_v<C, int8_t>;
@@ -221,7 +223,11 @@ static void decode_avx512(const T* q, const C* cache, const int64_t* tables, con
     const int64_t h = G * hkv;
     const int64_t half = nb * bs * hkv * R;
     const int64_t stride = hkv * R;  // between a head's consecutive positions
-    at::parallel_for(0, n * hkv, 1, [&](int64_t begin, int64_t end) {
+    auto cost = [&](int64_t item) {  // positions read, plus a constant for the rest of an item
+        const int64_t len = lens[rows != nullptr ? rows[item / hkv] : item / hkv];
+        return (window > 0 ? std::min(len, window) : len) + 32;
+    };
+    balanced::balanced_for(n * hkv, cost, [&](int64_t item, int64_t end) {
         alignas(64) float score[G][kSegment + 16];  // scores, then softmax weights (a short tile's
                                                     // dead lanes may spill past the segment)
         alignas(64) float acc[G][D];           // weighted sums of values (in registers during the values pass)
@@ -229,159 +235,157 @@ static void decode_avx512(const T* q, const C* cache, const int64_t* tables, con
         alignas(64) int8_t qparts[G][2][D];    // kVnniScores: each head's query in two int8 parts,
         float qstep[G][2];                     // their steps
         int32_t qsum[G][2];                    // and 128 * their sums
-        for (int64_t item = begin; item < end; ++item) {
-            const int64_t s = rows != nullptr ? rows[item / hkv] : item / hkv, kv = item % hkv, len = lens[s];
-            // the thread's item kItemsAhead on: its blocks are prefetched into L2 while this one
-            // computes, one block of it per block of this one
-            const int64_t ahead = item + kItemsAhead;
-            const bool has_ahead = ahead < end;
-            const int64_t ns = has_ahead ? (rows != nullptr ? rows[ahead / hkv] : ahead / hkv) : 0;
-            const int64_t nkv = ahead % hkv, nlen = has_ahead ? lens[ns] : 0;
-            const int64_t nfirst = window > 0 ? std::max<int64_t>(0, nlen - window) : 0;
-            const int64_t* ntable = tables + ns * tb;
-            const int64_t first = window > 0 ? std::max<int64_t>(0, len - window) : 0;
-            const int64_t* table = tables + s * tb;
-            const C* kbase = cache + kv * R;
-            const C* vbase = cache + half + kv * R;
+        const int64_t s = rows != nullptr ? rows[item / hkv] : item / hkv, kv = item % hkv, len = lens[s];
+        // the thread's item kItemsAhead on: its blocks are prefetched into L2 while this one
+        // computes, one block of it per block of this one
+        const int64_t ahead = item + kItemsAhead;
+        const bool has_ahead = ahead < end;
+        const int64_t ns = has_ahead ? (rows != nullptr ? rows[ahead / hkv] : ahead / hkv) : 0;
+        const int64_t nkv = ahead % hkv, nlen = has_ahead ? lens[ns] : 0;
+        const int64_t nfirst = window > 0 ? std::max<int64_t>(0, nlen - window) : 0;
+        const int64_t* ntable = tables + ns * tb;
+        const int64_t first = window > 0 ? std::max<int64_t>(0, len - window) : 0;
+        const int64_t* table = tables + s * tb;
+        const C* kbase = cache + kv * R;
+        const C* vbase = cache + half + kv * R;
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-            if constexpr (kVnniScores<T, C>)
-                for (int j = 0; j < G; ++j)
-                    split_query<T, DV>(q + s * h * D + (kv * G + j) * D, qparts[j][0], qparts[j][1], qstep[j], qsum[j]);
+        if constexpr (kVnniScores<T, C>)
+            for (int j = 0; j < G; ++j)
+                split_query<T, DV>(q + s * h * D + (kv * G + j) * D, qparts[j][0], qparts[j][1], qstep[j], qsum[j]);
 #endif
-            float m[G], l[G];
-            for (int j = 0; j < G; ++j) {
-                m[j] = -std::numeric_limits<float>::infinity();
-                l[j] = 0.f;
-                for (int v = 0; v < DV; ++v) _mm512_store_ps(acc[j] + 16 * v, _mm512_setzero_ps());
-            }
-            for (int64_t s0 = first; s0 < len; s0 += kSegment) {
-                const int64_t s1 = std::min(len, s0 + kSegment);
-                for (int64_t p0 = s0; p0 < s1;) {  // tiles of up to 16 positions, never across a block
-                    const int64_t b = p0 / bs, at = table[b] * bs - b * bs;  // position p's row: at + p
-                    const int cnt = static_cast<int>(std::min<int64_t>({16, s1 - p0, (b + 1) * bs - p0}));
-                    if (p0 == std::max(s0, b * bs)) {  // entering block b
-                        const int64_t next_b = nfirst / bs + (b - first / bs);  // its block as far in as b is in this one
-                        if (has_ahead && next_b * bs < nlen) {
-                            const int64_t off = ntable[next_b] * bs * stride + nkv * R;
-                            prefetch_rows<C, R, _MM_HINT_T1>(cache + off, bs, stride);
-                            prefetch_rows<C, R, _MM_HINT_T1>(cache + half + off, bs, stride);
-                        }
-                        if ((b + kAhead) * bs < s1)
-                            prefetch_rows<C, R>(kbase + table[b + kAhead] * bs * stride, bs, stride);
-                        prefetch_rows<C, R>(vbase + (at + p0) * stride, std::min(s1, (b + 1) * bs) - p0, stride);
+        float m[G], l[G];
+        for (int j = 0; j < G; ++j) {
+            m[j] = -std::numeric_limits<float>::infinity();
+            l[j] = 0.f;
+            for (int v = 0; v < DV; ++v) _mm512_store_ps(acc[j] + 16 * v, _mm512_setzero_ps());
+        }
+        for (int64_t s0 = first; s0 < len; s0 += kSegment) {
+            const int64_t s1 = std::min(len, s0 + kSegment);
+            for (int64_t p0 = s0; p0 < s1;) {  // tiles of up to 16 positions, never across a block
+                const int64_t b = p0 / bs, at = table[b] * bs - b * bs;  // position p's row: at + p
+                const int cnt = static_cast<int>(std::min<int64_t>({16, s1 - p0, (b + 1) * bs - p0}));
+                if (p0 == std::max(s0, b * bs)) {  // entering block b
+                    const int64_t next_b = nfirst / bs + (b - first / bs);  // its block as far in as b is in this one
+                    if (has_ahead && next_b * bs < nlen) {
+                        const int64_t off = ntable[next_b] * bs * stride + nkv * R;
+                        prefetch_rows<C, R, _MM_HINT_T1>(cache + off, bs, stride);
+                        prefetch_rows<C, R, _MM_HINT_T1>(cache + half + off, bs, stride);
                     }
-                    const C* tile = kbase + (at + p0) * stride;
-                    __m512 key_scale = _mm512_set1_ps(1.f);  // int8 rows: each row's scale in its lane
-                    if constexpr (kInt8Rows<C>) {
-                        alignas(64) float sc[16] = {};
-                        for (int i = 0; i < cnt; ++i) sc[i] = row_scale(tile + i * stride, D);
-                        key_scale = _mm512_load_ps(sc);
-                    }
+                    if ((b + kAhead) * bs < s1)
+                        prefetch_rows<C, R>(kbase + table[b + kAhead] * bs * stride, bs, stride);
+                    prefetch_rows<C, R>(vbase + (at + p0) * stride, std::min(s1, (b + 1) * bs) - p0, stride);
+                }
+                const C* tile = kbase + (at + p0) * stride;
+                __m512 key_scale = _mm512_set1_ps(1.f);  // int8 rows: each row's scale in its lane
+                if constexpr (kInt8Rows<C>) {
+                    alignas(64) float sc[16] = {};
+                    for (int i = 0; i < cnt; ++i) sc[i] = row_scale(tile + i * stride, D);
+                    key_scale = _mm512_load_ps(sc);
+                }
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-                    if constexpr (kVnniScores<T, C>) {
-                        __m512i cols[DV / 4][16];  // cols[h][c]: dims 64h+4c .. +3 of the 16 keys, as unsigned bytes
-                        const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
-                        for (int hh = 0; hh < DV / 4; ++hh) {
-                            __m512i r[16];
-                            for (int i = 0; i < 16; ++i)  // dead rows: zeros (their lanes are never read)
-                                r[i] = i < cnt ? _mm512_xor_si512(_mm512_loadu_si512(tile + i * stride + 64 * hh), flip)
-                                               : _mm512_setzero_si512();
-                            transpose16(r, cols[hh]);
-                        }
-                        for (int j = 0; j < G; ++j) {
-                            __m512i d1 = _mm512_setzero_si512(), d2 = _mm512_setzero_si512();
-                            for (int hh = 0; hh < DV / 4; ++hh)
-                                for (int c = 0; c < 16; ++c) {
-                                    d1 = dot_quad(d1, cols[hh][c], qparts[j][0] + 64 * hh + 4 * c);
-                                    d2 = dot_quad(d2, cols[hh][c], qparts[j][1] + 64 * hh + 4 * c);
-                                }
-                            const __m512 dot = _mm512_fmadd_ps(
-                                _mm512_cvtepi32_ps(_mm512_sub_epi32(d2, _mm512_set1_epi32(qsum[j][1]))), _mm512_set1_ps(qstep[j][1]),
-                                _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(d1, _mm512_set1_epi32(qsum[j][0]))),
-                                              _mm512_set1_ps(qstep[j][0])));
-                            _mm512_storeu_ps(&score[j][p0 - s0], _mm512_mul_ps(_mm512_mul_ps(dot, key_scale), _mm512_set1_ps(scale)));
-                        }
-                        p0 += cnt;
-                        continue;
+                if constexpr (kVnniScores<T, C>) {
+                    __m512i cols[DV / 4][16];  // cols[h][c]: dims 64h+4c .. +3 of the 16 keys, as unsigned bytes
+                    const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
+                    for (int hh = 0; hh < DV / 4; ++hh) {
+                        __m512i r[16];
+                        for (int i = 0; i < 16; ++i)  // dead rows: zeros (their lanes are never read)
+                            r[i] = i < cnt ? _mm512_xor_si512(_mm512_loadu_si512(tile + i * stride + 64 * hh), flip)
+                                           : _mm512_setzero_si512();
+                        transpose16(r, cols[hh]);
                     }
-#endif
-                    if constexpr (kStagedPairs<T, C>) {
-                        for (int i = 0; i < cnt; ++i)
-                            for (int v = 0; v < DV / 2; ++v) {
-                                const C* r = tile + i * stride + 32 * v;
-                                _mm512_store_si512(staged + i * D + 32 * v, reinterpret_cast<__m512i>(
-                                                       _mm512_cvtne2ps_pbh(load16(r + 16), load16(r))));
+                    for (int j = 0; j < G; ++j) {
+                        __m512i d1 = _mm512_setzero_si512(), d2 = _mm512_setzero_si512();
+                        for (int hh = 0; hh < DV / 4; ++hh)
+                            for (int c = 0; c < 16; ++c) {
+                                d1 = dot_quad(d1, cols[hh][c], qparts[j][0] + 64 * hh + 4 * c);
+                                d2 = dot_quad(d2, cols[hh][c], qparts[j][1] + 64 * hh + 4 * c);
                             }
-                    }
-                    for (int j = 0; j < G; ++j) {  // every head's scores while the tile's keys are in L1
-                        const T* src = q + s * h * D + (kv * G + j) * D;
-                        __m512 qv[DV];     // f32 keys: the query, scaled
-                        __m512i qb[DV / 2];  // bf16 keys: the query as it is (scaled after the dot)
-                        constexpr bool pairs = kPairScores<C> || kStagedPairs<T, C>;
-                        if constexpr (pairs) {
-                            for (int v = 0; v < DV / 2; ++v) qb[v] = _mm512_loadu_si512(src + 32 * v);
-                        } else {
-                            for (int v = 0; v < DV; ++v) qv[v] = _mm512_mul_ps(load16(src + 16 * v), _mm512_set1_ps(scale));
-                        }
-                        __m512 sc;
-                        if constexpr (kStagedPairs<T, C>)
-                            sc = tile_scores<c10::BFloat16, DV>(qv, qb, reinterpret_cast<const c10::BFloat16*>(staged), D, cnt);
-                        else
-                            sc = tile_scores<C, DV>(qv, qb, tile, stride, cnt);
-                        if constexpr (pairs) sc = _mm512_mul_ps(sc, _mm512_set1_ps(scale));
-                        if constexpr (kInt8Rows<C>) sc = _mm512_mul_ps(sc, key_scale);
-                        _mm512_storeu_ps(&score[j][p0 - s0], sc);  // dead lanes: overwritten or never read
+                        const __m512 dot = _mm512_fmadd_ps(
+                            _mm512_cvtepi32_ps(_mm512_sub_epi32(d2, _mm512_set1_epi32(qsum[j][1]))), _mm512_set1_ps(qstep[j][1]),
+                            _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(d1, _mm512_set1_epi32(qsum[j][0]))),
+                                          _mm512_set1_ps(qstep[j][0])));
+                        _mm512_storeu_ps(&score[j][p0 - s0], _mm512_mul_ps(_mm512_mul_ps(dot, key_scale), _mm512_set1_ps(scale)));
                     }
                     p0 += cnt;
+                    continue;
                 }
-                const int64_t cnt = s1 - s0;
-                for (int j = 0; j < G; ++j) {  // softmax over the segment, carrying the running max and sum
-                    __m512 top = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-                    for (int64_t i = 0; i < cnt; i += 16)
-                        top = _mm512_mask_max_ps(top, first_lanes(cnt - i), top, _mm512_loadu_ps(&score[j][i]));
-                    const float t = std::max(m[j], _mm512_reduce_max_ps(top));
-                    __m512 sum = _mm512_setzero_ps();
-                    for (int64_t i = 0; i < cnt; i += 16) {
-                        const __m512 w = _mm512_maskz_mov_ps(
-                            first_lanes(cnt - i), exp16(_mm512_sub_ps(_mm512_load_ps(&score[j][i]), _mm512_set1_ps(t))));
-                        _mm512_store_ps(&score[j][i], w);
-                        sum = _mm512_add_ps(sum, w);
-                    }
-                    if (t > m[j]) {  // rescale what came before (by 0 after the first segment's: m = -inf)
-                        const float rescale = std::exp(m[j] - t);
-                        for (int v = 0; v < DV; ++v)
-                            _mm512_store_ps(acc[j] + 16 * v, _mm512_mul_ps(_mm512_load_ps(acc[j] + 16 * v),
-                                                                           _mm512_set1_ps(rescale)));
-                        l[j] *= rescale;
-                        m[j] = t;
-                    }
-                    l[j] += _mm512_reduce_add_ps(sum);
-                }
-                __m512 a[G][DV];
-                for (int j = 0; j < G; ++j)
-                    for (int v = 0; v < DV; ++v) a[j][v] = _mm512_load_ps(acc[j] + 16 * v);
-                for (int64_t p0 = s0; p0 < s1;) {  // values: each row converted once, added to G accumulators
-                    const int64_t b = p0 / bs, p1 = std::min(s1, (b + 1) * bs);
-                    const C* vb = vbase + (table[b] * bs - b * bs) * stride;
-                    for (int64_t p = p0; p < p1; ++p) {
-                        __m512 val[DV];
-                        for (int v = 0; v < DV; ++v) val[v] = load16(vb + p * stride + 16 * v);
-                        const float vs = row_scale(vb + p * stride, D);
-                        for (int j = 0; j < G; ++j) {
-                            const __m512 w = _mm512_set1_ps(kInt8Rows<C> ? score[j][p - s0] * vs : score[j][p - s0]);
-                            for (int v = 0; v < DV; ++v) a[j][v] = _mm512_fmadd_ps(w, val[v], a[j][v]);
+#endif
+                if constexpr (kStagedPairs<T, C>) {
+                    for (int i = 0; i < cnt; ++i)
+                        for (int v = 0; v < DV / 2; ++v) {
+                            const C* r = tile + i * stride + 32 * v;
+                            _mm512_store_si512(staged + i * D + 32 * v, reinterpret_cast<__m512i>(
+                                                   _mm512_cvtne2ps_pbh(load16(r + 16), load16(r))));
                         }
-                    }
-                    p0 = p1;
                 }
-                for (int j = 0; j < G; ++j)
-                    for (int v = 0; v < DV; ++v) _mm512_store_ps(acc[j] + 16 * v, a[j][v]);
+                for (int j = 0; j < G; ++j) {  // every head's scores while the tile's keys are in L1
+                    const T* src = q + s * h * D + (kv * G + j) * D;
+                    __m512 qv[DV];     // f32 keys: the query, scaled
+                    __m512i qb[DV / 2];  // bf16 keys: the query as it is (scaled after the dot)
+                    constexpr bool pairs = kPairScores<C> || kStagedPairs<T, C>;
+                    if constexpr (pairs) {
+                        for (int v = 0; v < DV / 2; ++v) qb[v] = _mm512_loadu_si512(src + 32 * v);
+                    } else {
+                        for (int v = 0; v < DV; ++v) qv[v] = _mm512_mul_ps(load16(src + 16 * v), _mm512_set1_ps(scale));
+                    }
+                    __m512 sc;
+                    if constexpr (kStagedPairs<T, C>)
+                        sc = tile_scores<c10::BFloat16, DV>(qv, qb, reinterpret_cast<const c10::BFloat16*>(staged), D, cnt);
+                    else
+                        sc = tile_scores<C, DV>(qv, qb, tile, stride, cnt);
+                    if constexpr (pairs) sc = _mm512_mul_ps(sc, _mm512_set1_ps(scale));
+                    if constexpr (kInt8Rows<C>) sc = _mm512_mul_ps(sc, key_scale);
+                    _mm512_storeu_ps(&score[j][p0 - s0], sc);  // dead lanes: overwritten or never read
+                }
+                p0 += cnt;
             }
-            for (int j = 0; j < G; ++j) {
-                T* dst = out + s * h * D + (kv * G + j) * D;
-                const __m512 inv = _mm512_set1_ps(l[j] > 0.f ? 1.f / l[j] : 0.f);
-                for (int v = 0; v < DV; ++v) store16(dst + 16 * v, _mm512_mul_ps(_mm512_load_ps(acc[j] + 16 * v), inv));
+            const int64_t cnt = s1 - s0;
+            for (int j = 0; j < G; ++j) {  // softmax over the segment, carrying the running max and sum
+                __m512 top = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+                for (int64_t i = 0; i < cnt; i += 16)
+                    top = _mm512_mask_max_ps(top, first_lanes(cnt - i), top, _mm512_loadu_ps(&score[j][i]));
+                const float t = std::max(m[j], _mm512_reduce_max_ps(top));
+                __m512 sum = _mm512_setzero_ps();
+                for (int64_t i = 0; i < cnt; i += 16) {
+                    const __m512 w = _mm512_maskz_mov_ps(
+                        first_lanes(cnt - i), exp16(_mm512_sub_ps(_mm512_load_ps(&score[j][i]), _mm512_set1_ps(t))));
+                    _mm512_store_ps(&score[j][i], w);
+                    sum = _mm512_add_ps(sum, w);
+                }
+                if (t > m[j]) {  // rescale what came before (by 0 after the first segment's: m = -inf)
+                    const float rescale = std::exp(m[j] - t);
+                    for (int v = 0; v < DV; ++v)
+                        _mm512_store_ps(acc[j] + 16 * v, _mm512_mul_ps(_mm512_load_ps(acc[j] + 16 * v),
+                                                                       _mm512_set1_ps(rescale)));
+                    l[j] *= rescale;
+                    m[j] = t;
+                }
+                l[j] += _mm512_reduce_add_ps(sum);
             }
+            __m512 a[G][DV];
+            for (int j = 0; j < G; ++j)
+                for (int v = 0; v < DV; ++v) a[j][v] = _mm512_load_ps(acc[j] + 16 * v);
+            for (int64_t p0 = s0; p0 < s1;) {  // values: each row converted once, added to G accumulators
+                const int64_t b = p0 / bs, p1 = std::min(s1, (b + 1) * bs);
+                const C* vb = vbase + (table[b] * bs - b * bs) * stride;
+                for (int64_t p = p0; p < p1; ++p) {
+                    __m512 val[DV];
+                    for (int v = 0; v < DV; ++v) val[v] = load16(vb + p * stride + 16 * v);
+                    const float vs = row_scale(vb + p * stride, D);
+                    for (int j = 0; j < G; ++j) {
+                        const __m512 w = _mm512_set1_ps(kInt8Rows<C> ? score[j][p - s0] * vs : score[j][p - s0]);
+                        for (int v = 0; v < DV; ++v) a[j][v] = _mm512_fmadd_ps(w, val[v], a[j][v]);
+                    }
+                }
+                p0 = p1;
+            }
+            for (int j = 0; j < G; ++j)
+                for (int v = 0; v < DV; ++v) _mm512_store_ps(acc[j] + 16 * v, a[j][v]);
+        }
+        for (int j = 0; j < G; ++j) {
+            T* dst = out + s * h * D + (kv * G + j) * D;
+            const __m512 inv = _mm512_set1_ps(l[j] > 0.f ? 1.f / l[j] : 0.f);
+            for (int v = 0; v < DV; ++v) store16(dst + 16 * v, _mm512_mul_ps(_mm512_load_ps(acc[j] + 16 * v), inv));
         }
     });
 }

@@ -34,6 +34,7 @@
 #include <vector>
 
 #include "amx.h"
+#include "balanced.h"
 
 #if DEEPFUSE_BF16_DOT
 #include "vec.h"
@@ -362,13 +363,11 @@ void paged_prefill(const torch::Tensor& q, const torch::Tensor& cache, const tor
     float* vs = int8 ? ks + hkv * total : nullptr;
     auto pack = [&](const auto* kc) {  // the cache's k half; its v half follows
         const auto* vc = kc + nb * bs * hkv * cache.size(4);
-        at::parallel_for(0, chunks * hkv, 1, [&](int64_t begin, int64_t end) {
-            for (int64_t item = begin; item < end; ++item) {
-                const int64_t c = item / hkv, kv = item % hkv, at = (kv * total + offset[c]) * d;
-                const int64_t first = kv * total + offset[c];
-                pack_kv(kc, vc, tab + c * tb, len[c], offset[c + 1] - offset[c], bs, hkv, kv, d, kt + at, vv + at,
-                        ks ? ks + first : nullptr, vs ? vs + first : nullptr);
-            }
+        balanced::balanced_for(chunks * hkv, [&](int64_t item) { return len[item / hkv] + pad; }, [&](int64_t item, int64_t) {
+            const int64_t c = item / hkv, kv = item % hkv, at = (kv * total + offset[c]) * d;
+            const int64_t first = kv * total + offset[c];
+            pack_kv(kc, vc, tab + c * tb, len[c], offset[c + 1] - offset[c], bs, hkv, kv, d, kt + at, vv + at,
+                    ks ? ks + first : nullptr, vs ? vs + first : nullptr);
         });
     };
     if (int8)

@@ -23,9 +23,11 @@
 #include <cstdlib>
 #include <cstring>
 #include <memory>
+#include <optional>
 #include <vector>
 
 #include "amx.h"
+#include "balanced.h"
 #include "q4.h"
 
 namespace {
@@ -98,33 +100,26 @@ struct Split {
     }
 };
 
-// Runs every item of `split`, the items cut between threads into runs of equal work (a last chunk
-// of few panels is a small item). panels() makes a thread's source of chunks, called as (c, b0, b1)
-// for chunk c's panels b0 .. b1-1 (the weight itself, or a buffer the int4 weight is decoded into).
+// Runs every item of `split`, split between threads by work (balanced.h; a last chunk of few
+// panels is a small item). panels() makes a thread's source of chunks, called as (c, b0, b1) for
+// chunk c's panels b0 .. b1-1 (the weight itself, or a buffer the int4 weight is decoded into).
 template <typename Panels>
 void run_items(const Split& split, const uint16_t* x, int64_t ldx, int64_t m, int64_t kp, int64_t nb, int64_t n,
                at::BFloat16* y, int64_t ldy, const Panels& panels) {
-    const int64_t items = split.chunks * split.slabs;
-    std::vector<int64_t> done(items + 1, 0);  // work (panels x rows) before each item
-    for (int64_t item = 0; item < items; ++item) {
+    using Source = decltype(panels());
+    std::vector<std::optional<Source>> sources(at::get_num_threads());  // each thread's, made on its first item
+    auto cost = [&](int64_t item) {
         const int64_t c = item / split.slabs, s = item % split.slabs;
-        done[item + 1] = done[item] + (std::min(nb, (c + 1) * split.chunk) - c * split.chunk) *
-                                          (std::min(m, (s + 1) * split.slab) - s * split.slab);
-    }
-    const int64_t runs = std::min<int64_t>(items, at::get_num_threads());
-    at::parallel_for(0, runs, 1, [&](int64_t r0, int64_t r1) {
-        auto chunk_panels = panels();  // this thread's view of the chunks
-        const auto at = [&](int64_t q) {  // the first item of run q
-            return std::lower_bound(done.begin(), done.end(), done.back() * q / runs) - done.begin();
-        };
-        for (int64_t r = r0; r < r1; ++r) {
-            for (int64_t item = at(r); item < (r + 1 == runs ? items : at(r + 1)); ++item) {
-                const int64_t c = item / split.slabs, s = item % split.slabs;
-                const int64_t b0 = c * split.chunk, b1 = std::min(nb, b0 + split.chunk);
-                through_panels(x, ldx, s * split.slab, std::min(m, (s + 1) * split.slab), chunk_panels(c, b0, b1), kp,
-                               b0, b1, n, y, ldy);
-            }
-        }
+        return (std::min(nb, (c + 1) * split.chunk) - c * split.chunk) *
+               (std::min(m, (s + 1) * split.slab) - s * split.slab);
+    };
+    balanced::balanced_for(split.chunks * split.slabs, cost, [&](int64_t item, int64_t) {
+        auto& source = sources[at::get_thread_num()];
+        if (!source) source.emplace(panels());
+        const int64_t c = item / split.slabs, s = item % split.slabs;
+        const int64_t b0 = c * split.chunk, b1 = std::min(nb, b0 + split.chunk);
+        through_panels(x, ldx, s * split.slab, std::min(m, (s + 1) * split.slab), (*source)(c, b0, b1), kp, b0, b1, n,
+                       y, ldy);
     });
 }
 

@@ -51,20 +51,28 @@ static inline void prefetch_rows(const T* rows, int64_t count, int64_t stride) {
 
 static inline void store16(float* p, __m512 x) { _mm512_storeu_ps(p, x); }
 
-// f32 -> bf16 bits in the high half of each lane (low half zero), rounding to nearest even as
-// c10::BFloat16 does; NaN stays a (quiet) NaN
-static inline __m512i bf16_bits(__m512 x) {
+// f32 -> 16 bf16, rounding to nearest even as c10::BFloat16 does. With AVX512-BF16 one
+// vcvtneps2bf16 (a norm row's three roundings had been most of its instructions); it differs
+// from c10 only on f32 inputs below 2^-126, which it flushes to zero, and on a NaN's payload
+// (both give a quiet NaN). Without it, integer arithmetic on the bits, exactly c10's.
+static inline __m256i to_bf16(__m512 x) {
+#if defined(__AVX512BF16__)
+    return reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(x));
+#else
     const __m512i bits = _mm512_castps_si512(x);
     const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
     __m512i r = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
     r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
-    return _mm512_slli_epi32(r, 16);
+    return _mm512_cvtepi32_epi16(r);
+#endif
 }
 
 static inline void store16(c10::BFloat16* p, __m512 x) {
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(_mm512_srli_epi32(bf16_bits(x), 16)));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), to_bf16(x));
 }
 
 // x rounded to T's precision (bf16: the f32 of the nearest bf16; f32: x itself)
 static inline __m512 round16(__m512 x, const float*) { return x; }
-static inline __m512 round16(__m512 x, const c10::BFloat16*) { return _mm512_castsi512_ps(bf16_bits(x)); }
+static inline __m512 round16(__m512 x, const c10::BFloat16*) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(to_bf16(x)), 16));
+}

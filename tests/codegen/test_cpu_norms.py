@@ -32,6 +32,21 @@ def test_add_rms_norm_matches_the_reference_and_writes_into_buffers(native, dtyp
     assert s2.data_ptr() == arena.data_ptr() and torch.equal(arena[:, :d], s) and torch.equal(arena[:, d:], normed)
 
 
+def test_add_rms_norm_rounds_its_bf16_sums_half_to_even_as_torch_does(native):
+    """The sum's f32 -> bf16 rounding (vcvtneps2bf16 where the CPU has AVX512-BF16, integer
+    arithmetic elsewhere) on exact ties, either way up or down, in the vector lanes and in
+    the scalar tail, and on large, small and negative values."""
+    d = 40
+    ulp = 2.0 ** -7  # of bf16 at 1.0
+    ties = torch.tensor([ulp / 2, 3 * ulp / 2, -ulp / 2, -3 * ulp / 2, ulp / 4, 3 * ulp / 4, 0.0, ulp])
+    base = torch.tensor([1.0, -1.0, 2.0 ** 20, 2.0 ** -20, 3.0])
+    x = base.repeat_interleave(len(ties))[:d].view(1, d)
+    res = (ties.repeat(len(base)) * x.abs().flatten().clamp(min=1.0))[:d].view(1, d)
+    x, res = x.to(torch.bfloat16), res.to(torch.bfloat16)
+    assert (x.float() + res.float() != (x + res).float()).any()  # some sums do round
+    s, _ = native.add_rms_norm(x, res, torch.ones(d, dtype=torch.bfloat16), 1e-6)
+    assert torch.equal(s, x + res)
+
 def test_rms_norm_takes_strided_rows_and_refuses_bad_operands(native):
     x = torch.randn(6, 100)
     w = torch.ones(50)

@@ -6,9 +6,9 @@
 // their back, one at a time, so no thread sits at the closing barrier while another still has
 // several items left. With a static split alone, a thread waited at the barrier of a GEMM or
 // decode attention while the other still computed for ~8% of the throughput run's thread time
-// (perf, 2-core Zen 4 VM: the two cores do not run at the same speed, and the calling thread
-// comes to each call with Python's working set in its caches); with this, ~4%, and the run
-// ~6% faster (median of 6 interleaved process pairs, 584 -> 620 tok/s).
+// (perf, 2-core Zen 4 VM; likely because the two cores do not run at the same speed and the
+// calling thread comes to each call with Python's working set in its caches); with this, ~4%,
+// and the run ~6% faster (median of 6 interleaved process pairs, 584 -> 620 tok/s).
 //
 //   items               number of work items, 0 .. items-1
 //   cost(i) -> int64    item i's relative cost (for the initial split)

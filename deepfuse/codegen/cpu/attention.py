@@ -31,6 +31,7 @@ import torch.nn.functional as F
 
 from ...errors import DeepfuseError
 from ...ir.opdefs_llm import causal_mask, dequantize_kv_rows, write_kv
+from .bound import Bound
 from .kernels import Kernel, factory
 from .native import kernels as native_kernels
 
@@ -268,6 +269,19 @@ def _attention(attrs: dict) -> Kernel:
             out[a:a + n] = o[0].transpose(0, 1).reshape(n, h * hd)
         return out
 
+    def bind(q, k, v, cache, slots, tables, seq_lens, query_lens, *sink, out: torch.Tensor | None = None):
+        """Bound calls (bound.py) for a step of one decode row per sequence (as many q rows as
+        sequences: every query length is 1, whatever the contents), which runs the native paged
+        kernel over the step's tables and lengths as they are; None for any other step."""
+        native = native_kernels() if not sink and q.dtype in NATIVE_DTYPES else None
+        if native is None or out is None or q.shape[0] != seq_lens.shape[0] or not q.is_contiguous() \
+                or seq_lens.dtype != torch.long or tables.dtype != torch.long:
+            return None
+        calls = [functools.partial(write_kv, cache, k, v, slots)] if writes else []
+        return Bound(calls + [functools.partial(native.paged_decode, q, cache, tables, seq_lens, h, window, scale, out,
+                                                amx_rows)])
+
+    attention.bind = bind
     return attention
 
 

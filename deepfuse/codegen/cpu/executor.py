@@ -6,11 +6,13 @@ per-request state; the kv cache tensors arrive as step inputs.
 from __future__ import annotations
 
 import ctypes
+from itertools import islice
 
 import torch
 
 from ...errors import DeepfuseError
 from ...ir import DTYPES
+from .bound import StepBinder, layout_key
 from .kernels import Q4Weights, can_prepack, make_kernel, prepack_for, writes_in_place
 from .native import kernels as native_kernels
 from .out_kernels import OUT_FACTORIES
@@ -59,12 +61,14 @@ def check_batch_invariant(plan: dict, prepack: bool) -> None:
 
 class StepBuffers:
     """The memory plan's buffers, grown (never shrunk) to the largest step seen, and each
-    launch's output views for the last step size (decode steps repeat it)."""
+    launch's output views for the last step size (decode steps repeat it). generation counts
+    the times the storage grew (views of one step size and generation are the same memory)."""
 
     def __init__(self, plan: dict):
         self.specs = plan.get("buffers", [])
         self.symbols = plan.get("symbols", {})
         self.storage = [torch.empty(0, dtype=DTYPES[b["dtype"]]) for b in self.specs]
+        self.generation = 0
         self.key: tuple | None = None
         self.views: list[list[torch.Tensor] | None] = []
 
@@ -80,6 +84,7 @@ class StepBuffers:
             need = (sizes[b["dim"]] if b["dim"] else 1) * b["row"]
             if self.storage[i].numel() < need:
                 self.storage[i] = torch.empty(need, dtype=self.storage[i].dtype)
+                self.generation += 1
         self.views = []
         for p in launches:
             if p is None:
@@ -105,9 +110,13 @@ class CpuExecutor:
     use_buffers: launches whose op has an out-kernel (out_kernels.py) and whose outputs all
     have a planned buffer write into the step buffers instead of allocating.
     A plan with "batch_invariant" runs one kernel per op for every batch shape (see
-    check_batch_invariant), so a request's tokens do not depend on what shares its steps."""
+    check_batch_invariant), so a request's tokens do not depend on what shares its steps.
+    bind_steps: steps whose inputs have the layout (memory, shapes, strides) of an earlier one
+    run that one's launches as bound calls (bound.py), as far as they bind (decode steps: all
+    but the sampling tail)."""
 
-    def __init__(self, plan: dict, weights: dict[str, torch.Tensor], prepack: bool = True, use_buffers: bool = True):
+    def __init__(self, plan: dict, weights: dict[str, torch.Tensor], prepack: bool = True, use_buffers: bool = True,
+                 bind_steps: bool = True):
         self.num_slots = plan["num_slots"]
         self.inputs = plan["inputs"]
         self.outputs = plan["outputs"]
@@ -148,6 +157,7 @@ class CpuExecutor:
                 continue
             self.planned.append(None)
             self.launches.append((kernel, ins, p["out"], p["free"]))
+        self.binder = StepBinder() if bind_steps and use_buffers else None
 
     @torch.inference_mode()
     def __call__(self, inputs: dict[str, torch.Tensor]) -> list[torch.Tensor]:
@@ -155,7 +165,18 @@ class CpuExecutor:
         for name, s in self.inputs.items():
             env[s] = inputs[name]
         views = self.buffers.views_for(inputs, self.planned)
-        for (kernel, ins, outs, frees), out in zip(self.launches, views):
+        start = 0
+        if self.binder is not None:
+            key = (self.buffers.generation, *layout_key([inputs[name] for name in self.inputs]))
+            prefix = self.binder.get(key, self.launches, env, views)
+            if prefix.count:
+                for call in prefix.calls:
+                    call()
+                env = list(prefix.env)
+                for name, s in self.inputs.items():  # this step's tensors (kernels may key caches on them)
+                    env[s] = inputs[name]
+                start = prefix.count
+        for (kernel, ins, outs, frees), out in zip(islice(self.launches, start, None), islice(views, start, None)):
             if out is not None:
                 kernel(*[env[i] for i in ins], out=out)
                 res = out[0] if len(outs) == 1 else out

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
@@ -19,6 +20,7 @@ from ...ir.opdefs_fused import split_extra
 from ...ir.opdefs_llm import rope_cos_sin, write_kv
 from ...ir.opdefs_moe import route, routing_attrs
 from ...ir.opdefs_quant import dequantize_q4, unpack_q4
+from .bound import Bound
 from .native import kernels as native_kernels
 from .row_kernels import NORM_DTYPES, add_rms_rows, native_rows, rms_rows, swiglu_rows, take_rows
 from .w8a8_kernels import W8A8Weights, w8a8_linear, w8a8_logits, w8a8_norm_linear, w8a8_swiglu_linear
@@ -367,7 +369,8 @@ def _qkv_rope_cache(attrs: dict) -> Kernel:
     tables = rope_tables(hd, attrs["theta"])
 
     def native_rope_cache(qkv, pos, cache, slots):
-        """The native pass (rows.cpp) where it applies, else None."""
+        """The native pass (rows.cpp) where it applies, bound to these tensors and to q and k made
+        here: (call, q, k, v, cos), else None."""
         if qkv.dtype not in NORM_DTYPES or qkv.dim() != 2 or qkv.stride(1) != 1 or pos.device.type != "cpu" \
                 or not cache.is_contiguous() or len(pos) == 0:
             return None
@@ -377,14 +380,28 @@ def _qkv_rope_cache(attrs: dict) -> Kernel:
         cos, sin, pos64 = tables.native(pos)
         q = torch.empty(qkv.shape[0], sizes[0], dtype=qkv.dtype)
         k = torch.empty(qkv.shape[0], sizes[1], dtype=qkv.dtype)
-        native.rope_cache(qkv, pos64, cos, sin, cache, slots.long(), sizes[0] // hd, q, k)
-        return q, k, qkv[:, sizes[0] + sizes[1]:]
+        call = partial(native.rope_cache, qkv, pos64, cos, sin, cache, slots.long(), sizes[0] // hd, q, k)
+        return call, q, k, qkv[:, sizes[0] + sizes[1]:], cos
+
+    def bind(qkv, pos, cache, slots, *norms):
+        """(Bound, q, k, v) for the native pass, or None (no such pass here, qk norms, or int32
+        positions or slots, whose int64 copies would be this step's). The bound tables hold
+        positions below their row count: the guard checks each step's."""
+        planned = None if norms or pos.dtype != torch.long or slots.dtype != torch.long else \
+            native_rope_cache(qkv, pos, cache, slots)
+        if planned is None:
+            return None
+        call, q, k, v, cos = planned
+        rows = cos.shape[0]
+        return Bound([call], {("rope", id(cos), pos.data_ptr()): lambda: int(pos.max()) < rows}), q, k, v
 
     def qkv_rope_cache(qkv, pos, cache, slots, *norms):
         if not norms:
-            done = native_rope_cache(qkv, pos, cache, slots)
-            if done is not None:
-                return done
+            planned = native_rope_cache(qkv, pos, cache, slots)
+            if planned is not None:
+                call, q, k, v, _ = planned
+                call()
+                return q, k, v
         q, k, v = torch.split(qkv, sizes, dim=-1)
         if norms:
             q, k = norm(q.contiguous(), norms[0]), norm(k.contiguous(), norms[1])
@@ -392,6 +409,7 @@ def _qkv_rope_cache(attrs: dict) -> Kernel:
         write_kv(cache, k, v, slots)
         return q, k, v
 
+    qkv_rope_cache.bind = bind
     return qkv_rope_cache
 
 
@@ -405,6 +423,16 @@ def _qkv_attention(attrs: dict) -> Kernel:
         q, k, v = rope_cache(qkv, pos, cache, slots, *norms)
         return attend(q, k, v, cache, slots, tables, seq_lens, query_lens, *sink, out=out)
 
+    def bind(qkv, pos, cache, slots, tables, seq_lens, query_lens, *extra, out):
+        """The native rope pass, then attention's bind (bound.py), or None."""
+        norms, sink = split_extra(extra, "qk_norm_eps" in attrs, attrs.get("sinks", False))
+        roped = rope_cache.bind(qkv, pos, cache, slots, *norms)
+        if roped is None:
+            return None
+        bound, q, k, v = roped
+        return bound.then(attend.bind(q, k, v, cache, slots, tables, seq_lens, query_lens, *sink, out=out))
+
+    qkv_attention.bind = bind
     return qkv_attention
 
 

@@ -4,6 +4,10 @@ Only ops whose kernels take `out=` have one (projections: MKL's GEMM and the nat
 GEMMs, f32 and bf16, the native int4 and int8 GEMMs write in place (torch's int4 GEMM, for
 steps of a few rows, is copied there); the oneDNN-packed GEMM allocates its result, so such a
 prepacked launch keeps its allocating kernel). Each computes what its kernels.py twin computes.
+
+Each has a bind (bound.py): its Python depends only on its inputs' shapes, dtypes and strides
+(bind_as_is repeats the call as it is), the W8A8 ones bind straight to their native GEMM, and
+attention binds where the step is all decode rows.
 """
 from __future__ import annotations
 
@@ -11,15 +15,41 @@ from collections.abc import Callable
 
 import torch
 
+from .bound import Bound, bind_as_is
 from .kernels import FACTORIES, Kernel, PanelWeight, Q4Weights, factory, q4_linear
 from .row_kernels import add_rms_rows, rms_rows, swiglu_rows
-from .w8a8_kernels import w8a8_linear, w8a8_norm_linear, w8a8_swiglu_linear
+from .w8a8_kernels import (
+    native_linear,
+    native_norm_linear,
+    native_swiglu_linear,
+    w8a8_linear,
+    w8a8_norm_linear,
+    w8a8_swiglu_linear,
+)
 
 OUT_FACTORIES: dict[str, Callable[[dict], Kernel]] = {}
 
 
 def out_factory(op: str) -> Callable:
-    return factory(op, OUT_FACTORIES)
+    """Registers an out-kernel factory; a kernel it makes without a bind gets bind_as_is."""
+    def wrap(make: Callable[[dict], Kernel]) -> Callable[[dict], Kernel]:
+        def make_bindable(attrs: dict) -> Kernel:
+            kernel = make(attrs)
+            return kernel if hasattr(kernel, "bind") else bind_as_is(kernel)
+
+        return factory(op, OUT_FACTORIES)(make_bindable)
+
+    return wrap
+
+
+def with_bind(kernel: Callable, bind: Callable[..., Bound | None]) -> Callable:
+    kernel.bind = bind
+    return kernel
+
+
+def native_bind(native: Callable[..., Callable[[], object] | None], *tail) -> Callable[..., Bound | None]:
+    """A bind to native(*ins, *tail, out=out[0]) (one of the native_* W8A8 calls), else None."""
+    return lambda *ins, out: Bound.of(native(*ins, *tail, out=out[0]))
 
 
 def mm_into(x: torch.Tensor, w: torch.Tensor | PanelWeight | Q4Weights, out: torch.Tensor) -> None:
@@ -56,7 +86,7 @@ def _linear_q4(attrs: dict) -> Kernel:
 @out_factory("linear_w8a8")
 def _linear_w8a8(attrs: dict) -> Kernel:
     group = attrs["act_group"]
-    return lambda x, w, out: w8a8_linear(x, w, group, out[0])
+    return with_bind(lambda x, w, out: w8a8_linear(x, w, group, out[0]), native_bind(native_linear, group))
 
 
 @out_factory("rms_norm_linear")
@@ -64,7 +94,9 @@ def _rms_norm_linear(attrs: dict) -> Kernel:
     eps = attrs["eps"]
     if "act_group" in attrs:  # a W8A8 projection (w8a8_kernels.W8A8Weights)
         group = attrs["act_group"]
-        return lambda x, w, proj, out: w8a8_norm_linear(x, None, w, eps, proj, group, out=out[0])
+        return with_bind(lambda x, w, proj, out: w8a8_norm_linear(x, None, w, eps, proj, group, out=out[0]),
+                         lambda x, w, proj, out: Bound.of(native_norm_linear(x, None, w, eps, proj, group, None,
+                                                                             out[0])))
     return lambda x, w, proj, out: mm_into(rms_rows(x, w, eps), proj, out[0])
 
 
@@ -73,7 +105,9 @@ def _add_rms_norm_linear(attrs: dict) -> Kernel:
     eps = attrs["eps"]
     if "act_group" in attrs:
         group = attrs["act_group"]
-        return lambda x, res, w, proj, out: w8a8_norm_linear(x, res, w, eps, proj, group, out[0], out[1])
+        return with_bind(lambda x, res, w, proj, out: w8a8_norm_linear(x, res, w, eps, proj, group, out[0], out[1]),
+                         lambda x, res, w, proj, out: Bound.of(native_norm_linear(x, res, w, eps, proj, group, out[0],
+                                                                                  out[1])))
 
     def run(x, res, w, proj, out):
         _, normed = add_rms_rows(x, res, w, eps, out[0])
@@ -86,14 +120,15 @@ def _add_rms_norm_linear(attrs: dict) -> Kernel:
 def _swiglu_linear(attrs: dict) -> Kernel:
     if "act_group" in attrs:
         group = attrs["act_group"]
-        return lambda x, proj, out: w8a8_swiglu_linear(x, proj, group, out[0])
+        return with_bind(lambda x, proj, out: w8a8_swiglu_linear(x, proj, group, out[0]),
+                         native_bind(native_swiglu_linear, group))
     return lambda x, proj, out: mm_into(swiglu_rows(x), proj, out[0])
 
 
 def _attending(op: str) -> Callable[[dict], Kernel]:
     def make(attrs: dict) -> Kernel:
         kernel = FACTORIES[op](attrs)
-        return lambda *ins, out: kernel(*ins, out=out[0])
+        return with_bind(lambda *ins, out: kernel(*ins, out=out[0]), lambda *ins, out: kernel.bind(*ins, out=out[0]))
 
     return make
 

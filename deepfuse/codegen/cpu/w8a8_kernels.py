@@ -3,6 +3,9 @@ forms): weights packed at load for the native int8 GEMM (i8_gemm.cpp), the op's 
 where that cannot run."""
 from __future__ import annotations
 
+from collections.abc import Callable
+from functools import partial
+
 import torch
 import torch.nn.functional as F
 
@@ -28,10 +31,19 @@ class W8A8Weights:
 NATIVE_W8A8 = (torch.float32, torch.bfloat16)
 
 
+def native_linear(x: torch.Tensor, w: W8A8Weights, act_group: int,
+                  out: torch.Tensor | None = None) -> Callable[[], torch.Tensor] | None:
+    """w8a8_linear's native GEMM bound to these tensors, or None where it cannot run."""
+    if w.native is None or x.dtype not in NATIVE_W8A8:
+        return None
+    return partial(w.native.i8_gemm, x, w.panels, w.padded_scale, w.n, act_group, out)
+
+
 def w8a8_linear(x: torch.Tensor, w: W8A8Weights, act_group: int, out: torch.Tensor | None = None) -> torch.Tensor:
     """x[T,K] @ w^T -> [T,N], activations quantized per row and group of act_group (into out if given)."""
-    if w.native is not None and x.dtype in NATIVE_W8A8:
-        return w.native.i8_gemm(x, w.panels, w.padded_scale, w.n, act_group, out)
+    call = native_linear(x, w, act_group, out)
+    if call is not None:
+        return call()
     y = linear_w8a8(x, w.wq, w.scale, act_group=act_group)
     return y if out is None else out.copy_(y)
 
@@ -45,13 +57,35 @@ def w8a8_logits(x: torch.Tensor, w: W8A8Weights, rows: torch.Tensor, act_group: 
     return w8a8_product(x, w.wq, w.scale, act_group)
 
 
+def native_swiglu_linear(x: torch.Tensor, w: W8A8Weights, act_group: int,
+                         out: torch.Tensor | None = None) -> Callable[[], torch.Tensor] | None:
+    """w8a8_swiglu_linear's native GEMM bound to these tensors, or None where it cannot run."""
+    if w.native is None or x.dtype not in NATIVE_W8A8:
+        return None
+    return partial(w.native.i8_gemm_swiglu, x, w.panels, w.padded_scale, w.n, act_group, out)
+
+
 def w8a8_swiglu_linear(x: torch.Tensor, w: W8A8Weights, act_group: int,
                        out: torch.Tensor | None = None) -> torch.Tensor:
     """linear_w8a8(swiglu(x[T,2K]), w) -> [T,N]; the native GEMM makes each row's activation as it
     quantizes it (the [T,K] activation is never stored)."""
-    if w.native is not None and x.dtype in NATIVE_W8A8:
-        return w.native.i8_gemm_swiglu(x, w.panels, w.padded_scale, w.n, act_group, out)
+    call = native_swiglu_linear(x, w, act_group, out)
+    if call is not None:
+        return call()
     return w8a8_linear(swiglu_rows(x), w, act_group, out)
+
+
+def native_norm_linear(x: torch.Tensor, res: torch.Tensor | None, nw: torch.Tensor, eps: float, w: W8A8Weights,
+                       act_group: int, sum_out: torch.Tensor | None,
+                       out: torch.Tensor | None = None) -> Callable[[], torch.Tensor] | None:
+    """w8a8_norm_linear's native GEMM (the norm as its prologue, x + res written to sum_out, which
+    must be given with res) bound to these tensors, or None where it cannot run."""
+    rows = (x,) if res is None else (x, res, sum_out)
+    if w.native is None or x.dtype not in NATIVE_W8A8 or nw.dtype != x.dtype or x.dim() != 2 \
+            or any(t is None or t.stride(1) != 1 or t.shape != x.shape or t.dtype != x.dtype for t in rows):
+        return None
+    return partial(w.native.i8_gemm_norm, x, res, nw.contiguous(), eps, sum_out, w.panels, w.padded_scale, w.n,
+                   act_group, out)
 
 
 def w8a8_norm_linear(x: torch.Tensor, res: torch.Tensor | None, nw: torch.Tensor, eps: float, w: W8A8Weights,
@@ -59,13 +93,11 @@ def w8a8_norm_linear(x: torch.Tensor, res: torch.Tensor | None, nw: torch.Tensor
                      out: torch.Tensor | None = None) -> tuple[torch.Tensor | None, torch.Tensor]:
     """(s, linear_w8a8(rms_norm(s, nw), w)) with s = x + res (written into sum_out when given), or
     (None, linear_w8a8(rms_norm(x, nw), w)) without res; natively the norm is the GEMM's prologue."""
-    rows = (x,) if res is None else (x, res)
-    if w.native is not None and x.dtype in NATIVE_W8A8 and nw.dtype == x.dtype and x.dim() == 2 \
-            and all(t.stride(1) == 1 and t.shape == x.shape and t.dtype == x.dtype for t in rows):
-        if res is not None and sum_out is None:
-            sum_out = torch.empty_like(x, memory_format=torch.contiguous_format)
-        return sum_out, w.native.i8_gemm_norm(x, res, nw.contiguous(), eps, sum_out, w.panels, w.padded_scale, w.n,
-                                              act_group, out)
+    if res is not None and sum_out is None:
+        sum_out = torch.empty_like(x, memory_format=torch.contiguous_format)
+    call = native_norm_linear(x, res, nw, eps, w, act_group, sum_out, out)
+    if call is not None:
+        return sum_out, call()
     if res is None:
         return None, w8a8_linear(rms_rows(x, nw, eps), w, act_group, out)
     s, normed = add_rms_rows(x, res, nw, eps, sum_out)

@@ -1,0 +1,113 @@
+"""Bound steps: a step's launches as prepared calls, repeated while the step's tensors stay put.
+
+A decode step runs ~150 launches, and their Python (the executor's loop, each kernel's checks and
+argument plumbing, run with caches a GEMM has just swept) cost ~5 ms of a ~50 ms step
+(SmolLM2-135M, W8A8, 64 sequences, 2 cores) while the other thread idled. The engine's step inputs
+live in preallocated buffers (runtime/batch.py), so consecutive decode steps hand the executor
+tensors with the same storage, shapes and strides, only new contents. For such a layout the
+executor binds its launches once, each to a list of calls with every argument resolved
+(functools.partial of a native kernel where one runs it), and later steps with the same layout
+run just those calls.
+
+The protocol: an out-kernel (out_kernels.py) has `bind(*ins, out=views) -> Bound | None`. Bound
+calls must do what the kernel's own call does for any contents of those tensors; a kernel whose
+Python decides on tensor contents (attention: which rows decode) binds only where that decision
+follows from the shapes, and returns None elsewhere. A guard is checked once per step before the
+calls run again (rope tables: the step's positions must lie inside the bound ones).
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from functools import partial
+
+import torch
+
+
+@dataclass
+class Bound:
+    """calls: run in order, they do what the kernel's call did. guards: each must return True
+    before the calls run again; launches that share a guard share its key (checked once)."""
+
+    calls: list[Callable[[], object]]
+    guards: dict[object, Callable[[], bool]] = field(default_factory=dict)
+
+    @staticmethod
+    def of(call: Callable[[], object] | None) -> Bound | None:
+        """One call (None: nothing bound)."""
+        return None if call is None else Bound([call])
+
+    def then(self, other: Bound | None) -> Bound | None:
+        """This, then other (None if other is None)."""
+        if other is None:
+            return None
+        return Bound(self.calls + other.calls, {**self.guards, **other.guards})
+
+
+def bind_as_is(kernel: Callable) -> Callable:
+    """Gives an out-kernel whose Python depends only on its inputs' shapes, dtypes and strides
+    the bind that repeats its own call with these tensors; returns the kernel."""
+    kernel.bind = lambda *ins, out: Bound([partial(kernel, *ins, out=out)])
+    return kernel
+
+
+def layout_key(tensors: list[torch.Tensor]) -> tuple:
+    """What a binding depends on in the step inputs: where each tensor's memory is and how it
+    is laid out (the bound calls hold the tensors, so an address cannot be reused meanwhile)."""
+    return tuple((t.data_ptr(), t.dtype, *t.shape, *t.stride()) for t in tensors)
+
+
+@dataclass
+class BoundPrefix:
+    """The first `count` of `launches`, bound. env: the executor's slots after them (the
+    outputs are planned buffer views)."""
+
+    launches: list
+    count: int
+    calls: list[Callable[[], object]]
+    guards: list[Callable[[], bool]]
+    env: list
+
+
+class StepBinder:
+    """Bound prefixes of an executor's launches by layout key, the last few kept (decode steps
+    keep one layout until the longest sequence needs another block; prefill steps each bring
+    their own)."""
+
+    KEEP = 4
+
+    def __init__(self):
+        self.cache: dict[tuple, BoundPrefix] = {}
+
+    def get(self, key: tuple, launches: list, env: list, views: list) -> BoundPrefix:
+        """The prefix of launches ((kernel, input slots, output slots, frees) each) for this
+        layout: the one bound before if its guards hold, else bound now from env (the slots with
+        this step's inputs) and views (the launches' planned outputs, the same memory for the
+        same key). Its count is 0 where the first launch does not bind."""
+        prefix = self.cache.get(key)
+        if prefix is not None and prefix.launches is launches and all(check() for check in prefix.guards):
+            return prefix
+        prefix = self.bind(launches, env, views)
+        self.cache.pop(key, None)
+        if len(self.cache) >= self.KEEP:
+            self.cache.pop(next(iter(self.cache)))
+        self.cache[key] = prefix
+        return prefix
+
+    @staticmethod
+    def bind(launches: list, env: list, views: list) -> BoundPrefix:
+        env = list(env)
+        calls: list[Callable[[], object]] = []
+        guards: dict[object, Callable[[], bool]] = {}
+        count = 0
+        for (kernel, ins, outs, _), out in zip(launches, views):
+            bind = getattr(kernel, "bind", None)
+            bound = bind(*[env[i] for i in ins], out=out) if out is not None and bind is not None else None
+            if bound is None:
+                break
+            calls += bound.calls
+            guards.update(bound.guards)
+            for s, t in zip(outs, out):
+                env[s] = t
+            count += 1
+        return BoundPrefix(launches, count, calls, list(guards.values()), env)

@@ -10,6 +10,7 @@ allocated per step.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import chain
 
 import numpy as np
 import torch
@@ -40,6 +41,15 @@ def sample_key(seed: int, position: int) -> int:
     return (z ^ (z >> 31)) & 0x7FFFFFFFFFFFFFFF
 
 
+def sample_keys(seeds: np.ndarray, positions: np.ndarray) -> np.ndarray:
+    """sample_key over arrays: seeds [R] uint64 (each seed mod 2^64), positions [R] -> int64 [R]
+    (uint64 arithmetic wraps mod 2^64 as the masks above do)."""
+    z = seeds * np.uint64(0x9E3779B97F4A7C15) + positions.astype(np.uint64) + np.uint64(1)
+    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return ((z ^ (z >> np.uint64(31))) & np.uint64(0x7FFFFFFFFFFFFFFF)).astype(np.int64)
+
+
 class StepBuffers:
     """Preallocated step inputs for up to max_tokens tokens, max_seqs sequences and
     max_blocks blocks per sequence; fill() writes one step and returns views."""
@@ -56,35 +66,46 @@ class StepBuffers:
         self.torch = {k: torch.from_numpy(v) for k, v in self.np.items()}
 
     def fill(self, chunks: list[SeqChunk], cache: KVCache) -> dict[str, torch.Tensor]:
-        b, bs = self.np, cache.block_size
-        t, s = sum(len(c.tokens) for c in chunks), len(chunks)
-        width = max(len(c.blocks) for c in chunks)
+        """Writes the step's chunks (whole-step numpy operations, no per-chunk ones: a decode
+        step of 64 sequences took ~0.7 ms chunk by chunk) and returns the inputs as views."""
+        b, bs, s = self.np, cache.block_size, len(chunks)
+        lens, widths, ks, starts, top_k = np.array(
+            [(len(c.tokens), len(c.blocks), c.samples, c.start, c.top_k) for c in chunks], dtype=np.int64).reshape(s, 5).T
+        t, width, r = int(lens.sum()), int(widths.max()), int(ks.sum())
         if t > self.max_tokens or s > self.max_seqs or width > self.max_blocks:
             raise ValueError(f"step of {t} tokens, {s} sequences, {width} blocks exceeds the buffers "
                              f"({self.max_tokens}, {self.max_seqs}, {self.max_blocks})")
-        a = r = 0
-        for i, c in enumerate(chunks):
-            n = len(c.tokens)
-            table = np.maximum(np.asarray(c.blocks, dtype=np.int64), 0)
-            pos = np.arange(c.start, c.start + n)
-            b["tokens"][a:a + n] = c.tokens
-            b["positions"][a:a + n] = pos
-            b["slot_mapping"][a:a + n] = table[pos // bs] * bs + pos % bs
-            b["block_tables"][i, : len(table)] = table
-            b["block_tables"][i, len(table):width] = 0
-            b["seq_lens"][i], b["query_lens"][i] = c.start + n, n
-            k = c.samples
-            if not 1 <= k <= n:
-                raise ValueError(f"a chunk of {n} tokens cannot sample its last {k}")
-            b["sample_rows"][r:r + k] = np.arange(a + n - k, a + n)
-            b["temperature"][r:r + k], b["top_k"][r:r + k], b["top_p"][r:r + k] = c.temperature, c.top_k, c.top_p
-            # the row at position p samples the token of position p + 1
-            b["seeds"][r:r + k] = [sample_key(c.seed, p + 1) for p in range(c.start + n - k, c.start + n)]
-            # each row but the last verifies the draft the next row was fed
-            b["draft_tokens"][r:r + k - 1] = c.tokens[n - k + 1:]
-            b["draft_tokens"][r + k - 1] = -1
-            a += n
-            r += k
+        bad = np.flatnonzero((ks < 1) | (ks > lens))
+        if len(bad):
+            raise ValueError(f"a chunk of {lens[bad[0]]} tokens cannot sample its last {ks[bad[0]]}")
+        tables = b["block_tables"][:s, :width]
+        tables[...] = 0
+        tables[np.arange(width) < widths[:, None]] = np.fromiter(
+            chain.from_iterable(c.blocks for c in chunks), dtype=np.int64, count=int(widths.sum()))
+        np.maximum(tables, 0, out=tables)  # -1: a block the window policy released
+        seq = np.repeat(np.arange(s), lens)  # each token's chunk
+        first = np.cumsum(lens) - lens  # each chunk's first row
+        pos = starts[seq] + np.arange(t) - first[seq]
+        if (pos // bs >= widths[seq]).any():
+            i = int(seq[np.argmax(pos // bs >= widths[seq])])
+            raise ValueError(f"a chunk at positions {starts[i]}..{starts[i] + lens[i] - 1} has a table of "
+                             f"{widths[i]} blocks of {bs}")
+        tokens = np.fromiter(chain.from_iterable(c.tokens for c in chunks), dtype=np.int64, count=t)
+        b["tokens"][:t] = tokens
+        b["positions"][:t] = pos
+        b["slot_mapping"][:t] = tables[seq, pos // bs] * bs + pos % bs
+        b["seq_lens"][:s], b["query_lens"][:s] = starts + lens, lens
+        # sampled rows: a chunk's last k tokens; the row at position p samples position p + 1's token
+        sseq = np.repeat(np.arange(s), ks)
+        j = np.arange(r) - (np.cumsum(ks) - ks)[sseq]  # 0 .. k-1 within the chunk
+        rows = first[sseq] + lens[sseq] - ks[sseq] + j
+        b["sample_rows"][:r] = rows
+        temperature, top_p = np.array([(c.temperature, c.top_p) for c in chunks], dtype=np.float32).reshape(s, 2).T
+        b["temperature"][:r], b["top_k"][:r], b["top_p"][:r] = temperature[sseq], top_k[sseq], top_p[sseq]
+        seeds = np.array([c.seed & 0xFFFFFFFFFFFFFFFF for c in chunks], dtype=np.uint64)
+        b["seeds"][:r] = sample_keys(seeds[sseq], pos[rows] + 1)
+        # each row but its chunk's last verifies the draft the next row was fed
+        b["draft_tokens"][:r] = np.where(j < ks[sseq] - 1, tokens[np.minimum(rows + 1, t - 1)], -1)
         v = self.torch
         inputs = {k: v[k][:t] for k in ("tokens", "positions", "slot_mapping")}
         inputs["block_tables"] = v["block_tables"][:s, :width]

@@ -1,0 +1,76 @@
+"""StepBuffers.fill (whole-step numpy) against a plain chunk-by-chunk reference of the same
+contract: every input tensor equal, for random ragged steps."""
+import random
+
+import pytest
+import torch
+
+from deepfuse.runtime.batch import SeqChunk, StepBuffers, sample_key
+from deepfuse.runtime.kv_cache import CacheConfig, KVCache
+
+BS = 4
+
+
+def reference(chunks: list[SeqChunk]) -> dict[str, list]:
+    """The step inputs written out one chunk and one token at a time."""
+    out = {k: [] for k in ("tokens", "positions", "slot_mapping", "seq_lens", "query_lens", "sample_rows",
+                           "temperature", "top_k", "top_p", "seeds", "draft_tokens")}
+    width = max(len(c.blocks) for c in chunks)
+    out["block_tables"] = [[max(b, 0) for b in c.blocks] + [0] * (width - len(c.blocks)) for c in chunks]
+    row = 0
+    for c in chunks:
+        n, k = len(c.tokens), c.samples
+        for i, tok in enumerate(c.tokens):
+            p = c.start + i
+            out["tokens"].append(tok)
+            out["positions"].append(p)
+            out["slot_mapping"].append(max(c.blocks[p // BS], 0) * BS + p % BS)
+        out["seq_lens"].append(c.start + n)
+        out["query_lens"].append(n)
+        for j in range(k):
+            i = n - k + j  # the chunk's token that samples the next position
+            out["sample_rows"].append(row + i)
+            out["temperature"].append(c.temperature)
+            out["top_k"].append(c.top_k)
+            out["top_p"].append(c.top_p)
+            out["seeds"].append(sample_key(c.seed, c.start + i + 1))
+            out["draft_tokens"].append(c.tokens[i + 1] if j < k - 1 else -1)
+        row += n
+    return out
+
+
+def random_step(rng: random.Random) -> list[SeqChunk]:
+    chunks = []
+    for _ in range(rng.randint(1, 6)):
+        n = rng.choice([1, 1, 2, rng.randint(1, 9)])
+        start = rng.randint(0, 20)
+        blocks = [rng.choice([-1, rng.randint(0, 40)]) for _ in range((start + n - 1) // BS + 1 + rng.randint(0, 2))]
+        seed = rng.choice([0, 7, -5, rng.getrandbits(62), 2**64 + 3, 2**70 + rng.getrandbits(40)])
+        chunks.append(SeqChunk([rng.randint(0, 100) for _ in range(n)], start, blocks, rng.random(),
+                               rng.randint(0, 50), rng.random(), seed, samples=rng.randint(1, n)))
+    return chunks
+
+
+def test_fill_writes_what_the_chunk_by_chunk_reference_writes():
+    cache = KVCache(2, 1, 4, torch.float32, CacheConfig(block_size=BS, num_blocks=8))
+    buffers = StepBuffers(64, 8, 16)
+    rng = random.Random(0)
+    for _ in range(300):
+        chunks = random_step(rng)
+        got = buffers.fill(chunks, cache)
+        want = reference(chunks)
+        for name, values in want.items():
+            dtype = torch.float32 if name in ("temperature", "top_p") else torch.int64
+            assert torch.equal(got[name], torch.tensor(values, dtype=dtype)), name
+        assert got["kv_cache.1"] is cache.layers[1]
+
+
+def test_fill_rejects_bad_chunks_by_name():
+    cache = KVCache(1, 1, 4, torch.float32, CacheConfig(block_size=BS, num_blocks=8))
+    buffers = StepBuffers(8, 2, 4)
+    with pytest.raises(ValueError, match="cannot sample its last 3"):
+        buffers.fill([SeqChunk([1, 2], 0, [0], samples=3)], cache)
+    with pytest.raises(ValueError, match="positions 3..5 has a table of 1 blocks"):
+        buffers.fill([SeqChunk([1], 0, [0]), SeqChunk([1, 2, 3], 3, [1])], cache)
+    with pytest.raises(ValueError, match="exceeds the buffers"):
+        buffers.fill([SeqChunk(list(range(9)), 0, [0, 1, 2])], cache)

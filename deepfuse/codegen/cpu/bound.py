@@ -1,8 +1,9 @@
 """Bound steps: a step's launches as prepared calls, repeated while the step's tensors stay put.
 
 A decode step runs ~150 launches, and their Python (the executor's loop, each kernel's checks and
-argument plumbing, run with caches a GEMM has just swept) cost ~5 ms of a ~50 ms step
-(SmolLM2-135M, W8A8, 64 sequences, 2 cores) while the other thread idled. The engine's step inputs
+argument plumbing, run with caches a GEMM has just swept) cost 1.5-4 ms of a ~50 ms step
+(SmolLM2-135M, W8A8, 64 sequences, 2 cores; ~1 ms of a ~7.5 ms step at batch 1) while the
+other thread idled. The engine's step inputs
 live in preallocated buffers (runtime/batch.py), so consecutive decode steps hand the executor
 tensors with the same storage, shapes and strides, only new contents. For such a layout the
 executor binds its launches once, each to a list of calls with every argument resolved

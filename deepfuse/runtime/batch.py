@@ -33,17 +33,10 @@ class SeqChunk:
     samples: int = 1  # how many of its last tokens get a sampled next token
 
 
-def sample_key(seed: int, position: int) -> int:
-    """Counter-based RNG key for (request seed, position): splitmix64, kept to 63 bits."""
-    z = (seed * 0x9E3779B97F4A7C15 + position + 1) & 0xFFFFFFFFFFFFFFFF
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
-    return (z ^ (z >> 31)) & 0x7FFFFFFFFFFFFFFF
-
-
 def sample_keys(seeds: np.ndarray, positions: np.ndarray) -> np.ndarray:
-    """sample_key over arrays: seeds [R] uint64 (each seed mod 2^64), positions [R] -> int64 [R]
-    (uint64 arithmetic wraps mod 2^64 as the masks above do)."""
+    """Counter-based RNG keys for (request seed, position): splitmix64 of seed * golden + position + 1,
+    kept to 63 bits. seeds [R] uint64 (each seed mod 2^64), positions [R] -> int64 [R] (uint64
+    arithmetic wraps mod 2^64)."""
     z = seeds * np.uint64(0x9E3779B97F4A7C15) + positions.astype(np.uint64) + np.uint64(1)
     z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
     z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
@@ -86,14 +79,16 @@ class StepBuffers:
         seq = np.repeat(np.arange(s), lens)  # each token's chunk
         first = np.cumsum(lens) - lens  # each chunk's first row
         pos = starts[seq] + np.arange(t) - first[seq]
-        if (pos // bs >= widths[seq]).any():
-            i = int(seq[np.argmax(pos // bs >= widths[seq])])
+        block = pos // bs
+        past = block >= widths[seq]
+        if past.any():
+            i = int(seq[np.argmax(past)])
             raise ValueError(f"a chunk at positions {starts[i]}..{starts[i] + lens[i] - 1} has a table of "
                              f"{widths[i]} blocks of {bs}")
         tokens = np.fromiter(chain.from_iterable(c.tokens for c in chunks), dtype=np.int64, count=t)
         b["tokens"][:t] = tokens
         b["positions"][:t] = pos
-        b["slot_mapping"][:t] = tables[seq, pos // bs] * bs + pos % bs
+        b["slot_mapping"][:t] = tables[seq, block] * bs + pos % bs
         b["seq_lens"][:s], b["query_lens"][:s] = starts + lens, lens
         # sampled rows: a chunk's last k tokens; the row at position p samples position p + 1's token
         sseq = np.repeat(np.arange(s), ks)

@@ -5,10 +5,19 @@ import random
 import pytest
 import torch
 
-from deepfuse.runtime.batch import SeqChunk, StepBuffers, sample_key
+from deepfuse.runtime.batch import SeqChunk, StepBuffers
 from deepfuse.runtime.kv_cache import CacheConfig, KVCache
 
 BS = 4
+MASK = 0xFFFFFFFFFFFFFFFF
+
+
+def sample_key(seed: int, position: int) -> int:
+    """The RNG key of (seed, position) in Python integers: splitmix64, kept to 63 bits."""
+    z = (seed * 0x9E3779B97F4A7C15 + position + 1) & MASK
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & MASK
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & MASK
+    return (z ^ (z >> 31)) & 0x7FFFFFFFFFFFFFFF
 
 
 def reference(chunks: list[SeqChunk]) -> dict[str, list]:

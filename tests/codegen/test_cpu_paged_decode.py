@@ -156,3 +156,33 @@ def test_attention_kernel_rows_of_verify_chunks_match_the_reference(native, dtyp
     tol = 2e-5 if dtype == torch.float32 else 3e-2
     torch.testing.assert_close(with_native.float(), want.float(), atol=tol, rtol=tol)
     torch.testing.assert_close(plain.float(), want.float(), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("cache_type,q_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
+                                                (torch.int8, torch.bfloat16), (torch.int8, torch.float32)])
+@pytest.mark.parametrize("h,hkv,d,window", [(9, 3, 64, 0), (16, 4, 64, 45), (16, 2, 128, 0), (32, 4, 64, 0)])
+def test_many_rows_share_work_items_and_each_row_is_what_it_is_alone(native, cache_type, q_dtype, h, hkv, d, window):
+    """With rows enough for every thread, a work item covers all of a row's kv heads (32 heads on
+    4 kv heads: two items of 2 kv heads each, 16 query heads at most); alone, a row's kv heads are
+    items of their own. Each row matches the reference and is bit-identical to the row run alone."""
+    from deepfuse.ir.opdefs_llm import dequantize_kv_rows, quantize_kv_rows
+
+    torch.manual_seed(2)
+    nb, bs = 200, 16
+    n = 8 * torch.get_num_threads() + 3
+    floats = torch.randn(2, nb, bs, hkv, d)
+    floats[:, 7] *= 30  # peaked softmaxes
+    cache = quantize_kv_rows(floats) if cache_type == torch.int8 else floats.to(cache_type)
+    lens = torch.randint(1, 700, (n,))
+    tables = torch.stack([torch.randperm(nb)[:44] for _ in range(n)])
+    q = torch.randn(n, h * d).to(q_dtype)
+    out = torch.empty_like(q)
+    native.paged_decode(q, cache, tables, lens, h, window, d ** -0.5, out, 0)
+    plain = dequantize_kv_rows(cache) if cache_type == torch.int8 else cache
+    want = reference(q, plain, tables, lens, h, window, d ** -0.5)
+    tol = (1e-5 if q_dtype == torch.float32 else 2e-2) * float(want.abs().max())  # values up to ~100 here
+    torch.testing.assert_close(out.double(), want, atol=tol, rtol=0)
+    for s in range(0, n, 5):
+        alone = torch.empty_like(q[s:s + 1])
+        native.paged_decode(q[s:s + 1], cache, tables[s:s + 1], lens[s:s + 1], h, window, d ** -0.5, alone, 0)
+        assert torch.equal(alone, out[s:s + 1]), s

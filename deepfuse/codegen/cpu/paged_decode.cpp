@@ -18,12 +18,12 @@
 // With AVX-512 and a head size of 64 or 128, `decode_avx512` works on segments of up to 512
 // positions: every score of the segment (vector dot products over tiles of 16 keys; bf16 keys
 // by vdpbf16ps, exact products in f32), one max, one vectorised exp and sum per head, then the
-// values in one pass with the accumulators in registers. The running max and sum carry across
-// segments. Keys two blocks ahead and the current block's values are prefetched into L1, and
-// the thread's work item two on is prefetched into L2 while this one computes, a block of it per
+// values with the accumulators in registers. The running max and sum carry across segments.
+// Its work item is a row and all of its kv heads where there are rows enough for the threads
+// (a block's rows are then read front to back), a row and one kv head otherwise (batch 1).
+// The thread's next work item is prefetched into L2 while this one computes, a block of it per
 // block of this one: a step's time is mostly waiting on memory (the cache is far larger than
-// L3), and the near prefetches alone left the kernel at ~10 GB/s where that item-ahead
-// stream gets it to ~17 (Zen 4, 64 sequences of 100-600 positions: 55-62 -> 32-35 ms a step).
+// L3); see decode_avx512 for the measurements.
 // bf16 rows in runs of at least `amx_rows` rows of one sequence (a verify chunk's, a prompt
 // chunk's) go to the AMX path (decode_amx.cpp), which reads each key and value once for all of
 // the run's query vectors: amx_rows 2 (the default) keeps lone rows on the vector path (faster
@@ -209,52 +209,89 @@ static inline __mmask16 first_lanes(int64_t count) {
 }
 
 constexpr int64_t kSegment = 512;  // positions whose scores are held at once
-constexpr int64_t kAhead = 2;      // blocks of keys prefetched ahead
-constexpr int64_t kItemsAhead = 2;  // work items ahead whose blocks go to L2 (1: ~2-3% slower a step
-                                    // from memory, 64 sequences of 100-630 positions, two threads)
+constexpr int64_t kAhead = 2;      // blocks prefetched ahead within an item
+constexpr int64_t kItemsAhead = 1;  // the work item whose blocks go to L2 while this one computes
+constexpr int64_t kMaxHeads = 16;   // query heads one work item may cover
 
-// G query heads per kv head, DV: the head size in 16-float vectors (4 or 8). Same contract as
-// `decode`. Per segment: scores (per tile of 16 keys, every head in turn with its query in
-// registers, so the tile is read from memory once and twice more from L1), softmax, values.
+// Prefetches into L2 `count` rows of `bytes` bytes, `stride` bytes apart: every cache line each
+// touches (one contiguous run where the rows are)
+static inline void prefetch_rows_l2(const void* rows, int64_t count, int64_t stride, int64_t bytes) {
+    const char* p = static_cast<const char*>(rows);
+    if (stride == bytes) {  // one contiguous run
+        bytes *= count;
+        count = 1;
+    }
+    for (int64_t r = 0; r < count; ++r) {
+        const uintptr_t lo = reinterpret_cast<uintptr_t>(p + r * stride) & ~uintptr_t{63};
+        const uintptr_t hi = reinterpret_cast<uintptr_t>(p + r * stride + bytes);
+        for (uintptr_t a = lo; a < hi; a += 64) _mm_prefetch(reinterpret_cast<const char*>(a), _MM_HINT_T1);
+    }
+}
+
+// G query heads per kv head, DV: the head size in 16-float vectors (4 or 8); a work item is one
+// row and `kh` consecutive kv heads (kh divides hkv, G * kh <= kMaxHeads). Same contract as
+// `decode`. Per segment: scores (per tile of 16 keys, each kv head in turn and each of its G
+// heads with its query in registers, so the tile is read from memory once and again from L1),
+// softmax, values (a block at a time, each kv head's G accumulators in registers).
+//
+// Prefetching, all into L2, a block at a time: keys kAhead blocks on and the next item's keys
+// while the scores are computed, values kAhead blocks on and the next item's values while the
+// values are summed. An item of all of a row's kv heads reads each block's rows front to back:
+// its keys (or values) are one run of bytes. Into L1 instead, or keys and values together, the
+// prefetches came in bursts that stalled the core once its miss buffers filled (perf: a quarter
+// of the kernel's samples on prefetch instructions); 64 sequences of 100-630 positions, int8
+// rows, two threads: 24.1 -> 20.6 ms a step for 30 layers (13.0 ms with every block in L2).
 template <typename T, typename C, int G, int DV>
 static void decode_avx512(const T* q, const C* cache, const int64_t* tables, const int64_t* lens, T* out, int64_t n,
-                          const int64_t* rows, int64_t hkv, int64_t bs, int64_t nb, int64_t tb, int64_t window, float scale) {
+                          const int64_t* rows, int64_t hkv, int64_t bs, int64_t nb, int64_t tb, int64_t window, float scale,
+                          int64_t kh) {
     constexpr int64_t D = DV * 16, R = row_elems<C>(D);
-    const int64_t h = G * hkv;
+    const int64_t h = G * hkv, groups = hkv / kh;
     const int64_t half = nb * bs * hkv * R;
     const int64_t stride = hkv * R;  // between a head's consecutive positions
+    const int64_t run = kh * R * static_cast<int64_t>(sizeof(C));  // bytes an item reads of a row
+    const int64_t pitch = stride * static_cast<int64_t>(sizeof(C));
+    auto row_of = [&](int64_t item) { return rows != nullptr ? rows[item / groups] : item / groups; };
     auto cost = [&](int64_t item) {  // positions read, plus a constant for the rest of an item
-        const int64_t len = lens[rows != nullptr ? rows[item / hkv] : item / hkv];
-        return (window > 0 ? std::min(len, window) : len) + 32;
+        const int64_t len = lens[row_of(item)];
+        return kh * (window > 0 ? std::min(len, window) : len) + 32;
     };
-    balanced::balanced_for(n * hkv, cost, [&](int64_t item, int64_t end) {
-        alignas(64) float score[G][kSegment + 16];  // scores, then softmax weights (a short tile's
-                                                    // dead lanes may spill past the segment)
-        alignas(64) float acc[G][D];           // weighted sums of values (in registers during the values pass)
+    balanced::balanced_for(n * groups, cost, [&](int64_t item, int64_t end) {
+        alignas(64) float score[kMaxHeads][kSegment + 16];  // scores, then softmax weights (a short
+                                                            // tile's dead lanes may spill past the segment)
+        alignas(64) float acc[kMaxHeads][D];   // weighted sums of values
         alignas(64) uint16_t staged[16 * D];   // kStagedPairs: a tile's int8 keys as bf16
-        alignas(64) int8_t qparts[G][2][D];    // kVnniScores: each head's query in two int8 parts,
-        float qstep[G][2];                     // their steps
-        int32_t qsum[G][2];                    // and 128 * their sums
-        const int64_t s = rows != nullptr ? rows[item / hkv] : item / hkv, kv = item % hkv, len = lens[s];
+        alignas(64) int8_t qparts[kMaxHeads][2][D];  // kVnniScores: each head's query in two int8 parts,
+        float qstep[kMaxHeads][2];                   // their steps
+        int32_t qsum[kMaxHeads][2];                  // and 128 * their sums
+        const int64_t heads = G * kh;
+        const int64_t s = row_of(item), kv0 = item % groups * kh, len = lens[s];
         // the thread's item kItemsAhead on: its blocks are prefetched into L2 while this one
         // computes, one block of it per block of this one
         const int64_t ahead = item + kItemsAhead;
         const bool has_ahead = ahead < end;
-        const int64_t ns = has_ahead ? (rows != nullptr ? rows[ahead / hkv] : ahead / hkv) : 0;
-        const int64_t nkv = ahead % hkv, nlen = has_ahead ? lens[ns] : 0;
+        const int64_t ns = has_ahead ? row_of(ahead) : 0;
+        const int64_t nkv0 = ahead % groups * kh, nlen = has_ahead ? lens[ns] : 0;
         const int64_t nfirst = window > 0 ? std::max<int64_t>(0, nlen - window) : 0;
         const int64_t* ntable = tables + ns * tb;
         const int64_t first = window > 0 ? std::max<int64_t>(0, len - window) : 0;
         const int64_t* table = tables + s * tb;
-        const C* kbase = cache + kv * R;
-        const C* vbase = cache + half + kv * R;
+        // block b's counterpart in the next item (as far into it as b is into this one) to L2: its
+        // keys (half 0) or values (half 1)
+        auto prefetch_next_item = [&](int64_t b, int64_t which) {
+            const int64_t at_b = nfirst / bs + (b - first / bs);
+            if (has_ahead && at_b * bs < nlen)
+                prefetch_rows_l2(cache + which * half + ntable[at_b] * bs * stride + nkv0 * R, bs, pitch, run);
+        };
+        const C* kbase = cache + kv0 * R;
+        const C* vbase = cache + half + kv0 * R;
+        const T* qbase = q + s * h * D + kv0 * G * D;  // the item's heads' queries, one after another
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
         if constexpr (kVnniScores<T, C>)
-            for (int j = 0; j < G; ++j)
-                split_query<T, DV>(q + s * h * D + (kv * G + j) * D, qparts[j][0], qparts[j][1], qstep[j], qsum[j]);
+            for (int64_t j = 0; j < heads; ++j) split_query<T, DV>(qbase + j * D, qparts[j][0], qparts[j][1], qstep[j], qsum[j]);
 #endif
-        float m[G], l[G];
-        for (int j = 0; j < G; ++j) {
+        float m[kMaxHeads], l[kMaxHeads];
+        for (int64_t j = 0; j < heads; ++j) {
             m[j] = -std::numeric_limits<float>::infinity();
             l[j] = 0.f;
             for (int v = 0; v < DV; ++v) _mm512_store_ps(acc[j] + 16 * v, _mm512_setzero_ps());
@@ -265,82 +302,80 @@ static void decode_avx512(const T* q, const C* cache, const int64_t* tables, con
                 const int64_t b = p0 / bs, at = table[b] * bs - b * bs;  // position p's row: at + p
                 const int cnt = static_cast<int>(std::min<int64_t>({16, s1 - p0, (b + 1) * bs - p0}));
                 if (p0 == std::max(s0, b * bs)) {  // entering block b
-                    const int64_t next_b = nfirst / bs + (b - first / bs);  // its block as far in as b is in this one
-                    if (has_ahead && next_b * bs < nlen) {
-                        const int64_t off = ntable[next_b] * bs * stride + nkv * R;
-                        prefetch_rows<C, R, _MM_HINT_T1>(cache + off, bs, stride);
-                        prefetch_rows<C, R, _MM_HINT_T1>(cache + half + off, bs, stride);
+                    prefetch_next_item(b, 0);
+                    if ((b + kAhead) * bs < s1) prefetch_rows_l2(kbase + table[b + kAhead] * bs * stride, bs, pitch, run);
+                }
+                for (int64_t kk = 0; kk < kh; ++kk) {  // each kv head of the tile, its G heads' scores
+                    const C* tile = kbase + (at + p0) * stride + kk * R;
+                    float* sk[G];
+                    for (int j = 0; j < G; ++j) sk[j] = &score[kk * G + j][p0 - s0];
+                    __m512 key_scale = _mm512_set1_ps(1.f);  // int8 rows: each row's scale in its lane
+                    if constexpr (kInt8Rows<C>) {
+                        alignas(64) float sc[16] = {};
+                        for (int i = 0; i < cnt; ++i) sc[i] = row_scale(tile + i * stride, D);
+                        key_scale = _mm512_load_ps(sc);
                     }
-                    if ((b + kAhead) * bs < s1)
-                        prefetch_rows<C, R>(kbase + table[b + kAhead] * bs * stride, bs, stride);
-                    prefetch_rows<C, R>(vbase + (at + p0) * stride, std::min(s1, (b + 1) * bs) - p0, stride);
-                }
-                const C* tile = kbase + (at + p0) * stride;
-                __m512 key_scale = _mm512_set1_ps(1.f);  // int8 rows: each row's scale in its lane
-                if constexpr (kInt8Rows<C>) {
-                    alignas(64) float sc[16] = {};
-                    for (int i = 0; i < cnt; ++i) sc[i] = row_scale(tile + i * stride, D);
-                    key_scale = _mm512_load_ps(sc);
-                }
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-                if constexpr (kVnniScores<T, C>) {
-                    __m512i cols[DV / 4][16];  // cols[h][c]: dims 64h+4c .. +3 of the 16 keys, as unsigned bytes
-                    const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
-                    for (int hh = 0; hh < DV / 4; ++hh) {
-                        __m512i r[16];
-                        for (int i = 0; i < 16; ++i)  // dead rows: zeros (their lanes are never read)
-                            r[i] = i < cnt ? _mm512_xor_si512(_mm512_loadu_si512(tile + i * stride + 64 * hh), flip)
-                                           : _mm512_setzero_si512();
-                        transpose16(r, cols[hh]);
-                    }
-                    for (int j = 0; j < G; ++j) {
-                        __m512i d1 = _mm512_setzero_si512(), d2 = _mm512_setzero_si512();
-                        for (int hh = 0; hh < DV / 4; ++hh)
-                            for (int c = 0; c < 16; ++c) {
-                                d1 = dot_quad(d1, cols[hh][c], qparts[j][0] + 64 * hh + 4 * c);
-                                d2 = dot_quad(d2, cols[hh][c], qparts[j][1] + 64 * hh + 4 * c);
-                            }
-                        const __m512 dot = _mm512_fmadd_ps(
-                            _mm512_cvtepi32_ps(_mm512_sub_epi32(d2, _mm512_set1_epi32(qsum[j][1]))), _mm512_set1_ps(qstep[j][1]),
-                            _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(d1, _mm512_set1_epi32(qsum[j][0]))),
-                                          _mm512_set1_ps(qstep[j][0])));
-                        _mm512_storeu_ps(&score[j][p0 - s0], _mm512_mul_ps(_mm512_mul_ps(dot, key_scale), _mm512_set1_ps(scale)));
-                    }
-                    p0 += cnt;
-                    continue;
-                }
-#endif
-                if constexpr (kStagedPairs<T, C>) {
-                    for (int i = 0; i < cnt; ++i)
-                        for (int v = 0; v < DV / 2; ++v) {
-                            const C* r = tile + i * stride + 32 * v;
-                            _mm512_store_si512(staged + i * D + 32 * v, reinterpret_cast<__m512i>(
-                                                   _mm512_cvtne2ps_pbh(load16(r + 16), load16(r))));
+                    if constexpr (kVnniScores<T, C>) {
+                        __m512i cols[DV / 4][16];  // cols[h][c]: dims 64h+4c .. +3 of the 16 keys, as unsigned bytes
+                        const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
+                        for (int hh = 0; hh < DV / 4; ++hh) {
+                            __m512i r[16];
+                            for (int i = 0; i < 16; ++i)  // dead rows: zeros (their lanes are never read)
+                                r[i] = i < cnt ? _mm512_xor_si512(_mm512_loadu_si512(tile + i * stride + 64 * hh), flip)
+                                               : _mm512_setzero_si512();
+                            transpose16(r, cols[hh]);
                         }
-                }
-                for (int j = 0; j < G; ++j) {  // every head's scores while the tile's keys are in L1
-                    const T* src = q + s * h * D + (kv * G + j) * D;
-                    __m512 qv[DV];     // f32 keys: the query, scaled
-                    __m512i qb[DV / 2];  // bf16 keys: the query as it is (scaled after the dot)
-                    constexpr bool pairs = kPairScores<C> || kStagedPairs<T, C>;
-                    if constexpr (pairs) {
-                        for (int v = 0; v < DV / 2; ++v) qb[v] = _mm512_loadu_si512(src + 32 * v);
-                    } else {
-                        for (int v = 0; v < DV; ++v) qv[v] = _mm512_mul_ps(load16(src + 16 * v), _mm512_set1_ps(scale));
+                        for (int j = 0; j < G; ++j) {
+                            const int64_t hj = kk * G + j;
+                            __m512i d1 = _mm512_setzero_si512(), d2 = _mm512_setzero_si512();
+                            for (int hh = 0; hh < DV / 4; ++hh)
+                                for (int c = 0; c < 16; ++c) {
+                                    d1 = dot_quad(d1, cols[hh][c], qparts[hj][0] + 64 * hh + 4 * c);
+                                    d2 = dot_quad(d2, cols[hh][c], qparts[hj][1] + 64 * hh + 4 * c);
+                                }
+                            const __m512 dot = _mm512_fmadd_ps(
+                                _mm512_cvtepi32_ps(_mm512_sub_epi32(d2, _mm512_set1_epi32(qsum[hj][1]))),
+                                _mm512_set1_ps(qstep[hj][1]),
+                                _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(d1, _mm512_set1_epi32(qsum[hj][0]))),
+                                              _mm512_set1_ps(qstep[hj][0])));
+                            _mm512_storeu_ps(sk[j], _mm512_mul_ps(_mm512_mul_ps(dot, key_scale), _mm512_set1_ps(scale)));
+                        }
+                        continue;
                     }
-                    __m512 sc;
-                    if constexpr (kStagedPairs<T, C>)
-                        sc = tile_scores<c10::BFloat16, DV>(qv, qb, reinterpret_cast<const c10::BFloat16*>(staged), D, cnt);
-                    else
-                        sc = tile_scores<C, DV>(qv, qb, tile, stride, cnt);
-                    if constexpr (pairs) sc = _mm512_mul_ps(sc, _mm512_set1_ps(scale));
-                    if constexpr (kInt8Rows<C>) sc = _mm512_mul_ps(sc, key_scale);
-                    _mm512_storeu_ps(&score[j][p0 - s0], sc);  // dead lanes: overwritten or never read
+#endif
+                    if constexpr (kStagedPairs<T, C>) {
+                        for (int i = 0; i < cnt; ++i)
+                            for (int v = 0; v < DV / 2; ++v) {
+                                const C* r = tile + i * stride + 32 * v;
+                                _mm512_store_si512(staged + i * D + 32 * v, reinterpret_cast<__m512i>(
+                                                       _mm512_cvtne2ps_pbh(load16(r + 16), load16(r))));
+                            }
+                    }
+                    for (int j = 0; j < G; ++j) {  // every head's scores while the tile's keys are in L1
+                        const T* src = qbase + (kk * G + j) * D;
+                        __m512 qv[DV];     // f32 keys: the query, scaled
+                        __m512i qb[DV / 2];  // bf16 keys: the query as it is (scaled after the dot)
+                        constexpr bool pairs = kPairScores<C> || kStagedPairs<T, C>;
+                        if constexpr (pairs) {
+                            for (int v = 0; v < DV / 2; ++v) qb[v] = _mm512_loadu_si512(src + 32 * v);
+                        } else {
+                            for (int v = 0; v < DV; ++v) qv[v] = _mm512_mul_ps(load16(src + 16 * v), _mm512_set1_ps(scale));
+                        }
+                        __m512 sc;
+                        if constexpr (kStagedPairs<T, C>)
+                            sc = tile_scores<c10::BFloat16, DV>(qv, qb, reinterpret_cast<const c10::BFloat16*>(staged), D, cnt);
+                        else
+                            sc = tile_scores<C, DV>(qv, qb, tile, stride, cnt);
+                        if constexpr (pairs) sc = _mm512_mul_ps(sc, _mm512_set1_ps(scale));
+                        if constexpr (kInt8Rows<C>) sc = _mm512_mul_ps(sc, key_scale);
+                        _mm512_storeu_ps(sk[j], sc);  // dead lanes: overwritten or never read
+                    }
                 }
                 p0 += cnt;
             }
             const int64_t cnt = s1 - s0;
-            for (int j = 0; j < G; ++j) {  // softmax over the segment, carrying the running max and sum
+            for (int64_t j = 0; j < heads; ++j) {  // softmax over the segment, carrying the running max and sum
                 __m512 top = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
                 for (int64_t i = 0; i < cnt; i += 16)
                     top = _mm512_mask_max_ps(top, first_lanes(cnt - i), top, _mm512_loadu_ps(&score[j][i]));
@@ -362,40 +397,58 @@ static void decode_avx512(const T* q, const C* cache, const int64_t* tables, con
                 }
                 l[j] += _mm512_reduce_add_ps(sum);
             }
-            __m512 a[G][DV];
-            for (int j = 0; j < G; ++j)
-                for (int v = 0; v < DV; ++v) a[j][v] = _mm512_load_ps(acc[j] + 16 * v);
-            for (int64_t p0 = s0; p0 < s1;) {  // values: each row converted once, added to G accumulators
+            for (int64_t p0 = s0; p0 < s1;) {  // values, a block at a time: each row converted once, added to G accumulators
                 const int64_t b = p0 / bs, p1 = std::min(s1, (b + 1) * bs);
-                const C* vb = vbase + (table[b] * bs - b * bs) * stride;
-                for (int64_t p = p0; p < p1; ++p) {
-                    __m512 val[DV];
-                    for (int v = 0; v < DV; ++v) val[v] = load16(vb + p * stride + 16 * v);
-                    const float vs = row_scale(vb + p * stride, D);
-                    for (int j = 0; j < G; ++j) {
-                        const __m512 w = _mm512_set1_ps(kInt8Rows<C> ? score[j][p - s0] * vs : score[j][p - s0]);
-                        for (int v = 0; v < DV; ++v) a[j][v] = _mm512_fmadd_ps(w, val[v], a[j][v]);
+                prefetch_next_item(b, 1);
+                if ((b + kAhead) * bs < s1)
+                    prefetch_rows_l2(vbase + table[b + kAhead] * bs * stride, std::min(s1, (b + kAhead + 1) * bs) - (b + kAhead) * bs, pitch, run);
+                for (int64_t kk = 0; kk < kh; ++kk) {
+                    const C* vb = vbase + (table[b] * bs - b * bs) * stride + kk * R;
+                    __m512 a[G][DV];
+                    for (int j = 0; j < G; ++j)
+                        for (int v = 0; v < DV; ++v) a[j][v] = _mm512_load_ps(acc[kk * G + j] + 16 * v);
+                    for (int64_t p = p0; p < p1; ++p) {
+                        __m512 val[DV];
+                        for (int v = 0; v < DV; ++v) val[v] = load16(vb + p * stride + 16 * v);
+                        const float vs = row_scale(vb + p * stride, D);
+                        for (int j = 0; j < G; ++j) {
+                            const float wj = score[kk * G + j][p - s0];
+                            const __m512 w = _mm512_set1_ps(kInt8Rows<C> ? wj * vs : wj);
+                            for (int v = 0; v < DV; ++v) a[j][v] = _mm512_fmadd_ps(w, val[v], a[j][v]);
+                        }
                     }
+                    for (int j = 0; j < G; ++j)
+                        for (int v = 0; v < DV; ++v) _mm512_store_ps(acc[kk * G + j] + 16 * v, a[j][v]);
                 }
                 p0 = p1;
             }
-            for (int j = 0; j < G; ++j)
-                for (int v = 0; v < DV; ++v) _mm512_store_ps(acc[j] + 16 * v, a[j][v]);
         }
-        for (int j = 0; j < G; ++j) {
-            T* dst = out + s * h * D + (kv * G + j) * D;
+        for (int64_t j = 0; j < heads; ++j) {
+            T* dst = out + s * h * D + kv0 * G * D + j * D;
             const __m512 inv = _mm512_set1_ps(l[j] > 0.f ? 1.f / l[j] : 0.f);
             for (int v = 0; v < DV; ++v) store16(dst + 16 * v, _mm512_mul_ps(_mm512_load_ps(acc[j] + 16 * v), inv));
         }
     });
 }
 
+// Kv heads per work item: every one of a row's (each block's rows then read front to back, once)
+// where the rows alone make enough items for the threads; one otherwise (batch 1: the kv heads
+// are the only parallel work). A head's result does not depend on it (the same operations in the
+// same order either way).
+static int64_t heads_per_item(int64_t n, int64_t g, int64_t hkv) {
+    if (n < 8 * at::get_num_threads()) return 1;
+    int64_t kh = hkv;
+    while (kh > 1 && (hkv % kh != 0 || g * kh > kMaxHeads)) --kh;
+    return kh;
+}
+
 template <typename T, typename C, int DV>
 static bool decode_heads(const T* q, const C* cache, const int64_t* tables, const int64_t* lens, T* out, int64_t n,
                          const int64_t* rows, int64_t g, int64_t hkv, int64_t bs, int64_t nb, int64_t tb, int64_t window, float scale) {
+    const int64_t kh = heads_per_item(n, g, hkv);
     switch (g) {
 #define DEEPFUSE_G(G) \
-    case G: decode_avx512<T, C, G, DV>(q, cache, tables, lens, out, n, rows, hkv, bs, nb, tb, window, scale); return true;
+    case G: decode_avx512<T, C, G, DV>(q, cache, tables, lens, out, n, rows, hkv, bs, nb, tb, window, scale, kh); return true;
         DEEPFUSE_G(1) DEEPFUSE_G(2) DEEPFUSE_G(3) DEEPFUSE_G(4) DEEPFUSE_G(5) DEEPFUSE_G(6) DEEPFUSE_G(7) DEEPFUSE_G(8)
 #undef DEEPFUSE_G
         default: return false;

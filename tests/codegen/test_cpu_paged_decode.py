@@ -5,6 +5,8 @@ without it."""
 import pytest
 import torch
 
+from deepfuse.ir.opdefs_llm import dequantize_kv_rows, quantize_kv_rows
+
 
 def reference(q, cache, tables, lens, h, window, scale):
     n, hkv, d = q.shape[0], cache.shape[3], cache.shape[4]
@@ -165,8 +167,6 @@ def test_many_rows_share_work_items_and_each_row_is_what_it_is_alone(native, cac
     """With rows enough for every thread, a work item covers all of a row's kv heads (32 heads on
     4 kv heads: two items of 2 kv heads each, 16 query heads at most); alone, a row's kv heads are
     items of their own. Each row matches the reference and is bit-identical to the row run alone."""
-    from deepfuse.ir.opdefs_llm import dequantize_kv_rows, quantize_kv_rows
-
     torch.manual_seed(2)
     nb, bs = 200, 16
     n = 8 * torch.get_num_threads() + 3

@@ -188,8 +188,8 @@ void decode_span(const bf16* q, const bf16* cache, const int64_t* tables, const 
         for (int64_t p0 = t_lo; p0 < t_hi; p0 += 16) {
             const int64_t b = p0 / bs, at = table[b] * bs + p0 - b * bs, j = (p0 - seg) / 16;
             if (p0 == std::max(t_lo, b * bs)) {  // entering block b: its values, and keys ahead
-                if ((b + kAhead) * bs < p_hi) prefetch_rows<bf16, D>(kbase + table[b + kAhead] * bs * stride, bs, stride);
-                prefetch_rows<bf16, D>(vbase + table[b] * bs * stride, bs, stride);
+                if ((b + kAhead) * bs < p_hi) prefetch_rows(kbase + table[b + kAhead] * bs * stride, bs, stride * sizeof(bf16), D * sizeof(bf16));
+                prefetch_rows(vbase + table[b] * bs * stride, bs, stride * sizeof(bf16), D * sizeof(bf16));
             }
             score_tile<kParts>(static_cast<int>(j % 5), kbase + at * stride, stride, qpack, ctmp + j * 256);
         }

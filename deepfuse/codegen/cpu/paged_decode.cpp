@@ -213,21 +213,6 @@ constexpr int64_t kAhead = 2;      // blocks prefetched ahead within an item
 constexpr int64_t kItemsAhead = 1;  // the work item whose blocks go to L2 while this one computes
 constexpr int64_t kMaxHeads = 16;   // query heads one work item may cover
 
-// Prefetches into L2 `count` rows of `bytes` bytes, `stride` bytes apart: every cache line each
-// touches (one contiguous run where the rows are)
-static inline void prefetch_rows_l2(const void* rows, int64_t count, int64_t stride, int64_t bytes) {
-    const char* p = static_cast<const char*>(rows);
-    if (stride == bytes) {  // one contiguous run
-        bytes *= count;
-        count = 1;
-    }
-    for (int64_t r = 0; r < count; ++r) {
-        const uintptr_t lo = reinterpret_cast<uintptr_t>(p + r * stride) & ~uintptr_t{63};
-        const uintptr_t hi = reinterpret_cast<uintptr_t>(p + r * stride + bytes);
-        for (uintptr_t a = lo; a < hi; a += 64) _mm_prefetch(reinterpret_cast<const char*>(a), _MM_HINT_T1);
-    }
-}
-
 // G query heads per kv head, DV: the head size in 16-float vectors (4 or 8); a work item is one
 // row and `kh` consecutive kv heads (kh divides hkv, G * kh <= kMaxHeads). Same contract as
 // `decode`. Per segment: scores (per tile of 16 keys, each kv head in turn and each of its G
@@ -281,7 +266,7 @@ static void decode_avx512(const T* q, const C* cache, const int64_t* tables, con
         auto prefetch_next_item = [&](int64_t b, int64_t which) {
             const int64_t at_b = nfirst / bs + (b - first / bs);
             if (has_ahead && at_b * bs < nlen)
-                prefetch_rows_l2(cache + which * half + ntable[at_b] * bs * stride + nkv0 * R, bs, pitch, run);
+                prefetch_rows<_MM_HINT_T1>(cache + which * half + ntable[at_b] * bs * stride + nkv0 * R, bs, pitch, run);
         };
         const C* kbase = cache + kv0 * R;
         const C* vbase = cache + half + kv0 * R;
@@ -303,12 +288,10 @@ static void decode_avx512(const T* q, const C* cache, const int64_t* tables, con
                 const int cnt = static_cast<int>(std::min<int64_t>({16, s1 - p0, (b + 1) * bs - p0}));
                 if (p0 == std::max(s0, b * bs)) {  // entering block b
                     prefetch_next_item(b, 0);
-                    if ((b + kAhead) * bs < s1) prefetch_rows_l2(kbase + table[b + kAhead] * bs * stride, bs, pitch, run);
+                    if ((b + kAhead) * bs < s1) prefetch_rows<_MM_HINT_T1>(kbase + table[b + kAhead] * bs * stride, bs, pitch, run);
                 }
                 for (int64_t kk = 0; kk < kh; ++kk) {  // each kv head of the tile, its G heads' scores
                     const C* tile = kbase + (at + p0) * stride + kk * R;
-                    float* sk[G];
-                    for (int j = 0; j < G; ++j) sk[j] = &score[kk * G + j][p0 - s0];
                     __m512 key_scale = _mm512_set1_ps(1.f);  // int8 rows: each row's scale in its lane
                     if constexpr (kInt8Rows<C>) {
                         alignas(64) float sc[16] = {};
@@ -339,7 +322,7 @@ static void decode_avx512(const T* q, const C* cache, const int64_t* tables, con
                                 _mm512_set1_ps(qstep[hj][1]),
                                 _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(d1, _mm512_set1_epi32(qsum[hj][0]))),
                                               _mm512_set1_ps(qstep[hj][0])));
-                            _mm512_storeu_ps(sk[j], _mm512_mul_ps(_mm512_mul_ps(dot, key_scale), _mm512_set1_ps(scale)));
+                            _mm512_storeu_ps(&score[hj][p0 - s0], _mm512_mul_ps(_mm512_mul_ps(dot, key_scale), _mm512_set1_ps(scale)));
                         }
                         continue;
                     }
@@ -369,7 +352,7 @@ static void decode_avx512(const T* q, const C* cache, const int64_t* tables, con
                             sc = tile_scores<C, DV>(qv, qb, tile, stride, cnt);
                         if constexpr (pairs) sc = _mm512_mul_ps(sc, _mm512_set1_ps(scale));
                         if constexpr (kInt8Rows<C>) sc = _mm512_mul_ps(sc, key_scale);
-                        _mm512_storeu_ps(sk[j], sc);  // dead lanes: overwritten or never read
+                        _mm512_storeu_ps(&score[kk * G + j][p0 - s0], sc);  // dead lanes: overwritten or never read
                     }
                 }
                 p0 += cnt;
@@ -400,8 +383,8 @@ static void decode_avx512(const T* q, const C* cache, const int64_t* tables, con
             for (int64_t p0 = s0; p0 < s1;) {  // values, a block at a time: each row converted once, added to G accumulators
                 const int64_t b = p0 / bs, p1 = std::min(s1, (b + 1) * bs);
                 prefetch_next_item(b, 1);
-                if ((b + kAhead) * bs < s1)
-                    prefetch_rows_l2(vbase + table[b + kAhead] * bs * stride, std::min(s1, (b + kAhead + 1) * bs) - (b + kAhead) * bs, pitch, run);
+                if (const int64_t ahead_b = b + kAhead; ahead_b * bs < s1)
+                    prefetch_rows<_MM_HINT_T1>(vbase + table[ahead_b] * bs * stride, std::min(s1 - ahead_b * bs, bs), pitch, run);
                 for (int64_t kk = 0; kk < kh; ++kk) {
                     const C* vb = vbase + (table[b] * bs - b * bs) * stride + kk * R;
                     __m512 a[G][DV];

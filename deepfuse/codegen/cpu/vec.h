@@ -38,15 +38,22 @@ static inline __m512 exp16(__m512 x) {
     return _mm512_scalef_ps(p, n);
 }
 
-// Asks for one head's rows of a paged-cache block (keys or values, `stride` elements apart): the
-// block ids a sequence reads are scattered, so the hardware prefetcher cannot guess them.
+// Asks for rows of a paged-cache block: `count` rows of `bytes` bytes, `stride` bytes apart,
+// every cache line each touches (one contiguous run where the rows are). The block ids a
+// sequence reads are scattered, so the hardware prefetcher cannot guess them.
 // Hint: _MM_HINT_T0 into L1 (needed soon), _MM_HINT_T1 into L2 (needed after a while).
-template <typename T, int D, int Hint = _MM_HINT_T0>
-static inline void prefetch_rows(const T* rows, int64_t count, int64_t stride) {
-    constexpr int64_t lines = (D * sizeof(T) + 63) / 64;
-    for (int64_t r = 0; r < count; ++r)
-        for (int64_t c = 0; c < lines; ++c)
-            _mm_prefetch(reinterpret_cast<const char*>(rows + r * stride) + 64 * c, static_cast<_mm_hint>(Hint));
+template <int Hint = _MM_HINT_T0>
+static inline void prefetch_rows(const void* rows, int64_t count, int64_t stride, int64_t bytes) {
+    const char* p = static_cast<const char*>(rows);
+    if (stride == bytes) {
+        bytes *= count;
+        count = 1;
+    }
+    for (int64_t r = 0; r < count; ++r) {
+        const uintptr_t lo = reinterpret_cast<uintptr_t>(p + r * stride) & ~uintptr_t{63};
+        const uintptr_t hi = reinterpret_cast<uintptr_t>(p + r * stride + bytes);
+        for (uintptr_t a = lo; a < hi; a += 64) _mm_prefetch(reinterpret_cast<const char*>(a), static_cast<_mm_hint>(Hint));
+    }
 }
 
 static inline void store16(float* p, __m512 x) { _mm512_storeu_ps(p, x); }

@@ -18,6 +18,7 @@ import os
 import sys
 import tempfile
 import time
+import traceback
 
 import torch
 
@@ -105,7 +106,31 @@ def cost(p: dict, ins: list[torch.Tensor], outs: list[torch.Tensor]) -> tuple[in
     return nbytes, flops
 
 
+def as_list(res) -> list:
+    return list(res) if isinstance(res, (tuple, list)) else [res]
+
+
+def on(device, xs):
+    return [x.to(device) if isinstance(x, torch.Tensor) else x for x in xs]
+
+
+def failure(e: BaseException) -> str:
+    return f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''}"[:400]
+
+
+def run_peer(peer, ins: list, device) -> tuple[list, str | None]:
+    """The CPU target's kernel on the GPU's tensors; where it fails there, on CPU copies (the
+    error is kept: its timing is then missing, not the comparison)."""
+    try:
+        return as_list(peer(*ins)), None
+    except Exception as e:
+        return on(device, as_list(peer(*on("cpu", ins)))), failure(e)
+
+
 def check_kernels(model, dtype: str, device, dry: bool, steps: dict) -> list[dict]:
+    """One row per distinct (step, op, kernels): the Triton launch against the CPU target's kernel
+    on the same inputs. A launch that raises is a row with its error (the step goes on with the
+    peer's outputs), so one run reports every kernel."""
     g, _ = PassManager(get_target("sm90").pipeline()).run(trace_model(model, dtype))
     plan = build_plan(g, "interpret" if dry else "sm90")
     runner = TritonRunner(plan, g.weights)
@@ -117,31 +142,34 @@ def check_kernels(model, dtype: str, device, dry: bool, steps: dict) -> list[dic
         for p, kernels, _ in runner.launches:
             ins = [env[i] for i in p["in"]]
             peer = make_kernel(p["op"], p["attrs"])
-            want = peer(*ins)
-            want = list(want) if isinstance(want, (tuple, list)) else [want]
-            if kernels and not (p["op"] == "sample" and bool((ins[1] > 0).any())):
-                got = runner._run(p, kernels, ins)
-                names = [spec["name"] for spec, _ in kernels]
-                key = (step_name, p["op"], tuple(names))
-                if key not in seen:
-                    seen.add(key)
-                    if p["op"] in ("sample", "spec_verify"):  # integer outputs: the fraction that differ
-                        err = float((got[0] != want[0]).float().mean())
-                    else:
-                        err = max(float((a.float() - b.float()).abs().max() / (b.float().abs().max() + 1e-6))
-                                  for a, b in zip(got, want) if a.is_floating_point())
-                    t_tri = bench(lambda p=p, kernels=kernels, ins=ins: runner._run(p, kernels, ins), dry)
-                    t_peer = bench(lambda peer=peer, ins=ins: peer(*ins), dry)
-                    nbytes, flops = cost(p, ins, got)
-                    rows.append({"step": step_name, "op": p["op"], "kernels": names,
-                                 "max_rel_err": err, "triton_us": t_tri, "torch_us": t_peer,
-                                 "speedup_vs_torch": t_peer / t_tri if t_tri else None,
-                                 "pct_hbm": 100 * nbytes / (t_tri * 1e-6) / H200_HBM_BYTES_S if t_tri else None,
-                                 "pct_bf16_tc": 100 * flops / (t_tri * 1e-6) / H200_BF16_FLOPS if t_tri and flops
-                                 else None})
+            want, peer_error = run_peer(peer, ins, device)
+            outs = want
+            names = [spec["name"] for spec, _ in kernels]
+            key = (step_name, p["op"], tuple(names))
+            if kernels and not (p["op"] == "sample" and bool((ins[1] > 0).any())) and key not in seen:
+                seen.add(key)
+                row = {"step": step_name, "op": p["op"], "kernels": names, "peer_error": peer_error}
+                try:
+                    got = runner._run(p, kernels, ins)
+                    if device.type == "cuda":
+                        torch.cuda.synchronize()
+                except Exception as e:
+                    rows.append({**row, "error": failure(e), "max_rel_err": float("inf")})
+                    continue
+                if p["op"] in ("sample", "spec_verify"):  # integer outputs: the fraction that differ
+                    err = float((got[0] != want[0]).float().mean())
+                else:
+                    err = max(float((a.float() - b.float()).abs().max() / (b.float().abs().max() + 1e-6))
+                              for a, b in zip(got, want) if a.is_floating_point())
+                t_tri = bench(lambda p=p, kernels=kernels, ins=ins: runner._run(p, kernels, ins), dry)
+                t_peer = None if peer_error else bench(lambda peer=peer, ins=ins: peer(*ins), dry)
+                nbytes, flops = cost(p, ins, got)
+                rows.append({**row, "max_rel_err": err, "triton_us": t_tri, "torch_us": t_peer,
+                             "speedup_vs_torch": t_peer / t_tri if t_tri and t_peer else None,
+                             "pct_hbm": 100 * nbytes / (t_tri * 1e-6) / H200_HBM_BYTES_S if t_tri else None,
+                             "pct_bf16_tc": 100 * flops / (t_tri * 1e-6) / H200_BF16_FLOPS if t_tri and flops
+                             else None})
                 outs = got
-            else:
-                outs = want
             for s, t in zip(p["out"], outs):
                 env[s] = t
     return rows
@@ -193,29 +221,49 @@ def main() -> None:
     import triton
 
     result["triton"] = triton.__version__
-    for kind in ("smollm2", "mixtral"):
-        model = random_model(kind, dry)
-        pos, decodes, prefill, mixed = (20, 2, 20, 1) if dry else (200, 64, 512, 8)
-        steps = {f"decode x{decodes}": step(model.config, tdt, device, 0, decodes, pos),
-                 f"prefill {prefill} + decode x{mixed}": step(model.config, tdt, device, prefill, mixed, pos)}
-        if dry:
-            steps = {k: {n: t.to(device) for n, t in v.items()} for k, v in steps.items()}
-        result["kernels"] += [{"model": kind, **r} for r in check_kernels(model, dtype, device, dry, steps)]
-    result["end_to_end"] = end_to_end(dry, device)
-    result["seconds"] = time.perf_counter() - t0
-    bad = [r for r in result["kernels"] if r["max_rel_err"] > (1e-4 if dry else 3e-2)]
-    result["ok"] = not bad and result["end_to_end"]["equal"]
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=1)
+
+    def save():  # after every stage: a run stopped by its time limit still leaves what it measured
+        result["seconds"] = time.perf_counter() - t0
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+
+    result["errors"] = []
+    for kind in ("smollm2", "mixtral"):
+        try:
+            model = random_model(kind, dry)
+            pos, decodes, prefill, mixed = (20, 2, 20, 1) if dry else (200, 64, 512, 8)
+            steps = {f"decode x{decodes}": step(model.config, tdt, device, 0, decodes, pos),
+                     f"prefill {prefill} + decode x{mixed}": step(model.config, tdt, device, prefill, mixed, pos)}
+            result["kernels"] += [{"model": kind, **r} for r in check_kernels(model, dtype, device, dry, steps)]
+        except Exception as e:
+            traceback.print_exc()
+            result["errors"].append(f"{kind} kernels: {failure(e)}")
+        save()
+    try:
+        result["end_to_end"] = end_to_end(dry, device)
+    except Exception as e:
+        traceback.print_exc()
+        result["errors"].append(f"end to end: {failure(e)}")
+        result["end_to_end"] = {"equal": False, "error": failure(e)}
+    bad = [r for r in result["kernels"] if r["max_rel_err"] > (1e-4 if dry else 3e-2)]
+    result["ok"] = not bad and not result["errors"] and result["end_to_end"]["equal"]
+    save()
     print(f"{'model':8s} {'step':24s} {'op':20s} {'rel err':>9s} {'triton us':>10s} {'torch us':>9s} "
           f"{'x torch':>8s} {'%HBM':>6s} {'%TC':>6s}")
     for r in result["kernels"]:
         f = lambda v, spec: "-" if v is None else format(v, spec)
-        print(f"{r['model']:8s} {r['step']:24s} {r['op']:20s} {r['max_rel_err']:9.2e} {f(r['triton_us'], '10.1f')} "
-              f"{f(r['torch_us'], '9.1f')} {f(r['speedup_vs_torch'], '8.2f')} {f(r['pct_hbm'], '6.1f')} "
-              f"{f(r['pct_bf16_tc'], '6.1f')}")
+        for what in ("error", "peer_error"):
+            if r.get(what):
+                print(f"{r['model']:8s} {r['step']:24s} {r['op']:20s} {what}: {r[what]}")
+        print(f"{r['model']:8s} {r['step']:24s} {r['op']:20s} {r['max_rel_err']:9.2e} {f(r.get('triton_us'), '10.1f')} "
+              f"{f(r.get('torch_us'), '9.1f')} {f(r.get('speedup_vs_torch'), '8.2f')} {f(r.get('pct_hbm'), '6.1f')} "
+              f"{f(r.get('pct_bf16_tc'), '6.1f')}")
+    for line in result["errors"]:
+        print("error:", line)
     e = result["end_to_end"]
+    if "error" in e:
+        sys.exit(1)
     print(f"end to end ({e['model']}, {e['dtype']}, kernels: {e['kernel_source']}): sm90 artifact greedy "
           f"{e['tokens']} tokens "
           f"{'equal to' if e['equal'] else 'DIFFER from'} the CPU build; {result['seconds']:.0f} s; wrote {args.out}")

@@ -62,8 +62,8 @@ def route(router_logits: torch.Tensor, top_k: int, renormalize: bool, score_bias
     weights = weights * routed_scaling
     if num_shared:
         t, e = scores.shape
-        ids = torch.cat((ids, torch.arange(e, e + num_shared).expand(t, num_shared)), dim=1)
-        weights = torch.cat((weights, torch.ones(t, num_shared)), dim=1)
+        ids = torch.cat((ids, torch.arange(e, e + num_shared, device=ids.device).expand(t, num_shared)), dim=1)
+        weights = torch.cat((weights, torch.ones(t, num_shared, device=weights.device)), dim=1)
     return weights, ids
 
 
@@ -138,7 +138,7 @@ def moe_routing(router_logits, score_bias=None, *, top_k: int, renormalize: bool
     from .types import DTYPES
 
     weights, ids = route(router_logits, top_k, renormalize, score_bias, **{**routing, "num_shared": 0})
-    dense = torch.zeros(router_logits.shape, dtype=torch.float32).scatter_(1, ids, weights)
+    dense = torch.zeros(router_logits.shape, dtype=torch.float32, device=ids.device).scatter_(1, ids, weights)
     return dense.to(DTYPES[dtype])
 
 

@@ -205,10 +205,10 @@ def _attention(attrs: dict) -> Kernel:
             mask = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device).tril()
         return sink_sdpa(q, k, v, mask, scale, sinks)
 
-    def prefill_kernel(dtype: torch.dtype):
-        """The native module where prefill_attention.cpp runs (bf16, head size 64/128, AMX or
-        AVX512-BF16), else None."""
-        native = native_kernels() if dtype == torch.bfloat16 and hd in (64, 128) else None
+    def prefill_kernel(q: torch.Tensor):
+        """The native module where prefill_attention.cpp runs (bf16 on the CPU, head size 64/128,
+        AMX or AVX512-BF16), else None."""
+        native = native_kernels() if q.is_cpu and q.dtype == torch.bfloat16 and hd in (64, 128) else None
         return native if native is not None and native.paged_prefill_available() else None
 
     def decode(q, cache, tables, g: DecodeGroup, sinks) -> torch.Tensor:
@@ -228,8 +228,9 @@ def _attention(attrs: dict) -> Kernel:
             write_kv(cache, k, v, slots)
         lay = _LAYOUTS.get(seq_lens, query_lens, cache.shape[2], window, invariant)
         if out is None:
-            out = torch.empty(q.shape, dtype=q.dtype)
-        native = native_kernels() if sinks is None and q.dtype in NATIVE_DTYPES and len(lay.near_rows) else None
+            out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        native = native_kernels() if q.is_cpu and sinks is None and q.dtype in NATIVE_DTYPES and len(lay.near_rows) \
+            else None
         if invariant and native is None and len(lay.near_rows):
             raise DeepfuseError(f"batch-invariant attention needs the native paged kernel ({q.dtype}, "
                                 f"sinks {sinks is not None})")
@@ -248,7 +249,7 @@ def _attention(attrs: dict) -> Kernel:
                     out[g.rows] = o
                 else:
                     out[g.rows[g.valid]] = o[g.valid]
-        kernel = prefill_kernel(q.dtype) if lay.prefills and sinks is None else None
+        kernel = prefill_kernel(q) if lay.prefills and sinks is None else None
         if kernel is not None:  # every prefill chunk in one call, over the cache
             kernel.paged_prefill(q.contiguous(), cache, lay.prefill_tables(tables), lay.prefill_rows, lay.prefill_qlens,
                               lay.prefill_lens, h, window, scale, out)
@@ -273,7 +274,7 @@ def _attention(attrs: dict) -> Kernel:
         """Bound calls (bound.py) for a step of one decode row per sequence (as many q rows as
         sequences: every query length is 1, whatever the contents), which runs the native paged
         kernel over the step's tables and lengths as they are; None for any other step."""
-        native = native_kernels() if not sink and q.dtype in NATIVE_DTYPES else None
+        native = native_kernels() if q.is_cpu and not sink and q.dtype in NATIVE_DTYPES else None
         if native is None or out is None or q.shape[0] != seq_lens.shape[0] or not q.is_contiguous() \
                 or seq_lens.dtype != torch.long or tables.dtype != torch.long:
             return None

@@ -450,7 +450,7 @@ def _sample(attrs: dict) -> Kernel:
 
     def sample(logits, temperature, top_k, top_p, seeds):
         if not bool((temperature > 0).any()):
-            native = native_rows() if logits.dtype == torch.float32 and logits.dim() == 2 \
+            native = native_rows() if logits.is_cpu and logits.dtype == torch.float32 and logits.dim() == 2 \
                 and logits.stride(1) == 1 and logits.shape[1] > 0 else None
             return native.argmax(logits) if native is not None else logits.argmax(-1)
         return ref(logits, temperature, top_k, top_p, seeds)

@@ -1,6 +1,6 @@
 """Row-wise CPU kernels shared by the op kernels (kernels.py), their planned-buffer forms
 (out_kernels.py) and the W8A8 projections (w8a8_kernels.py): RMS norms (norms.cpp), SwiGLU
-(rows.cpp) and row selection, each native where it applies, else torch's."""
+(rows.cpp) and row selection, each native where it applies (CPU tensors), else torch's."""
 from __future__ import annotations
 
 import torch
@@ -19,7 +19,7 @@ NORM_DTYPES = (torch.float32, torch.bfloat16)  # norms.cpp's
 
 def _native_norm(x: torch.Tensor, w: torch.Tensor):
     """The native kernels where they take these rows (norms.cpp), else None."""
-    if x.dtype not in NORM_DTYPES or w.dtype != x.dtype or x.dim() != 2 or x.stride(1) != 1:
+    if not x.is_cpu or x.dtype not in NORM_DTYPES or w.dtype != x.dtype or x.dim() != 2 or x.stride(1) != 1:
         return None
     return native_kernels()
 
@@ -49,7 +49,7 @@ def native_rows():
 
 def swiglu_rows(x: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up for x[T, 2F] = [gate | up] -> [T, F]: one native pass (rows.cpp), else torch's."""
-    if x.dtype in NORM_DTYPES and x.dim() == 2 and x.stride(1) == 1:
+    if x.is_cpu and x.dtype in NORM_DTYPES and x.dim() == 2 and x.stride(1) == 1:
         native = native_rows()
         if native is not None:
             return native.swiglu(x)

@@ -195,11 +195,37 @@ def end_to_end(dry: bool, device) -> dict:
         loaded = deepfuse.load(art.save(d))
     prompt = [t % model.config.vocab_size for t in (1, 504, 3458, 282, 4649, 314, 4760, 30)]
     n = 4 if dry else 32
-    want, _ = greedy_with(cpu, model.config, prompt, n, block_size=16)
-    got, _ = greedy_with(loaded, model.config, prompt, n, block_size=16)
+    want, first_cpu = greedy_with(cpu, model.config, prompt, n, block_size=16)
+    got, first_gpu = greedy_with(loaded, model.config, prompt, n, block_size=16)
+    first_diff = float((first_gpu.float().cpu() - first_cpu.float()).abs().max() / first_cpu.float().abs().max())
     # "cubin" on an sm_90 GPU: the artifact's own binaries; "interpret" in the dry run
-    return {"model": which, "dtype": dtype, "tokens": n, "sm90_compile_s": compile_s, "cpu_tokens": want,
-            "sm90_tokens": got, "equal": got == want, "kernel_source": loaded.runner.kernel_source}
+    result = {"model": which, "dtype": dtype, "tokens": n, "sm90_compile_s": compile_s, "cpu_tokens": want,
+              "sm90_tokens": got, "first_logits_rel_diff": first_diff, "equal": got == want,
+              "kernel_source": loaded.runner.kernel_source, "cache_device": str(loaded.device)}
+    try:  # the runtime's engine: several requests batched, continuous batching over the artifact
+        result["engine"] = engine_check(cpu, loaded, model.config.vocab_size, dry)
+    except Exception as e:
+        traceback.print_exc()
+        result["engine"] = {"equal": False, "error": failure(e)}
+    return result
+
+
+def engine_check(cpu, loaded, vocab: int, dry: bool) -> dict:
+    """The same greedy requests through Engine on the CPU build and on the loaded artifact."""
+    from deepfuse import SamplingParams
+    from deepfuse.runtime.engine import Engine
+
+    n = 3 if dry else 6
+    prompts = [[(7 * i + 13 * j + 1) % vocab for j in range(5 + 9 * i)] for i in range(n)]
+    params = [SamplingParams(max_tokens=4 if dry else 12, temperature=0, ignore_eos=True)] * n
+    outs = {}
+    for name, m in (("cpu", cpu), ("sm90", loaded)):
+        t = time.perf_counter()
+        res = Engine(m, CacheConfig(block_size=16, num_blocks=128), max_num_tokens=64, max_num_seqs=4).generate(
+            prompts, params, use_tqdm=False)
+        outs[name] = ([r.token_ids for r in res], time.perf_counter() - t)
+    return {"requests": n, "equal": outs["cpu"][0] == outs["sm90"][0], "cpu_tokens": outs["cpu"][0],
+            "sm90_tokens": outs["sm90"][0], "cpu_s": outs["cpu"][1], "sm90_s": outs["sm90"][1]}
 
 
 def main() -> None:
@@ -247,7 +273,8 @@ def main() -> None:
         result["errors"].append(f"end to end: {failure(e)}")
         result["end_to_end"] = {"equal": False, "error": failure(e)}
     bad = [r for r in result["kernels"] if r["max_rel_err"] > (1e-4 if dry else 3e-2)]
-    result["ok"] = not bad and not result["errors"] and result["end_to_end"]["equal"]
+    result["ok"] = not bad and not result["errors"] and result["end_to_end"]["equal"] \
+        and result["end_to_end"].get("engine", {}).get("equal", False)
     save()
     print(f"{'model':8s} {'step':24s} {'op':20s} {'rel err':>9s} {'triton us':>10s} {'torch us':>9s} "
           f"{'x torch':>8s} {'%HBM':>6s} {'%TC':>6s}")
@@ -264,6 +291,9 @@ def main() -> None:
     e = result["end_to_end"]
     if "error" in e:
         sys.exit(1)
+    g = e["engine"]
+    print(f"engine, {g.get('requests')} greedy requests batched: sm90 artifact "
+          f"{'equal to' if g['equal'] else 'DIFFER from'} the CPU build {g.get('error', '')}")
     print(f"end to end ({e['model']}, {e['dtype']}, kernels: {e['kernel_source']}): sm90 artifact greedy "
           f"{e['tokens']} tokens "
           f"{'equal to' if e['equal'] else 'DIFFER from'} the CPU build; {result['seconds']:.0f} s; wrote {args.out}")

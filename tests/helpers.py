@@ -13,7 +13,8 @@ def greedy_with(step, config, prompt: list[int], n: int, dtype=torch.float32, bl
     """step(inputs: dict) -> (logits, next, hidden). Returns (tokens, first-step logits).
     kv: the cache inputs' TensorType where it is not [.., head_dim] of `dtype` (an int8 cache)."""
     row, dtype = (kv.shape[4], DTYPES[kv.dtype]) if kv is not None else (config.head_dim, dtype)
-    cache = KVCache(config.num_layers, config.num_kv_heads, row, dtype, CacheConfig(block_size=block_size, num_blocks=256))
+    cache = KVCache(config.num_layers, config.num_kv_heads, row, dtype, CacheConfig(block_size=block_size, num_blocks=256),
+                    getattr(step, "device", "cpu"))
     seq, blocks, start, out, first = list(prompt), [], 0, [], None
     for _ in range(n):
         logits, nxt, _ = step(build_step([SeqChunk(seq[start:], start, blocks)], cache))

@@ -16,6 +16,7 @@ import json
 import os
 from dataclasses import dataclass, field
 
+import torch
 from safetensors.torch import save_file
 
 from .. import __version__
@@ -62,6 +63,12 @@ class CompiledModel:
     def kv_cache_dtype(self) -> str | None:
         """None (caches of the model dtype) or "int8", as compile() was given it."""
         return "int8" if self.kv_cache_type.dtype == "i8" else None
+
+    @property
+    def device(self) -> torch.device:
+        """Where the step's kernels run and its KV cache must live: the GPU for an sm90/sm100
+        artifact on a GPU, else the CPU."""
+        return getattr(self.runner, "device", torch.device("cpu"))
 
     def __call__(self, inputs: dict) -> list:
         return self.runner(inputs)

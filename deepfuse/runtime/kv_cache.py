@@ -132,12 +132,17 @@ def zeros_on_huge_pages(count: int, shape: tuple[int, ...], dtype: torch.dtype) 
 class KVCache:
     """The cache tensors of every layer plus their block pool."""
 
-    def __init__(self, num_layers: int, num_kv_heads: int, row: int, dtype: torch.dtype, config: CacheConfig):
+    def __init__(self, num_layers: int, num_kv_heads: int, row: int, dtype: torch.dtype, config: CacheConfig,
+                 device: torch.device | str = "cpu"):
         """row: elements of one (position, kv head) row: head_dim, or head_dim + 4 for int8 rows
-        that end in their scale (ir.opdefs_llm.kv_row_size)."""
+        that end in their scale (ir.opdefs_llm.kv_row_size). device: where the step's kernels
+        run (CompiledModel.device); the step writes the cache in place, so it lives there."""
         self.config = config
         shape = (2, config.num_blocks, config.block_size, num_kv_heads, row)
-        self.layers = zeros_on_huge_pages(num_layers, shape, dtype)
+        if torch.device(device).type == "cpu":
+            self.layers = zeros_on_huge_pages(num_layers, shape, dtype)
+        else:
+            self.layers = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.pool = BlockPool(config.num_blocks)
 
     @property

@@ -215,7 +215,7 @@ class ModelDrafter(Drafter):
         c = draft.config
         self.model, self.kv, self.budget, self.max_seqs = draft, kv, max_num_tokens, max_num_seqs
         kv = draft.kv_cache_type
-        self.cache = KVCache(c.num_layers, c.num_kv_heads, kv.shape[4], DTYPES[kv.dtype], cache_config)
+        self.cache = KVCache(c.num_layers, c.num_kv_heads, kv.shape[4], DTYPES[kv.dtype], cache_config, draft.device)
         self.buffers = StepBuffers(max_num_tokens, max_num_seqs, max_blocks)
         self.gate = DraftGate(cost)  # one draft step in target steps (draft layers / target layers)
 

@@ -180,7 +180,13 @@ class TritonRunner:
                                 "kernels in Triton's CPU interpreter, start the process with TRITON_INTERPRET=1)")
         env = list(self.base)
         for name, s in self.plan["inputs"].items():
-            env[s] = inputs[name].to(self.device) if inputs[name].device != self.device else inputs[name]
+            x = inputs[name]
+            if x.device != self.device:
+                if name.startswith("kv_cache."):  # written in place: a copy would drop this step's rows
+                    raise DeepfuseError(f"{name} is on {x.device}, this {self.plan['arch']} artifact runs on "
+                                        f"{self.device}: make the cache there (KVCache(..., device=model.device))")
+                x = x.to(self.device)
+            env[s] = x
         for p, kernels, ref in self.launches:
             ins = [env[i] for i in p["in"]]
             greedy_only = p["op"] == "sample" and bool((ins[1] > 0).any())

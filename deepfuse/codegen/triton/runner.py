@@ -156,7 +156,9 @@ class TritonRunner:
 
     def __init__(self, plan: dict, weights: dict[str, torch.Tensor], binaries: dict[str, bytes] | None = None):
         self.plan = plan
-        self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        # with its index: tensors report cuda:0, and torch.device("cuda") compares unequal to it
+        self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
+            else torch.device("cpu")
         self.usable = self.device.type == "cuda" or interpreting()
         self.base: list = [None] * plan["num_slots"]
         for name, s in plan["params"].items():

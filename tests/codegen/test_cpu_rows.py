@@ -111,3 +111,24 @@ def test_bf16_step_is_close_with_and_without_the_row_kernels(native, tiny_model,
     for a, b in zip(with_native, plain):
         assert a.logprobs[0].keys() == b.logprobs[0].keys()
         assert all(abs(a.logprobs[0][t] - b.logprobs[0][t]) < 0.05 for t in a.logprobs[0])
+
+
+
+def test_tensors_off_the_cpu_take_torchs_path_not_the_native_kernels(monkeypatch):
+    """The native kernels read host memory: a GPU's tensors (the device check runs the CPU target's
+    kernels on the GPU as its peer) must go to torch's ops. "meta" tensors stand in for them here:
+    torch's ops keep them meta, and no native kernel is asked for."""
+    from deepfuse.codegen.cpu import row_kernels
+
+    asked = []
+    monkeypatch.setattr(row_kernels, "native_kernels", lambda: asked.append("norms") or None)
+    monkeypatch.setattr(row_kernels, "native_rows", lambda: asked.append("rows") or None)
+    x, w = torch.empty(5, 64, device="meta"), torch.empty(64, device="meta")
+    assert row_kernels.rms_rows(x, w, 1e-5).device.type == "meta"
+    s, normed = row_kernels.add_rms_rows(x, x, w, 1e-5)
+    assert s.device.type == normed.device.type == "meta"
+    assert row_kernels.swiglu_rows(torch.empty(5, 128, device="meta")).device.type == "meta"
+    assert asked == []
+    row_kernels.rms_rows(torch.randn(5, 64), torch.ones(64), 1e-5)  # the CPU's tensors still ask
+    row_kernels.swiglu_rows(torch.randn(5, 128))
+    assert asked == ["norms", "rows"]

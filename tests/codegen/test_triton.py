@@ -147,6 +147,22 @@ def test_sm90_artifact_loads_and_runs_in_the_interpreter_like_the_cpu_build(tmp_
         greedy_with(loaded, tiny_model.config, prompt, 1, block_size=4)
 
 
+def test_a_kv_cache_on_another_device_is_refused_not_copied(tiny_model):
+    """The step writes the cache in place: a copy moved to the runner's device would drop the
+    step's rows (seen on an H200: greedy tokens diverged after the first). The CPU build and the
+    interpreter's runner live on the CPU; the engine makes its cache on model.device."""
+    art = deepfuse.compile(tiny_model, target="sm90")
+    assert art.device == deepfuse.compile(tiny_model).device == torch.device("cpu")
+    c = tiny_model.config
+    cache = KVCache(c.num_layers, c.num_kv_heads, c.head_dim, torch.float32, CacheConfig(16, 4), device="meta")
+    assert all(t.device.type == "meta" for t in cache.layers)
+    inputs = build_step([SeqChunk([3, 4], 0, [])], KVCache(c.num_layers, c.num_kv_heads, c.head_dim, torch.float32,
+                                                           CacheConfig(16, 4)))
+    inputs["kv_cache.1"] = cache.layers[1]
+    with pytest.raises(DeepfuseError, match=r"kv_cache.1 is on meta, this sm90 artifact runs on cpu"):
+        art(inputs)
+
+
 def test_a_kernel_that_fails_to_compile_names_the_kernel_and_node():
     bad = {"name": "broken_kernel", "source": "import triton\nimport triton.language as tl\n\n\n@triton.jit\n"
            "def broken_kernel(x_ptr):\n    tl.store(x_ptr, undefined_name)\n",

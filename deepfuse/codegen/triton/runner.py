@@ -156,9 +156,10 @@ class TritonRunner:
 
     def __init__(self, plan: dict, weights: dict[str, torch.Tensor], binaries: dict[str, bytes] | None = None):
         self.plan = plan
-        # with its index: tensors report cuda:0, and torch.device("cuda") compares unequal to it
-        self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
-            else torch.device("cpu")
+        # with its index: tensors report cuda:0, and torch.device("cuda") compares unequal to it;
+        # Triton's interpreter runs on the CPU's tensors, GPU or not
+        self.device = torch.device("cuda", torch.cuda.current_device()) \
+            if torch.cuda.is_available() and not interpreting() else torch.device("cpu")
         self.usable = self.device.type == "cuda" or interpreting()
         self.base: list = [None] * plan["num_slots"]
         for name, s in plan["params"].items():

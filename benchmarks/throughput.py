@@ -89,13 +89,21 @@ def run_deepfuse(model, prompts, warmup, dtype: str, quant: str | None, batch_in
 
 def run_hf(prompts) -> dict:
     from transformers import AutoModelForCausalLM
-    from transformers.generation.streamers import BaseStreamer
 
     from deepfuse.models import smollm2_gguf_path
 
     path = smollm2_gguf_path()
     hf = AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
                                               dtype=torch.bfloat16).eval()
+    return hf_generate(hf, prompts)
+
+
+def hf_generate(hf, prompts, out_tokens: int = OUT_TOKENS) -> dict:
+    """transformers' batched greedy `generate` over every prompt at once (left-padded), on the
+    model's device, timed with a streamer (the GPU's work is waited for before the clock stops)."""
+    from transformers.generation.streamers import BaseStreamer
+
+    device = next(hf.parameters()).device
     width = max(len(p) for p in prompts)
     ids = torch.zeros(len(prompts), width, dtype=torch.long)
     mask = torch.zeros(len(prompts), width, dtype=torch.long)
@@ -116,15 +124,18 @@ def run_hf(prompts) -> dict:
     streamer = Times()
     t = time.perf_counter()
     with torch.inference_mode():
-        out = hf.generate(ids, attention_mask=mask, max_new_tokens=OUT_TOKENS, min_new_tokens=OUT_TOKENS,
-                          do_sample=False, eos_token_id=None, pad_token_id=0, streamer=streamer)
+        out = hf.generate(ids.to(device), attention_mask=mask.to(device), max_new_tokens=out_tokens,
+                          min_new_tokens=out_tokens, do_sample=False, eos_token_id=None, pad_token_id=0,
+                          streamer=streamer)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
     wall = time.perf_counter() - t
-    assert out.shape[1] == width + OUT_TOKENS
+    assert out.shape[1] == width + out_tokens
     steps = streamer.times[1:]  # the first put() is the prompt itself
     ttft = steps[0] - t
     tpot = (steps[-1] - steps[0]) / (len(steps) - 1)
     n = len(prompts)
-    return summary(wall, [ttft] * n, [tpot] * n, n * OUT_TOKENS)
+    return summary(wall, [ttft] * n, [tpot] * n, n * out_tokens)
 
 
 def run_llama_cpp(prompts) -> dict | None:

@@ -67,12 +67,34 @@ def run_deepfuse(art, prompts, out_tokens: int) -> dict:
     return summary(wall, [o.ttft_s for o in outs], [o.tpot_s for o in outs], sum(len(o.token_ids) for o in outs))
 
 
+def profile(art, prompts, path: str) -> None:
+    """Where a deepfuse run's time goes: the GPU's busy time (its kernels' summed time) against
+    the wall time; the rest is the host (Python, launches, copies, waits)."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t = time.perf_counter()
+        run_deepfuse(art, prompts, 16)
+        wall = time.perf_counter() - t
+    events = prof.key_averages()
+    gpu_us = sum(e.self_device_time_total for e in events)
+    kernels = sum(e.count for e in events if e.self_device_time_total > 0)
+    print(f"profile: one run of {len(prompts)} requests x 16 tokens: {wall * 1000:.0f} ms wall, GPU busy "
+          f"{gpu_us / 1000:.0f} ms ({100 * gpu_us / 1e6 / wall:.0f}%), {kernels} GPU kernels; table in {path}")
+    with open(path, "w") as f:
+        f.write(events.table(sort_by="self_device_time_total", row_limit=25))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--requests", type=int, default=64)
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "gpu_throughput.json"))
     ap.add_argument("--dry-run", action="store_true")
+    ap.add_argument("--profile", action="store_true",
+                    help="then one deepfuse run of 16 output tokens under torch.profiler: busy GPU time against "
+                         "wall time, and the top kernels (a table beside --out)")
     args = ap.parse_args()
     dry = args.dry_run
     if dry and os.environ.get("TRITON_INTERPRET") != "1":
@@ -130,6 +152,9 @@ def main() -> None:
                    "kernel_source": art.runner.kernel_source, "compile_s": compile_s,
                    "prompt_tokens": [len(p) for p in prompts], "output_tokens": out_tokens, "results": results}, f,
                   indent=1)
+
+    if args.profile and not dry:
+        profile(art, prompts, args.out.removesuffix(".json") + "_profile.txt")
 
 
 if __name__ == "__main__":

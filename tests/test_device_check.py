@@ -3,6 +3,7 @@ in Triton's interpreter against the CPU kernels, and writes its JSON (issue 5's 
 import json
 import os
 import subprocess
+import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -23,3 +24,15 @@ def test_device_check_refuses_unknown_arguments():
     r = subprocess.run([os.path.join(ROOT, "benchmarks", "device_check.sh"), "--fast"], capture_output=True,
                        text=True)
     assert r.returncode == 2 and "unknown argument: --fast" in r.stderr
+
+
+def test_gpu_throughput_dry_run_writes_both_engines(tmp_path):
+    """benchmarks/gpu_throughput.py --dry-run: the sm90 build through Engine (Triton's interpreter)
+    and HF's generate, 4 requests of 8 tokens, each engine's every token counted."""
+    out = tmp_path / "gpu_throughput.json"
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "gpu_throughput.py"), "--dry-run", "--out",
+                        str(out)], capture_output=True, text=True, timeout=400, env={**os.environ, "TRITON_INTERPRET": "1"})
+    assert r.returncode == 0, r.stderr[-2000:]
+    result = json.loads(out.read_text())
+    assert result["kernel_source"] == "interpret" and set(result["results"]) == {"deepfuse sm90 f32", "HF f32 batched"}
+    assert all(e["output_tokens"] == 4 * 8 and e["output_tps"] > 0 for e in result["results"].values())

@@ -89,12 +89,14 @@ def bench(fn, dry: bool) -> float | None:
 
 def cost(p: dict, ins: list[torch.Tensor], outs: list[torch.Tensor]) -> tuple[int, int]:
     """(bytes read and written, GEMM flops) of one launch; attention reads only each
-    sequence's cached rows, not the whole cache."""
+    sequence's cached rows, not the whole cache, and an embedding only the rows it gathers."""
     size = lambda t: t.numel() * t.element_size()
     if p["op"] == "qkv_attention":
         qkv, cache, seq_lens = ins[0], ins[2], ins[5]
         row = 2 * cache.shape[3] * cache.shape[4] * cache.element_size()
         return size(qkv) + int(seq_lens.sum()) * row + sum(size(o) for o in outs), 0
+    if p["op"] == "embedding":  # the gathered rows, not the whole table
+        return 2 * size(outs[0]) + size(ins[1]), 0
     nbytes = sum(size(t) for t in ins + outs if isinstance(t, torch.Tensor))
     flops = 0
     if p["op"] in ("linear", "logits", "rms_norm_linear", "add_rms_norm_linear", "swiglu_linear"):

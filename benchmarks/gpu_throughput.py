@@ -122,8 +122,13 @@ def main() -> None:
     compile_s = time.perf_counter() - t
     prompts = make_prompts(requests, model.config.vocab_size, dry)
     warmup = make_prompts(4, model.config.vocab_size, dry, seed=1)
-    run_deepfuse(art, warmup, 4)  # Triton's launchers and the caching allocators warm up
+    # untimed: a short round, then (on a GPU) a whole one: HF's first full-size generate ran at a
+    # quarter of its later speed on an H200 (cuBLAS and SDPA choosing their kernels for new shapes)
+    run_deepfuse(art, warmup, 4)
     hf_generate(hf, warmup, 4)
+    if not dry:
+        run_deepfuse(art, prompts, out_tokens)
+        hf_generate(hf, prompts, out_tokens)
     engines = {f"deepfuse {target} {dtype}": lambda: run_deepfuse(art, prompts, out_tokens),
                f"HF {dtype} batched": lambda: hf_generate(hf, prompts, out_tokens)}
     runs: dict[str, list[dict]] = {name: [] for name in engines}

@@ -36,3 +36,16 @@ def test_gpu_throughput_dry_run_writes_both_engines(tmp_path):
     result = json.loads(out.read_text())
     assert result["kernel_source"] == "interpret" and set(result["results"]) == {"deepfuse sm90 f32", "HF f32 batched"}
     assert all(e["output_tokens"] == 4 * 8 and e["output_tps"] > 0 for e in result["results"].values())
+
+
+def test_gpu_kernel_times_dry_run_lists_every_launch_kind(tmp_path):
+    """benchmarks/gpu_kernel_times.py --dry-run: a 2-layer step's launches, grouped by kernel, in the interpreter."""
+    out = tmp_path / "times.json"
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "gpu_kernel_times.py"), "--dry-run", "--out",
+                        str(out)], capture_output=True, text=True, timeout=400, env={**os.environ, "TRITON_INTERPRET": "1"})
+    assert r.returncode == 0, r.stderr[-2000:]
+    steps = json.loads(out.read_text())["steps"]
+    for rows in steps.values():
+        ops = {key.split()[0] for key in rows}
+        assert {"qkv_attention", "add_rms_norm_linear", "swiglu_linear", "logits", "sample"} <= ops
+        assert sum(r["launches_per_step"] for k, r in rows.items() if k.startswith("qkv_attention")) == 2  # 2 layers

@@ -27,7 +27,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from device_check import step  # noqa: E402
-from gpu_throughput import smollm2_shaped  # noqa: E402
+from gpu_throughput import refuse_wrong_machine, smollm2_shaped  # noqa: E402
 
 
 def timed_step(runner, plan, inputs, dry: bool) -> tuple[dict, list]:
@@ -82,10 +82,7 @@ def main() -> None:
     ap.add_argument("--dry-run", action="store_true")
     args = ap.parse_args()
     dry = args.dry_run
-    if dry and os.environ.get("TRITON_INTERPRET") != "1":
-        sys.exit("--dry-run needs TRITON_INTERPRET=1")
-    if not dry and not torch.cuda.is_available():
-        sys.exit("no CUDA device visible: run with --dry-run (and TRITON_INTERPRET=1) on a CPU machine")
+    refuse_wrong_machine(dry)
     from deepfuse.codegen.targets import get_target
     from deepfuse.codegen.triton import build_plan
     from deepfuse.codegen.triton.runner import TritonRunner

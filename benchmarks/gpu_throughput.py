@@ -45,6 +45,15 @@ def smollm2_shaped(path: str, dry: bool):
     tf.LlamaForCausalLM(cfg).save_pretrained(path)
 
 
+def refuse_wrong_machine(dry: bool) -> None:
+    """Exits with the reason where the run cannot happen: a dry run outside Triton's interpreter,
+    or a real one without a GPU."""
+    if dry and os.environ.get("TRITON_INTERPRET") != "1":
+        sys.exit("--dry-run needs TRITON_INTERPRET=1")
+    if not dry and not torch.cuda.is_available():
+        sys.exit("no CUDA device visible: run with --dry-run (and TRITON_INTERPRET=1) on a CPU machine")
+
+
 def make_prompts(n: int, vocab: int, dry: bool, seed: int = 0) -> list[list[int]]:
     rng = random.Random(seed)
     lo, hi = (5, 20) if dry else (50, 500)
@@ -97,10 +106,7 @@ def main() -> None:
                          "wall time, and the top kernels (a table beside --out)")
     args = ap.parse_args()
     dry = args.dry_run
-    if dry and os.environ.get("TRITON_INTERPRET") != "1":
-        sys.exit("--dry-run needs TRITON_INTERPRET=1")
-    if not dry and not torch.cuda.is_available():
-        sys.exit("no CUDA device visible: run with --dry-run (and TRITON_INTERPRET=1) on a CPU machine")
+    refuse_wrong_machine(dry)
     from transformers import AutoModelForCausalLM
 
     import deepfuse

@@ -2,6 +2,7 @@
 interpreter, f32), ahead-of-time cubins and PTX for sm90/sm100, artifacts, and errors."""
 import json
 import os
+import re
 
 import pytest
 import torch
@@ -110,6 +111,9 @@ def test_aot_cubins_and_ptx_use_the_tensor_core_of_each_arch(artifacts):
             assert f".target sm_{arch[2:]}a" in ptx
             if name.startswith(MMA_KERNELS) and not name.endswith("_rope"):
                 assert mma in ptx, f"{name} on {arch} has no {mma}"
+                # compiled with its pointers 16-byte aligned: tiles arrive in 16-byte loads or async
+                # copies (without the hints every element was its own load, 3-10x slower on an H200)
+                assert re.search(r"ld\.global(\.\w+)*\.v4|cp\.async", ptx), f"{name} on {arch} loads element by element"
         manifest = json.load(open(os.path.join(path, "manifest.json")))
         assert all(f"kernels/{n}.cubin" in manifest["files"] for n in names)
 
@@ -122,7 +126,10 @@ def test_artifact_cubins_load_as_triton_compiled_kernels(artifacts, tmp_path):
         assert loaded.runner.kernel_source == "interpret"  # no GPU here: the same kernels, interpreted
         specs = {spec["name"]: spec for p in loaded.plan["launches"] for spec in p.get("kernels", [])}
         for name, spec in specs.items():
-            k = load_binary(spec, loaded.files, str(tmp_path))
+            cubin = load_binary(spec, loaded.files, str(tmp_path))
+            k = cubin.kernel
+            params = [p for p, t in spec["signature"].items() if t != "constexpr"]
+            assert [params[i] for i in cubin.aligned] == [p for p in params if spec["signature"][p].startswith("*")]
             assert k.name == name and k.metadata.target.arch == int(arch[2:]) and k.metadata.target.backend == "cuda"
             assert k.kernel == loaded.files[f"kernels/{name}.cubin"] and k.metadata.num_warps == spec["num_warps"]
             assert k.src.fn.arg_names == list(spec["signature"])
@@ -145,6 +152,21 @@ def test_sm90_artifact_loads_and_runs_in_the_interpreter_like_the_cpu_build(tmp_
     torch.testing.assert_close(got_logits, want_logits, atol=1e-4, rtol=1e-4)
     with pytest.raises(DeepfuseError, match="KV-cache block size 16"):
         greedy_with(loaded, tiny_model.config, prompt, 1, block_size=4)
+
+
+def test_a_cubin_launch_with_a_misaligned_pointer_goes_to_the_jit_build(artifacts, tmp_path):
+    """The cubins assume 16-byte aligned pointers (aot.aligned_attrs); a launch whose tensors are
+    not (a view at an odd offset) must not run them: it gets the source's JIT build."""
+    art, path = artifacts[1]["sm90"]
+    loaded = deepfuse.load(path)
+    spec = next(spec for p in loaded.plan["launches"] if p["op"] == "linear" for spec in p["kernels"])
+    cubin = load_binary(spec, loaded.files, str(tmp_path))
+    args = [torch.empty(64, dtype=torch.bfloat16) if spec["signature"][k].startswith("*") else 3
+            for k, t in spec["signature"].items() if t != "constexpr"]
+    assert cubin.aligned and cubin.fits(args)
+    args[cubin.aligned[0]] = torch.empty(64, dtype=torch.bfloat16)[1:]  # 2 bytes in
+    assert not cubin.fits(args)
+    assert cubin.jit().fn.__name__ == spec["name"]  # what the runner launches instead
 
 
 def test_a_kv_cache_on_another_device_is_refused_not_copied(tiny_model):

@@ -68,17 +68,39 @@ def load_kernel(spec: dict, jit: bool = True):
     return triton.jit(fn) if jit else fn
 
 
-def load_binary(spec: dict, binaries: dict[str, bytes], workdir: str):
+class Cubin:
+    """An artifact's kernel: `kernel`, a Triton CompiledKernel; `aligned`, the positions among
+    its launch arguments of the pointers it was compiled to assume 16-byte aligned (aot.py).
+    A launch whose pointers are not goes to `jit()`, the same source built for them."""
+
+    def __init__(self, kernel, spec: dict, aligned_names: list[str]):
+        self.kernel, self.spec = kernel, spec
+        params = [k for k, t in spec["signature"].items() if t != "constexpr"]
+        self.aligned = [i for i, k in enumerate(params) if k in aligned_names]
+        self._jit = None
+
+    def fits(self, args: list) -> bool:
+        return all(args[i].data_ptr() % 16 == 0 for i in self.aligned)
+
+    def jit(self):
+        if self._jit is None:
+            self._jit = load_kernel(self.spec)
+        return self._jit
+
+
+def load_binary(spec: dict, binaries: dict[str, bytes], workdir: str) -> Cubin:
     """The artifact's cubin of `spec` as a Triton CompiledKernel: Triton's metadata from
     kernels/<name>.json, the cubin from kernels/<name>.cubin (both written to workdir, where
     CompiledKernel reads them), the source signature from the spec. Nothing touches a GPU until
-    its first launch. Launch: kernel[grid](*args, *constexpr values)."""
+    its first launch. Launch: cubin.kernel[grid](*args, *constexpr values)."""
     import json
 
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
     from triton.compiler.compiler import CompiledKernel
     from triton.runtime.jit import JITFunction
+
+    from .aot import aligned_attrs
 
     name = spec["name"]
     meta = json.loads(binaries[f"kernels/{name}.json"])
@@ -87,8 +109,10 @@ def load_binary(spec: dict, binaries: dict[str, bytes], workdir: str):
         group[f"{name}.{ext}"] = os.path.join(workdir, f"{name}.{ext}")
         with open(group[f"{name}.{ext}"], "wb") as f:
             f.write(data)
-    src = ASTSource(fn=JITFunction(load_kernel(spec, jit=False)), signature=spec["signature"],
-                    constexprs=spec["constexprs"])
+    fn = JITFunction(load_kernel(spec, jit=False))
+    aligned = meta.get("aligned_16", [])  # artifacts before the hints assume no alignment
+    src = ASTSource(fn=fn, signature=spec["signature"], constexprs=spec["constexprs"],
+                    attrs={k: v for k, v in aligned_attrs(spec, fn.arg_names).items() if fn.arg_names[k[0]] in aligned})
     if list(spec["signature"]) != src.fn.arg_names:  # the launcher packs arguments in signature order
         raise DeepfuseError(f"{name}: signature order {list(spec['signature'])} differs from the kernel's "
                             f"parameters {src.fn.arg_names}")
@@ -96,7 +120,7 @@ def load_binary(spec: dict, binaries: dict[str, bytes], workdir: str):
     want = GPUTarget("cuda", {"sm90": 90, "sm100": 100}[meta["arch"]], 32)
     if kernel.metadata.target != want or kernel.name != name:
         raise DeepfuseError(f"kernels/{name}.cubin is for {kernel.metadata.target} ({kernel.name}), expected {want}")
-    return kernel
+    return Cubin(kernel, spec, aligned)
 
 
 def bind(form, ins: list[torch.Tensor], outs: list[torch.Tensor], tmps: list[torch.Tensor]):
@@ -223,8 +247,10 @@ class TritonRunner:
             if 0 in grid:
                 continue
             args = [bind(f, ins, outs, tmps) for f in spec["args"]]
-            if self.kernel_source == "cubin":  # a CompiledKernel: every parameter in order, constexprs last
-                fn[grid](*args, *spec["constexprs"].values())
+            if self.kernel_source == "cubin" and fn.fits(args):  # every parameter in order, constexprs last
+                fn.kernel[grid](*args, *spec["constexprs"].values())
+            elif self.kernel_source == "cubin":  # a pointer the cubin assumed aligned is not
+                fn.jit()[grid](*args, **spec["constexprs"], num_warps=spec["num_warps"], num_stages=spec["num_stages"])
             else:
                 fn[grid](*args, **spec["constexprs"], num_warps=spec["num_warps"], num_stages=spec["num_stages"])
         return outs

@@ -5,6 +5,9 @@ kernel of a 30-layer SmolLM2-shaped bf16 step timed three ways on one GPU:
   same op    one op's launches of all 30 layers back to back (each with its own weights), per launch
   alone      triton.testing.do_bench on layer 0's launch: one input, repeated (weights stay in L2)
 
+for the source's JIT build, then "in step" and "alone" again for the artifact's AOT cubins
+(what Engine launches),
+
 for a decode step of 64 sequences at position 300 and a 1024-token prefill step.
 
     python benchmarks/gpu_kernel_times.py [--out FILE] [--dry-run]
@@ -83,53 +86,56 @@ def main() -> None:
     args = ap.parse_args()
     dry = args.dry_run
     refuse_wrong_machine(dry)
-    from deepfuse.codegen.targets import get_target
-    from deepfuse.codegen.triton import build_plan
+    import deepfuse
     from deepfuse.codegen.triton.runner import TritonRunner
-    from deepfuse.compiler import trace_model
     from deepfuse.models import load_model
-    from deepfuse.passes import PassManager
 
     dtype, tdt = ("f32", torch.float32) if dry else ("bf16", torch.bfloat16)
     device = torch.device("cpu" if dry else "cuda")
     with tempfile.TemporaryDirectory() as path:
         smollm2_shaped(path, dry)
         model = load_model(path, with_tokenizer=False)[0]
-    g, _ = PassManager(get_target("sm90").pipeline()).run(trace_model(model, dtype))
-    plan = build_plan(g, "interpret" if dry else "sm90")
-    runner = TritonRunner(plan, g.weights)
+    art = deepfuse.compile(model, target="sm90", dtype=dtype)  # the artifact's AOT cubins: what Engine launches
+    runners = {"jit": TritonRunner(art.plan, art.graph.weights), "cubin": art.runner}
     steps = {"decode x64 at 300": (0, 64, 300), "prefill 1024": (1024, 0, 0)}
     if dry:
         steps = {"decode x2 at 20": (0, 2, 20), "prefill 20": (20, 0, 0)}
     result = {"device": "cpu (dry run)" if dry else torch.cuda.get_device_name(), "layers": model.config.num_layers,
-              "steps": {}}
+              "cubin_runner": art.runner.kernel_source, "steps": {}}
+    columns = ("in_step_us", "same_op_us", "alone_us", "cubin_in_step_us", "cubin_alone_us")
     for name, (prefill, decodes, pos) in steps.items():
         inputs = step(model.config, tdt, device, prefill, decodes, pos)
-        for _ in range(1 if dry else 2):  # JIT and warm-up
-            timed_step(runner, plan, inputs, dry)
-        times, launches = defaultdict(list), []
-        for _ in range(1 if dry else 3):
-            t, launches = timed_step(runner, plan, inputs, dry)
-            for k, v in t.items():
-                times[k] += v
-        rows = {}
-        for key in dict.fromkeys(k for k, *_ in launches):
-            p, kernels, ins = next((p, kernels, ins) for k, p, kernels, ins in launches if k == key)
-            row = {"launches_per_step": sum(1 for k, *_ in launches if k == key)}
-            if not dry:
+        rows: dict[str, dict] = {}
+        for which, runner in runners.items():
+            prefix = "" if which == "jit" else "cubin_"
+            for _ in range(1 if dry else 2):  # JIT and warm-up
+                timed_step(runner, art.plan, inputs, dry)
+            times, launches = defaultdict(list), []
+            for _ in range(1 if dry else 3):
+                t, launches = timed_step(runner, art.plan, inputs, dry)
+                for k, v in t.items():
+                    times[k] += v
+            for key in dict.fromkeys(k for k, *_ in launches):
+                p, kernels, ins = next((p, kernels, ins) for k, p, kernels, ins in launches if k == key)
+                row = rows.setdefault(key, {"launches_per_step": sum(1 for k, *_ in launches if k == key)})
+                if dry:
+                    continue
                 import triton.testing
 
-                row["in_step_us"] = statistics.median(times[key])
-                row["same_op_us"] = same_op_back_to_back(runner, launches, key)
-                row["alone_us"] = triton.testing.do_bench(lambda p=p, kernels=kernels, ins=ins: runner._run(p, kernels, ins),
-                                                          warmup=10, rep=50) * 1000
-            rows[key] = row
+                row[prefix + "in_step_us"] = statistics.median(times[key])
+                if which == "jit":
+                    row["same_op_us"] = same_op_back_to_back(runner, launches, key)
+                row[prefix + "alone_us"] = triton.testing.do_bench(
+                    lambda runner=runner, p=p, kernels=kernels, ins=ins: runner._run(p, kernels, ins),
+                    warmup=10, rep=50) * 1000
         result["steps"][name] = rows
-        print(f"\n{name}: µs per launch{' (dry run: not timed)' if dry else ''}")
-        print(f"{'op + kernels':40s} {'per step':>8s} {'in step':>9s} {'same op':>9s} {'alone':>9s}")
+        print(f"\n{name}: µs per launch{' (dry run: not timed)' if dry else ''}; JIT build, then the artifact's "
+              f"{art.runner.kernel_source}")
+        print(f"{'op + kernels':40s} {'per step':>8s} {'in step':>9s} {'same op':>9s} {'alone':>9s} "
+              f"{'in step':>9s} {'alone':>9s}")
         for key, r in rows.items():
-            f = lambda k, r=r: f"{r[k]:9.1f}" if k in r else f"{'-':>9s}"
-            print(f"{key:40s} {r['launches_per_step']:8d} {f('in_step_us')} {f('same_op_us')} {f('alone_us')}")
+            cells = " ".join(f"{r[c]:9.1f}" if c in r else f"{'-':>9s}" for c in columns)
+            print(f"{key:40s} {r['launches_per_step']:8d} {cells}")
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)

@@ -16,9 +16,9 @@ ARCHS = {"sm90": 90, "sm100": 100}
 def aligned_attrs(spec: dict, arg_names: list[str]) -> dict:
     """Triton's divisibility hints for the kernel's pointer parameters: each is compiled as a
     multiple of 16 bytes, as Triton's JIT specializes them when they are (the runner checks it
-    before it launches the cubin). Without them the compiler cannot prove any alignment: on an
-    H200 the GEMMs then loaded every element alone, with no cp.async pipeline, and ran 3-10x
-    slower than the JIT's build of the same source."""
+    before it launches the cubin). Without them the compiler cannot prove any alignment: the
+    GEMMs load every element alone, with no cp.async pipeline (PTX); on an H200, the engine's
+    GEMMs from such cubins took 3-10x the JIT build's time (docs/targets.md)."""
     return {(arg_names.index(k),): [["tt.divisibility", 16]] for k, t in spec["signature"].items() if t.startswith("*")}
 
 

@@ -1,0 +1,61 @@
+#!/usr/bin/env bash
+# Every GPU check in one call, for a session lent a GPU (about 5 minutes on one H200 once the
+# machine is up): device_check.sh (each kernel against torch, the artifact end to end),
+# gpu_kernel_times.py (each launch in a step, alone, JIT against the artifact's cubins) and
+# gpu_throughput.py --runs 2 --profile (Engine against HF), with `nvidia-smi dmon` (power,
+# utilization, clocks, once a second) running beside them. Each line of session.log carries the
+# time, to line it up with dmon.txt. Six files in OUTDIR.
+#
+#   benchmarks/gpu_session.sh OUTDIR [--dry-run]
+#
+# --dry-run: the three scripts' own dry runs, on the CPU in Triton's interpreter, no dmon.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out=${1:-}
+if [ -z "$out" ] || [ "${out#-}" != "$out" ]; then
+  echo "usage: benchmarks/gpu_session.sh OUTDIR [--dry-run]" >&2
+  exit 2
+fi
+dry=()
+case "${2:-}" in
+  "") ;;
+  --dry-run) dry=(--dry-run) ;;
+  *) echo "unknown argument: $2" >&2; exit 2 ;;
+esac
+mkdir -p "$out"
+PY=python3
+if [ ${#dry[@]} -gt 0 ]; then
+  [ -x .venv/bin/python ] && PY=.venv/bin/python
+  export TRITON_INTERPRET=1
+fi
+export PYTHONUNBUFFERED=1
+dmon=""
+if [ ${#dry[@]} -eq 0 ] && command -v nvidia-smi >/dev/null; then
+  nvidia-smi dmon -s pucv -o T -d 1 > "$out/dmon.txt" 2>&1 &
+  dmon=$!
+fi
+# each line with the time, less the progress bars
+stamp() {
+  while IFS= read -r line; do
+    case "$line" in
+      *"Writing model"* | *"loading safetensors"* | *"compiling for"*) ;;
+      *) printf '%s %s\n' "$(date +%T)" "$line" ;;
+    esac
+  done
+}
+exec > >(tee "$out/session.log") 2>&1
+rc=0
+run() {  # a title, then the command
+  echo "== $1" | stamp
+  shift
+  "$@" 2>&1 | stamp || rc=1
+}
+run "device check" env PYTHON="$PY" benchmarks/device_check.sh --out "$out/device_check.json" "${dry[@]}"
+run "kernel times" timeout 240 "$PY" benchmarks/gpu_kernel_times.py --out "$out/gpu_kernel_times.json" "${dry[@]}"
+profile=(--profile)
+[ ${#dry[@]} -gt 0 ] && profile=()
+run "throughput" timeout 300 "$PY" benchmarks/gpu_throughput.py --runs 2 "${profile[@]}" \
+  --out "$out/gpu_throughput.json" "${dry[@]}"
+[ -n "$dmon" ] && kill "$dmon"
+echo "== done, exit $rc" | stamp
+exit $rc

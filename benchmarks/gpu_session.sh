@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Every GPU check in one call, for a session lent a GPU (about 5 minutes on one H200 once the
-# machine is up): device_check.sh (each kernel against torch, the artifact end to end),
+# machine is up; each step has its own limit, 570 s in all: give the call 600): device_check.sh (each kernel against torch, the artifact end to end),
 # gpu_kernel_times.py (each launch in a step, alone, JIT against the artifact's cubins) and
 # gpu_throughput.py --runs 2 --profile (Engine against HF), with `nvidia-smi dmon` (power,
 # utilization, clocks, once a second) running beside them. Each line of session.log carries the
@@ -50,11 +50,11 @@ run() {  # a title, then the command
   shift
   "$@" 2>&1 | stamp || rc=1
 }
-run "device check" env PYTHON="$PY" benchmarks/device_check.sh --out "$out/device_check.json" "${dry[@]}"
-run "kernel times" timeout 240 "$PY" benchmarks/gpu_kernel_times.py --out "$out/gpu_kernel_times.json" "${dry[@]}"
+run "device check" timeout 240 env PYTHON="$PY" benchmarks/device_check.sh --out "$out/device_check.json" "${dry[@]}"
+run "kernel times" timeout 150 "$PY" benchmarks/gpu_kernel_times.py --out "$out/gpu_kernel_times.json" "${dry[@]}"
 profile=(--profile)
 [ ${#dry[@]} -gt 0 ] && profile=()
-run "throughput" timeout 300 "$PY" benchmarks/gpu_throughput.py --runs 2 "${profile[@]}" \
+run "throughput" timeout 180 "$PY" benchmarks/gpu_throughput.py --runs 2 "${profile[@]}" \
   --out "$out/gpu_throughput.json" "${dry[@]}"
 [ -n "$dmon" ] && kill "$dmon"
 echo "== done, exit $rc" | stamp

@@ -25,7 +25,10 @@ def moe_align(ins: list[torch.Tensor], attrs: dict, block: int) -> list[torch.Te
     """fused_moe's routing, and its (token, expert) pairs sorted by expert with each expert's
     rows padded to a multiple of `block` -> scratch tensors for the MoE kernels:
     rows i32[P] (pair id t*KT+j, or T*KT for padding), block_expert i32[P/block],
-    pos_of i32[T*KT] (each pair's row), weights f32[T*KT], h [P, I], ys [P, D]."""
+    pos_of i32[T*KT] (each pair's row), weights f32[T*KT], h [P, I], ys [P, D].
+    P is a bound known without reading the routing back (each expert that gets pairs pads fewer
+    than `block` rows), so nothing here waits for the GPU; the blocks past the experts' rows hold
+    only padding, and the MoE kernels return at once for them."""
     x, router_w, w13, w2, *bias = ins
     weights, ids = route(F.linear(x, router_w), attrs["top_k"], attrs["renormalize"], bias[0] if bias else None,
                          **routing_attrs(attrs))
@@ -36,14 +39,16 @@ def moe_align(ins: list[torch.Tensor], attrs: dict, block: int) -> list[torch.Te
     padded = (counts + block - 1) // block * block
     start_padded = torch.cumsum(padded, 0) - padded
     start = torch.cumsum(counts, 0) - counts
-    total = int(padded.sum())
+    total = -(-(n_pairs + min(n_experts, n_pairs) * (block - 1)) // block) * block
     experts = flat[order]
     dest = start_padded[experts] + torch.arange(n_pairs, device=x.device) - start[experts]
     rows = torch.full((total,), n_pairs, dtype=torch.int32, device=x.device)
     rows[dest] = order.to(torch.int32)
     pos_of = torch.empty(n_pairs, dtype=torch.int32, device=x.device)
     pos_of[order] = dest.to(torch.int32)
-    block_expert = torch.repeat_interleave(torch.arange(n_experts, device=x.device), padded // block).to(torch.int32)
+    blocks_through = torch.cumsum(padded // block, 0)  # blocks of experts 0..e
+    block_expert = torch.searchsorted(blocks_through, torch.arange(total // block, device=x.device), right=True)
+    block_expert = block_expert.clamp_(max=n_experts - 1).to(torch.int32)
     h = torch.empty(total, w13.shape[1] // 2, dtype=x.dtype, device=x.device)
     ys = torch.empty(total, x.shape[1], dtype=x.dtype, device=x.device)
     return [rows, block_expert, pos_of, weights.flatten().float().contiguous(), h, ys]

@@ -35,7 +35,8 @@ def moe_align(ins: list[torch.Tensor], attrs: dict, block: int) -> list[torch.Te
     flat = ids.flatten()
     n_pairs, n_experts = flat.numel(), w13.shape[0]
     order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=n_experts)
+    counts = torch.zeros(n_experts, dtype=torch.long, device=x.device).index_add_(0, flat, torch.ones_like(flat))
+    # (not bincount: on a GPU it reads the largest id back to size its output)
     padded = (counts + block - 1) // block * block
     start_padded = torch.cumsum(padded, 0) - padded
     start = torch.cumsum(counts, 0) - counts

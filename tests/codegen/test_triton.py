@@ -70,6 +70,35 @@ def test_every_kernel_kind_matches_the_interpreter(model):
         torch.testing.assert_close(b[f"kv_cache.{i}"], a[f"kv_cache.{i}"], atol=1e-5, rtol=1e-5)
 
 
+def launches_of_one_step(plan, weights, config, chunks) -> tuple[list, list[str]]:
+    """The step's outputs through a TritonRunner, and the ops it ran as Triton kernels."""
+    runner, launched = TritonRunner(plan, weights), []
+    run_kernels = runner._run
+
+    def spy(p, kernels, ins):
+        launched.append(p["op"])
+        return run_kernels(p, kernels, ins)
+
+    runner._run = spy
+    cache = KVCache(config.num_layers, config.num_kv_heads, config.head_dim, torch.float32, CacheConfig(16, 8))
+    return runner(build_step(chunks, cache)), launched
+
+
+def test_a_step_that_samples_takes_the_reference_sampler_and_a_greedy_one_the_kernel(tiny_model):
+    """The greedy-only kernel runs where no row samples; a sampling row (temperature > 0, seeded)
+    sends the step's sampling to the reference. The choice is read from the step's temperatures
+    as given (on the host: no wait on a GPU)."""
+    g, _ = PassManager(get_target("sm90").pipeline()).run(trace_model(tiny_model))
+    plan, c = build_plan(g, "interpret"), tiny_model.config
+    for temperature in (0.0, 0.9):
+        chunks = [SeqChunk([3, 4, 5], 0, [0], temperature=temperature, seed=7), SeqChunk([9], 0, [1])]
+        got, launched = launches_of_one_step(plan, g.weights, c, chunks)
+        cache = KVCache(c.num_layers, c.num_kv_heads, c.head_dim, torch.float32, CacheConfig(16, 8))
+        want = interpret(g, build_step(chunks, cache))
+        assert torch.equal(got[1], want[1]), (temperature, got[1], want[1])
+        assert ("sample" in launched) == (temperature == 0.0), launched
+
+
 def test_grid_and_arguments_are_bound_from_the_step(model):
     g, _ = PassManager(get_target("sm100").pipeline()).run(trace_model(model))
     plan = build_plan(g, "sm100")

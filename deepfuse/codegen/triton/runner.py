@@ -212,8 +212,9 @@ class TritonRunner:
             raise DeepfuseError(f"this {self.plan['arch']} artifact runs on an NVIDIA GPU; none is visible (to run its "
                                 "kernels in Triton's CPU interpreter, start the process with TRITON_INTERPRET=1)")
         env = list(self.base)
+        given = {}  # the step's inputs as given, by slot: the host's copy of what is read on the host
         for name, s in self.plan["inputs"].items():
-            x = inputs[name]
+            x = given[s] = inputs[name]
             if x.device != self.device:
                 if name.startswith("kv_cache."):  # written in place: a copy would drop this step's rows
                     raise DeepfuseError(f"{name} is on {x.device}, this {self.plan['arch']} artifact runs on "
@@ -222,8 +223,10 @@ class TritonRunner:
             env[s] = x
         for p, kernels, ref in self.launches:
             ins = [env[i] for i in p["in"]]
-            greedy_only = p["op"] == "sample" and bool((ins[1] > 0).any())
-            if kernels and not greedy_only:
+            # whether any row samples (the kernel is greedy only), read from the host's temperatures
+            # where the step gave them: no wait on the GPU
+            samples = p["op"] == "sample" and bool((given.get(p["in"][1], ins[1]) > 0).any())
+            if kernels and not samples:
                 outs = self._run(p, kernels, ins)
             else:
                 res = ref(*ins, **p["attrs"])

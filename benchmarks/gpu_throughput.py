@@ -6,7 +6,7 @@ written by transformers and loaded by each engine (the GGUF is larger than the w
 send to its GPU machine; speed does not depend on the weights' values). Rounds are interleaved;
 medians and per-round ratios are printed, and the runs written as JSON.
 
-    python benchmarks/gpu_throughput.py [--runs 3] [--requests 64] [--out FILE] [--dry-run]
+    python benchmarks/gpu_throughput.py [--runs 3] [--requests 64] [--out FILE] [--profile] [--dry-run]
 
 --dry-run: 2 layers of a tiny shape, 4 requests of 8 output tokens, f32, on the CPU in Triton's
 interpreter (start it with TRITON_INTERPRET=1): checks that the script runs (CI does).

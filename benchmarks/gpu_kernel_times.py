@@ -32,6 +32,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from device_check import step  # noqa: E402
 from gpu_throughput import refuse_wrong_machine, smollm2_shaped  # noqa: E402
 
+from deepfuse.codegen.triton.runner import TritonRunner, as_list, samples  # noqa: E402
+
 
 def timed_step(runner, plan, inputs, dry: bool) -> tuple[dict, list]:
     """Runs the step launch by launch; {kernel names: [µs per launch]} (empty when dry) and the
@@ -43,7 +45,7 @@ def timed_step(runner, plan, inputs, dry: bool) -> tuple[dict, list]:
     for p, kernels, ref in runner.launches:
         ins = [env[i] for i in p["in"]]
         key = p["op"] + " " + "+".join(spec["name"].rsplit("_", 1)[-1] for spec, _ in kernels)
-        if kernels and not (p["op"] == "sample" and bool((ins[1] > 0).any())):
+        if kernels and not samples(p, ins[1]):
             start, end = (None, None) if dry else (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
             if start:
                 start.record()
@@ -53,8 +55,7 @@ def timed_step(runner, plan, inputs, dry: bool) -> tuple[dict, list]:
                 events.append((key, start, end))
             launches.append((key, p, kernels, ins))
         else:
-            res = ref(*ins, **p["attrs"])
-            outs = list(res) if isinstance(res, (tuple, list)) else [res]
+            outs = as_list(ref(*ins, **p["attrs"]))
         for s, t in zip(p["out"], outs):
             env[s] = t
     if not dry:
@@ -87,7 +88,6 @@ def main() -> None:
     dry = args.dry_run
     refuse_wrong_machine(dry)
     import deepfuse
-    from deepfuse.codegen.triton.runner import TritonRunner
     from deepfuse.models import load_model
 
     dtype, tdt = ("f32", torch.float32) if dry else ("bf16", torch.bfloat16)

@@ -13,13 +13,18 @@ from .runner import load_kernel
 ARCHS = {"sm90": 90, "sm100": 100}
 
 
-def aligned_attrs(spec: dict, arg_names: list[str]) -> dict:
-    """Triton's divisibility hints for the kernel's pointer parameters: each is compiled as a
+def pointer_params(spec: dict) -> list[str]:
+    """The kernel's pointer parameters, which its cubin assumes 16-byte aligned (aligned_attrs)."""
+    return [k for k, t in spec["signature"].items() if t.startswith("*")]
+
+
+def aligned_attrs(aligned: list[str], arg_names: list[str]) -> dict:
+    """Triton's divisibility hints for the pointer parameters named in `aligned`: each is compiled as a
     multiple of 16 bytes, as Triton's JIT specializes them when they are (the runner checks it
     before it launches the cubin). Without them the compiler cannot prove any alignment: the
     GEMMs load every element alone, with no cp.async pipeline (PTX); on an H200, the engine's
     GEMMs from such cubins took 3-10x the JIT build's time (docs/targets.md)."""
-    return {(arg_names.index(k),): [["tt.divisibility", 16]] for k, t in spec["signature"].items() if t.startswith("*")}
+    return {(arg_names.index(k),): [["tt.divisibility", 16]] for k in aligned}
 
 
 def compile_spec(spec: dict, arch: str, where: str) -> dict[str, bytes]:
@@ -33,7 +38,7 @@ def compile_spec(spec: dict, arch: str, where: str) -> dict[str, bytes]:
     try:
         fn = JITFunction(load_kernel(spec, jit=False))
         src = ASTSource(fn=fn, signature=spec["signature"], constexprs=spec["constexprs"],
-                        attrs=aligned_attrs(spec, fn.arg_names))
+                        attrs=aligned_attrs(pointer_params(spec), fn.arg_names))
         k = triton.compile(src, target=GPUTarget("cuda", ARCHS[arch], 32),
                            options={"num_warps": spec["num_warps"], "num_stages": spec["num_stages"],
                                     "enable_fp_fusion": True})
@@ -43,7 +48,7 @@ def compile_spec(spec: dict, arch: str, where: str) -> dict[str, bytes]:
     meta = {"name": k.name, "num_warps": k.metadata.num_warps, "shared": k.metadata.shared,
             "arch": arch, "signature": spec["signature"], "constexprs": spec["constexprs"],
             "source_sha256": hashlib.sha256(spec["source"].encode()).hexdigest(), "triton_version": triton.__version__,
-            "aligned_16": [k for k, t in spec["signature"].items() if t.startswith("*")],
+            "aligned_16": pointer_params(spec),
             # Triton's own metadata, as its cache writes it: what loading the cubin needs (runner.load_binary)
             "triton": json.loads(json.dumps(k.metadata._asdict(), default=vars))}
     stem = spec["name"]

@@ -58,6 +58,17 @@ def moe_align(ins: list[torch.Tensor], attrs: dict, block: int) -> list[torch.Te
 PREPARE = {"moe_align": moe_align}
 
 
+def as_list(res) -> list:
+    """An op's result (a tensor, or a tuple of them) as a list of outputs."""
+    return list(res) if isinstance(res, (tuple, list)) else [res]
+
+
+def samples(p: dict, temperature: torch.Tensor) -> bool:
+    """Whether launch p is the sampling op with a row that samples: its kernel is greedy argmax
+    only, so such a step runs the reference sampler."""
+    return p["op"] == "sample" and bool((temperature > 0).any())
+
+
 def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -118,7 +129,7 @@ def load_binary(spec: dict, binaries: dict[str, bytes], workdir: str) -> Cubin:
     fn = JITFunction(load_kernel(spec, jit=False))
     aligned = meta.get("aligned_16", [])  # artifacts before the hints assume no alignment
     src = ASTSource(fn=fn, signature=spec["signature"], constexprs=spec["constexprs"],
-                    attrs={k: v for k, v in aligned_attrs(spec, fn.arg_names).items() if fn.arg_names[k[0]] in aligned})
+                    attrs=aligned_attrs(aligned, fn.arg_names))
     if list(spec["signature"]) != src.fn.arg_names:  # the launcher packs arguments in signature order
         raise DeepfuseError(f"{name}: signature order {list(spec['signature'])} differs from the kernel's "
                             f"parameters {src.fn.arg_names}")
@@ -225,12 +236,10 @@ class TritonRunner:
             ins = [env[i] for i in p["in"]]
             # whether any row samples (the kernel is greedy only), read from the host's temperatures
             # where the step gave them: no wait on the GPU
-            samples = p["op"] == "sample" and bool((given.get(p["in"][1], ins[1]) > 0).any())
-            if kernels and not samples:
+            if kernels and not samples(p, given.get(p["in"][1], ins[1])):
                 outs = self._run(p, kernels, ins)
             else:
-                res = ref(*ins, **p["attrs"])
-                outs = list(res) if isinstance(res, (tuple, list)) else [res]
+                outs = as_list(ref(*ins, **p["attrs"]))
             for s, t in zip(p["out"], outs):
                 env[s] = t
             for s in p["free"]:

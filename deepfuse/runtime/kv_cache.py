@@ -8,7 +8,9 @@ table[p // BS] * BS + p % BS. This module owns memory; it does not schedule.
 Prefix caching: a full block is named by a hash chained over the whole prefix,
 blake2b(parent hash + the block's token ids), so equal names mean equal KV. Named
 blocks whose last user is gone stay cached and are evicted least recently used first,
-only when a fresh block is needed.
+only when a fresh block is needed. Under a sliding window a request that continues a cached
+prefix needs only the prefix's blocks that its queries can still see (the last `window`
+positions); the blocks before them may have been evicted.
 """
 from __future__ import annotations
 
@@ -71,6 +73,10 @@ class BlockPool:
             self.refs[b] = 1
             out.append(b)
         return out
+
+    def holds(self, name: bytes) -> bool:
+        """Whether a block named `name` is cached (in use or not), without taking a reference."""
+        return name in self.by_name
 
     def lookup(self, name: bytes) -> int | None:
         """The cached block named `name`, with a reference taken, or None."""
@@ -189,20 +195,31 @@ class KVCacheManager:
 
     def match_prefix(self, tokens: list[int]) -> SeqBlocks:
         """Cached full blocks of `tokens`' prefix, references taken. At least the last token
-        is always left to compute (its logits are needed), so a match never covers it."""
+        is always left to compute (its logits are needed), so a match never covers it.
+        Under a sliding window the match is the longest prefix of whole blocks whose last
+        `window` positions before its end are all cached: the blocks before those are never
+        read again, and the table holds -1 in their place (as `computed` leaves it)."""
         seq = SeqBlocks()
-        if not self.cache.config.enable_prefix_caching or self.window:
+        if not self.cache.config.enable_prefix_caching:
             return seq
-        parent = b""
+        names, parent = [], b""
         for i in range((len(tokens) - 1) // self.bs):
-            name = block_hash(parent, tokens[i * self.bs:(i + 1) * self.bs])
-            b = self.pool.lookup(name)
-            if b is None:
+            parent = block_hash(parent, tokens[i * self.bs:(i + 1) * self.bs])
+            if not self.window and not self.pool.holds(parent):
                 break
-            seq.table.append(b)
-            seq.names.append(name)
-            parent = name
+            names.append(parent)
+        count = len(names)
+        while count and any(not self.pool.holds(names[i]) for i in range(self.first_needed(count * self.bs), count)):
+            count -= 1
+        first = self.first_needed(count * self.bs)
+        seq.table = [-1] * first + [self.pool.lookup(name) for name in names[first:count]]
+        seq.names = names[:count]
         return seq
+
+    def first_needed(self, computed: int) -> int:
+        """The first block a sequence with `computed` positions cached still reads: its next
+        query, at position `computed`, sees the positions after computed - window (0 without a window)."""
+        return max(0, computed + 1 - self.window) // self.bs if self.window else 0
 
     def blocks_needed(self, seq: SeqBlocks, num_tokens: int) -> int:
         return max(0, -(-num_tokens // self.bs) - len(seq.table))
@@ -216,7 +233,7 @@ class KVCacheManager:
         step that allocates also computes them, and a step writes all its new KV before any
         attention reads it: a request admitted in the same step may already share them."""
         seq.table.extend(self.pool.allocate(self.blocks_needed(seq, num_tokens)))
-        if self.cache.config.enable_prefix_caching and not self.window:
+        if self.cache.config.enable_prefix_caching:
             # only blocks full of known tokens get a name: positions past len(tokens) hold draft
             # tokens under verification, which may be rejected
             while len(seq.names) < min(num_tokens, len(tokens)) // self.bs:
@@ -229,9 +246,7 @@ class KVCacheManager:
         """Applies the window policy once `num_computed` tokens have their KV: blocks no future
         query can see go back to the pool (the table keeps -1 in their place)."""
         if self.window:
-            # the next query is at position num_computed; it reads positions > num_computed - window
-            dead = max(0, num_computed + 1 - self.window) // self.bs
-            for i in range(dead):
+            for i in range(self.first_needed(num_computed)):
                 if seq.table[i] >= 0:
                     self.pool.release([seq.table[i]])
                     seq.table[i] = -1

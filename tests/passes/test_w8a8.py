@@ -95,6 +95,24 @@ def test_native_int8_gemm_rows_do_not_depend_on_the_batch(native):
     assert torch.equal(nat.i8_gemm(x[7:40], panels, padded, 960, 64), whole[7:40])
 
 
+
+def test_a_large_fused_int8_gemm_gives_every_row_its_own_result(native):
+    """With many chunks and slabs (threads taking one another's items), every row of the fused
+    norm GEMM still comes out as it does alone, and every row's x + res is written, as add_rms_norm's."""
+    nat = native_i8(native)
+    torch.manual_seed(2)
+    m, k, n = 500, 576, 3072
+    wq, scale = quantize_w8(torch.randn(n, k))
+    panels, padded = nat.pack_w8(wq), F.pad(scale, (0, -n % 16))
+    x, res, w = torch.randn(m, k).bfloat16(), torch.randn(m, k).bfloat16(), torch.randn(k).bfloat16()
+    s = torch.full_like(x, float("nan"))
+    y = nat.i8_gemm_norm(x, res, w, 1e-5, s, panels, padded, n, 64)
+    want_s, normed = nat.add_rms_norm(x, res, w, 1e-5)
+    assert torch.equal(s, want_s)
+    assert torch.equal(y, nat.i8_gemm(normed, panels, padded, n, 64))
+    for r in (0, 5, 6, 251, 499):  # the first and last rows of micro-tiles, and a lone one
+        assert torch.equal(nat.i8_gemm(normed[r:r + 1], panels, padded, n, 64), y[r:r + 1])
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [1, 5, 33])
 def test_prologue_fused_int8_gemms_equal_the_separate_passes(native, dtype, rows):

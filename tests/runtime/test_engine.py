@@ -4,7 +4,7 @@ import pytest
 import deepfuse
 from deepfuse.errors import DeepfuseError
 from deepfuse.runtime.engine import Engine, SamplingParams
-from deepfuse.runtime.kv_cache import CacheConfig
+from deepfuse.runtime.kv_cache import CacheConfig, block_hash
 
 PROMPTS = [[1, 2, 3], [9, 8, 7, 6, 5, 4, 3, 2, 1, 0, 11, 12, 13], [42], [5, 5, 5, 5, 5]]
 GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
@@ -160,21 +160,28 @@ def test_bad_requests_fail_alone_and_the_rest_complete(tiny_art):
         eng.add_request([1], GREEDY, request_id="x")
 
 
-def test_sliding_window_policy_releases_blocks_and_keeps_outputs(tiny_dir, tmp_path):
-    """Mistral-style window 8, block size 4: at most 3-4 blocks per sequence stay held."""
+@pytest.fixture(scope="module")
+def swa_model(tiny_dir, tmp_path_factory):
+    """The tiny model as a Mistral-style checkpoint with a sliding window of 8."""
     import json
     import shutil
 
     from deepfuse.models import load_model
-    from tests.helpers import eager_step, greedy_with
 
-    d = tmp_path / "swa"
+    d = tmp_path_factory.mktemp("swa") / "ckpt"
     shutil.copytree(tiny_dir, d)
     cfg = json.loads((d / "config.json").read_text())
     cfg.update(model_type="mistral", architectures=["MistralForCausalLM"], sliding_window=8)
     (d / "config.json").write_text(json.dumps(cfg))
     model, _ = load_model(str(d), with_tokenizer=False)
-    eng = engine(deepfuse.compile(model), num_blocks=64)
+    return model
+
+
+def test_sliding_window_policy_releases_blocks_and_keeps_outputs(swa_model):
+    """Mistral-style window 8, block size 4: at most 3-4 blocks per sequence stay held."""
+    from tests.helpers import eager_step, greedy_with
+
+    eng = engine(deepfuse.compile(swa_model), num_blocks=64)
     prompt = list(range(3, 23))
     held = []
     rid = eng.add_request(prompt, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
@@ -184,9 +191,53 @@ def test_sliding_window_policy_releases_blocks_and_keeps_outputs(tiny_dir, tmp_p
         fin = eng.step()
         out = fin[0] if fin else out
     assert out.request_id == rid
-    want, _ = greedy_with(eager_step(model), model.config, prompt, 16)
+    want, _ = greedy_with(eager_step(swa_model), swa_model.config, prompt, 16)
     assert out.token_ids == want
     assert max(held[2:]) <= 4  # 20 + 16 tokens would need 9 blocks without the window policy
+
+
+def test_sliding_window_prefix_cache_needs_only_the_windows_blocks(swa_model):
+    """Window 8, blocks of 4: a request continuing a cached 40-token prefix reads only the
+    prefix's last blocks, so it is served from the cache even after the blocks before the
+    window were evicted; outputs equal the cache-off run."""
+    art = deepfuse.compile(swa_model)
+    prefix = [(7 * i) % 120 for i in range(40)]
+    prompts = [prefix + [100 + i, 3, 4] for i in range(4)]
+    want = tokens(engine(art, cache={"enable_prefix_caching": False}).generate(prompts, [GREEDY] * 4))
+    eng = engine(art, num_blocks=32)
+    first = eng.generate(prompts[:1], [GREEDY])[0]
+    assert first.token_ids == want[0] and first.num_cached_tokens == 0
+    # the window policy released the prefix's early blocks while the request ran (least recently
+    # used now); an unrelated request of 80 tokens takes the free blocks and evicts the oldest
+    other = eng.generate([[1 + i % 50 for i in range(80)]], [SamplingParams(temperature=0, max_tokens=1)])[0]
+    assert other.finish_reason == "length" and eng.kv.pool.evictions > 0
+    assert not eng.kv.pool.holds(block_hash(b"", prefix[:4]))  # the prefix's block 0 is gone
+    computed = eng.stats.prompt_tokens_computed
+    got = eng.generate(prompts[1:], [GREEDY] * 3)
+    assert tokens(got) == want[1:]
+    assert [o.num_cached_tokens for o in got] == [40] * 3  # 10 blocks, of which queries from 40 on read 8 and 9
+    assert eng.stats.prompt_tokens_computed - computed == 3 * 3
+    assert eng.kv.pool.num_used() == 0
+
+
+def test_sliding_window_prefix_match_stops_where_the_windows_blocks_are_missing(swa_model):
+    """The match is the longest run of whole blocks whose window is cached; a gap inside the
+    window ends it there, and every block of the table it returns holds a reference."""
+    eng = engine(deepfuse.compile(swa_model), num_blocks=32)
+    kv = eng.kv
+    toks = list(range(1, 42))  # 10 full blocks before the last token
+    seq = kv.match_prefix(toks)
+    assert seq.table == [] and seq.names == []
+    kv.allocate(seq, toks, 40)  # all ten named, as a step that computes them would leave them
+    kv.computed(seq, 40)  # the window policy keeps the blocks positions 33.. live in: 8 and 9
+    assert seq.table[:8] == [-1] * 8 and min(seq.table[8:]) >= 0
+    hit = kv.match_prefix(toks)
+    assert len(hit.table) == 10 and hit.table[:8] == [-1] * 8 and hit.table[8:] == seq.table[8:]
+    assert [kv.pool.refs[b] for b in hit.table[8:]] == [2, 2]
+    kv.free(hit)
+    kv.free(seq)
+    kv.pool.allocate(kv.pool.num_available() - 1)  # evicts every cached block but the last released (8)
+    assert kv.match_prefix(toks).table == []  # block 9 is gone, and no shorter prefix has its window cached
 
 
 def test_random_workload_loses_nothing(tiny_art):

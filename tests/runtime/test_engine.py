@@ -240,15 +240,21 @@ def test_sliding_window_prefix_match_stops_where_the_windows_blocks_are_missing(
     assert kv.match_prefix(toks).table == []  # block 9 is gone, and no shorter prefix has its window cached
 
 
-def test_random_workload_loses_nothing(tiny_art):
-    """Many requests of random sizes through a small cache, arriving over time, some aborted:
-    every request ends exactly once, the pool comes back whole, and each completed request's
-    tokens equal its run alone."""
+@pytest.mark.parametrize("window", [False, True])
+def test_random_workload_loses_nothing(tiny_art, swa_model, window):
+    """Many requests of random sizes, many sharing prefixes, through a small cache, arriving
+    over time, some aborted: every request ends exactly once, the pool comes back whole, and
+    each completed request's tokens equal its run alone. With the sliding window too (prefix
+    hits there come from the window's blocks alone)."""
     import random
 
+    art = deepfuse.compile(swa_model) if window else tiny_art
     rng = random.Random(7)
-    eng = engine(tiny_art, num_blocks=24, max_num_tokens=16, max_num_seqs=6)
-    specs = [([rng.randrange(128) for _ in range(rng.randint(1, 30))], rng.randint(1, 12)) for _ in range(40)]
+    blocks = 12 if window else 24  # a window holds fewer blocks a sequence: a smaller cache still preempts
+    eng = engine(art, num_blocks=blocks, max_num_tokens=16, max_num_seqs=6)
+    bases = [[rng.randrange(128) for _ in range(24)] for _ in range(3)]
+    specs = [(rng.choice(bases)[:rng.randint(0, 24)] + [rng.randrange(128) for _ in range(rng.randint(1, 12))],
+              rng.randint(1, 12)) for _ in range(40)]
     pending = list(enumerate(specs))
     ids, ended, aborted = {}, {}, set()
     step = 0
@@ -268,8 +274,9 @@ def test_random_workload_loses_nothing(tiny_art):
             ended[out.request_id] = out
         step += 1
     assert set(ended) == set(ids) and aborted and eng.scheduler.num_preemptions > 0
-    assert eng.kv.pool.num_used() == 0 and eng.kv.pool.num_available() == 24
-    solo = engine(tiny_art)
+    assert eng.kv.pool.num_used() == 0 and eng.kv.pool.num_available() == blocks
+    assert eng.kv.stats.prefix_hits > 0
+    solo = engine(art, cache={"enable_prefix_caching": False})
     for rid, out in ended.items():
         if rid in aborted:
             continue

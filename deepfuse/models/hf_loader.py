@@ -32,9 +32,49 @@ def _family_fields(cfg: dict) -> dict:
     return dict(qkv_bias=bias, o_bias=bias)
 
 
+def _refuse_what_the_model_cannot_run(cfg: dict) -> None:
+    """Raises DeepfuseError for config fields that change the model's arithmetic in ways
+    models/llama.py does not implement: loading them anyway would give wrong tokens silently."""
+    act = cfg.get("hidden_act") or cfg.get("hidden_activation") or "silu"
+    if act not in ("silu", "swish"):
+        raise DeepfuseError(f"hidden_act {act!r} is not supported yet (the MLP is SwiGLU: silu)")
+    rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    kind = rope.get("rope_type") or rope.get("type") or "default"
+    if kind != "default":
+        raise DeepfuseError(f"rope scaling {kind!r} is not supported yet (only plain RoPE); "
+                            "its rotary frequencies would be wrong at every position")
+    if cfg.get("mlp_bias"):
+        raise DeepfuseError("mlp_bias is not supported yet (the MLP projections have no bias)")
+    if float(cfg.get("partial_rotary_factor", 1.0)) != 1.0:
+        raise DeepfuseError(f"partial_rotary_factor {cfg['partial_rotary_factor']} is not supported yet "
+                            "(RoPE rotates the whole head)")
+
+
+def sliding_window_of(cfg: dict) -> int:
+    """The attention window every layer shares (0: full causal attention). Raises
+    DeepfuseError where layers differ (hybrid models such as Qwen2 with max_window_layers
+    below the layer count): the step has one window and one block table."""
+    n, window = cfg["num_hidden_layers"], int(cfg.get("sliding_window") or 0)
+    types = cfg.get("layer_types")
+    if types:
+        kinds = set(types)
+    elif cfg["model_type"] in ("qwen2", "qwen3_moe"):  # Qwen: layers from max_window_layers on slide
+        first = cfg.get("max_window_layers", n) if cfg.get("use_sliding_window") and window else n
+        kinds = {"full_attention" if i < first else "sliding_attention" for i in range(n)}
+    else:
+        kinds = {"sliding_attention" if window and cfg.get("use_sliding_window", True) else "full_attention"}
+    if kinds == {"full_attention"}:
+        return 0
+    if kinds == {"sliding_attention"} and window:
+        return window
+    raise DeepfuseError(f"layers of types {sorted(kinds)} (window {window}): models that mix sliding-window "
+                        "and full-attention layers are not supported yet")
+
+
 def config_from_hf(cfg: dict) -> LlamaConfig:
     if cfg.get("model_type") not in SUPPORTED:
         raise DeepfuseError(f"model_type {cfg.get('model_type')!r} is not supported yet (supported: {', '.join(SUPPORTED)})")
+    _refuse_what_the_model_cannot_run(cfg)
     heads = cfg["num_attention_heads"]
     rope = cfg.get("rope_parameters") or {}
     return LlamaConfig(**_family_fields(cfg),
@@ -46,7 +86,7 @@ def config_from_hf(cfg: dict) -> LlamaConfig:
         rms_norm_eps=float(cfg["rms_norm_eps"]),
         max_position=cfg.get("max_position_embeddings", 4096),
         tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        sliding_window=int(cfg.get("sliding_window") or 0) if cfg.get("use_sliding_window", True) else 0,
+        sliding_window=sliding_window_of(cfg),
     )
 
 

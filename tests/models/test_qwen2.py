@@ -1,5 +1,6 @@
 """Qwen2 (biases on q/k/v): a tiny random checkpoint written by transformers, parity through
 the compiled path."""
+import pytest
 import torch
 
 import deepfuse
@@ -7,13 +8,16 @@ from deepfuse.models import load_model
 from tests.helpers import greedy_with, hf_greedy
 
 
-def test_qwen2_parity_with_transformers(tmp_path):
+@pytest.mark.parametrize("windows", [{}, {"use_sliding_window": True, "sliding_window": 4, "max_window_layers": 2},
+                                     {"use_sliding_window": True, "sliding_window": 4, "max_window_layers": 0}],
+                         ids=["full", "window-in-no-layer", "window-in-every-layer"])
+def test_qwen2_parity_with_transformers(tmp_path, windows):
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(0)
     hf = Qwen2ForCausalLM(Qwen2Config(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                                      tie_word_embeddings=False)).eval()
+                                      tie_word_embeddings=False, **windows)).eval()
     with torch.no_grad():  # transformers initialises biases to 0: make them matter
         for name, p in hf.named_parameters():
             if name.endswith(".bias"):
@@ -21,6 +25,7 @@ def test_qwen2_parity_with_transformers(tmp_path):
     hf.save_pretrained(tmp_path)
     model, _ = load_model(str(tmp_path), with_tokenizer=False)
     assert model.config.qkv_bias and not model.config.o_bias
+    assert model.config.sliding_window == (4 if windows.get("max_window_layers") == 0 else 0)
     art = deepfuse.compile(model)
     assert art.graph.op_counts()["add_bias"] == 3 * 2
     prompt = [5, 17, 99, 3, 42, 7]
@@ -40,8 +45,6 @@ def qwen2_dict(**kw) -> dict:
 def test_qwen2_windows_follow_max_window_layers():
     """Qwen2 slides only in layers from max_window_layers on: none of them (full attention),
     all of them (one window), or some (hybrid: refused, not silently windowed everywhere)."""
-    import pytest
-
     from deepfuse.errors import DeepfuseError
     from deepfuse.models.hf_loader import config_from_hf
 
@@ -57,8 +60,6 @@ def test_qwen2_windows_follow_max_window_layers():
 
 
 def test_configs_whose_arithmetic_the_model_lacks_are_refused_by_name():
-    import pytest
-
     from deepfuse.errors import DeepfuseError
     from deepfuse.models.hf_loader import config_from_hf
 

@@ -53,6 +53,10 @@ def config_from_gguf(reader) -> LlamaConfig:
     arch = field(reader, "general.architecture")
     if arch != "llama":
         raise DeepfuseError(f"GGUF architecture {arch!r} is not supported yet (supported: llama)")
+    scaling = field(reader, "llama.rope.scaling.type")
+    if scaling not in (None, "", "none"):
+        raise DeepfuseError(f"GGUF rope scaling {scaling!r} (llama.rope.scaling.type) is not supported yet "
+                            "(only plain RoPE); its rotary frequencies would be wrong at every position")
     heads = int(field(reader, "llama.attention.head_count"))
     hidden = int(field(reader, "llama.embedding_length"))
     names = {t.name for t in reader.tensors}
@@ -68,6 +72,9 @@ def config_from_gguf(reader) -> LlamaConfig:
         max_position=int(field(reader, "llama.context_length")),
         tie_embeddings="output.weight" not in names,
     )
+
+
+IGNORED = (".attn_rot_embd",)  # old conversions' stored inverse rotary frequencies: RoPE's own, recomputed
 
 
 def unpermute_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
@@ -90,10 +97,16 @@ def load_gguf(path: str) -> tuple[LlamaConfig, dict[str, torch.Tensor]]:
 
     reader = open_gguf(path)
     config = config_from_gguf(reader)
+    unknown = [t.name for t in reader.tensors if hf_name(t.name) is None and not t.name.endswith(IGNORED)]
+    if unknown:
+        why = ("Llama 3.1-style rope scaling factors, which plain RoPE would ignore" if "rope_freqs.weight" in unknown
+               else "weights the llama model has no place for (biases, experts, ...), which would be dropped")
+        raise DeepfuseError(f"GGUF tensor {unknown[0]} in {path} ({len(unknown)} such tensors) holds {why}; "
+                            "this model is not supported yet")
     weights: dict[str, torch.Tensor] = {}
     for t in tqdm(reader.tensors, desc="loading GGUF weights", unit="tensor", leave=False):
         name = hf_name(t.name)
-        if name is None:
+        if name is None:  # IGNORED
             continue
         try:
             data = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)

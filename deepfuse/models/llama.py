@@ -74,14 +74,24 @@ def step_specs(config: LlamaConfig, dtype: str, kv_cache_dtype: str | None = Non
             *seq, *sampling, *caches]
 
 
+# checkpoint tensors the model may ignore: RoPE's inverse frequencies (recomputed), and a tied
+# head saved beside the embedding it equals
+UNUSED_BY_DESIGN = ("rotary_emb.inv_freq", "lm_head.weight")
+
+
 class Llama:
     """weights: HF-named tensors, all of one float dtype."""
 
     def __init__(self, config: LlamaConfig, weights: dict[str, torch.Tensor]):
         self.config, self.weights = config, weights
-        missing = [n for n in self.weight_names() if n not in weights]
+        names = set(self.weight_names())
+        missing = [n for n in names if n not in weights]
         if missing:
-            raise ValueError(f"checkpoint lacks {len(missing)} weights, e.g. {missing[0]}")
+            raise ValueError(f"checkpoint lacks {len(missing)} weights, e.g. {sorted(missing)[0]}")
+        extra = sorted(n for n in weights if n not in names and not n.endswith(UNUSED_BY_DESIGN))
+        if extra:  # a part of the model this definition lacks: running without it would be wrong
+            raise ValueError(f"checkpoint has {len(extra)} weights this model does not use, e.g. {extra[0]}; "
+                             "its architecture is not supported yet")
 
     def first_layers(self, n: int) -> Llama:
         """The first n decoder layers with the model's final norm and head: a self-drafter for

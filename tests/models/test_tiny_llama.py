@@ -62,3 +62,27 @@ def test_sliding_window_config_matches_transformers_mistral(tmp_path):
         want = hf(torch.tensor([PROMPT])).logits[0, -1]
     got = greedy_with(deepfuse.compile(model), model.config, PROMPT, 1)[1][0]
     assert (got - want).abs().max() <= 1e-4
+
+
+def test_a_checkpoint_with_weights_the_model_does_not_use_is_refused(tiny_dir, tmp_path):
+    """Extra tensors mean a part of the architecture this definition lacks (here an MLP bias):
+    loading is refused with the tensor named; RoPE's stored inverse frequencies are fine."""
+    import shutil
+
+    import pytest
+    from safetensors.torch import load_file, save_file
+
+    from deepfuse.errors import DeepfuseError
+    from deepfuse.models import load_model
+
+    d = tmp_path / "ckpt"
+    shutil.copytree(tiny_dir, d)
+    path = next(d.glob("*.safetensors"))
+    weights = load_file(path)
+    weights["model.layers.0.self_attn.rotary_emb.inv_freq"] = torch.ones(4)
+    save_file(weights, path)
+    load_model(str(d), with_tokenizer=False)
+    weights["model.layers.1.mlp.down_proj.bias"] = torch.zeros(weights["model.norm.weight"].shape)
+    save_file(weights, path)
+    with pytest.raises(DeepfuseError, match=r"1 weights this model does not use, e.g. model.layers.1.mlp.down_proj.bias"):
+        load_model(str(d), with_tokenizer=False)

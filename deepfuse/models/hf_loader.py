@@ -50,25 +50,27 @@ def _refuse_what_the_model_cannot_run(cfg: dict) -> None:
                             "(RoPE rotates the whole head)")
 
 
-def sliding_window_of(cfg: dict) -> int:
-    """The attention window every layer shares (0: full causal attention). Raises
-    DeepfuseError where layers differ (hybrid models such as Qwen2 with max_window_layers
-    below the layer count): the step has one window and one block table."""
+def attention_windows(cfg: dict) -> dict:
+    """The LlamaConfig fields of the layers' attention windows: sliding_window (0: none) and
+    full_attention_layers, the layers that attend to everything in a model whose others slide
+    (Qwen2 below max_window_layers; `layer_types` where the config lists them)."""
     n, window = cfg["num_hidden_layers"], int(cfg.get("sliding_window") or 0)
     types = cfg.get("layer_types")
     if types:
-        kinds = set(types)
+        unknown = set(types) - {"full_attention", "sliding_attention"}
+        if unknown:
+            raise DeepfuseError(f"layer_types {sorted(unknown)} are not supported yet")
+        sliding = [t == "sliding_attention" for t in types]
     elif cfg["model_type"] in ("qwen2", "qwen3_moe"):  # Qwen: layers from max_window_layers on slide
         first = cfg.get("max_window_layers", n) if cfg.get("use_sliding_window") and window else n
-        kinds = {"full_attention" if i < first else "sliding_attention" for i in range(n)}
+        sliding = [i >= first for i in range(n)]
     else:
-        kinds = {"sliding_attention" if window and cfg.get("use_sliding_window", True) else "full_attention"}
-    if kinds == {"full_attention"}:
-        return 0
-    if kinds == {"sliding_attention"} and window:
-        return window
-    raise DeepfuseError(f"layers of types {sorted(kinds)} (window {window}): models that mix sliding-window "
-                        "and full-attention layers are not supported yet")
+        sliding = [bool(window) and cfg.get("use_sliding_window", True) is not False] * n
+    if not any(sliding):
+        return {"sliding_window": 0}
+    if not window:
+        raise DeepfuseError("layer_types has sliding_attention layers but the config sets no sliding_window")
+    return {"sliding_window": window, "full_attention_layers": tuple(i for i, s in enumerate(sliding) if not s)}
 
 
 def config_from_hf(cfg: dict) -> LlamaConfig:
@@ -86,7 +88,7 @@ def config_from_hf(cfg: dict) -> LlamaConfig:
         rms_norm_eps=float(cfg["rms_norm_eps"]),
         max_position=cfg.get("max_position_embeddings", 4096),
         tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        sliding_window=sliding_window_of(cfg),
+        **attention_windows(cfg),
     )
 
 

@@ -40,16 +40,28 @@ class LlamaConfig:
     moe_intermediate_size: int = 0
     renormalize_topk: bool = False  # divide the top-k routing weights by their sum
     dense_layers: tuple[int, ...] = ()  # layers that keep the dense MLP in a MoE model
+    full_attention_layers: tuple[int, ...] = ()  # with a sliding window: layers that attend to everything
 
     def to_dict(self) -> dict:
         return asdict(self)
 
     @staticmethod
     def from_dict(d: dict) -> LlamaConfig:
-        return LlamaConfig(**{**d, "dense_layers": tuple(d.get("dense_layers", ()))})
+        return LlamaConfig(**{**d, "dense_layers": tuple(d.get("dense_layers", ())),
+                              "full_attention_layers": tuple(d.get("full_attention_layers", ()))})
 
     def is_moe_layer(self, i: int) -> bool:
         return self.num_experts > 0 and i not in self.dense_layers
+
+    def window_of(self, i: int) -> int:
+        """Layer i's attention window (0: full causal attention)."""
+        return 0 if i in self.full_attention_layers else self.sliding_window
+
+    @property
+    def cache_window(self) -> int:
+        """The window the KV cache may keep per sequence: 0 (every position) when any layer
+        attends to everything, since today every layer shares one block table."""
+        return 0 if any(self.window_of(i) == 0 for i in range(self.num_layers)) else self.sliding_window
 
 
 KV_CACHE_DTYPES = ("int8",)  # besides the model's own float dtype (None)
@@ -101,7 +113,8 @@ class Llama:
         if not 1 <= n < self.config.num_layers:
             raise ValueError(f"a draft of the first {n} layers needs 1 <= n < {self.config.num_layers}")
         cfg = dataclasses.replace(self.config, num_layers=n,
-                                  dense_layers=tuple(i for i in self.config.dense_layers if i < n))
+                                  dense_layers=tuple(i for i in self.config.dense_layers if i < n),
+                                  full_attention_layers=tuple(i for i in self.config.full_attention_layers if i < n))
         keep = set(self.weight_names(cfg))
         return Llama(cfg, {k: v for k, v in self.weights.items() if k in keep})
 
@@ -155,7 +168,7 @@ class Llama:
             v = self.proj(x, p + "self_attn.v_proj", c.qkv_bias)
             a = ops.attention(q, k, v, kv_caches[i], slot_mapping, block_tables, seq_lens, query_lens,
                               num_heads=c.num_heads, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim,
-                              scale=1.0 / math.sqrt(c.head_dim), window=c.sliding_window,
+                              scale=1.0 / math.sqrt(c.head_dim), window=c.window_of(i),
                               sinks=w[p + "self_attn.sinks"] if c.attention_sinks else None)
             h = ops.add(h, self.proj(a, p + "self_attn.o_proj", c.o_bias))
             x = ops.rms_norm(h, w[p + "post_attention_layernorm.weight"], eps=c.rms_norm_eps)

@@ -57,7 +57,7 @@ class Engine:
         kv = model.kv_cache_type
         self.cache = KVCache(c.num_layers, c.num_kv_heads, kv.shape[4], DTYPES[kv.dtype], cache or CacheConfig(),
                              model.device)
-        self.kv = KVCacheManager(self.cache, window=c.sliding_window or 0)
+        self.kv = KVCacheManager(self.cache, window=c.cache_window)
         self.scheduler = Scheduler(self.kv, SchedulerConfig(max_num_tokens, max_num_seqs))
         self.max_model_len = min(c.max_position, self.cache.config.num_blocks * self.cache.block_size)
         self.buffers = StepBuffers(max_num_tokens, max_num_seqs, -(-self.max_model_len // self.cache.block_size))

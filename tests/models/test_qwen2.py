@@ -5,13 +5,19 @@ import torch
 
 import deepfuse
 from deepfuse.models import load_model
+from deepfuse.runtime.engine import Engine, SamplingParams
+from deepfuse.runtime.kv_cache import CacheConfig
 from tests.helpers import greedy_with, hf_greedy
 
+SLIDING = {"use_sliding_window": True, "sliding_window": 4}
 
-@pytest.mark.parametrize("windows", [{}, {"use_sliding_window": True, "sliding_window": 4, "max_window_layers": 2},
-                                     {"use_sliding_window": True, "sliding_window": 4, "max_window_layers": 0}],
-                         ids=["full", "window-in-no-layer", "window-in-every-layer"])
-def test_qwen2_parity_with_transformers(tmp_path, windows):
+
+@pytest.mark.parametrize("windows,layout", [({}, (0, ())), ({**SLIDING, "max_window_layers": 2}, (0, ())),
+                                          ({**SLIDING, "max_window_layers": 0}, (4, ())),
+                                          ({**SLIDING, "max_window_layers": 1}, (4, (0,)))],
+                         ids=["full", "window-in-no-layer", "window-in-every-layer", "hybrid"])
+def test_qwen2_parity_with_transformers(tmp_path, windows, layout):
+    """Through the engine too (ragged steps, its block policy: a hybrid keeps every block)."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(0)
@@ -25,7 +31,7 @@ def test_qwen2_parity_with_transformers(tmp_path, windows):
     hf.save_pretrained(tmp_path)
     model, _ = load_model(str(tmp_path), with_tokenizer=False)
     assert model.config.qkv_bias and not model.config.o_bias
-    assert model.config.sliding_window == (4 if windows.get("max_window_layers") == 0 else 0)
+    assert (model.config.sliding_window, model.config.full_attention_layers) == layout
     art = deepfuse.compile(model)
     assert art.graph.op_counts()["add_bias"] == 3 * 2
     prompt = [5, 17, 99, 3, 42, 7]
@@ -33,6 +39,10 @@ def test_qwen2_parity_with_transformers(tmp_path, windows):
     got, logits = greedy_with(art, model.config, prompt, 16)
     assert got == want
     assert (logits[0] - want_logits).abs().max().item() <= 1e-4
+    eng = Engine(art, CacheConfig(block_size=4, num_blocks=32), max_num_tokens=4)  # the prompt in two chunks
+    assert eng.kv.window == (0 if layout[1] else layout[0])
+    out = eng.generate([prompt, prompt[:3]], [SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)] * 2)
+    assert out[0].token_ids == want
 
 
 def qwen2_dict(**kw) -> dict:
@@ -43,20 +53,23 @@ def qwen2_dict(**kw) -> dict:
 
 
 def test_qwen2_windows_follow_max_window_layers():
-    """Qwen2 slides only in layers from max_window_layers on: none of them (full attention),
-    all of them (one window), or some (hybrid: refused, not silently windowed everywhere)."""
-    from deepfuse.errors import DeepfuseError
+    """Qwen2 slides only in layers from max_window_layers on: none, all, or some of them (the
+    rest attend to everything), whether the config lists layer_types or not (older ones)."""
     from deepfuse.models.hf_loader import config_from_hf
 
-    assert config_from_hf(qwen2_dict()).sliding_window == 0
-    assert config_from_hf(qwen2_dict(use_sliding_window=True, sliding_window=64, max_window_layers=4)).sliding_window == 0
-    assert config_from_hf(qwen2_dict(use_sliding_window=True, sliding_window=64, max_window_layers=0)).sliding_window == 64
-    cfg = qwen2_dict(use_sliding_window=True, sliding_window=64, max_window_layers=2)
-    with pytest.raises(DeepfuseError, match="mix sliding-window and full-attention layers"):
-        config_from_hf(cfg)
+    def windows(**kw):
+        c = config_from_hf(qwen2_dict(**kw))
+        return c.sliding_window, c.full_attention_layers, c.cache_window
+
+    assert windows() == (0, (), 0)
+    assert windows(use_sliding_window=True, sliding_window=64, max_window_layers=4) == (0, (), 0)
+    assert windows(use_sliding_window=True, sliding_window=64, max_window_layers=0) == (64, (), 64)
+    assert windows(use_sliding_window=True, sliding_window=64, max_window_layers=2) == (64, (0, 1), 0)
+    cfg = qwen2_dict(use_sliding_window=True, sliding_window=64, max_window_layers=3)
     cfg.pop("layer_types")  # as an older transformers wrote it: derived from max_window_layers
-    with pytest.raises(DeepfuseError, match="mix sliding-window and full-attention layers"):
-        config_from_hf(cfg)
+    c = config_from_hf(cfg)
+    assert (c.sliding_window, c.full_attention_layers) == (64, (0, 1, 2))
+    assert [c.window_of(i) for i in range(4)] == [0, 0, 0, 64]
 
 
 def test_configs_whose_arithmetic_the_model_lacks_are_refused_by_name():

@@ -1,5 +1,7 @@
 """Qwen2 (biases on q/k/v): a tiny random checkpoint written by transformers, parity through
 the compiled path."""
+import json
+
 import pytest
 import torch
 
@@ -70,6 +72,7 @@ def test_qwen2_windows_follow_max_window_layers():
     c = config_from_hf(cfg)
     assert (c.sliding_window, c.full_attention_layers) == (64, (0, 1, 2))
     assert [c.window_of(i) for i in range(4)] == [0, 0, 0, 64]
+    assert type(c).from_dict(json.loads(json.dumps(c.to_dict()))) == c  # as an artifact's manifest keeps it
 
 
 def test_configs_whose_arithmetic_the_model_lacks_are_refused_by_name():

@@ -59,7 +59,7 @@ class Engine:
                              model.device)
         self.kv = KVCacheManager(self.cache, window=c.cache_window)
         self.scheduler = Scheduler(self.kv, SchedulerConfig(max_num_tokens, max_num_seqs))
-        self.max_model_len = min(c.max_position, self.cache.config.num_blocks * self.cache.block_size)
+        self.max_model_len = self._max_model_len(max_num_tokens)
         self.buffers = StepBuffers(max_num_tokens, max_num_seqs, -(-self.max_model_len // self.cache.block_size))
         self.tokenizer = model.tokenizer
         self.eos = set(model.tokenizer.eos_ids) if model.tokenizer else set()
@@ -72,6 +72,16 @@ class Engine:
         # keep Request.hidden, the hidden state that sampled each request's last token (MTP drafting, training)
         self.keep_hidden = bool(getattr(self.drafter, "needs_hidden", False))
         self._next_id = 0
+
+    def _max_model_len(self, budget: int) -> int:
+        """The longest sequence (prompt + output) a request may ask for: the model's context,
+        capped by the cache's tokens. Under a sliding window a sequence holds only its window's
+        blocks and one step's chunk (at most ceil(W/BS) + ceil(budget/BS) + 2 blocks), so where
+        the cache holds that many a lone request always fits, and the cache does not cap it."""
+        c, bs, blocks = self.model.config, self.cache.block_size, self.cache.config.num_blocks
+        if self.kv.window and blocks >= -(-self.kv.window // bs) + -(-budget // bs) + 2:
+            return c.max_position
+        return min(c.max_position, blocks * bs)
 
     # ---- requests -------------------------------------------------------------------------
 

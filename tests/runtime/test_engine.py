@@ -240,6 +240,26 @@ def test_sliding_window_prefix_match_stops_where_the_windows_blocks_are_missing(
     assert kv.match_prefix(toks).table == []  # block 9 is gone, and no shorter prefix has its window cached
 
 
+def test_sliding_window_sequences_may_outgrow_the_cache(swa_model):
+    """Window 8, blocks of 4, an 8-token budget: a sequence holds at most 6 blocks, so a cache of
+    6 blocks (24 tokens) runs two requests of 60-64 tokens, preempting one for the other, with
+    the tokens eager decoding gives. A cache too small for that bound caps sequences as before."""
+    from tests.helpers import eager_step, greedy_with
+
+    art = deepfuse.compile(swa_model)
+    eng = engine(art, num_blocks=6, max_num_tokens=8)
+    assert eng.max_model_len == swa_model.config.max_position
+    prompts = [[(5 * i + 1) % 120 for i in range(40)], [(3 * i + 2) % 120 for i in range(44)]]
+    outs = eng.generate(prompts, [SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)] * 2)
+    for prompt, out in zip(prompts, outs):
+        want, _ = greedy_with(eager_step(swa_model), swa_model.config, prompt, 20)
+        assert out.finish_reason == "length" and out.token_ids == want
+    assert eng.scheduler.num_preemptions > 0 and eng.kv.pool.num_used() == 0
+    small = engine(art, num_blocks=5, max_num_tokens=8)
+    assert small.max_model_len == 20
+    assert small.generate([prompts[0]], [GREEDY])[0].finish_reason == "error"
+
+
 @pytest.mark.parametrize("window", [False, True])
 def test_random_workload_loses_nothing(tiny_art, swa_model, window):
     """Many requests of random sizes, many sharing prefixes, through a small cache, arriving

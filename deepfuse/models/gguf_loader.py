@@ -106,7 +106,7 @@ def load_gguf(path: str) -> tuple[LlamaConfig, dict[str, torch.Tensor]]:
     weights: dict[str, torch.Tensor] = {}
     for t in tqdm(reader.tensors, desc="loading GGUF weights", unit="tensor", leave=False):
         name = hf_name(t.name)
-        if name is None:  # IGNORED
+        if name is None:  # an IGNORED tensor: any other was refused above
             continue
         try:
             data = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)

@@ -61,7 +61,7 @@ class LlamaConfig:
     def cache_window(self) -> int:
         """The window the KV cache may keep per sequence: 0 (every position) when any layer
         attends to everything, since today every layer shares one block table."""
-        return 0 if any(self.window_of(i) == 0 for i in range(self.num_layers)) else self.sliding_window
+        return 0 if self.full_attention_layers else self.sliding_window
 
 
 KV_CACHE_DTYPES = ("int8",)  # besides the model's own float dtype (None)

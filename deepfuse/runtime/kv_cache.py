@@ -209,8 +209,11 @@ class KVCacheManager:
                 break
             names.append(parent)
         count = len(names)
-        while count and any(not self.pool.holds(names[i]) for i in range(self.first_needed(count * self.bs), count)):
-            count -= 1
+        while count:  # a missing block j rules out every longer prefix whose window reaches it
+            missing = [i for i in range(self.first_needed(count * self.bs), count) if not self.pool.holds(names[i])]
+            if not missing:
+                break
+            count = missing[-1]
         first = self.first_needed(count * self.bs)
         seq.table = [-1] * first + [self.pool.lookup(name) for name in names[first:count]]
         seq.names = names[:count]

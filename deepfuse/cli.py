@@ -68,6 +68,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def _generate(args: argparse.Namespace) -> None:
     from .errors import DeepfuseError
+    from .runtime.detokenize import IncrementalText
     from .runtime.engine import SamplingParams
     from .runtime.llm import LLM
     from .runtime.spec import SpecConfig
@@ -84,21 +85,17 @@ def _generate(args: argparse.Namespace) -> None:
     params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                             max_tokens=args.max_tokens, seed=args.seed)
     generated: list[int] = []
-    shown = 0
+    shown = IncrementalText(tok.decode)  # the text printed so far
 
     def on_token(_: int, token: int) -> None:
-        nonlocal shown
         generated.append(token)
-        text = tok.decode(generated)
-        if not text.endswith("\ufffd"):  # wait for the rest of a multi-byte character
-            sys.stdout.write(text[shown:])
-            sys.stdout.flush()
-            shown = len(text)
+        sys.stdout.write(shown.add(generated))  # "" while a multi-byte character is incomplete
+        sys.stdout.flush()
 
     out = llm.generate([prompt], params, on_token)[0]
     if out.error is not None:
         raise out.error
-    sys.stdout.write(out.text[shown:] + "\n")
+    sys.stdout.write(out.text[len(shown.text):] + "\n")
     n = len(out.token_ids)
     spec_note = f", drafts accepted {out.spec.acceptance_rate:.0%}" if out.spec is not None else ""
     print(f"[{n} tokens, {out.total_s:.2f}s, first token {out.ttft_s * 1000:.0f} ms, "

@@ -30,6 +30,7 @@ from ..codegen.cpu import native
 from ..errors import DeepfuseError
 from ..ir import DTYPES
 from .batch import SeqChunk, StepBuffers
+from .detokenize import IncrementalText, find_stop
 from .kv_cache import CacheConfig, KVCache, KVCacheManager
 from .mtp import MtpDrafter
 from .request import Request, RequestOutput, SamplingParams
@@ -152,6 +153,8 @@ class Engine:
         finished, row = [], 0
         for (req, n), chunk in zip(scheduled, chunks):
             first, row = row, row + chunk.samples
+            if req.finish == "abort":  # by an on_token callback earlier in this step
+                continue
             start = req.computed
             self.stats.tokens_computed += n
             req.draft = []
@@ -178,7 +181,7 @@ class Engine:
                     on_token(req.request_id, tok)
                 if req.finish:
                     break
-            if req.finish:
+            if req.finish and req.finish != "abort":  # (aborted by on_token: abort() returned it)
                 self.scheduler.finish(req)
                 del self.requests[req.request_id]
                 finished.append(self._output(req))
@@ -287,17 +290,20 @@ class Engine:
             req.logprobs.append(entry)
         if tok in p.stop_token_ids or (not p.ignore_eos and tok in self.eos):
             req.finish = "stop"
-        elif p.stop and self.tokenizer is not None:
-            text = self.tokenizer.decode(req.generated)
-            hits = [i for i in (text.find(s, max(0, len(req.text) - len(s))) for s in p.stop) if i >= 0]
-            req.text = text
-            if hits:
-                req.text, req.finish = text[:min(hits)], "stop"
+        elif p.stop and self.tokenizer is not None:  # the new tokens' text only (detokenize.py)
+            if req.detok is None:
+                req.detok = IncrementalText(self.tokenizer.decode)
+            searched = len(req.detok.text)
+            if req.detok.add(req.generated):
+                at = find_stop(req.detok.text, p.stop, searched)
+                if at >= 0:
+                    req.stop_text, req.finish = req.detok.text[:at], "stop"
         if req.finish is None and len(req.generated) >= p.max_tokens:
             req.finish = "length"
 
     def _output(self, req: Request) -> RequestOutput:
-        text = req.text if req.params.stop else (self.tokenizer.decode(req.generated) if self.tokenizer else "")
+        text = req.stop_text if req.stop_text is not None else \
+            (self.tokenizer.decode(req.generated) if self.tokenizer else "")
         return RequestOutput(req.request_id, req.prompt, req.generated, text, req.finish or "abort",
                              ttft_s=req.token_times[0] if req.token_times else 0.0,
                              total_s=time.perf_counter() - req.arrival, token_times=req.token_times,
@@ -316,20 +322,27 @@ class Engine:
             raise DeepfuseError(f"{len(params)} SamplingParams for {len(prompts)} prompts")
         outputs: list[RequestOutput | None] = [None] * len(prompts)
         index: dict[str, int] = {}
+        added: dict[str, Request] = {}
         for i, (prompt, p) in enumerate(zip(prompts, params)):
             try:
-                index[self.add_request(prompt, p)] = i
+                rid = self.add_request(prompt, p)
+                index[rid], added[rid] = i, self.requests[rid]
             except DeepfuseError as e:
                 outputs[i] = RequestOutput("", list(prompt) if isinstance(prompt, list) else [], [], "", "error", e)
         def stream(rid: str, tok: int) -> None:
             if on_token and rid in index:  # requests added elsewhere may run in these steps too
                 on_token(index[rid], tok)
 
+        left = len(index)
         with tqdm(total=len(index), desc="requests", unit="req", disable=not use_tqdm, leave=False) as bar:
-            while any(o is None for o in outputs):
+            while left and self.has_unfinished():
                 for out in self.step(stream if on_token else None):
                     if out.request_id in index:  # requests added elsewhere may finish here too
                         outputs[index[out.request_id]] = out
+                        left -= 1
                         bar.update()
+        for rid, i in index.items():  # aborted by on_token: what abort() returned
+            if outputs[i] is None:
+                outputs[i] = self._output(added[rid])
         return outputs  # type: ignore[return-value]
 

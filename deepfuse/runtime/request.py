@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..errors import DeepfuseError
+from .detokenize import IncrementalText
 from .kv_cache import SeqBlocks
 from .spec import SpecStats
 
@@ -94,7 +95,8 @@ class Request:
     generated: list[int] = field(default_factory=list)
     token_times: list[float] = field(default_factory=list)
     logprobs: list[dict[int, float]] = field(default_factory=list)
-    text: str = ""
+    detok: IncrementalText | None = None  # the text so far, where the request has stop strings
+    stop_text: str | None = None  # the text up to the stop string that ended the request
     finish: str | None = None
     num_cached_tokens: int = 0
     num_preemptions: int = 0

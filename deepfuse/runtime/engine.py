@@ -91,19 +91,24 @@ class Engine:
         if not isinstance(params, SamplingParams):
             raise DeepfuseError(f"params must be SamplingParams, got {type(params).__name__}")
         params.validate()
+        if not isinstance(prompt, list) or any(not isinstance(t, int) or isinstance(t, bool) for t in prompt):
+            got = type(prompt).__name__ if not isinstance(prompt, list) else \
+                f"a list holding {next(type(t).__name__ for t in prompt if not isinstance(t, int) or isinstance(t, bool))}"
+            raise DeepfuseError(f"prompt must be token ids (a list of ints) or, for LLM, a string; got {got}")
         if not prompt:
             raise DeepfuseError("prompt is empty")
         if len(prompt) + params.max_tokens > self.max_model_len:
             raise DeepfuseError(f"prompt of {len(prompt)} tokens + max_tokens {params.max_tokens} exceeds "
                                 f"the context (max_model_len {self.max_model_len}); shorten the prompt or lower max_tokens")
         vocab = self.model.config.vocab_size
-        if any(not isinstance(t, int) or not 0 <= t < vocab for t in prompt):
+        if any(not 0 <= t < vocab for t in prompt):
             raise DeepfuseError(f"prompt has token ids outside the vocabulary [0, {vocab})")
 
     def add_request(self, prompt: list[int], params: SamplingParams, request_id: str | None = None) -> str:
         """Queues a request; returns its id. Invalid requests raise and change nothing."""
-        prompt = list(prompt)
+        prompt = list(prompt) if isinstance(prompt, tuple) else prompt
         self.check(prompt, params)
+        prompt = list(prompt)  # the caller's list is not shared
         if request_id is None:
             request_id = str(self._next_id)
             self._next_id += 1

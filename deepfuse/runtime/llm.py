@@ -68,7 +68,7 @@ class LLM:
         come back with finish_reason "error" and `error` set; the others still run."""
         if isinstance(prompts, str):
             prompts = [prompts]
-        ids = [self.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts]
+        ids = [self.tokenizer.encode(p) if isinstance(p, str) else p for p in prompts]  # the engine checks the rest
         params = params or SamplingParams()
         plist = params if isinstance(params, list) else [params] * len(ids)
         return self.engine.generate(ids, plist, on_token, use_tqdm=use_tqdm and len(ids) > 1)

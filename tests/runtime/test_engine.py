@@ -160,6 +160,17 @@ def test_bad_requests_fail_alone_and_the_rest_complete(tiny_art):
         eng.add_request([1], GREEDY, request_id="x")
 
 
+def test_prompts_of_the_wrong_type_fail_alone(tiny_art):
+    eng = engine(tiny_art)
+    bad = [5, None, [1.5, 2], ["a"], [[1, 2]], [True, 3], {"x": 1}]
+    outs = eng.generate([PROMPTS[0], *bad, (1, 2, 3)], [GREEDY] * (len(bad) + 2))
+    assert outs[0].finish_reason == outs[-1].finish_reason == "length"  # a tuple of ids is a prompt too
+    for o, want in zip(outs[1:-1], ["got int", "got NoneType", "holding float", "holding str", "holding list",
+                                    "holding bool", "got dict"]):
+        assert o.finish_reason == "error" and isinstance(o.error, ValueError), o
+        assert str(o.error).startswith("prompt must be token ids") and want in str(o.error), o.error
+
+
 @pytest.fixture(scope="module")
 def swa_model(tiny_dir, tmp_path_factory):
     """The tiny model as a Mistral-style checkpoint with a sliding window of 8."""

@@ -271,29 +271,43 @@ def test_sliding_window_sequences_may_outgrow_the_cache(swa_model):
     assert small.generate([prompts[0]], [GREEDY])[0].finish_reason == "error"
 
 
-@pytest.mark.parametrize("window", [False, True])
-def test_random_workload_loses_nothing(tiny_art, swa_model, window):
-    """Many requests of random sizes, many sharing prefixes, through a small cache, arriving
-    over time, some aborted: every request ends exactly once, the pool comes back whole, and
-    each completed request's tokens equal its run alone. With the sliding window too (prefix
-    hits there come from the window's blocks alone)."""
+@pytest.mark.parametrize("window,spec", [(False, False), (True, False), (False, True)])
+def test_random_workload_loses_nothing(tiny_art, swa_model, window, spec):
+    """Many requests of random sizes, many sharing prefixes, greedy or seeded sampling, some with
+    stop ids or logprobs, through a small cache, arriving over time, some aborted: every request
+    ends exactly once, the pool comes back whole, and each completed request's tokens equal its
+    run alone. With the sliding window too (prefix hits there come from the window's blocks
+    alone), and with speculative decoding (n-gram drafts verified in the step)."""
     import random
+
+    from deepfuse.runtime.spec import SpecConfig
 
     art = deepfuse.compile(swa_model) if window else tiny_art
     rng = random.Random(7)
     blocks = 12 if window else 24  # a window holds fewer blocks a sequence: a smaller cache still preempts
-    eng = engine(art, num_blocks=blocks, max_num_tokens=16, max_num_seqs=6)
+    drafts = SpecConfig(num_draft_tokens=3, schedule="fixed") if spec else None
+    eng = engine(art, num_blocks=blocks, max_num_tokens=16, max_num_seqs=6, spec=drafts)
     bases = [[rng.randrange(128) for _ in range(24)] for _ in range(3)]
+
+    def params() -> SamplingParams:
+        kind = rng.choice(["greedy", "seeded", "stop", "logprobs"])
+        n = rng.randint(1, 12)
+        if kind == "seeded":
+            return SamplingParams(temperature=0.8, top_k=rng.choice([0, 20]), max_tokens=n, seed=rng.randrange(99),
+                                  ignore_eos=True)
+        return SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, logprobs=2 if kind == "logprobs" else None,
+                              stop_token_ids=rng.sample(range(128), 12) if kind == "stop" else [])
+
     specs = [(rng.choice(bases)[:rng.randint(0, 24)] + [rng.randrange(128) for _ in range(rng.randint(1, 12))],
-              rng.randint(1, 12)) for _ in range(40)]
+              params()) for _ in range(40)]
     pending = list(enumerate(specs))
     ids, ended, aborted = {}, {}, set()
     step = 0
     while pending or eng.has_unfinished():
         for _ in range(rng.randint(0, 3)):
             if pending:
-                i, (prompt, n) = pending.pop(0)
-                ids[eng.add_request(prompt, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))] = i
+                i, (prompt, p) = pending.pop(0)
+                ids[eng.add_request(prompt, p)] = i
         if step % 7 == 3 and eng.requests:
             rid = rng.choice(sorted(eng.requests))
             out = eng.abort(rid)
@@ -307,14 +321,22 @@ def test_random_workload_loses_nothing(tiny_art, swa_model, window):
     assert set(ended) == set(ids) and aborted and eng.scheduler.num_preemptions > 0
     assert eng.kv.pool.num_used() == 0 and eng.kv.pool.num_available() == blocks
     assert eng.kv.stats.prefix_hits > 0
+    if spec:
+        assert eng.spec_stats.accepted > 0
     solo = engine(art, cache={"enable_prefix_caching": False})
+    stopped = 0
     for rid, out in ended.items():
         if rid in aborted:
             continue
-        prompt, n = specs[ids[rid]]
-        assert out.finish_reason == "length" and len(out.token_ids) == n
-        alone = solo.generate([prompt], [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)])[0]
-        assert out.token_ids == alone.token_ids
+        prompt, p = specs[ids[rid]]
+        alone = solo.generate([prompt], [p])[0]
+        assert (out.finish_reason, out.token_ids) == (alone.finish_reason, alone.token_ids)
+        stopped += out.finish_reason == "stop"
+        if p.logprobs:
+            assert len(out.logprobs) == len(out.token_ids) and all(t in lp for t, lp in zip(out.token_ids, out.logprobs))
+            for a, b in zip(out.logprobs, alone.logprobs):
+                assert a.keys() == b.keys() and all(abs(a[k] - b[k]) < 1e-4 for k in a)
+    assert stopped > 0
 
 
 def test_cache_layers_are_zeroed_separate_and_on_huge_page_boundaries():

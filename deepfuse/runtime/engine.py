@@ -33,6 +33,7 @@ from .batch import SeqChunk, StepBuffers
 from .detokenize import IncrementalText, find_stop
 from .kv_cache import CacheConfig, KVCache, KVCacheManager
 from .mtp import MtpDrafter
+from .penalties import TokenCounts, adjust, draw, needs_host_sampling
 from .request import Request, RequestOutput, SamplingParams
 from .scheduler import Scheduler, SchedulerConfig
 from .spec import LatencyModel, ModelDrafter, NgramDrafter, SpecConfig, SpecStats, choose_drafts
@@ -141,20 +142,23 @@ class Engine:
         scheduled = self.scheduler.schedule()
         if not scheduled:
             return []
-        chunks = []
+        chunks, host = [], []
         for req, n in scheduled:
             p = req.params
             verify = req.remaining == 1 and n > 1  # the last token and n - 1 drafts
             toks = [req.tokens[req.computed], *req.draft[:n - 1]] if verify else req.tokens[req.computed:req.computed + n]
-            chunks.append(SeqChunk(toks, req.computed, req.kv.table, float(p.temperature), p.top_k, p.top_p, req.seed,
-                                   samples=n if verify else 1))
+            host.append(self._host_sampled(req))  # penalties.py draws its token: the step only takes the argmax
+            chunks.append(SeqChunk(toks, req.computed, req.kv.table, 0.0 if host[-1] else float(p.temperature),
+                                   p.top_k, p.top_p, req.seed, samples=n if verify else 1))
         t0 = time.perf_counter()
-        logits, next_tokens, hidden = self.model(self.buffers.fill(chunks, self.cache))
+        inputs = self.buffers.fill(chunks, self.cache)
+        logits, next_tokens, hidden = self.model(inputs)
         now = time.perf_counter()
         if self.latency is not None:
             self.latency.observe(len(chunks), sum(len(c.tokens) for c in chunks), (now - t0) * 1000)
         self.stats.steps += 1
         sampled = next_tokens.tolist()
+        drawn = self._draw_on_host(scheduled, chunks, host, logits, inputs["seeds"])
         finished, row = [], 0
         for (req, n), chunk in zip(scheduled, chunks):
             first, row = row, row + chunk.samples
@@ -173,7 +177,7 @@ class Engine:
                 req.computed += 1 + accepted
             else:
                 req.computed += n
-                new = [sampled[first]]
+                new = [drawn.get(first, sampled[first])]
             self.stats.prompt_tokens_computed += max(0, min(req.computed, len(req.prompt)) - start)
             self.kv.computed(req.kv, req.computed)
             if req.remaining > 0:
@@ -192,6 +196,34 @@ class Engine:
                 finished.append(self._output(req))
         return finished
 
+    def _stop_ids(self, p: SamplingParams) -> set[int]:
+        return set(p.stop_token_ids) | (set() if p.ignore_eos else self.eos)
+
+    def _host_sampled(self, req: Request) -> bool:
+        """Whether req's next token is drawn by penalties.py (penalties, or min_tokens not reached)."""
+        return needs_host_sampling(req.params, len(req.generated), self._stop_ids(req.params))
+
+    def _draw_on_host(self, scheduled: list[tuple[Request, int]], chunks: list[SeqChunk], host: list[bool],
+                      logits: torch.Tensor, keys: torch.Tensor) -> dict[int, int]:
+        """The tokens penalties.py draws for this step's host-sampled requests that finish their
+        chunk (logits [R, V], keys [R]: the step's sampled rows): sample row -> token."""
+        picks, row = [], 0
+        for (req, n), chunk, on_host in zip(scheduled, chunks, host):
+            if on_host and chunk.samples == 1 and req.remaining == n:  # not a mid-prompt chunk
+                picks.append((row, req))
+            row += chunk.samples
+        if not picks:
+            return {}
+        rows = [r for r, _ in picks]
+        for _, req in picks:
+            if req.counts is None:
+                req.counts = TokenCounts(req.prompt, req.generated)
+        params = [req.params for _, req in picks]
+        adjusted = logits[torch.tensor(rows, device=logits.device)].to("cpu", torch.float32)  # a copy: logprobs stay raw
+        adjust(adjusted, params, [req.counts for _, req in picks],
+               [sorted(self._stop_ids(p)) if len(req.generated) < p.min_tokens else [] for p, (_, req) in zip(params, picks)])
+        return dict(zip(rows, draw(adjusted, params, [int(keys[r]) for r in rows])))
+
     def _draft(self) -> None:
         """Proposes drafts for every running request that is decoding (speculative decoding)."""
         if self.drafter is None:
@@ -203,8 +235,11 @@ class Engine:
                 base += req.remaining
                 others += 1
                 continue
-            # no drafts past max_tokens or the context: they could never be kept
+            # no drafts past max_tokens or the context: they could never be kept; none where the
+            # host draws the token (the step verifies drafts against its own, unpenalized, samples)
             room = min(k, req.params.max_tokens - len(req.generated) - 1, self.max_model_len - len(req.tokens))
+            if self._host_sampled(req):
+                room = 0
             decoding.append(req)
             ks.append(max(room, 0))
         drafts = self.drafter.propose_batch(decoding, ks)
@@ -287,19 +322,22 @@ class Engine:
         req.generated.append(tok)
         req.token_times.append(now - req.arrival)
         self.stats.tokens_generated += 1
+        if req.counts is not None:
+            req.counts.add(tok)
         if p.logprobs is not None:
             lp = torch.log_softmax(logits.float(), -1)
             top = lp.topk(p.logprobs) if p.logprobs else None
             entry = {int(i): float(v) for i, v in zip(top.indices, top.values)} if top is not None else {}
             entry[tok] = float(lp[tok])
             req.logprobs.append(entry)
-        if tok in p.stop_token_ids or (not p.ignore_eos and tok in self.eos):
+        stoppable = len(req.generated) >= p.min_tokens
+        if stoppable and (tok in p.stop_token_ids or (not p.ignore_eos and tok in self.eos)):
             req.finish = "stop"
         elif p.stop and self.tokenizer is not None:  # the new tokens' text only (detokenize.py)
             if req.detok is None:
                 req.detok = IncrementalText(self.tokenizer.decode)
             searched = len(req.detok.text)
-            if req.detok.add(req.generated):
+            if req.detok.add(req.generated) and stoppable:
                 at = find_stop(req.detok.text, p.stop, searched)
                 if at >= 0:
                     req.stop_text, req.finish = req.detok.text[:at], "stop"

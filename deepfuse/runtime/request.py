@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -12,12 +13,17 @@ from .detokenize import IncrementalText
 from .kv_cache import SeqBlocks
 from .spec import SpecStats
 
+if TYPE_CHECKING:
+    from .penalties import TokenCounts
+
 
 @dataclass
 class SamplingParams:
     """vLLM's names. temperature 0 = greedy (exact argmax); top_k 0 = off; seed None =
     random; stop: strings that end the text (not included in it); logprobs: how many
-    top log-probabilities to return per generated token (None = none).
+    top log-probabilities to return per generated token (None = none; taken before penalties).
+    repetition_penalty (1 = off), presence_penalty and frequency_penalty (0 = off) and
+    min_tokens (before it, no EOS, stop id or stop string ends the request): penalties.py.
     Invalid values raise DeepfuseError (a ValueError) naming the field."""
 
     temperature: float = 1.0
@@ -29,6 +35,10 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     logprobs: int | None = None
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    min_tokens: int = 0
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -50,6 +60,15 @@ class SamplingParams:
             raise DeepfuseError(f"stop must be non-empty strings, got {self.stop!r}")
         if self.logprobs is not None and not (isinstance(self.logprobs, int) and 0 <= self.logprobs <= 20):
             raise DeepfuseError(f"logprobs must be None or an int in [0, 20], got {self.logprobs!r}")
+        r = self.repetition_penalty
+        if not (isinstance(r, (int, float)) and math.isfinite(r) and r > 0):
+            raise DeepfuseError(f"repetition_penalty must be a finite number > 0 (1 disables it), got {r!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not (isinstance(v, (int, float)) and -2 <= v <= 2):
+                raise DeepfuseError(f"{name} must be a number in [-2, 2] (0 disables it), got {v!r}")
+        if not (isinstance(self.min_tokens, int) and 0 <= self.min_tokens <= self.max_tokens):
+            raise DeepfuseError(f"min_tokens must be an int in [0, max_tokens], got {self.min_tokens!r}")
 
 
 @dataclass
@@ -96,6 +115,7 @@ class Request:
     token_times: list[float] = field(default_factory=list)
     logprobs: list[dict[int, float]] = field(default_factory=list)
     detok: IncrementalText | None = None  # the text so far, where the request has stop strings
+    counts: TokenCounts | None = None  # output counts for penalties (penalties.py), made when first needed
     stop_text: str | None = None  # the text up to the stop string that ended the request
     finish: str | None = None
     num_cached_tokens: int = 0

@@ -135,7 +135,10 @@ def test_stop_tokens_logprobs_and_timing(tiny_art):
     ({"temperature": -1}, "temperature"), ({"temperature": float("nan")}, "temperature"),
     ({"top_p": 0}, "top_p"), ({"top_p": 1.5}, "top_p"), ({"max_tokens": 0}, "max_tokens"),
     ({"max_tokens": -3}, "max_tokens"), ({"top_k": -2}, "top_k"), ({"logprobs": 99}, "logprobs"),
-    ({"stop": [""]}, "stop"),
+    ({"stop": [""]}, "stop"), ({"repetition_penalty": 0}, "repetition_penalty"),
+    ({"repetition_penalty": float("inf")}, "repetition_penalty"), ({"presence_penalty": 2.5}, "presence_penalty"),
+    ({"frequency_penalty": -3}, "frequency_penalty"), ({"min_tokens": -1}, "min_tokens"),
+    ({"min_tokens": 20, "max_tokens": 10}, "min_tokens"),
 ])
 def test_bad_sampling_params_raise_value_error_naming_the_field(kw, field):
     with pytest.raises(ValueError, match=f"^{field} must"):
@@ -158,6 +161,43 @@ def test_bad_requests_fail_alone_and_the_rest_complete(tiny_art):
     eng.add_request([1], GREEDY, request_id="x")
     with pytest.raises(DeepfuseError, match="already in use"):
         eng.add_request([1], GREEDY, request_id="x")
+
+
+def test_penalized_requests_keep_their_tokens_in_any_batch_preempted_or_speculating(tiny_art):
+    """Penalties and min_tokens are drawn on the host from each row's logits under its own key:
+    a request's tokens are the same alone, in a batch, through a cache small enough to preempt,
+    and beside n-gram speculation (which drafts nothing for such requests); and they differ
+    from the unpenalized run."""
+    from deepfuse.runtime.spec import SpecConfig
+
+    base = dict(max_tokens=12, ignore_eos=True)
+    params = [SamplingParams(temperature=0, repetition_penalty=1.5, **base),
+              SamplingParams(temperature=0.9, seed=5, presence_penalty=1.0, frequency_penalty=0.5, **base),
+              SamplingParams(temperature=0, frequency_penalty=2.0, **base),
+              SamplingParams(temperature=0.7, seed=9, repetition_penalty=0.7, top_k=10, **base)]
+    prompts = [PROMPTS[1], PROMPTS[0], PROMPTS[3], PROMPTS[1]]
+    alone = [engine(tiny_art).generate([pr], [p])[0].token_ids for pr, p in zip(prompts, params)]
+    plain = [engine(tiny_art).generate([pr], [SamplingParams(temperature=p.temperature, seed=p.seed, top_k=p.top_k,
+                                                             **base)])[0].token_ids for pr, p in zip(prompts, params)]
+    assert all(a != b for a, b in zip(alone, plain))
+    mixed = engine(tiny_art).generate(prompts + PROMPTS, params + [GREEDY] * 4)
+    assert tokens(mixed[:4]) == alone
+    small = engine(tiny_art, num_blocks=8)
+    assert tokens(small.generate(prompts, params)) == alone and small.scheduler.num_preemptions > 0
+    spec = engine(tiny_art, spec=SpecConfig(num_draft_tokens=3, schedule="fixed"))
+    repeat = [5, 6, 7, 5, 6, 7, 5, 6, 7, 5, 6]  # n-gram drafts for the unpenalized request beside them
+    outs = spec.generate(prompts + [repeat], params + [GREEDY])
+    assert tokens(outs[:4]) == alone and outs[4].spec.drafted > 0 and all(o.spec.drafted == 0 for o in outs[:4])
+    assert outs[4].token_ids == engine(tiny_art).generate([repeat], [GREEDY])[0].token_ids
+
+
+def test_min_tokens_holds_back_stop_ids(tiny_art):
+    free = engine(tiny_art).generate([PROMPTS[0]], [GREEDY])[0].token_ids
+    stop = free[2]  # the free run would stop at its third token
+    p = SamplingParams(temperature=0, max_tokens=10, stop_token_ids=[stop], min_tokens=6)
+    out = engine(tiny_art).generate([PROMPTS[0]], [p])[0]
+    assert stop not in out.token_ids[:6] and out.token_ids[:2] == free[:2]
+    assert out.finish_reason == ("stop" if len(out.token_ids) < 10 else "length")
 
 
 def test_prompts_of_the_wrong_type_fail_alone(tiny_art):

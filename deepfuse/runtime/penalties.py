@@ -1,0 +1,116 @@
+"""Repetition, presence and frequency penalties and min_tokens (vLLM's SamplingParams names),
+applied on the host to the sampled rows of the requests that ask for them.
+
+The compiled step samples every row (argmax for these rows: the engine sends them at
+temperature 0); for the requests with penalties or an unmet min_tokens, the engine then copies
+their rows' logits, adjusts them here, all rows at once, and draws their tokens with the step's
+own sampler (the `sample` op's reference) under each row's key (request seed, position). So a
+request's tokens still do not depend on its batch, and requests without these settings pay
+nothing. In vLLM's order:
+  1. min_tokens: while fewer tokens were generated, EOS (unless ignore_eos) and stop_token_ids
+     cannot be drawn;
+  2. repetition: a logit of a token in the prompt or the output is divided by the penalty when
+     positive, multiplied by it when negative;
+  3. frequency and presence: logit -= frequency * (count in the output) + presence * (1 if any).
+Only the ids a request has seen are touched (gathers and scatters over them, not [V]-wide
+passes per request). Owns the per-request counts; does not schedule or stop requests.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from ..codegen.cpu.row_kernels import native_rows
+from ..ir import OPS
+from .request import SamplingParams
+
+
+def needs_host_sampling(params: SamplingParams, num_generated: int, stop_ids: set[int]) -> bool:
+    """Whether this request's next token must be drawn here rather than by the step."""
+    return (params.repetition_penalty != 1.0 or params.presence_penalty != 0.0 or params.frequency_penalty != 0.0
+            or (num_generated < params.min_tokens and bool(stop_ids)))
+
+
+class TokenCounts:
+    """One request's ids: those of its prompt or output, each once (repeated), and its output's,
+    each once, with their counts (out_ids, out_counts): numpy arrays grown in place, read as views."""
+
+    def __init__(self, prompt: list[int], generated: list[int]):
+        first = np.unique(np.asarray(prompt, dtype=np.int64))
+        self.seen = set(first.tolist())
+        self._rep = np.empty(len(first) + 64, dtype=np.int64)
+        self._rep[:len(first)] = first
+        self._ids, self._counts = np.empty(64, dtype=np.int64), np.empty(64, dtype=np.float32)
+        self.n_rep, self.n_out = len(first), 0
+        self.at: dict[int, int] = {}  # output id -> its index in out_ids
+        for tok in generated:
+            self.add(tok)
+
+    def add(self, token: int) -> None:
+        i = self.at.get(token)
+        if i is None:
+            if self.n_out == len(self._ids):
+                self._ids, self._counts = np.resize(self._ids, 2 * self.n_out), np.resize(self._counts, 2 * self.n_out)
+            i = self.at[token] = self.n_out
+            self._ids[i], self._counts[i] = token, 0
+            self.n_out += 1
+        self._counts[i] += 1
+        if token not in self.seen:
+            self.seen.add(token)
+            if self.n_rep == len(self._rep):
+                self._rep = np.resize(self._rep, 2 * self.n_rep)
+            self._rep[self.n_rep] = token
+            self.n_rep += 1
+
+    @property
+    def repeated(self) -> np.ndarray:
+        return self._rep[:self.n_rep]
+
+    @property
+    def out_ids(self) -> np.ndarray:
+        return self._ids[:self.n_out]
+
+    @property
+    def out_counts(self) -> np.ndarray:
+        return self._counts[:self.n_out]
+
+
+def _flat(per_row: list[np.ndarray]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(row index of each entry, the entries) of per-row id arrays."""
+    rows = np.repeat(np.arange(len(per_row)), [len(a) for a in per_row])
+    ids = np.concatenate(per_row) if per_row else np.zeros(0, dtype=np.int64)
+    return torch.from_numpy(rows), torch.from_numpy(ids)
+
+
+def adjust(logits: torch.Tensor, params: list[SamplingParams], counts: list[TokenCounts],
+           banned: list[list[int]]) -> None:
+    """Penalizes logits [P, V] f32 in place: row i by params[i] over counts[i], banned[i] at -inf."""
+    if any(banned):
+        rows, ids = _flat([np.asarray(b, dtype=np.int64) for b in banned])
+        logits[rows, ids] = float("-inf")
+    rep = [i for i, p in enumerate(params) if p.repetition_penalty != 1.0]
+    if rep:
+        rows, ids = _flat([counts[i].repeated for i in rep])
+        r = torch.tensor([params[i].repetition_penalty for i in rep], dtype=torch.float32)[rows]
+        rows = torch.tensor(rep, dtype=torch.long)[rows]
+        v = logits[rows, ids]
+        logits[rows, ids] = torch.where(v > 0, v / r, v * r)
+    out = [i for i, p in enumerate(params) if p.frequency_penalty != 0.0 or p.presence_penalty != 0.0]
+    if out:
+        rows, ids = _flat([counts[i].out_ids for i in out])
+        n = torch.from_numpy(np.concatenate([counts[i].out_counts for i in out]))
+        freq = torch.tensor([params[i].frequency_penalty for i in out], dtype=torch.float32)[rows]
+        pres = torch.tensor([params[i].presence_penalty for i in out], dtype=torch.float32)[rows]
+        rows = torch.tensor(out, dtype=torch.long)[rows]
+        logits[rows, ids] -= freq * n + pres
+
+
+def draw(logits: torch.Tensor, params: list[SamplingParams], keys: list[int]) -> list[int]:
+    """The step's sampler over adjusted rows [P, V] f32, row i with params[i] and RNG key keys[i]
+    (greedy rows alone: the native argmax where it is built, as the CPU step's sampler does)."""
+    if all(p.temperature == 0 for p in params):
+        native = native_rows()
+        return (native.argmax(logits) if native is not None else logits.argmax(-1)).tolist()
+    col = lambda attr, dtype: torch.tensor([getattr(p, attr) for p in params], dtype=dtype)
+    return OPS["sample"].reference(logits, col("temperature", torch.float32), col("top_k", torch.long),
+                                   col("top_p", torch.float32), torch.tensor(keys, dtype=torch.long)).tolist()

@@ -38,6 +38,11 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--top-k", type=int, default=0)
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--stop", action="append", default=[], metavar="TEXT", help="end at this text (repeatable)")
+    g.add_argument("--repetition-penalty", type=float, default=1.0, help="vLLM's; 1 = off")
+    g.add_argument("--presence-penalty", type=float, default=0.0)
+    g.add_argument("--frequency-penalty", type=float, default=0.0)
+    g.add_argument("--min-tokens", type=int, default=0, help="no end of text before this many tokens")
     g.add_argument("--speculate", type=int, default=0, metavar="K",
                    help="speculative decoding with the n-gram drafter, up to K drafts per step (same output)")
     g.add_argument("--draft-head", metavar="FILE",
@@ -68,7 +73,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def _generate(args: argparse.Namespace) -> None:
     from .errors import DeepfuseError
-    from .runtime.detokenize import IncrementalText
+    from .runtime.detokenize import IncrementalText, find_stop
     from .runtime.engine import SamplingParams
     from .runtime.llm import LLM
     from .runtime.spec import SpecConfig
@@ -83,19 +88,32 @@ def _generate(args: argparse.Namespace) -> None:
     tok = llm.tokenizer
     prompt = args.prompt if args.no_chat else tok.render_chat([{"role": "user", "content": args.prompt}])
     params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                            max_tokens=args.max_tokens, seed=args.seed)
+                            max_tokens=args.max_tokens, seed=args.seed, stop=args.stop,
+                            repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
+                            frequency_penalty=args.frequency_penalty, min_tokens=args.min_tokens)
     generated: list[int] = []
-    shown = IncrementalText(tok.decode)  # the text printed so far
+    text = IncrementalText(tok.decode)  # the text so far ("" added while a character is incomplete)
+    # the last characters wait while they could start a stop string: what is printed never
+    # reaches past where a stop string (not printed) begins
+    held = max((len(s) for s in args.stop), default=1) - 1
+    printed = 0
 
     def on_token(_: int, token: int) -> None:
+        nonlocal printed
         generated.append(token)
-        sys.stdout.write(shown.add(generated))  # "" while a multi-byte character is incomplete
-        sys.stdout.flush()
+        if not text.add(generated):
+            return
+        stop_at = find_stop(text.text, args.stop, printed)  # the token that ends the request is shown too
+        end = stop_at if stop_at >= 0 else len(text.text) - held
+        if end > printed:
+            sys.stdout.write(text.text[printed:end])
+            sys.stdout.flush()
+            printed = end
 
     out = llm.generate([prompt], params, on_token)[0]
     if out.error is not None:
         raise out.error
-    sys.stdout.write(out.text[len(shown.text):] + "\n")
+    sys.stdout.write(out.text[printed:] + "\n")
     n = len(out.token_ids)
     spec_note = f", drafts accepted {out.spec.acceptance_rate:.0%}" if out.spec is not None else ""
     print(f"[{n} tokens, {out.total_s:.2f}s, first token {out.ttft_s * 1000:.0f} ms, "

@@ -73,6 +73,15 @@ def test_generate_from_artifact_and_prompt_too_long(capsys, artifact_dir):
     assert rc == 0 and out == " the primary colors of the RGB color model\n" and "drafts accepted" in err
     rc, _, err = run_main(capsys, "generate", "--artifact", str(artifact_dir), "--speculate", "-2", "hi")
     assert rc == 2 and "num_draft_tokens must be >= 1" in last_line(err)
+    # streamed output stops before a stop string: nothing of it is printed, even in part
+    rc, out, err = run_main(capsys, "generate", "--artifact", str(artifact_dir), "--no-chat", "--max-tokens", "8",
+                            "--stop", "zz", "--stop", "color model", "The three primary colors are")
+    assert rc == 0 and out == " the primary colors of the RGB \n" and "finish: stop" in err
+    rc, out, _ = run_main(capsys, "generate", "--artifact", str(artifact_dir), "--no-chat", "--max-tokens", "8",
+                          "--repetition-penalty", "1.5", "The three primary colors are")
+    assert rc == 0 and out.startswith(" ") and out != " the primary colors of the RGB color model\n"
+    rc, _, err = run_main(capsys, "generate", "--artifact", str(artifact_dir), "--repetition-penalty", "0", "hi")
+    assert rc == 2 and "repetition_penalty must be a finite number > 0" in last_line(err)
 
 
 def test_tampered_and_foreign_artifacts_refused(capsys, artifact_dir, tmp_path):

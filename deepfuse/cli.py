@@ -37,6 +37,7 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--top-k", type=int, default=0)
     g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--min-p", type=float, default=0.0, help="drop tokens below this share of the likeliest's probability")
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--stop", action="append", default=[], metavar="TEXT", help="end at this text (repeatable)")
     g.add_argument("--repetition-penalty", type=float, default=1.0, help="vLLM's; 1 = off")
@@ -88,7 +89,7 @@ def _generate(args: argparse.Namespace) -> None:
     tok = llm.tokenizer
     prompt = args.prompt if args.no_chat else tok.render_chat([{"role": "user", "content": args.prompt}])
     params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                            max_tokens=args.max_tokens, seed=args.seed, stop=args.stop,
+                            min_p=args.min_p, max_tokens=args.max_tokens, seed=args.seed, stop=args.stop,
                             repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
                             frequency_penalty=args.frequency_penalty, min_tokens=args.min_tokens)
     generated: list[int] = []

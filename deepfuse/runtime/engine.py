@@ -31,9 +31,9 @@ from ..errors import DeepfuseError
 from ..ir import DTYPES
 from .batch import SeqChunk, StepBuffers
 from .detokenize import IncrementalText, find_stop
+from .host_sampling import TokenCounts, adjust, draw, needs_host_sampling
 from .kv_cache import CacheConfig, KVCache, KVCacheManager
 from .mtp import MtpDrafter
-from .penalties import TokenCounts, adjust, draw, needs_host_sampling
 from .request import Request, RequestOutput, SamplingParams
 from .scheduler import Scheduler, SchedulerConfig
 from .spec import LatencyModel, ModelDrafter, NgramDrafter, SpecConfig, SpecStats, choose_drafts
@@ -104,6 +104,12 @@ class Engine:
         vocab = self.model.config.vocab_size
         if any(not 0 <= t < vocab for t in prompt):
             raise DeepfuseError(f"prompt has token ids outside the vocabulary [0, {vocab})")
+        for name, ids in (("logit_bias", params.logit_bias or ()), ("allowed_token_ids", params.allowed_token_ids or ())):
+            if any(t >= vocab for t in ids):
+                raise DeepfuseError(f"{name} has token ids outside the vocabulary [0, {vocab})")
+        if params.allowed_token_ids is not None and params.min_tokens and set(params.allowed_token_ids) <= self._stop_ids(params):
+            raise DeepfuseError("allowed_token_ids holds only stop ids (EOS or stop_token_ids), so min_tokens "
+                                "cannot be met")
 
     def add_request(self, prompt: list[int], params: SamplingParams, request_id: str | None = None) -> str:
         """Queues a request; returns its id. Invalid requests raise and change nothing."""
@@ -147,7 +153,7 @@ class Engine:
             p = req.params
             verify = req.remaining == 1 and n > 1  # the last token and n - 1 drafts
             toks = [req.tokens[req.computed], *req.draft[:n - 1]] if verify else req.tokens[req.computed:req.computed + n]
-            host.append(self._host_sampled(req))  # penalties.py draws its token: the step only takes the argmax
+            host.append(self._host_sampled(req))  # host_sampling.py draws its token: the step only takes the argmax
             chunks.append(SeqChunk(toks, req.computed, req.kv.table, 0.0 if host[-1] else float(p.temperature),
                                    p.top_k, p.top_p, req.seed, samples=n if verify else 1))
         t0 = time.perf_counter()
@@ -200,12 +206,12 @@ class Engine:
         return set(p.stop_token_ids) | (set() if p.ignore_eos else self.eos)
 
     def _host_sampled(self, req: Request) -> bool:
-        """Whether req's next token is drawn by penalties.py (penalties, or min_tokens not reached)."""
+        """Whether req's next token is drawn by host_sampling.py."""
         return needs_host_sampling(req.params, len(req.generated), self._stop_ids(req.params))
 
     def _draw_on_host(self, scheduled: list[tuple[Request, int]], chunks: list[SeqChunk], host: list[bool],
                       logits: torch.Tensor, keys: torch.Tensor) -> dict[int, int]:
-        """The tokens penalties.py draws for this step's host-sampled requests that finish their
+        """The tokens host_sampling.py draws for this step's host-sampled requests that finish their
         chunk (logits [R, V], keys [R]: the step's sampled rows): sample row -> token."""
         picks, row = [], 0
         for (req, n), chunk, on_host in zip(scheduled, chunks, host):

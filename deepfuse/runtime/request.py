@@ -14,17 +14,20 @@ from .kv_cache import SeqBlocks
 from .spec import SpecStats
 
 if TYPE_CHECKING:
-    from .penalties import TokenCounts
+    from .host_sampling import TokenCounts
 
 
 @dataclass
 class SamplingParams:
     """vLLM's names. temperature 0 = greedy (exact argmax); top_k 0 = off; seed None =
     random; stop: strings that end the text (not included in it); logprobs: how many
-    top log-probabilities to return per generated token (None = none; taken before penalties).
+    top log-probabilities to return per generated token (None = none; of the model's own logits,
+    before any of the settings below).
     repetition_penalty (1 = off), presence_penalty and frequency_penalty (0 = off) and
-    min_tokens (before it, no EOS, stop id or stop string ends the request): penalties.py.
-    Invalid values raise DeepfuseError (a ValueError) naming the field."""
+    min_tokens (before it, no EOS, stop id or stop string ends the request); min_p (0 = off): a
+    token less likely than min_p times the most likely one is not drawn; logit_bias {token id: added
+    to its logit}; allowed_token_ids: only these may be drawn. These are applied on the host:
+    host_sampling.py. Invalid values raise DeepfuseError (a ValueError) naming the field."""
 
     temperature: float = 1.0
     top_p: float = 1.0
@@ -39,10 +42,15 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     min_tokens: int = 0
+    min_p: float = 0.0
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
+        if isinstance(self.allowed_token_ids, tuple):
+            self.allowed_token_ids = list(self.allowed_token_ids)
         self.validate()
 
     def validate(self) -> None:
@@ -69,6 +77,19 @@ class SamplingParams:
                 raise DeepfuseError(f"{name} must be a number in [-2, 2] (0 disables it), got {v!r}")
         if not (isinstance(self.min_tokens, int) and 0 <= self.min_tokens <= self.max_tokens):
             raise DeepfuseError(f"min_tokens must be an int in [0, max_tokens], got {self.min_tokens!r}")
+        if not (isinstance(self.min_p, (int, float)) and 0 <= self.min_p <= 1):
+            raise DeepfuseError(f"min_p must be a number in [0, 1] (0 disables it), got {self.min_p!r}")
+        b = self.logit_bias
+        if b is not None and not (isinstance(b, dict) and all(_is_id(t) for t in b) and all(
+                isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in b.values())):
+            raise DeepfuseError(f"logit_bias must be a dict of token id (int >= 0) to a finite number, got {b!r}")
+        a = self.allowed_token_ids
+        if a is not None and not (isinstance(a, list) and a and all(_is_id(t) for t in a)):
+            raise DeepfuseError(f"allowed_token_ids must be a non-empty list of token ids (ints >= 0), got {a!r}")
+
+
+def _is_id(t: object) -> bool:
+    return isinstance(t, int) and not isinstance(t, bool) and t >= 0
 
 
 @dataclass
@@ -115,7 +136,7 @@ class Request:
     token_times: list[float] = field(default_factory=list)
     logprobs: list[dict[int, float]] = field(default_factory=list)
     detok: IncrementalText | None = None  # the text so far, where the request has stop strings
-    counts: TokenCounts | None = None  # output counts for penalties (penalties.py), made when first needed
+    counts: TokenCounts | None = None  # output counts for penalties (host_sampling.py), made when first needed
     stop_text: str | None = None  # the text up to the stop string that ended the request
     finish: str | None = None
     num_cached_tokens: int = 0

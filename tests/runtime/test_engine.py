@@ -138,7 +138,11 @@ def test_stop_tokens_logprobs_and_timing(tiny_art):
     ({"stop": [""]}, "stop"), ({"repetition_penalty": 0}, "repetition_penalty"),
     ({"repetition_penalty": float("inf")}, "repetition_penalty"), ({"presence_penalty": 2.5}, "presence_penalty"),
     ({"frequency_penalty": -3}, "frequency_penalty"), ({"min_tokens": -1}, "min_tokens"),
-    ({"min_tokens": 20, "max_tokens": 10}, "min_tokens"),
+    ({"min_tokens": 20, "max_tokens": 10}, "min_tokens"), ({"min_p": 1.5}, "min_p"), ({"min_p": -0.1}, "min_p"),
+    ({"logit_bias": {-1: 1.0}}, "logit_bias"), ({"logit_bias": {3: float("inf")}}, "logit_bias"),
+    ({"logit_bias": {"a": 1.0}}, "logit_bias"), ({"logit_bias": [1, 2]}, "logit_bias"),
+    ({"allowed_token_ids": []}, "allowed_token_ids"), ({"allowed_token_ids": [1, -2]}, "allowed_token_ids"),
+    ({"allowed_token_ids": [True]}, "allowed_token_ids"),
 ])
 def test_bad_sampling_params_raise_value_error_naming_the_field(kw, field):
     with pytest.raises(ValueError, match=f"^{field} must"):
@@ -174,21 +178,40 @@ def test_penalized_requests_keep_their_tokens_in_any_batch_preempted_or_speculat
     params = [SamplingParams(temperature=0, repetition_penalty=1.5, **base),
               SamplingParams(temperature=0.9, seed=5, presence_penalty=1.0, frequency_penalty=0.5, **base),
               SamplingParams(temperature=0, frequency_penalty=2.0, **base),
-              SamplingParams(temperature=0.7, seed=9, repetition_penalty=0.7, top_k=10, **base)]
-    prompts = [PROMPTS[1], PROMPTS[0], PROMPTS[3], PROMPTS[1]]
+              SamplingParams(temperature=0.7, seed=9, repetition_penalty=0.7, top_k=10, **base),
+              SamplingParams(temperature=1.0, seed=3, min_p=0.9, **base),
+              SamplingParams(temperature=0, logit_bias={5: 30.0, 6: -1e4}, **base),
+              SamplingParams(temperature=1.0, seed=4, allowed_token_ids=[9, 12, 40, 41], **base)]
+    prompts = [PROMPTS[1], PROMPTS[0], PROMPTS[3], PROMPTS[1], PROMPTS[2], PROMPTS[0], PROMPTS[3]]
     alone = [engine(tiny_art).generate([pr], [p])[0].token_ids for pr, p in zip(prompts, params)]
     plain = [engine(tiny_art).generate([pr], [SamplingParams(temperature=p.temperature, seed=p.seed, top_k=p.top_k,
                                                              **base)])[0].token_ids for pr, p in zip(prompts, params)]
-    assert all(a != b for a, b in zip(alone, plain))
+    assert [a != b for a, b in zip(alone, plain)] == [True] * len(params), (alone, plain)
+    assert 5 in alone[5] and 6 not in alone[5] and set(alone[6]) <= {9, 12, 40, 41}
+    k = len(params)
     mixed = engine(tiny_art).generate(prompts + PROMPTS, params + [GREEDY] * 4)
-    assert tokens(mixed[:4]) == alone
+    assert tokens(mixed[:k]) == alone
     small = engine(tiny_art, num_blocks=8)
     assert tokens(small.generate(prompts, params)) == alone and small.scheduler.num_preemptions > 0
     spec = engine(tiny_art, spec=SpecConfig(num_draft_tokens=3, schedule="fixed"))
     repeat = [5, 6, 7, 5, 6, 7, 5, 6, 7, 5, 6]  # n-gram drafts for the unpenalized request beside them
     outs = spec.generate(prompts + [repeat], params + [GREEDY])
-    assert tokens(outs[:4]) == alone and outs[4].spec.drafted > 0 and all(o.spec.drafted == 0 for o in outs[:4])
-    assert outs[4].token_ids == engine(tiny_art).generate([repeat], [GREEDY])[0].token_ids
+    assert tokens(outs[:k]) == alone and outs[k].spec.drafted > 0 and all(o.spec.drafted == 0 for o in outs[:k])
+    assert outs[k].token_ids == engine(tiny_art).generate([repeat], [GREEDY])[0].token_ids
+
+
+def test_token_ids_outside_the_vocabulary_or_unmeetable_min_tokens_fail_alone(tiny_art):
+    eng = engine(tiny_art)
+    vocab = tiny_art.config.vocab_size
+    params = [SamplingParams(temperature=0, max_tokens=4, logit_bias={vocab: 1.0}),
+              SamplingParams(temperature=0, max_tokens=4, allowed_token_ids=[3, vocab + 5]),
+              SamplingParams(temperature=0, max_tokens=4, allowed_token_ids=[7], stop_token_ids=[7], min_tokens=2),
+              GREEDY]
+    outs = eng.generate([PROMPTS[0]] * 4, params)
+    assert [o.finish_reason for o in outs] == ["error", "error", "error", "length"]
+    assert str(outs[0].error).startswith("logit_bias has token ids outside the vocabulary")
+    assert str(outs[1].error).startswith("allowed_token_ids has token ids outside the vocabulary")
+    assert "min_tokens cannot be met" in str(outs[2].error)
 
 
 def test_min_tokens_holds_back_stop_ids(tiny_art):

@@ -1,21 +1,30 @@
-"""Repetition, presence and frequency penalties and min_tokens (vLLM's SamplingParams names),
-applied on the host to the sampled rows of the requests that ask for them.
+"""Sampling settings the compiled step does not take, applied on the host to the sampled rows of
+the requests that ask for them: vLLM's logit_bias, allowed_token_ids, min_tokens, repetition,
+presence and frequency penalties, and min_p.
 
 The compiled step samples every row (argmax for these rows: the engine sends them at
-temperature 0); for the requests with penalties or an unmet min_tokens, the engine then copies
-their rows' logits, adjusts them here, all rows at once, and draws their tokens with the step's
-own sampler (the `sample` op's reference) under each row's key (request seed, position). So a
-request's tokens still do not depend on its batch, and requests without these settings pay
-nothing. In vLLM's order:
-  1. min_tokens: while fewer tokens were generated, EOS (unless ignore_eos) and stop_token_ids
+temperature 0); for the requests with these settings, the engine then copies their rows'
+logits, adjusts them here, all rows at once, and draws their tokens with the step's own sampler
+(the `sample` op's reference) under each row's key (request seed, position). So a request's
+tokens still do not depend on its batch, and requests without these settings pay nothing.
+In vLLM's order:
+  1. allowed_token_ids: every other token is masked out;
+  2. logit_bias: logit[t] += bias[t];
+  3. min_tokens: while fewer tokens were generated, EOS (unless ignore_eos) and stop_token_ids
      cannot be drawn;
-  2. repetition: a logit of a token in the prompt or the output is divided by the penalty when
+  4. repetition: a logit of a token in the prompt or the output is divided by the penalty when
      positive, multiplied by it when negative;
-  3. frequency and presence: logit -= frequency * (count in the output) + presence * (1 if any).
-Only the ids a request has seen are touched (gathers and scatters over them, not [V]-wide
-passes per request). Owns the per-request counts; does not schedule or stop requests.
+  5. frequency and presence: logit -= frequency * (count in the output) + presence * (1 if any);
+  6. min_p (sampled rows): tokens whose probability at the request's temperature is below
+     min_p times the most likely token's are masked out;
+then the step's sampler: temperature, top-k, top-p, the draw.
+Only the ids a request names or has seen are touched (gathers and scatters over them, not
+[V]-wide passes per request), except by allowed_token_ids and min_p. Owns the per-request
+counts; does not schedule or stop requests.
 """
 from __future__ import annotations
+
+import math
 
 import numpy as np
 import torch
@@ -28,7 +37,8 @@ from .request import SamplingParams
 def needs_host_sampling(params: SamplingParams, num_generated: int, stop_ids: set[int]) -> bool:
     """Whether this request's next token must be drawn here rather than by the step."""
     return (params.repetition_penalty != 1.0 or params.presence_penalty != 0.0 or params.frequency_penalty != 0.0
-            or (num_generated < params.min_tokens and bool(stop_ids)))
+            or (num_generated < params.min_tokens and bool(stop_ids)) or bool(params.logit_bias)
+            or params.allowed_token_ids is not None or (params.min_p > 0 and params.temperature > 0))
 
 
 class TokenCounts:
@@ -84,7 +94,19 @@ def _flat(per_row: list[np.ndarray]) -> tuple[torch.Tensor, torch.Tensor]:
 
 def adjust(logits: torch.Tensor, params: list[SamplingParams], counts: list[TokenCounts],
            banned: list[list[int]]) -> None:
-    """Penalizes logits [P, V] f32 in place: row i by params[i] over counts[i], banned[i] at -inf."""
+    """Adjusts logits [P, V] f32 in place: row i by params[i] over counts[i], banned[i] at -inf
+    (steps 1-6 of the module docstring)."""
+    for i, p in enumerate(params):
+        if p.allowed_token_ids is not None:
+            ids = torch.tensor(p.allowed_token_ids, dtype=torch.long)
+            keep = logits[i, ids]
+            logits[i] = float("-inf")
+            logits[i, ids] = keep
+    bias = [i for i, p in enumerate(params) if p.logit_bias]
+    if bias:
+        rows, ids = _flat([np.fromiter(params[i].logit_bias, dtype=np.int64) for i in bias])
+        values = torch.tensor([v for i in bias for v in params[i].logit_bias.values()], dtype=torch.float32)
+        logits.index_put_((torch.tensor(bias, dtype=torch.long)[rows], ids), values, accumulate=True)
     if any(banned):
         rows, ids = _flat([np.asarray(b, dtype=np.int64) for b in banned])
         logits[rows, ids] = float("-inf")
@@ -103,6 +125,14 @@ def adjust(logits: torch.Tensor, params: list[SamplingParams], counts: list[Toke
         pres = torch.tensor([params[i].presence_penalty for i in out], dtype=torch.float32)[rows]
         rows = torch.tensor(out, dtype=torch.long)[rows]
         logits[rows, ids] -= freq * n + pres
+    min_p = [i for i, p in enumerate(params) if p.min_p > 0 and p.temperature > 0]
+    if min_p:
+        # p(t) < min_p * p(max) at temperature T  <=>  logit[t] < max logit + T * ln(min_p)
+        rows = torch.tensor(min_p, dtype=torch.long)
+        floor = logits[rows].amax(-1, keepdim=True) + torch.tensor(
+            [[params[i].temperature * math.log(params[i].min_p)] for i in min_p], dtype=torch.float32)
+        sub = logits[rows]
+        logits[rows] = sub.masked_fill(sub < floor, float("-inf"))
 
 
 def draw(logits: torch.Tensor, params: list[SamplingParams], keys: list[int]) -> list[int]:

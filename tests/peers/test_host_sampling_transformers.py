@@ -1,6 +1,8 @@
-"""Penalties and min_tokens (runtime/penalties.py) on SmolLM2 (f32) against transformers' own
-logits processors where it has them (repetition_penalty, min_new_tokens) and against a plain
-loop over transformers' logits for presence and frequency (vLLM's definitions)."""
+"""Host-side sampling settings (runtime/host_sampling.py) on SmolLM2 (f32) against transformers'
+own logits processors where it has them (repetition_penalty, min_new_tokens, sequence_bias,
+prefix_allowed_tokens_fn, MinPLogitsWarper) and against a plain loop over transformers' logits
+for presence and frequency (vLLM's definitions)."""
+import math
 import os
 from collections import Counter
 
@@ -74,3 +76,48 @@ def test_presence_and_frequency_follow_their_definition(hf_model, smollm2, smoll
         p = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, presence_penalty=presence,
                            frequency_penalty=frequency)
         assert eng.generate([ids], [p])[0].token_ids == out != plain, (presence, frequency)
+
+
+def test_logit_bias_and_allowed_token_ids_match_transformers(hf_model, smollm2, smollm2_compiled):
+    tok = smollm2[1]
+    ids = tok.encode("The capital of France is")
+    eng = Engine(smollm2_compiled)
+    plain = eng.generate([ids], [SamplingParams(temperature=0, max_tokens=12)])[0].token_ids
+    bias = {plain[0]: -5.0, plain[1]: -2.5, tok.encode(" a")[0]: 3.0}
+    want = hf_generate(hf_model, ids, 12, sequence_bias=[[[t], b] for t, b in bias.items()])
+    got = eng.generate([ids], [SamplingParams(temperature=0, max_tokens=12, logit_bias=bias)])[0].token_ids
+    assert got == want != plain
+    allowed = sorted({*tok.encode(" Paris, London and Rome are cities."), *tok.eos_ids})
+    want = hf_generate(hf_model, ids, 12, prefix_allowed_tokens_fn=lambda _b, _ids: allowed)
+    got = eng.generate([ids], [SamplingParams(temperature=0, max_tokens=12, allowed_token_ids=allowed)])[0]
+    assert got.token_ids == want and set(got.token_ids) <= set(allowed)
+
+
+def test_min_p_keeps_the_tokens_transformers_keeps(hf_model, smollm2, smollm2_compiled):
+    """The tokens min_p leaves to draw from equal transformers' MinPLogitsWarper's on the same
+    logits at the same temperature; every drawn token is one of them; min_p = 1 is greedy."""
+    from transformers.generation.logits_process import MinPLogitsWarper
+
+    from deepfuse.runtime.host_sampling import TokenCounts, adjust
+
+    tok = smollm2[1]
+    ids = tok.encode("My favourite food is")
+    with torch.no_grad():
+        logits = hf_model(torch.tensor([ids])).logits[0, -1:].float()
+    for temperature, min_p in ((1.0, 0.05), (1.5, 0.1), (0.7, 0.3)):
+        ours = logits.clone()
+        p = SamplingParams(temperature=temperature, min_p=min_p)
+        adjust(ours, [p], [TokenCounts(ids, [])], [[]])
+        theirs = MinPLogitsWarper(min_p)(torch.tensor([ids]), logits / temperature)
+        assert torch.equal(torch.isfinite(ours), torch.isfinite(theirs)), (temperature, min_p)
+        assert 3 <= int(torch.isfinite(ours).sum()) < 100  # a cut, not all or one
+    eng = Engine(smollm2_compiled)
+    base = dict(max_tokens=24, ignore_eos=True, seed=11, logprobs=1)
+    for temperature, min_p in ((1.5, 0.1), (1.0, 0.3)):
+        free = eng.generate([ids], [SamplingParams(temperature=temperature, **base)])[0]
+        cut = eng.generate([ids], [SamplingParams(temperature=temperature, min_p=min_p, **base)])[0]
+        gap = lambda out, T: [(max(lp.values()) - lp[t]) / T for lp, t in zip(out.logprobs, out.token_ids)]
+        assert max(gap(cut, temperature)) <= -math.log(min_p) + 1e-4 < max(gap(free, temperature))
+    greedy = eng.generate([ids], [SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)])[0].token_ids
+    assert eng.generate([ids], [SamplingParams(temperature=1.3, seed=2, min_p=1.0, max_tokens=24,
+                                               ignore_eos=True)])[0].token_ids == greedy

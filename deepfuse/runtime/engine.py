@@ -34,7 +34,7 @@ from .detokenize import IncrementalText, find_stop
 from .host_sampling import TokenCounts, adjust, draw, needs_host_sampling
 from .kv_cache import CacheConfig, KVCache, KVCacheManager
 from .mtp import MtpDrafter
-from .request import Request, RequestOutput, SamplingParams
+from .request import Request, RequestOutput, SamplingParams, completion_seed
 from .scheduler import Scheduler, SchedulerConfig
 from .spec import LatencyModel, ModelDrafter, NgramDrafter, SpecConfig, SpecStats, choose_drafts
 
@@ -113,6 +113,13 @@ class Engine:
 
     def add_request(self, prompt: list[int], params: SamplingParams, request_id: str | None = None) -> str:
         """Queues a request; returns its id. Invalid requests raise and change nothing."""
+        if isinstance(params, SamplingParams) and params.n != 1:
+            raise DeepfuseError(f"n = {params.n} completions are generate()'s; here add one request per "
+                                "completion, each with its own seed")
+        return self._add(prompt, params, request_id)
+
+    def _add(self, prompt: list[int], params: SamplingParams, request_id: str | None = None,
+             seed: int | None = None) -> str:
         prompt = list(prompt) if isinstance(prompt, tuple) else prompt
         self.check(prompt, params)
         prompt = list(prompt)  # the caller's list is not shared
@@ -121,7 +128,8 @@ class Engine:
             self._next_id += 1
         if request_id in self.requests:
             raise DeepfuseError(f"request id {request_id!r} is already in use")
-        seed = params.seed if params.seed is not None else random.getrandbits(62)
+        if seed is None:
+            seed = params.seed if params.seed is not None else random.getrandbits(62)
         req = Request(request_id, prompt, params, seed, time.perf_counter(), list(prompt))
         self.requests[request_id] = req
         self.scheduler.add(req)
@@ -364,34 +372,48 @@ class Engine:
 
     def generate(self, prompts: list[list[int]], params: list[SamplingParams],
                  on_token: Callable[[int, int], None] | None = None, use_tqdm: bool = False) -> list[RequestOutput]:
-        """Runs every request to completion, outputs in input order. An invalid request gets
-        finish_reason "error" with the ValueError in `error`; the others still run.
-        on_token(request index, token id) streams."""
+        """Runs every request to completion, outputs in input order (a prompt's n completions
+        as one output and its `siblings`). An invalid request gets finish_reason "error" with
+        the ValueError in `error`; the others still run. on_token(request index, token id)
+        streams (requests of one completion only)."""
         if len(prompts) != len(params):
             raise DeepfuseError(f"{len(params)} SamplingParams for {len(prompts)} prompts")
-        outputs: list[RequestOutput | None] = [None] * len(prompts)
-        index: dict[str, int] = {}
+        if on_token is not None and any(getattr(p, "n", 1) != 1 for p in params):
+            raise DeepfuseError("on_token streams one completion per prompt; it cannot be used with n > 1")
+        done: dict[tuple[int, int], RequestOutput] = {}  # (prompt index, completion) -> its output
+        index: dict[str, tuple[int, int]] = {}
         added: dict[str, Request] = {}
         for i, (prompt, p) in enumerate(zip(prompts, params)):
             try:
-                rid = self.add_request(prompt, p)
-                index[rid], added[rid] = i, self.requests[rid]
-            except DeepfuseError as e:
-                outputs[i] = RequestOutput("", list(prompt) if isinstance(prompt, list) else [], [], "", "error", e)
+                first = None
+                for j in range(p.n if isinstance(p, SamplingParams) else 1):
+                    seed = None if first is None else \
+                        (completion_seed(first.seed, j) if p.seed is not None else random.getrandbits(62))
+                    rid = self._add(prompt, p, seed=seed)
+                    index[rid], added[rid] = (i, j), self.requests[rid]
+                    first = first or added[rid]
+            except DeepfuseError as e:  # raised for the first completion, before any was added
+                done[i, 0] = RequestOutput("", list(prompt) if isinstance(prompt, list) else [], [], "", "error", e)
+
         def stream(rid: str, tok: int) -> None:
             if on_token and rid in index:  # requests added elsewhere may run in these steps too
-                on_token(index[rid], tok)
+                on_token(index[rid][0], tok)
 
         left = len(index)
         with tqdm(total=len(index), desc="requests", unit="req", disable=not use_tqdm, leave=False) as bar:
             while left and self.has_unfinished():
                 for out in self.step(stream if on_token else None):
                     if out.request_id in index:  # requests added elsewhere may finish here too
-                        outputs[index[out.request_id]] = out
+                        done[index[out.request_id]] = out
                         left -= 1
                         bar.update()
-        for rid, i in index.items():  # aborted by on_token: what abort() returned
-            if outputs[i] is None:
-                outputs[i] = self._output(added[rid])
-        return outputs  # type: ignore[return-value]
-
+        for rid, key in index.items():  # aborted by on_token: what abort() returned
+            if key not in done:
+                done[key] = self._output(added[rid])
+        outputs = []
+        for i, p in enumerate(params):
+            out = done[i, 0]
+            if out.finish_reason != "error":
+                out.siblings = [done[i, j] for j in range(1, p.n)]
+            outputs.append(out)
+        return outputs

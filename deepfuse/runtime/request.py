@@ -2,6 +2,7 @@
 and what comes back (RequestOutput)."""
 from __future__ import annotations
 
+import hashlib
 import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -24,11 +25,14 @@ class SamplingParams:
     top log-probabilities to return per generated token (None = none; of the model's own logits,
     before any of the settings below).
     repetition_penalty (1 = off), presence_penalty and frequency_penalty (0 = off) and
-    min_tokens (before it, no EOS, stop id or stop string ends the request); min_p (0 = off): a
+    min_tokens (before it, no EOS, stop id or stop string ends the request); n: completions of the
+    prompt (generate(); completion j > 0 is keyed by a seed derived from (seed, j), so completion 0
+    equals the n = 1 run; the prompt's full blocks are computed once, in the prefix cache); min_p (0 = off): a
     token less likely than min_p times the most likely one is not drawn; logit_bias {token id: added
     to its logit}; allowed_token_ids: only these may be drawn. These are applied on the host:
     host_sampling.py. Invalid values raise DeepfuseError (a ValueError) naming the field."""
 
+    n: int = 1
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
@@ -54,6 +58,8 @@ class SamplingParams:
         self.validate()
 
     def validate(self) -> None:
+        if not (isinstance(self.n, int) and not isinstance(self.n, bool) and self.n >= 1):
+            raise DeepfuseError(f"n must be an int >= 1, got {self.n!r}")
         if not (isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature) and self.temperature >= 0):
             raise DeepfuseError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
         if not (isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1):
@@ -88,6 +94,14 @@ class SamplingParams:
             raise DeepfuseError(f"allowed_token_ids must be a non-empty list of token ids (ints >= 0), got {a!r}")
 
 
+def completion_seed(seed: int, j: int) -> int:
+    """The RNG seed of completion j of a request seeded `seed` (SamplingParams.n): seed itself
+    for j = 0, else 62 bits of a hash of (seed, j)."""
+    if j == 0:
+        return seed
+    return int.from_bytes(hashlib.blake2b(f"{seed}:{j}".encode(), digest_size=8).digest(), "little") >> 2
+
+
 def _is_id(t: object) -> bool:
     return isinstance(t, int) and not isinstance(t, bool) and t >= 0
 
@@ -111,6 +125,12 @@ class RequestOutput:
     num_cached_tokens: int = 0  # prompt tokens served by the prefix cache
     num_preemptions: int = 0
     spec: SpecStats | None = None  # speculative decoding: drafts verified and accepted
+    siblings: list[RequestOutput] = field(default_factory=list, repr=False)  # completions 1..n-1 (SamplingParams.n)
+
+    @property
+    def samples(self) -> list[RequestOutput]:
+        """All n completions of the prompt, this one first."""
+        return [self, *self.siblings]
 
     @property
     def tpot_s(self) -> float:

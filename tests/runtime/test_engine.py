@@ -214,6 +214,46 @@ def test_token_ids_outside_the_vocabulary_or_unmeetable_min_tokens_fail_alone(ti
     assert "min_tokens cannot be met" in str(outs[2].error)
 
 
+def test_n_completions_share_the_prompt_and_each_keeps_its_own_tokens(tiny_art):
+    """n = 4: completion 0 is the n = 1 run; completion j is a single request seeded
+    completion_seed(seed, j) (in a batch or not); the prompt's full blocks are computed once."""
+    from deepfuse.runtime.request import completion_seed
+
+    prompt = [(7 * i) % 120 for i in range(43)]
+    base = dict(temperature=1.0, max_tokens=8, ignore_eos=True)
+    eng = engine(tiny_art, num_blocks=128)
+    out = eng.generate([prompt, PROMPTS[1]], [SamplingParams(n=4, seed=7, **base), GREEDY])
+    assert [len(o.samples) for o in out] == [4, 1] and out[1].samples == [out[1]]
+    got = [s.token_ids for s in out[0].samples]
+    assert len({tuple(t) for t in got}) == 4  # four different completions
+    solo = [engine(tiny_art).generate([prompt], [SamplingParams(seed=completion_seed(7, j), **base)])[0].token_ids
+            for j in range(4)]
+    assert got == solo and completion_seed(7, 0) == 7
+    assert out[1].token_ids == engine(tiny_art).generate([PROMPTS[1]], [GREEDY])[0].token_ids
+    # the first completion computes the prompt; the others only its last, partial block (43 = 10 * 4 + 3)
+    assert eng.stats.prompt_tokens_computed == 43 + 3 * 3 + len(PROMPTS[1])
+    assert [s.num_cached_tokens for s in out[0].samples] == [0, 40, 40, 40]
+    # without a seed the completions are drawn independently; greedy ones are all the argmax
+    free = engine(tiny_art).generate([prompt], [SamplingParams(n=3, **base)])[0]
+    assert len({tuple(s.token_ids) for s in free.samples}) == 3
+    greedy = engine(tiny_art).generate([prompt], [SamplingParams(n=3, temperature=0, max_tokens=8)])[0]
+    assert all(s.token_ids == greedy.token_ids for s in greedy.samples)
+
+
+def test_n_is_checked_and_only_generate_takes_it(tiny_art):
+    eng = engine(tiny_art)
+    with pytest.raises(ValueError, match="^n must be an int >= 1"):
+        SamplingParams(n=0)
+    with pytest.raises(DeepfuseError, match="add one request per completion"):
+        eng.add_request([1, 2], SamplingParams(n=2))
+    with pytest.raises(DeepfuseError, match="cannot be used with n > 1"):
+        eng.generate([[1, 2]], [SamplingParams(n=2)], on_token=lambda i, t: None)
+    out = eng.generate([[], [1, 2]], [SamplingParams(n=3), SamplingParams(n=2, max_tokens=3)])
+    assert out[0].finish_reason == "error" and out[0].samples == [out[0]]
+    assert [len(s.token_ids) for s in out[1].samples] == [3, 3]
+    assert not eng.has_unfinished()
+
+
 def test_min_tokens_holds_back_stop_ids(tiny_art):
     free = engine(tiny_art).generate([PROMPTS[0]], [GREEDY])[0].token_ids
     stop = free[2]  # the free run would stop at its third token

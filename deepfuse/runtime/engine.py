@@ -354,6 +354,8 @@ class Engine:
             if req.detok.add(req.generated) and stoppable:
                 at = find_stop(req.detok.text, p.stop, searched)
                 if at >= 0:
+                    if p.include_stop_str_in_output:
+                        at += len(next(s for s in p.stop if req.detok.text.startswith(s, at)))
                     req.stop_text, req.finish = req.detok.text[:at], "stop"
         if req.finish is None and len(req.generated) >= p.max_tokens:
             req.finish = "length"

@@ -21,8 +21,9 @@ if TYPE_CHECKING:
 @dataclass
 class SamplingParams:
     """vLLM's names. temperature 0 = greedy (exact argmax); top_k 0 = off; seed None =
-    random; stop: strings that end the text (not included in it); logprobs: how many
-    top log-probabilities to return per generated token (None = none; of the model's own logits,
+    random; stop: strings that end the text (not in it unless include_stop_str_in_output: then
+    the first listed of those found where the match starts ends it); logprobs: how many top
+    log-probabilities to return per generated token (None = none; of the model's own logits,
     before any of the settings below).
     repetition_penalty (1 = off), presence_penalty and frequency_penalty (0 = off) and
     min_tokens (before it, no EOS, stop id or stop string ends the request); n: completions of the
@@ -40,6 +41,7 @@ class SamplingParams:
     seed: int | None = None
     ignore_eos: bool = False
     stop: list[str] = field(default_factory=list)
+    include_stop_str_in_output: bool = False
     stop_token_ids: list[int] = field(default_factory=list)
     logprobs: int | None = None
     repetition_penalty: float = 1.0
@@ -70,6 +72,8 @@ class SamplingParams:
             raise DeepfuseError(f"max_tokens must be an int >= 1, got {self.max_tokens!r}")
         if self.seed is not None and not isinstance(self.seed, int):
             raise DeepfuseError(f"seed must be an int or None, got {self.seed!r}")
+        if not isinstance(self.include_stop_str_in_output, bool):
+            raise DeepfuseError(f"include_stop_str_in_output must be a bool, got {self.include_stop_str_in_output!r}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise DeepfuseError(f"stop must be non-empty strings, got {self.stop!r}")
         if self.logprobs is not None and not (isinstance(self.logprobs, int) and 0 <= self.logprobs <= 20):

@@ -100,6 +100,14 @@ def test_engine_stop_strings_cut_the_text_of_a_free_run(smollm2, smollm2_compile
         assert out.finish_reason == "stop" and out.text == text[:first], stop
         n = next(n for n in range(1, 41) if stop in tok.decode(free.token_ids[:n]))
         assert out.token_ids == free.token_ids[:n]
+    # kept in the text on request: the first listed of the stops found where the match starts
+    stop = text[17:22]
+    out = eng.generate([prompt], [SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, stop=[stop[:3], stop],
+                                                 include_stop_str_in_output=True)])[0]
+    assert out.text == text[:text.find(stop[:3]) + 3]
+    out = eng.generate([prompt], [SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, stop=["zzz", stop],
+                                                 include_stop_str_in_output=True)])[0]
+    assert out.finish_reason == "stop" and out.text == text[:text.find(stop) + 5]
     unmatched = eng.generate([prompt], [SamplingParams(temperature=0, max_tokens=40, ignore_eos=True,
                                                        stop=["no such text anywhere"])])[0]
     assert unmatched.finish_reason == "length" and unmatched.text == text

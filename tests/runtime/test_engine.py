@@ -142,7 +142,7 @@ def test_stop_tokens_logprobs_and_timing(tiny_art):
     ({"logit_bias": {-1: 1.0}}, "logit_bias"), ({"logit_bias": {3: float("inf")}}, "logit_bias"),
     ({"logit_bias": {"a": 1.0}}, "logit_bias"), ({"logit_bias": [1, 2]}, "logit_bias"),
     ({"allowed_token_ids": []}, "allowed_token_ids"), ({"allowed_token_ids": [1, -2]}, "allowed_token_ids"),
-    ({"allowed_token_ids": [True]}, "allowed_token_ids"),
+    ({"allowed_token_ids": [True]}, "allowed_token_ids"), ({"include_stop_str_in_output": 1}, "include_stop_str_in_output"),
 ])
 def test_bad_sampling_params_raise_value_error_naming_the_field(kw, field):
     with pytest.raises(ValueError, match=f"^{field} must"):

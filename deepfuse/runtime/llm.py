@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import os
 
+from ..codegen.artifact import CompiledModel
 from ..errors import DeepfuseError
 from .engine import Engine, RequestOutput, SamplingParams
 from .kv_cache import CacheConfig
@@ -10,7 +11,8 @@ from .spec import SpecConfig
 
 
 class LLM:
-    """model: a model name/path (compiled now) or an artifact directory; artifact: an
+    """model: a model name/path (compiled now), an artifact directory or a CompiledModel
+    (deepfuse.compile's; used as it is, like an artifact); artifact: an
     artifact directory (loaded and verified, never recompiled); quant: None, "int4" (4-bit
     weights) or "w8a8" (int8 weights and activations: the fastest on CPUs with AVX512-VNNI, at
     about 1% perplexity over int4, docs/quantization.md); kv_cache_dtype: None (the cache holds
@@ -22,7 +24,7 @@ class LLM:
     batch_invariant: compile so that each request's tokens are the same whatever shares its
     steps (an artifact must have been compiled so)."""
 
-    def __init__(self, model: str = "smollm2", target: str = "cpu", dtype: str = "f32",
+    def __init__(self, model: str | CompiledModel = "smollm2", target: str = "cpu", dtype: str = "f32",
                  block_size: int = 16, num_blocks: int = 1024, max_num_tokens: int = 512, max_num_seqs: int = 64,
                  enable_prefix_caching: bool = True, artifact: str | None = None, quant: str | None = None,
                  spec: SpecConfig | None = None, batch_invariant: bool = False, kv_cache_dtype: str | None = None):
@@ -30,15 +32,16 @@ class LLM:
         from .loader import load
 
         draft = None
-        if artifact is not None or os.path.isfile(os.path.join(model, "manifest.json")):
-            self.model = load(artifact or model)
+        compiled = isinstance(model, CompiledModel)
+        if compiled or artifact is not None or os.path.isfile(os.path.join(model, "manifest.json")):
+            self.model = model if compiled else load(artifact or model)
             if batch_invariant and not self.model.batch_invariant:
-                raise DeepfuseError("this artifact was compiled without batch invariance; recompile it with "
+                raise DeepfuseError("this model was compiled without batch invariance; recompile it with "
                                     "`deepfuse compile --batch-invariant`")
             if spec is not None and spec.method == "draft":
-                raise DeepfuseError('speculative method "draft" needs the model itself, not an artifact')
+                raise DeepfuseError('speculative method "draft" needs the model itself, not a compiled one')
             if kv_cache_dtype is not None and kv_cache_dtype != self.model.kv_cache_dtype:
-                raise DeepfuseError(f"this artifact was compiled with kv_cache_dtype {self.model.kv_cache_dtype!r}, "
+                raise DeepfuseError(f"this model was compiled with kv_cache_dtype {self.model.kv_cache_dtype!r}, "
                                     f"not {kv_cache_dtype!r}; recompile it with `deepfuse compile --kv-cache-dtype`")
         else:
             from ..models import load_model
@@ -73,6 +76,25 @@ class LLM:
         plist = params if isinstance(params, list) else [params] * len(ids)
         return self.engine.generate(ids, plist, on_token, use_tqdm=use_tqdm and len(ids) > 1)
 
-    def chat(self, message: str, params: SamplingParams | None = None, on_token=None) -> RequestOutput:
-        prompt = self.tokenizer.render_chat([{"role": "user", "content": message}])
-        return self.generate([prompt], params, on_token)[0]
+    def chat(self, messages: str | list[dict[str, str]] | list[list[dict[str, str]]],
+             params: SamplingParams | list[SamplingParams] | None = None, on_token=None,
+             use_tqdm: bool = True) -> RequestOutput | list[RequestOutput]:
+        """Generates the assistant's reply through the model's chat template. messages: one user
+        message (str) or one conversation ([{"role": ..., "content": ...}, ...]) -> its output;
+        a list of conversations -> one output each, in order."""
+        batch = isinstance(messages, list) and bool(messages) and all(isinstance(c, list) for c in messages)
+        conversations = messages if batch else [messages]
+        prompts = [self.tokenizer.render_chat(_conversation(c)) for c in conversations]
+        outs = self.generate(prompts, params, on_token, use_tqdm)
+        return outs if batch else outs[0]
+
+
+def _conversation(c: object) -> list[dict[str, str]]:
+    """A chat turn list from a str (one user message) or a list of {"role", "content"} dicts."""
+    if isinstance(c, str):
+        return [{"role": "user", "content": c}]
+    if not (isinstance(c, list) and c and all(isinstance(m, dict) and isinstance(m.get("role"), str)
+                                             and isinstance(m.get("content"), str) for m in c)):
+        raise DeepfuseError(f"a conversation must be a non-empty list of {{'role': str, 'content': str}} dicts, "
+                            f"got {c!r:.80}")
+    return c

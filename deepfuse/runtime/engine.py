@@ -402,13 +402,18 @@ class Engine:
                 on_token(index[rid][0], tok)
 
         left = len(index)
-        with tqdm(total=len(index), desc="requests", unit="req", disable=not use_tqdm, leave=False) as bar:
-            while left and self.has_unfinished():
-                for out in self.step(stream if on_token else None):
-                    if out.request_id in index:  # requests added elsewhere may finish here too
-                        done[index[out.request_id]] = out
-                        left -= 1
-                        bar.update()
+        try:
+            with tqdm(total=len(index), desc="requests", unit="req", disable=not use_tqdm, leave=False) as bar:
+                while left and self.has_unfinished():
+                    for out in self.step(stream if on_token else None):
+                        if out.request_id in index:  # requests added elsewhere may finish here too
+                            done[index[out.request_id]] = out
+                            left -= 1
+                            bar.update()
+        except BaseException:  # on_token raised, or Ctrl-C: this call's requests leave the engine with it
+            for rid in index:
+                self.abort(rid)
+            raise
         for rid, key in index.items():  # aborted by on_token: what abort() returned
             if key not in done:
                 done[key] = self._output(added[rid])

@@ -254,6 +254,25 @@ def test_n_is_checked_and_only_generate_takes_it(tiny_art):
     assert not eng.has_unfinished()
 
 
+def test_a_raising_callback_leaves_the_engine_clean(tiny_art):
+    """on_token raising (or Ctrl-C) ends generate with the exception; its requests leave the
+    engine, their blocks are freed, and the next call gives what a fresh engine gives."""
+    eng = engine(tiny_art)
+    other = eng.add_request(PROMPTS[3], GREEDY)  # added outside the call: it stays
+
+    def on_token(i: int, _tok: int) -> None:
+        if i == 1:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        eng.generate(PROMPTS[:3], [GREEDY] * 3, on_token)
+    assert list(eng.requests) == [other]
+    while eng.has_unfinished():
+        eng.step()
+    assert eng.kv.pool.num_used() == 0
+    assert tokens(eng.generate(PROMPTS, [GREEDY] * 4)) == tokens(engine(tiny_art).generate(PROMPTS, [GREEDY] * 4))
+
+
 def test_min_tokens_holds_back_stop_ids(tiny_art):
     free = engine(tiny_art).generate([PROMPTS[0]], [GREEDY])[0].token_ids
     stop = free[2]  # the free run would stop at its third token

@@ -2,8 +2,9 @@
 
 Shapes follow models.llama.step_specs: tokens/positions/slot_mapping [T],
 block_tables [S,B] (unused entries 0), per-sequence [S] tensors, and the sampled rows [R]
-with their sampling parameters (a chunk samples its last `samples` tokens: 1, or k+1 when
-k draft tokens are verified) and draft_tokens [R], the draft each sampled row verifies.
+with their sampling parameters (a chunk samples its last `samples` tokens: 1, k+1 when
+k draft tokens are verified, or every row of a prompt chunk whose prompt logprobs are asked for)
+and draft_tokens [R], the draft each sampled row verifies (-1: none).
 StepBuffers holds them preallocated (numpy arrays shared with torch): no input tensor is
 allocated per step.
 """
@@ -31,6 +32,7 @@ class SeqChunk:
     top_p: float = 1.0
     seed: int = 0
     samples: int = 1  # how many of its last tokens get a sampled next token
+    verify: bool = True  # with samples > 1: each sampled row but the last verifies the next row's token as a draft
 
 
 def sample_keys(seeds: np.ndarray, positions: np.ndarray) -> np.ndarray:
@@ -99,8 +101,9 @@ class StepBuffers:
         b["temperature"][:r], b["top_k"][:r], b["top_p"][:r] = temperature[sseq], top_k[sseq], top_p[sseq]
         seeds = np.array([c.seed & 0xFFFFFFFFFFFFFFFF for c in chunks], dtype=np.uint64)
         b["seeds"][:r] = sample_keys(seeds[sseq], pos[rows] + 1)
-        # each row but its chunk's last verifies the draft the next row was fed
-        b["draft_tokens"][:r] = np.where(j < ks[sseq] - 1, tokens[np.minimum(rows + 1, t - 1)], -1)
+        # each row but its chunk's last verifies the draft the next row was fed (chunks that verify)
+        verify = np.array([c.verify for c in chunks], dtype=bool)
+        b["draft_tokens"][:r] = np.where((j < ks[sseq] - 1) & verify[sseq], tokens[np.minimum(rows + 1, t - 1)], -1)
         v = self.torch
         inputs = {k: v[k][:t] for k in ("tokens", "positions", "slot_mapping")}
         inputs["block_tables"] = v["block_tables"][:s, :width]

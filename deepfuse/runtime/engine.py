@@ -162,8 +162,9 @@ class Engine:
             verify = req.remaining == 1 and n > 1  # the last token and n - 1 drafts
             toks = [req.tokens[req.computed], *req.draft[:n - 1]] if verify else req.tokens[req.computed:req.computed + n]
             host.append(self._host_sampled(req))  # host_sampling.py draws its token: the step only takes the argmax
+            every_row = not verify and req.needs_prompt_rows  # prompt logprobs: logits of every row
             chunks.append(SeqChunk(toks, req.computed, req.kv.table, 0.0 if host[-1] else float(p.temperature),
-                                   p.top_k, p.top_p, req.seed, samples=n if verify else 1))
+                                   p.top_k, p.top_p, req.seed, samples=n if verify or every_row else 1, verify=verify))
         t0 = time.perf_counter()
         inputs = self.buffers.fill(chunks, self.cache)
         logits, next_tokens, hidden = self.model(inputs)
@@ -181,7 +182,7 @@ class Engine:
             start = req.computed
             self.stats.tokens_computed += n
             req.draft = []
-            if chunk.samples > 1:
+            if chunk.verify and chunk.samples > 1:
                 # the step verified the drafts (spec_verify): its tokens are -1 after the first rejection
                 new = [t for t in sampled[first:row] if t >= 0]
                 accepted = len(new) - 1
@@ -190,6 +191,9 @@ class Engine:
                 self.drafter.observe(req, chunk.samples - 1, accepted)
                 req.computed += 1 + accepted
             else:
+                if req.needs_prompt_rows:
+                    self._take_prompt_logprobs(req, start, logits[first:row])
+                first = row - 1  # the chunk's last row samples its next token
                 req.computed += n
                 new = [drawn.get(first, sampled[first])]
             self.stats.prompt_tokens_computed += max(0, min(req.computed, len(req.prompt)) - start)
@@ -223,9 +227,9 @@ class Engine:
         chunk (logits [R, V], keys [R]: the step's sampled rows): sample row -> token."""
         picks, row = [], 0
         for (req, n), chunk, on_host in zip(scheduled, chunks, host):
-            if on_host and chunk.samples == 1 and req.remaining == n:  # not a mid-prompt chunk
-                picks.append((row, req))
             row += chunk.samples
+            if on_host and not chunk.verify and req.remaining == n:  # not a mid-prompt chunk
+                picks.append((row - 1, req))  # its last row
         if not picks:
             return {}
         rows = [r for r, _ in picks]
@@ -237,6 +241,25 @@ class Engine:
         adjust(adjusted, params, [req.counts for _, req in picks],
                [sorted(self._stop_ids(p)) if len(req.generated) < p.min_tokens else [] for p, (_, req) in zip(params, picks)])
         return dict(zip(rows, draw(adjusted, params, [int(keys[r]) for r in rows])))
+
+    def _take_prompt_logprobs(self, req: Request, start: int, logits: torch.Tensor) -> None:
+        """Records the prompt logprobs a prompt chunk's rows give (logits [n, V]: positions start..;
+        row i is the distribution of the token at start + i + 1). Rows recorded before (the chunk
+        recomputed after a preemption) are skipped."""
+        k, got = req.params.prompt_logprobs, req.prompt_logprobs
+        if not got:
+            got.append(None)  # nothing predicts the first prompt token
+        lo, hi = len(got) - 1 - start, min(len(logits), len(req.prompt) - 1 - start)  # rows whose token is next
+        if lo < 0 or lo >= hi:
+            return
+        lp = torch.log_softmax(logits[lo:hi].float(), -1)
+        targets = torch.tensor(req.prompt[start + lo + 1:start + hi + 1], device=lp.device)
+        picked = lp.gather(1, targets[:, None])[:, 0].tolist()
+        top = lp.topk(k, -1) if k else None
+        for i, (t, v) in enumerate(zip(targets.tolist(), picked)):
+            entry = dict(zip(top.indices[i].tolist(), top.values[i].tolist())) if top is not None else {}
+            entry[t] = v
+            got.append(entry)
 
     def _draft(self) -> None:
         """Proposes drafts for every running request that is decoding (speculative decoding)."""
@@ -367,6 +390,7 @@ class Engine:
                              ttft_s=req.token_times[0] if req.token_times else 0.0,
                              total_s=time.perf_counter() - req.arrival, token_times=req.token_times,
                              logprobs=req.logprobs if req.params.logprobs is not None else None,
+                             prompt_logprobs=req.prompt_logprobs if req.params.prompt_logprobs is not None else None,
                              num_cached_tokens=req.num_cached_tokens, num_preemptions=req.num_preemptions,
                              spec=req.spec if self.spec else None)
 

@@ -24,7 +24,8 @@ class SamplingParams:
     random; stop: strings that end the text (not in it unless include_stop_str_in_output: then
     the first listed of those found where the match starts ends it); logprobs: how many top
     log-probabilities to return per generated token (None = none; of the model's own logits,
-    before any of the settings below).
+    before any of the settings below); prompt_logprobs: the same for each prompt token (None for
+    the first; the prompt is then computed in full, not served by the prefix cache).
     repetition_penalty (1 = off), presence_penalty and frequency_penalty (0 = off) and
     min_tokens (before it, no EOS, stop id or stop string ends the request); n: completions of the
     prompt (generate(); completion j > 0 is keyed by a seed derived from (seed, j), so completion 0
@@ -44,6 +45,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     stop_token_ids: list[int] = field(default_factory=list)
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     repetition_penalty: float = 1.0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
@@ -78,6 +80,9 @@ class SamplingParams:
             raise DeepfuseError(f"stop must be non-empty strings, got {self.stop!r}")
         if self.logprobs is not None and not (isinstance(self.logprobs, int) and 0 <= self.logprobs <= 20):
             raise DeepfuseError(f"logprobs must be None or an int in [0, 20], got {self.logprobs!r}")
+        pl = self.prompt_logprobs
+        if pl is not None and not (isinstance(pl, int) and not isinstance(pl, bool) and 0 <= pl <= 20):
+            raise DeepfuseError(f"prompt_logprobs must be None or an int in [0, 20], got {pl!r}")
         r = self.repetition_penalty
         if not (isinstance(r, (int, float)) and math.isfinite(r) and r > 0):
             raise DeepfuseError(f"repetition_penalty must be a finite number > 0 (1 disables it), got {r!r}")
@@ -126,6 +131,7 @@ class RequestOutput:
     total_s: float = 0.0
     token_times: list[float] = field(default_factory=list)
     logprobs: list[dict[int, float]] | None = None  # per token: {token id: logprob}, sampled token included
+    prompt_logprobs: list[dict[int, float] | None] | None = None  # per prompt token, None for the first
     num_cached_tokens: int = 0  # prompt tokens served by the prefix cache
     num_preemptions: int = 0
     spec: SpecStats | None = None  # speculative decoding: drafts verified and accepted
@@ -159,6 +165,12 @@ class Request:
     generated: list[int] = field(default_factory=list)
     token_times: list[float] = field(default_factory=list)
     logprobs: list[dict[int, float]] = field(default_factory=list)
+    prompt_logprobs: list[dict[int, float] | None] = field(default_factory=list)  # [None, then one per prompt token]
+
+    @property
+    def needs_prompt_rows(self) -> bool:
+        """Whether its prompt chunks must return every row's logits (prompt logprobs not all taken)."""
+        return self.params.prompt_logprobs is not None and len(self.prompt_logprobs) < len(self.prompt)
     detok: IncrementalText | None = None  # the text so far, where the request has stop strings
     counts: TokenCounts | None = None  # output counts for penalties (host_sampling.py), made when first needed
     stop_text: str | None = None  # the text up to the stop string that ended the request

@@ -25,7 +25,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from ..errors import DeepfuseError
-from .kv_cache import KVCacheManager
+from .kv_cache import KVCacheManager, SeqBlocks
 from .request import Request
 
 
@@ -73,7 +73,8 @@ class Scheduler:
             i += 1
         while (not preempted and self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs):
             req = self.waiting[0]
-            blocks = self.kv.match_prefix(req.tokens)
+            # prompt logprobs need every prompt row computed: no prefix from the cache for them
+            blocks = SeqBlocks() if req.needs_prompt_rows else self.kv.match_prefix(req.tokens)
             cached = len(blocks.table) * self.kv.bs
             n = min(len(req.tokens) - cached, budget)
             if not self.kv.can_allocate(blocks, cached + n):

@@ -56,3 +56,27 @@ def test_chat_template_matches_transformers(smollm2):
     want = hf_tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
     assert smollm2[1].render_chat(msgs) == want
     assert smollm2[1].encode(want) == hf_tok(want, add_special_tokens=False).input_ids
+
+
+def test_prompt_logprobs_match_transformers(hf_model, smollm2, smollm2_compiled):
+    """Engine prompt logprobs (in 32-token chunks, beside another request) equal log_softmax of
+    transformers' logits at every prompt position; the top-5 are transformers' top-5."""
+    from deepfuse.runtime.engine import Engine, SamplingParams
+
+    tok = smollm2[1]
+    ids = tok.encode("The history of the printing press begins in China, where woodblock printing was "
+                     "used on cloth and later on paper. Movable type came much later, and in Europe "
+                     "Gutenberg's press of about 1440 made books cheap enough for many readers.")
+    with torch.no_grad():
+        want = torch.log_softmax(hf_model(torch.tensor([ids])).logits[0].float(), -1)  # [P, V]
+    eng = Engine(smollm2_compiled, max_num_tokens=32)
+    out = eng.generate([ids, tok.encode("Hello")], [SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=5),
+                                                   SamplingParams(temperature=0, max_tokens=4)])[0]
+    got = out.prompt_logprobs
+    assert len(ids) > 40 and len(got) == len(ids) and got[0] is None
+    for i in range(1, len(ids)):
+        assert abs(got[i][ids[i]] - want[i - 1, ids[i]].item()) < 2e-3, i
+        top, sixth = want[i - 1].topk(5), want[i - 1].topk(6).values[5].item()
+        if top.values[4].item() - sixth > 1e-3:  # no near-tie at the edge of the top 5
+            assert set(top.indices.tolist()) <= set(got[i]), i
+            assert max(abs(got[i][t] - v) for t, v in zip(top.indices.tolist(), top.values.tolist())) < 2e-3

@@ -142,7 +142,8 @@ def test_stop_tokens_logprobs_and_timing(tiny_art):
     ({"logit_bias": {-1: 1.0}}, "logit_bias"), ({"logit_bias": {3: float("inf")}}, "logit_bias"),
     ({"logit_bias": {"a": 1.0}}, "logit_bias"), ({"logit_bias": [1, 2]}, "logit_bias"),
     ({"allowed_token_ids": []}, "allowed_token_ids"), ({"allowed_token_ids": [1, -2]}, "allowed_token_ids"),
-    ({"allowed_token_ids": [True]}, "allowed_token_ids"), ({"include_stop_str_in_output": 1}, "include_stop_str_in_output"),
+    ({"allowed_token_ids": [True]}, "allowed_token_ids"), ({"prompt_logprobs": 21}, "prompt_logprobs"),
+    ({"include_stop_str_in_output": 1}, "include_stop_str_in_output"),
 ])
 def test_bad_sampling_params_raise_value_error_naming_the_field(kw, field):
     with pytest.raises(ValueError, match=f"^{field} must"):
@@ -271,6 +272,36 @@ def test_a_raising_callback_leaves_the_engine_clean(tiny_art):
         eng.step()
     assert eng.kv.pool.num_used() == 0
     assert tokens(eng.generate(PROMPTS, [GREEDY] * 4)) == tokens(engine(tiny_art).generate(PROMPTS, [GREEDY] * 4))
+
+
+def test_prompt_logprobs_in_chunks_batches_and_preemption(tiny_art):
+    """Prompt logprobs: None, then one entry per prompt token; the same through 5-token chunks,
+    beside other requests, after preemption and with the prefix cached by another request;
+    the generated tokens are the run's without them."""
+    prompt = [(7 * i) % 120 for i in range(23)]
+    sampled = SamplingParams(temperature=1.0, seed=3, max_tokens=6, ignore_eos=True)
+    want = engine(tiny_art).generate([prompt], [sampled])[0]
+    ask = SamplingParams(temperature=1.0, seed=3, max_tokens=6, ignore_eos=True, prompt_logprobs=2)
+    alone = engine(tiny_art).generate([prompt], [ask])[0]
+    assert alone.token_ids == want.token_ids and want.prompt_logprobs is None
+    lps = alone.prompt_logprobs
+    assert len(lps) == len(prompt) and lps[0] is None
+    assert all(prompt[i] in e and len(e) in (2, 3) and max(e.values()) <= 0 for i, e in enumerate(lps) if i)
+    chunked = engine(tiny_art, max_num_tokens=5)
+    cached = chunked.generate([prompt], [sampled])[0]  # caches the prompt's blocks
+    outs = chunked.generate([prompt, PROMPTS[1], prompt], [ask, GREEDY, sampled])
+    assert outs[0].num_cached_tokens == 0 and outs[2].num_cached_tokens == 20 and cached.token_ids == want.token_ids
+    small = engine(tiny_art, num_blocks=12, max_num_tokens=4)
+    cut = []  # (request id, prompt tokens computed) at each preemption
+    preempt = small.scheduler._preempt
+    small.scheduler._preempt = lambda r: (cut.append((r.request_id, r.computed)), preempt(r))
+    long = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    many = small.generate([PROMPTS[1], PROMPTS[3], prompt], [long, long, ask])
+    assert any(rid == "2" and 0 < c < len(prompt) for rid, c in cut), cut  # preempted mid-prompt
+    for got in (outs[0], many[2]):
+        assert got.token_ids == want.token_ids and [None if e is None else sorted(e) for e in got.prompt_logprobs] == \
+            [None if e is None else sorted(e) for e in lps]
+        assert all(e is None or max(abs(e[t] - lps[i][t]) for t in e) < 1e-4 for i, e in enumerate(got.prompt_logprobs))
 
 
 def test_min_tokens_holds_back_stop_ids(tiny_art):

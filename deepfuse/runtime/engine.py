@@ -74,6 +74,7 @@ class Engine:
         # keep Request.hidden, the hidden state that sampled each request's last token (MTP drafting, training)
         self.keep_hidden = bool(getattr(self.drafter, "needs_hidden", False))
         self._next_id = 0
+        self._unreturned: list[RequestOutput] = []  # finished in a step whose on_token raised
 
     def _max_model_len(self, budget: int) -> int:
         """The longest sequence (prompt + output) a request may ask for: the model's context,
@@ -145,13 +146,18 @@ class Engine:
         return self._output(req)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or bool(self._unreturned)
 
     # ---- steps ----------------------------------------------------------------------------
 
     @torch.inference_mode()
     def step(self, on_token: Callable[[str, int], None] | None = None) -> list[RequestOutput]:
-        """Runs one step; returns the requests that finished in it. on_token(id, token) streams."""
+        """Runs one step; returns the requests that finished in it. on_token(id, token) streams
+        a request's new tokens once its state is updated (a finished one has left `requests`);
+        it may abort any request (one not yet reached in this step gets no tokens in it)."""
+        if self._unreturned:  # the step before raised in on_token
+            carried, self._unreturned = self._unreturned, []
+            return carried
         self._draft()
         scheduled = self.scheduler.schedule()
         if not scheduled:
@@ -175,6 +181,7 @@ class Engine:
         sampled = next_tokens.tolist()
         drawn = self._draw_on_host(scheduled, chunks, host, logits, inputs["seeds"])
         finished, row = [], 0
+        self._unreturned = finished  # come back from the next step() if on_token raises in this one
         for (req, n), chunk in zip(scheduled, chunks):
             first, row = row, row + chunk.samples
             if req.finish == "abort":  # by an on_token callback earlier in this step
@@ -202,16 +209,20 @@ class Engine:
                 continue  # mid-prompt chunk: its sample is not a real token
             if self.keep_hidden:  # the state an MTP head drafts from: the row that sampled the last new token
                 req.hidden = hidden[first + len(new) - 1].to(torch.float32, copy=True)
+            appended = 0
             for j, tok in enumerate(new):
                 self._append(req, tok, logits[first + j], now)
-                if on_token:
-                    on_token(req.request_id, tok)
+                appended += 1
                 if req.finish:
                     break
-            if req.finish and req.finish != "abort":  # (aborted by on_token: abort() returned it)
+            if req.finish:
                 self.scheduler.finish(req)
                 del self.requests[req.request_id]
                 finished.append(self._output(req))
+            # once the request's state is whole (a callback that raises leaves it consistent)
+            for tok in req.generated[len(req.generated) - appended:] if on_token else ():
+                on_token(req.request_id, tok)
+        self._unreturned = []
         return finished
 
     def _stop_ids(self, p: SamplingParams) -> set[int]:
@@ -437,6 +448,7 @@ class Engine:
         except BaseException:  # on_token raised, or Ctrl-C: this call's requests leave the engine with it
             for rid in index:
                 self.abort(rid)
+            self._unreturned = [o for o in self._unreturned if o.request_id not in index]
             raise
         for rid, key in index.items():  # aborted by on_token: what abort() returned
             if key not in done:

@@ -121,10 +121,11 @@ def greedy_states(model, prompts: list[list[int]], max_tokens: int) -> list[tupl
     eng = Engine(model, CacheConfig(16, 4096), max_num_tokens=512, max_num_seqs=64)
     eng.keep_hidden = True
     ids = [eng.add_request(p, SamplingParams(temperature=0, max_tokens=max_tokens)) for p in prompts]
+    requests = {i: eng.requests[i] for i in ids}  # a finished request leaves eng.requests before its last token streams
     got: dict[str, list] = {i: [] for i in ids}
 
     def record(rid: str, token: int) -> None:
-        got[rid].append((eng.requests[rid].hidden, token))
+        got[rid].append((requests[rid].hidden, token))
 
     with tqdm(total=len(ids), desc="generating", unit="req", leave=False) as bar:
         while eng.has_unfinished():

@@ -274,6 +274,35 @@ def test_a_raising_callback_leaves_the_engine_clean(tiny_art):
     assert tokens(eng.generate(PROMPTS, [GREEDY] * 4)) == tokens(engine(tiny_art).generate(PROMPTS, [GREEDY] * 4))
 
 
+def test_a_callback_raising_inside_step_loses_no_output(tiny_art):
+    """step(on_token) raising mid-step, with speculation accepting several tokens a step: every
+    request's state stays whole, the outputs that finished in that step come back from the next
+    step(), and all requests end as they would without the callback."""
+    from deepfuse.runtime.spec import SpecConfig
+
+    repeat = [5, 6, 7, 5, 6, 7, 5, 6, 7, 5, 6]
+    prompts = [repeat, PROMPTS[0], repeat[1:], PROMPTS[2]]
+    params = [GREEDY, SamplingParams(temperature=0, max_tokens=3), GREEDY, SamplingParams(temperature=0, max_tokens=5)]
+    want = tokens(engine(tiny_art).generate(prompts, params))
+    eng = engine(tiny_art, spec=SpecConfig(num_draft_tokens=3, schedule="fixed"))
+    ids = [eng.add_request(p, sp) for p, sp in zip(prompts, params)]
+    calls, outs = [0], {}
+
+    def flaky(_rid: str, _tok: int) -> None:
+        calls[0] += 1
+        if calls[0] % 7 == 0:
+            raise RuntimeError("callback failed")
+
+    raised = 0
+    while eng.has_unfinished():
+        try:
+            outs.update((o.request_id, o) for o in eng.step(flaky))
+        except RuntimeError:
+            raised += 1
+    assert raised >= 2 and eng.spec_stats.accepted > 0 and eng.kv.pool.num_used() == 0
+    assert [outs[i].token_ids for i in ids] == want
+
+
 def test_prompt_logprobs_in_chunks_batches_and_preemption(tiny_art):
     """Prompt logprobs: None, then one entry per prompt token; the same through 5-token chunks,
     beside other requests, after preemption and with the prefix cached by another request;

@@ -55,13 +55,21 @@ class SamplingParams:
     allowed_token_ids: list[int] | None = None
 
     def __post_init__(self) -> None:
-        if isinstance(self.stop, str):
-            self.stop = [self.stop]
-        if isinstance(self.allowed_token_ids, tuple):
-            self.allowed_token_ids = list(self.allowed_token_ids)
         self.validate()
 
     def validate(self) -> None:
+        """Raises for an invalid value; first takes vLLM's other spellings: a stop string alone,
+        None for no stops, tuples for lists, top_k -1 for off."""
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        for name in ("stop", "stop_token_ids"):
+            if getattr(self, name) is None:
+                setattr(self, name, [])
+        for name in ("stop", "stop_token_ids", "allowed_token_ids"):
+            if isinstance(getattr(self, name), tuple):
+                setattr(self, name, list(getattr(self, name)))
+        if self.top_k == -1 and not isinstance(self.top_k, bool):
+            self.top_k = 0
         if not (isinstance(self.n, int) and not isinstance(self.n, bool) and self.n >= 1):
             raise DeepfuseError(f"n must be an int >= 1, got {self.n!r}")
         if not (isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature) and self.temperature >= 0):
@@ -69,15 +77,17 @@ class SamplingParams:
         if not (isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1):
             raise DeepfuseError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if not (isinstance(self.top_k, int) and self.top_k >= 0):
-            raise DeepfuseError(f"top_k must be an int >= 0 (0 disables it), got {self.top_k!r}")
+            raise DeepfuseError(f"top_k must be an int >= 0 (0 or -1 disables it), got {self.top_k!r}")
         if not (isinstance(self.max_tokens, int) and self.max_tokens >= 1):
             raise DeepfuseError(f"max_tokens must be an int >= 1, got {self.max_tokens!r}")
         if self.seed is not None and not isinstance(self.seed, int):
             raise DeepfuseError(f"seed must be an int or None, got {self.seed!r}")
         if not isinstance(self.include_stop_str_in_output, bool):
             raise DeepfuseError(f"include_stop_str_in_output must be a bool, got {self.include_stop_str_in_output!r}")
-        if any(not isinstance(s, str) or not s for s in self.stop):
+        if not isinstance(self.stop, list) or any(not isinstance(s, str) or not s for s in self.stop):
             raise DeepfuseError(f"stop must be non-empty strings, got {self.stop!r}")
+        if not (isinstance(self.stop_token_ids, list) and all(_is_id(t) for t in self.stop_token_ids)):
+            raise DeepfuseError(f"stop_token_ids must be a list of token ids (ints >= 0), got {self.stop_token_ids!r}")
         if self.logprobs is not None and not (isinstance(self.logprobs, int) and 0 <= self.logprobs <= 20):
             raise DeepfuseError(f"logprobs must be None or an int in [0, 20], got {self.logprobs!r}")
         pl = self.prompt_logprobs

@@ -143,11 +143,19 @@ def test_stop_tokens_logprobs_and_timing(tiny_art):
     ({"logit_bias": {"a": 1.0}}, "logit_bias"), ({"logit_bias": [1, 2]}, "logit_bias"),
     ({"allowed_token_ids": []}, "allowed_token_ids"), ({"allowed_token_ids": [1, -2]}, "allowed_token_ids"),
     ({"allowed_token_ids": [True]}, "allowed_token_ids"), ({"prompt_logprobs": 21}, "prompt_logprobs"),
-    ({"include_stop_str_in_output": 1}, "include_stop_str_in_output"),
+    ({"include_stop_str_in_output": 1}, "include_stop_str_in_output"), ({"stop_token_ids": [[1, 2]]}, "stop_token_ids"),
+    ({"stop_token_ids": 5}, "stop_token_ids"), ({"stop_token_ids": [-1]}, "stop_token_ids"), ({"stop": 3}, "stop"),
+    ({"top_k": -2}, "top_k"),
 ])
 def test_bad_sampling_params_raise_value_error_naming_the_field(kw, field):
     with pytest.raises(ValueError, match=f"^{field} must"):
         SamplingParams(**kw)
+
+
+def test_vllm_spellings_are_taken():
+    p = SamplingParams(stop="x", stop_token_ids=None, top_k=-1, allowed_token_ids=(3, 4))
+    assert (p.stop, p.stop_token_ids, p.top_k, p.allowed_token_ids) == (["x"], [], 0, [3, 4])
+    assert SamplingParams(stop=None, stop_token_ids=(7,)).stop_token_ids == [7]
 
 
 def test_bad_requests_fail_alone_and_the_rest_complete(tiny_art):

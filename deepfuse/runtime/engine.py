@@ -75,6 +75,7 @@ class Engine:
         self.keep_hidden = bool(getattr(self.drafter, "needs_hidden", False))
         self._next_id = 0
         self._unreturned: list[RequestOutput] = []  # finished in a step whose on_token raised
+        self._host_buf = torch.empty(0, 0)  # _host_rows' buffer
 
     def _max_model_len(self, budget: int) -> int:
         """The longest sequence (prompt + output) a request may ask for: the model's context,
@@ -248,10 +249,21 @@ class Engine:
             if req.counts is None:
                 req.counts = TokenCounts(req.prompt, req.generated)
         params = [req.params for _, req in picks]
-        adjusted = logits[torch.tensor(rows, device=logits.device)].to("cpu", torch.float32)  # a copy: logprobs stay raw
+        adjusted = self._host_rows(logits, rows)  # a copy: logprobs stay raw
         adjust(adjusted, params, [req.counts for _, req in picks],
                [sorted(self._stop_ids(p)) if len(req.generated) < p.min_tokens else [] for p, (_, req) in zip(params, picks)])
         return dict(zip(rows, draw(adjusted, params, [int(keys[r]) for r in rows])))
+
+    def _host_rows(self, logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
+        """logits[rows] [P, V] as f32 on the host, in a grow-only buffer (no [P, V] allocation a step)."""
+        if self._host_buf.shape[0] < len(rows) or self._host_buf.shape[1] != logits.shape[1]:
+            self._host_buf = torch.empty(max(len(rows), 2 * self._host_buf.shape[0]), logits.shape[1])
+        out, index = self._host_buf[:len(rows)], torch.tensor(rows, device=logits.device)
+        if logits.device.type == "cpu" and logits.dtype == torch.float32:
+            torch.index_select(logits, 0, index, out=out)
+        else:
+            out.copy_(logits.index_select(0, index))
+        return out
 
     def _take_prompt_logprobs(self, req: Request, start: int, logits: torch.Tensor) -> None:
         """Records the prompt logprobs a prompt chunk's rows give (logits [n, V]: positions start..;

@@ -128,11 +128,12 @@ def adjust(logits: torch.Tensor, params: list[SamplingParams], counts: list[Toke
     min_p = [i for i, p in enumerate(params) if p.min_p > 0 and p.temperature > 0]
     if min_p:
         # p(t) < min_p * p(max) at temperature T  <=>  logit[t] < max logit + T * ln(min_p)
-        rows = torch.tensor(min_p, dtype=torch.long)
-        floor = logits[rows].amax(-1, keepdim=True) + torch.tensor(
-            [[params[i].temperature * math.log(params[i].min_p)] for i in min_p], dtype=torch.float32)
-        sub = logits[rows]
-        logits[rows] = sub.masked_fill(sub < floor, float("-inf"))
+        shift = torch.tensor([[params[i].temperature * math.log(params[i].min_p)] for i in min_p])
+        if len(min_p) == len(params):  # every row: in place over the whole tensor
+            logits.masked_fill_(logits < logits.amax(-1, keepdim=True) + shift, float("-inf"))
+        else:
+            for i, d in zip(min_p, shift[:, 0].tolist()):
+                logits[i].masked_fill_(logits[i] < logits[i].max() + d, float("-inf"))
 
 
 def draw(logits: torch.Tensor, params: list[SamplingParams], keys: list[int]) -> list[int]:

@@ -49,6 +49,23 @@ class EngineStats:
     tokens_generated: int = 0
 
 
+class RowLogprobs:
+    """log_softmax of some sample rows of a step's logits [R, V], and their top k, taken at once."""
+
+    def __init__(self, logits: torch.Tensor, rows: list[int], k: int):
+        self.at = {r: i for i, r in enumerate(rows)}
+        self.lp = torch.log_softmax(logits[torch.tensor(rows, device=logits.device)].float(), -1)
+        top = self.lp.topk(k) if k else None
+        self.ids, self.values = (top.indices.tolist(), top.values.tolist()) if top is not None else ([], [])
+
+    def entry(self, row: int, tok: int, k: int) -> dict[int, float]:
+        """{token id: logprob} of row's top k and of tok."""
+        i = self.at[row]
+        out = dict(zip(self.ids[i][:k], self.values[i][:k])) if k else {}
+        out[tok] = float(self.lp[i, tok])
+        return out
+
+
 class Engine:
     LATENCY_CONTEXT = 128  # tokens each sequence has cached in the latency table's measured steps
 
@@ -181,6 +198,7 @@ class Engine:
         self.stats.steps += 1
         sampled = next_tokens.tolist()
         drawn = self._draw_on_host(scheduled, chunks, host, logits, inputs["seeds"])
+        lps = self._logprob_rows(scheduled, chunks, logits)
         finished, row = [], 0
         self._unreturned = finished  # come back from the next step() if on_token raises in this one
         for (req, n), chunk in zip(scheduled, chunks):
@@ -212,7 +230,8 @@ class Engine:
                 req.hidden = hidden[first + len(new) - 1].to(torch.float32, copy=True)
             appended = 0
             for j, tok in enumerate(new):
-                self._append(req, tok, logits[first + j], now)
+                k = req.params.logprobs
+                self._append(req, tok, now, lps.entry(first + j, tok, k) if k is not None else None)
                 appended += 1
                 if req.finish:
                     break
@@ -253,6 +272,19 @@ class Engine:
         adjust(adjusted, params, [req.counts for _, req in picks],
                [sorted(self._stop_ids(p)) if len(req.generated) < p.min_tokens else [] for p, (_, req) in zip(params, picks)])
         return dict(zip(rows, draw(adjusted, params, [int(keys[r]) for r in rows])))
+
+    @staticmethod
+    def _logprob_rows(scheduled: list[tuple[Request, int]], chunks: list[SeqChunk],
+                      logits: torch.Tensor) -> RowLogprobs | None:
+        """The log-probabilities of the sample rows whose tokens will be kept for requests that
+        ask for logprobs (a verify chunk's rows, another chunk's last), all at once."""
+        rows, k, row = [], 0, 0
+        for (req, _), chunk in zip(scheduled, chunks):
+            if req.params.logprobs is not None:
+                rows.extend(range(row, row + chunk.samples) if chunk.verify else [row + chunk.samples - 1])
+                k = max(k, req.params.logprobs)
+            row += chunk.samples
+        return RowLogprobs(logits, rows, k) if rows else None
 
     def _host_rows(self, logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
         """logits[rows] [P, V] as f32 on the host, in a grow-only buffer (no [P, V] allocation a step)."""
@@ -376,7 +408,7 @@ class Engine:
         model.save(path)
         return model
 
-    def _append(self, req: Request, tok: int, logits: torch.Tensor, now: float) -> None:
+    def _append(self, req: Request, tok: int, now: float, logprobs: dict[int, float] | None) -> None:
         p = req.params
         req.tokens.append(tok)
         req.generated.append(tok)
@@ -385,11 +417,7 @@ class Engine:
         if req.counts is not None:
             req.counts.add(tok)
         if p.logprobs is not None:
-            lp = torch.log_softmax(logits.float(), -1)
-            top = lp.topk(p.logprobs) if p.logprobs else None
-            entry = {int(i): float(v) for i, v in zip(top.indices, top.values)} if top is not None else {}
-            entry[tok] = float(lp[tok])
-            req.logprobs.append(entry)
+            req.logprobs.append(logprobs)
         stoppable = len(req.generated) >= p.min_tokens
         if stoppable and (tok in p.stop_token_ids or (not p.ignore_eos and tok in self.eos)):
             req.finish = "stop"

@@ -341,6 +341,20 @@ def test_prompt_logprobs_in_chunks_batches_and_preemption(tiny_art):
         assert all(e is None or max(abs(e[t] - lps[i][t]) for t in e) < 1e-4 for i, e in enumerate(got.prompt_logprobs))
 
 
+@pytest.mark.parametrize("dtype,quant,kv", [("bf16", "int4", None), ("bf16", "w8a8", "int8")])
+def test_prompt_logprobs_of_quantized_builds(tiny_model, tiny_art, dtype, quant, kv):
+    """Every row's logits come through the quantized LM heads too: the prompt logprobs are
+    the f32 build's within bf16 rounding, and the tokens are the build's own without them."""
+    art = deepfuse.compile(tiny_model, dtype=dtype, quant=quant, kv_cache_dtype=kv)
+    prompt = [(7 * i) % 120 for i in range(23)]
+    ask = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, prompt_logprobs=0)
+    got = engine(art, max_num_tokens=8).generate([prompt], [ask])[0]
+    assert got.token_ids == engine(art).generate([prompt], [GREEDY])[0].token_ids[:6]
+    want = engine(tiny_art).generate([prompt], [ask])[0].prompt_logprobs
+    assert len(got.prompt_logprobs) == len(prompt) and all(len(e) == 1 for e in got.prompt_logprobs[1:])
+    assert max(abs(got.prompt_logprobs[i][t] - want[i][t]) for i, t in enumerate(prompt) if i) < 0.05  # spread: ~0.5
+
+
 def test_min_tokens_holds_back_stop_ids(tiny_art):
     free = engine(tiny_art).generate([PROMPTS[0]], [GREEDY])[0].token_ids
     stop = free[2]  # the free run would stop at its third token

@@ -139,9 +139,8 @@ class Engine:
 
     def _add(self, prompt: list[int], params: SamplingParams, request_id: str | None = None,
              seed: int | None = None) -> str:
-        prompt = list(prompt) if isinstance(prompt, tuple) else prompt
+        prompt = list(prompt) if isinstance(prompt, (list, tuple)) else prompt  # the caller's list is not shared
         self.check(prompt, params)
-        prompt = list(prompt)  # the caller's list is not shared
         if request_id is None:
             request_id = str(self._next_id)
             self._next_id += 1
@@ -228,19 +227,18 @@ class Engine:
                 continue  # mid-prompt chunk: its sample is not a real token
             if self.keep_hidden:  # the state an MTP head drafts from: the row that sampled the last new token
                 req.hidden = hidden[first + len(new) - 1].to(torch.float32, copy=True)
-            appended = 0
+            k = req.params.logprobs
             for j, tok in enumerate(new):
-                k = req.params.logprobs
                 self._append(req, tok, now, lps.entry(first + j, tok, k) if k is not None else None)
-                appended += 1
                 if req.finish:
+                    new = new[:j + 1]
                     break
             if req.finish:
                 self.scheduler.finish(req)
                 del self.requests[req.request_id]
                 finished.append(self._output(req))
             # once the request's state is whole (a callback that raises leaves it consistent)
-            for tok in req.generated[len(req.generated) - appended:] if on_token else ():
+            for tok in new if on_token else ():
                 on_token(req.request_id, tok)
         self._unreturned = []
         return finished
@@ -462,13 +460,10 @@ class Engine:
         added: dict[str, Request] = {}
         for i, (prompt, p) in enumerate(zip(prompts, params)):
             try:
-                first = None
                 for j in range(p.n if isinstance(p, SamplingParams) else 1):
-                    seed = None if first is None else \
-                        (completion_seed(first.seed, j) if p.seed is not None else random.getrandbits(62))
+                    seed = None if j == 0 else completion_seed(p.seed, j) if p.seed is not None else random.getrandbits(62)
                     rid = self._add(prompt, p, seed=seed)
                     index[rid], added[rid] = (i, j), self.requests[rid]
-                    first = first or added[rid]
             except DeepfuseError as e:  # raised for the first completion, before any was added
                 done[i, 0] = RequestOutput("", list(prompt) if isinstance(prompt, list) else [], [], "", "error", e)
 

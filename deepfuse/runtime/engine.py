@@ -14,9 +14,6 @@ with finish_reason "error" and the others still run.
 """
 from __future__ import annotations
 
-import hashlib
-import json
-import os
 import random
 import time
 from collections.abc import Callable
@@ -26,17 +23,18 @@ import torch
 from tqdm import tqdm
 
 from ..codegen.artifact import CompiledModel
-from ..codegen.cpu import native
 from ..errors import DeepfuseError
 from ..ir import DTYPES
 from .batch import SeqChunk, StepBuffers
 from .detokenize import IncrementalText, find_stop
-from .host_sampling import TokenCounts, adjust, draw, needs_host_sampling
+from .host_sampling import RowBuffer, TokenCounts, adjust, draw, needs_host_sampling
 from .kv_cache import CacheConfig, KVCache, KVCacheManager
+from .latency import measure_latency
+from .logprobs import logprob_rows, take_prompt_logprobs
 from .mtp import MtpDrafter
 from .request import Request, RequestOutput, SamplingParams, completion_seed
 from .scheduler import Scheduler, SchedulerConfig
-from .spec import LatencyModel, ModelDrafter, NgramDrafter, SpecConfig, SpecStats, choose_drafts
+from .spec import ModelDrafter, NgramDrafter, SpecConfig, SpecStats, choose_drafts
 
 __all__ = ["Engine", "EngineStats", "RequestOutput", "SamplingParams"]
 
@@ -49,26 +47,7 @@ class EngineStats:
     tokens_generated: int = 0
 
 
-class RowLogprobs:
-    """log_softmax of some sample rows of a step's logits [R, V], and their top k, taken at once."""
-
-    def __init__(self, logits: torch.Tensor, rows: list[int], k: int):
-        self.at = {r: i for i, r in enumerate(rows)}
-        self.lp = torch.log_softmax(logits[torch.tensor(rows, device=logits.device)].float(), -1)
-        top = self.lp.topk(k) if k else None
-        self.ids, self.values = (top.indices.tolist(), top.values.tolist()) if top is not None else ([], [])
-
-    def entry(self, row: int, tok: int, k: int) -> dict[int, float]:
-        """{token id: logprob} of row's top k and of tok."""
-        i = self.at[row]
-        out = dict(zip(self.ids[i][:k], self.values[i][:k])) if k else {}
-        out[tok] = float(self.lp[i, tok])
-        return out
-
-
 class Engine:
-    LATENCY_CONTEXT = 128  # tokens each sequence has cached in the latency table's measured steps
-
     def __init__(self, model: CompiledModel, cache: CacheConfig | None = None, max_num_tokens: int = 512,
                  max_num_seqs: int = 64, spec: SpecConfig | None = None, draft_model: CompiledModel | None = None):
         self.model = model
@@ -87,12 +66,12 @@ class Engine:
         self.spec = spec
         self.drafter = self._make_drafter(spec, draft_model) if spec else None
         self.spec_stats = SpecStats()
-        self.latency = self._latency_model() if spec and spec.schedule == "confidence" else None
+        self.latency = measure_latency(self) if spec and spec.schedule == "confidence" else None
         # keep Request.hidden, the hidden state that sampled each request's last token (MTP drafting, training)
         self.keep_hidden = bool(getattr(self.drafter, "needs_hidden", False))
         self._next_id = 0
         self._unreturned: list[RequestOutput] = []  # finished in a step whose on_token raised
-        self._host_buf = torch.empty(0, 0)  # _host_rows' buffer
+        self.host_rows = RowBuffer()  # host_sampling.py's copy of its rows
 
     def _max_model_len(self, budget: int) -> int:
         """The longest sequence (prompt + output) a request may ask for: the model's context,
@@ -197,7 +176,7 @@ class Engine:
         self.stats.steps += 1
         sampled = next_tokens.tolist()
         drawn = self._draw_on_host(scheduled, chunks, host, logits, inputs["seeds"])
-        lps = self._logprob_rows(scheduled, chunks, logits)
+        lps = logprob_rows(scheduled, chunks, logits)
         finished, row = [], 0
         self._unreturned = finished  # come back from the next step() if on_token raises in this one
         for (req, n), chunk in zip(scheduled, chunks):
@@ -217,7 +196,7 @@ class Engine:
                 req.computed += 1 + accepted
             else:
                 if req.needs_prompt_rows:
-                    self._take_prompt_logprobs(req, start, logits[first:row])
+                    take_prompt_logprobs(req, start, logits[first:row])
                 first = row - 1  # the chunk's last row samples its next token
                 req.computed += n
                 new = [drawn.get(first, sampled[first])]
@@ -266,53 +245,10 @@ class Engine:
             if req.counts is None:
                 req.counts = TokenCounts(req.prompt, req.generated)
         params = [req.params for _, req in picks]
-        adjusted = self._host_rows(logits, rows)  # a copy: logprobs stay raw
+        adjusted = self.host_rows.take(logits, rows)  # a copy: logprobs stay raw
         adjust(adjusted, params, [req.counts for _, req in picks],
                [sorted(self._stop_ids(p)) if len(req.generated) < p.min_tokens else [] for p, (_, req) in zip(params, picks)])
         return dict(zip(rows, draw(adjusted, params, [int(keys[r]) for r in rows])))
-
-    @staticmethod
-    def _logprob_rows(scheduled: list[tuple[Request, int]], chunks: list[SeqChunk],
-                      logits: torch.Tensor) -> RowLogprobs | None:
-        """The log-probabilities of the sample rows whose tokens will be kept for requests that
-        ask for logprobs (a verify chunk's rows, another chunk's last), all at once."""
-        rows, k, row = [], 0, 0
-        for (req, _), chunk in zip(scheduled, chunks):
-            if req.params.logprobs is not None:
-                rows.extend(range(row, row + chunk.samples) if chunk.verify else [row + chunk.samples - 1])
-                k = max(k, req.params.logprobs)
-            row += chunk.samples
-        return RowLogprobs(logits, rows, k) if rows else None
-
-    def _host_rows(self, logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
-        """logits[rows] [P, V] as f32 on the host, in a grow-only buffer (no [P, V] allocation a step)."""
-        if self._host_buf.shape[0] < len(rows) or self._host_buf.shape[1] != logits.shape[1]:
-            self._host_buf = torch.empty(max(len(rows), 2 * self._host_buf.shape[0]), logits.shape[1])
-        out, index = self._host_buf[:len(rows)], torch.tensor(rows, device=logits.device)
-        if logits.device.type == "cpu" and logits.dtype == torch.float32:
-            torch.index_select(logits, 0, index, out=out)
-        else:
-            out.copy_(logits.index_select(0, index))
-        return out
-
-    def _take_prompt_logprobs(self, req: Request, start: int, logits: torch.Tensor) -> None:
-        """Records the prompt logprobs a prompt chunk's rows give (logits [n, V]: positions start..;
-        row i is the distribution of the token at start + i + 1). Rows recorded before (the chunk
-        recomputed after a preemption) are skipped."""
-        k, got = req.params.prompt_logprobs, req.prompt_logprobs
-        if not got:
-            got.append(None)  # nothing predicts the first prompt token
-        lo, hi = len(got) - 1 - start, min(len(logits), len(req.prompt) - 1 - start)  # rows whose token is next
-        if lo < 0 or lo >= hi:
-            return
-        lp = torch.log_softmax(logits[lo:hi].float(), -1)
-        targets = torch.tensor(req.prompt[start + lo + 1:start + hi + 1], device=lp.device)
-        picked = lp.gather(1, targets[:, None])[:, 0].tolist()
-        top = lp.topk(k, -1) if k else None
-        for i, (t, v) in enumerate(zip(targets.tolist(), picked)):
-            entry = dict(zip(top.indices[i].tolist(), top.values[i].tolist())) if top is not None else {}
-            entry[t] = v
-            got.append(entry)
 
     def _draft(self) -> None:
         """Proposes drafts for every running request that is decoding (speculative decoding)."""
@@ -356,55 +292,6 @@ class Engine:
         return ModelDrafter(draft_model, self.kv, self.cache.config, self.scheduler.config.max_num_tokens,
                             self.scheduler.config.max_num_seqs, self.buffers.max_blocks,
                             cost=draft_model.config.num_layers / self.model.config.num_layers)
-
-    def _latency_model(self) -> LatencyModel:
-        """Step time by (sequences, tokens) for confidence scheduling: read from the on-disk
-        cache (keyed by the compiled plan, dtype, native kernels, threads, cache and batch sizes) or measured
-        now on throwaway blocks: S = 1, 2, 4, ..., max_num_seqs sequences of n = 1, 2, 4, 8
-        tokens each continuing a LATENCY_CONTEXT-token sequence (a verify step's shape), and
-        one sequence of up to max_num_tokens (a prefill chunk's)."""
-        sc = self.scheduler.config
-        kernels = native.fingerprint() if self.model.target == "cpu" else ""
-        key = hashlib.sha256(json.dumps(["grid", self.model.plan, self.model.dtype, kernels, torch.get_num_threads(),
-                                         self.cache.block_size, self.cache.config.num_blocks, sc.max_num_seqs,
-                                         sc.max_num_tokens], sort_keys=True, default=str).encode()).hexdigest()[:20]
-        path = os.path.join(os.path.expanduser("~"), ".cache", "deepfuse", "latency", key + ".json")
-        cached = LatencyModel.load(path)
-        if cached is not None:
-            return cached
-        budget, bs = self.scheduler.config.max_num_tokens, self.cache.block_size
-        free = self.cache.pool.num_available()
-
-        def start_of(s: int, n: int) -> int:
-            """Where each of s measured chunks of n tokens starts: a verify chunk continues a
-            LATENCY_CONTEXT-token sequence (shorter where the free blocks cannot hold s of
-            those), a prefill chunk starts at 0; -1 where even that does not fit."""
-            fit = (free // s) * bs - n
-            return min(self.LATENCY_CONTEXT, self.max_model_len - n, fit) if n <= 8 else (0 if fit >= 0 else -1)
-
-        shapes = [(1, t) for t in (16, 32, 64, 128, 256, 512) if t <= min(budget, self.max_model_len)]
-        rows = sorted({s for s in (1, 2, 4, 8, 16, 32, 64, 128) if s < sc.max_num_seqs} | {sc.max_num_seqs})
-        shapes += [(s, s * n) for s in rows for n in (1, 2, 4, 8) if s * n <= budget]
-        shapes = [(s, t) for s, t in shapes if start_of(s, t // s) >= 0] or [(1, 1)]
-        points = {}
-        for s, t in sorted(set(shapes)):
-            n = t // s
-            start = max(start_of(s, n), 0)
-            tables = [self.cache.pool.allocate(-(-(start + n) // bs)) for _ in range(s)]
-            try:
-                chunks = [SeqChunk([0] * n, start, b, samples=n if n <= 8 else 1) for b in tables]
-                times = []
-                for _ in range(3):
-                    t0 = time.perf_counter()
-                    self.model(self.buffers.fill(chunks, self.cache))
-                    times.append((time.perf_counter() - t0) * 1000)
-                points[s, t] = sorted(times)[1]
-            finally:
-                for b in tables:
-                    self.cache.pool.release(b)
-        model = LatencyModel(points)
-        model.save(path)
-        return model
 
     def _append(self, req: Request, tok: int, now: float, logprobs: dict[int, float] | None) -> None:
         p = req.params

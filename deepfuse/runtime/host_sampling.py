@@ -85,6 +85,24 @@ class TokenCounts:
         return self._counts[:self.n_out]
 
 
+class RowBuffer:
+    """A grow-only host buffer for the rows this module adjusts: no [P, V] allocation a step."""
+
+    def __init__(self):
+        self.buf = torch.empty(0, 0)
+
+    def take(self, logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
+        """A copy of logits[rows] [P, V] as f32 on the host (a view of the buffer)."""
+        if self.buf.shape[0] < len(rows) or self.buf.shape[1] != logits.shape[1]:
+            self.buf = torch.empty(max(len(rows), 2 * self.buf.shape[0]), logits.shape[1])
+        out, index = self.buf[:len(rows)], torch.tensor(rows, device=logits.device)
+        if logits.device.type == "cpu" and logits.dtype == torch.float32:
+            torch.index_select(logits, 0, index, out=out)
+        else:
+            out.copy_(logits.index_select(0, index))
+        return out
+
+
 def _flat(per_row: list[np.ndarray]) -> tuple[torch.Tensor, torch.Tensor]:
     """(row index of each entry, the entries) of per-row id arrays."""
     rows = np.repeat(np.arange(len(per_row)), [len(a) for a in per_row])

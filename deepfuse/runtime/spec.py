@@ -20,15 +20,12 @@ schedule="fixed" verifies k each step.
 """
 from __future__ import annotations
 
-import bisect
 import heapq
-import itertools
-import json
-import os
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
 from ..errors import DeepfuseError
+from .latency import LatencyModel
 
 METHODS = ("ngram", "draft", "mtp")
 SCHEDULES = ("confidence", "fixed")
@@ -297,69 +294,6 @@ class SpecStats:
     @property
     def verified_per_step(self) -> float:
         return self.drafted / self.verifications if self.verifications else 0.0
-
-
-class LatencyModel:
-    """Step time (ms) by (sequences in the step, tokens in the step). Sixteen sequences of
-    one token cost far more than one sequence of sixteen (each sequence attends over its own
-    cache), so the model is a grid: a row of measured points per sequence count, piecewise
-    linear in tokens (beyond a row's last point, at its last slope; below its first, its
-    first value), and linear between rows. observe() moves the points a measured step was
-    predicted from toward it, each by its share of the interpolation."""
-
-    def __init__(self, points: dict[tuple[int, int], float]):
-        rows: dict[int, dict[int, float]] = {}
-        for (s, t), ms in points.items():
-            rows.setdefault(s, {})[t] = ms
-        self.seqs = sorted(rows)
-        self.tokens = [sorted(rows[s]) for s in self.seqs]
-        # more tokens never take less time: a measured dip is noise
-        self.ms = [list(itertools.accumulate((rows[s][t] for t in ts), max)) for s, ts in zip(self.seqs, self.tokens)]
-
-    @staticmethod
-    def _between(xs: list[int], x: float, extend: bool) -> tuple[int, int, float]:
-        """The two points of xs around x and x's fraction of the way from the first to the
-        second (past the last point: > 1 when extend, else clamped; below the first: 0)."""
-        if len(xs) == 1 or x <= xs[0]:
-            return 0, 0, 0.0
-        i = min(bisect.bisect_left(xs, x), len(xs) - 1)
-        f = (x - xs[i - 1]) / (xs[i] - xs[i - 1])
-        return i - 1, i, f if extend else min(f, 1.0)
-
-    def _terms(self, seqs: int, tokens: int) -> list[tuple[int, int, float]]:
-        """(row, point, weight) whose weighted sum of ms is the prediction."""
-        r0, r1, fs = self._between(self.seqs, seqs, extend=False)
-        out = []
-        for r, wr in ((r0, 1 - fs), (r1, fs)):
-            p0, p1, ft = self._between(self.tokens[r], tokens, extend=True)
-            out += [(r, p0, wr * (1 - ft)), (r, p1, wr * ft)]
-        return out
-
-    def predict(self, seqs: int, tokens: int) -> float:
-        return max(sum(w * self.ms[r][p] for r, p, w in self._terms(seqs, tokens)), 1e-3)
-
-    def observe(self, seqs: int, tokens: int, ms: float, weight: float = 0.1) -> None:
-        err = ms - self.predict(seqs, tokens)
-        terms = [(r, p, min(max(w, 0.0), 1.0)) for r, p, w in self._terms(seqs, tokens)]
-        total = sum(w for _, _, w in terms)
-        for r, p, w in terms:
-            self.ms[r][p] += weight * err * w / total
-
-    def to_json(self) -> list[list[float]]:
-        return [[s, t, m] for s, ts, ms in zip(self.seqs, self.tokens, self.ms) for t, m in zip(ts, ms)]
-
-    def save(self, path: str) -> None:
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        with open(path, "w") as f:
-            json.dump(self.to_json(), f)
-
-    @staticmethod
-    def load(path: str) -> LatencyModel | None:
-        try:
-            with open(path) as f:
-                return LatencyModel({(int(s), int(t)): float(m) for s, t, m in json.load(f)})
-        except (OSError, ValueError, TypeError):
-            return None
 
 
 def choose_drafts(drafts: list[Draft], seqs: int, base_tokens: int, gain: float, latency: LatencyModel) -> list[int]:

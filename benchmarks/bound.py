@@ -1,0 +1,96 @@
+"""The least time benchmarks/throughput.py's workload can take on this CPU, per kind of arithmetic.
+
+Counts the run's multiply-adds from SmolLM2's config and the prompt lengths that throughput.py
+wrote to benchmarks/results/throughput.json, measures the CPU's instruction peaks (peak.cpp,
+compiled here with g++: `vdpbf16ps` for bf16, `vpdpbusd` for int8) on as many threads as torch
+uses, and sets each engine's measured tok/s from that file against the most its arithmetic allows.
+
+The bound is generous: every multiply-add at the instruction's peak, and nothing else (norms,
+RoPE, softmax, int4 unpacking, sampling, scheduling) costing any time. Each output token after
+the first goes through the model once; each prompt token once (no prefix is shared).
+
+    python benchmarks/throughput.py --engines deepfuse-int4,deepfuse-w8a8-kv8,hf   # first
+    python benchmarks/bound.py
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import tempfile
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def workload_macs(config, prompt_lens: list[int], out_tokens: int) -> dict[str, float]:
+    """Multiply-adds of the whole run: 'projections' (q, k, v, o, gate, up, down of every token
+    through every layer), 'lm_head' (one row per output token), 'attention' (q.k and p.v of every
+    causal pair, each query head)."""
+    d, f, layers = config.hidden_size, config.intermediate_size, config.num_layers
+    q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+    per_token = layers * (d * q + 2 * d * kv + q * d + 3 * d * f)
+    tokens = [p + out_tokens - 1 for p in prompt_lens]  # the prompt, then each output but the last as input
+    pairs = sum(n * (n + 1) // 2 for n in tokens)  # the token at position i attends to i + 1 keys
+    return {"projections": sum(tokens) * per_token,
+            "lm_head": len(prompt_lens) * out_tokens * d * config.vocab_size,
+            "attention": pairs * layers * 2 * q}
+
+
+def instruction_peaks(threads: int, iterations: int = 100_000_000) -> dict[str, float]:
+    """{'bf16': G multiply-adds/s, 'int8': ...} over `threads` threads (peak.cpp, best of 5 trials
+    of `iterations` rounds of 12 instructions a thread)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        exe = os.path.join(tmp, "peak")
+        subprocess.run(["g++", "-O2", "-march=native", "-fopenmp", os.path.join(HERE, "peak.cpp"), "-o", exe],
+                       check=True)
+        out = subprocess.run([exe, str(iterations)], check=True, capture_output=True, text=True,
+                             env={**os.environ, "OMP_NUM_THREADS": str(threads)}).stdout
+    return {kind: float(rate) for kind, rate in (line.split() for line in out.splitlines())}
+
+
+def arithmetic_of(engine: str) -> str | None:
+    """The dot-product instruction an engine's projections run on, from throughput.py's names."""
+    if not engine.startswith("deepfuse"):
+        return None
+    if "w8a8" in engine:
+        return "int8"
+    return "bf16" if "int4" in engine or "bf16" in engine else None
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--results", default=os.path.join(HERE, "results", "throughput.json"))
+    args = ap.parse_args()
+    with open(args.results) as f:
+        run = json.load(f)
+    meta, results = run["meta"], run["results"]
+    from deepfuse.models import resolve_model_path
+    from deepfuse.models.gguf_loader import load_gguf
+
+    config, _ = load_gguf(resolve_model_path("smollm2"))
+    macs = workload_macs(config, meta["prompt_tokens"], meta["output_tokens"])
+    total = sum(macs.values())
+    outputs = meta["requests"] * meta["output_tokens"]
+    peaks = instruction_peaks(meta["threads"])
+    print(f"workload: {meta['requests']} requests, {sum(meta['prompt_tokens'])} prompt tokens, {outputs} output tokens")
+    print("multiply-adds: " + ", ".join(f"{k} {v / 1e12:.3f} T" for k, v in macs.items()) + f", total {total / 1e12:.3f} T")
+    print(f"instruction peaks, {meta['threads']} threads: " + ", ".join(f"{k} {v:.1f} G/s" for k, v in peaks.items()))
+    hf = results.get("HF bf16 batched", {}).get("output_tps")
+    if hf:
+        print(f"HF measured {hf:.1f} tok/s: 5x HF is {5 * hf:.1f} tok/s, the run in {outputs / (5 * hf):.2f} s")
+    print(f"\n{'arithmetic':10s} {'least time':>10s} {'most tok/s':>10s} {'most vs HF':>10s}")
+    for kind, rate in peaks.items():
+        least = total / (rate * 1e9)
+        vs_hf = f"{outputs / least / hf:.2f}x" if hf else "-"
+        print(f"{kind:10s} {least:9.2f}s {outputs / least:10.1f} {vs_hf:>10s}")
+    print(f"\n{'engine':22s} {'arithmetic':>10s} {'tok/s':>8s} {'of the most':>11s}")
+    for name, r in results.items():
+        kind = arithmetic_of(name)
+        if kind:
+            most = outputs / (total / (peaks[kind] * 1e9))
+            print(f"{name:22s} {kind:>10s} {r['output_tps']:8.1f} {r['output_tps'] / most:10.0%}")
+
+
+if __name__ == "__main__":
+    main()

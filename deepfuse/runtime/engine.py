@@ -17,7 +17,7 @@ from __future__ import annotations
 import random
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from tqdm import tqdm
@@ -93,10 +93,14 @@ class Engine:
         if not isinstance(prompt, list) or any(not isinstance(t, int) or isinstance(t, bool) for t in prompt):
             got = type(prompt).__name__ if not isinstance(prompt, list) else \
                 f"a list holding {next(type(t).__name__ for t in prompt if not isinstance(t, int) or isinstance(t, bool))}"
-            raise DeepfuseError(f"prompt must be token ids (a list of ints) or, for LLM, a string; got {got}")
+            raise DeepfuseError(f"prompt must be token ids (a list of ints) or, for LLM, a string, {{'prompt': str}} "
+                                f"or {{'prompt_token_ids': [int]}}; got {got}")
         if not prompt:
             raise DeepfuseError("prompt is empty")
-        if len(prompt) + params.max_tokens > self.max_model_len:
+        if params.max_tokens is None and len(prompt) >= self.max_model_len:
+            raise DeepfuseError(f"prompt of {len(prompt)} tokens leaves no room to generate in the context "
+                                f"(max_model_len {self.max_model_len}); shorten the prompt")
+        if params.max_tokens is not None and len(prompt) + params.max_tokens > self.max_model_len:
             raise DeepfuseError(f"prompt of {len(prompt)} tokens + max_tokens {params.max_tokens} exceeds "
                                 f"the context (max_model_len {self.max_model_len}); shorten the prompt or lower max_tokens")
         vocab = self.model.config.vocab_size
@@ -120,6 +124,8 @@ class Engine:
              seed: int | None = None) -> str:
         prompt = list(prompt) if isinstance(prompt, (list, tuple)) else prompt  # the caller's list is not shared
         self.check(prompt, params)
+        if params.max_tokens is None:  # as many as the context holds
+            params = replace(params, max_tokens=self.max_model_len - len(prompt))
         if request_id is None:
             request_id = str(self._next_id)
             self._next_id += 1

@@ -64,17 +64,28 @@ class LLM:
         self.engine = Engine(self.model, CacheConfig(block_size, num_blocks, enable_prefix_caching),
                              max_num_tokens, max_num_seqs, spec, draft)
 
-    def generate(self, prompts: str | list[str] | list[list[int]],
+    def generate(self, prompts: str | dict | list[str | dict | list[int]],
                  params: SamplingParams | list[SamplingParams] | None = None, on_token=None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
-        """One output per prompt, in order. A prompt may be text or token ids. Invalid requests
-        come back with finish_reason "error" and `error` set; the others still run."""
-        if isinstance(prompts, str):
+        """One output per prompt, in order. A prompt may be text, token ids, or vLLM's dicts
+        {"prompt": text} and {"prompt_token_ids": ids}. Invalid requests come back with
+        finish_reason "error" and `error` set; the others still run."""
+        if isinstance(prompts, (str, dict)):
             prompts = [prompts]
-        ids = [self.tokenizer.encode(p) if isinstance(p, str) else p for p in prompts]  # the engine checks the rest
+        ids = [self._token_ids(p) for p in prompts]  # the engine checks the rest
         params = params or SamplingParams()
         plist = params if isinstance(params, list) else [params] * len(ids)
         return self.engine.generate(ids, plist, on_token, use_tqdm=use_tqdm and len(ids) > 1)
+
+    def _token_ids(self, prompt: object) -> object:
+        """A prompt's token ids: text encoded, vLLM's prompt dicts unwrapped; anything else as it
+        is (the engine names what is wrong with it)."""
+        if isinstance(prompt, dict) and len(prompt) == 1:
+            if isinstance(prompt.get("prompt"), str):
+                return self.tokenizer.encode(prompt["prompt"])
+            if "prompt_token_ids" in prompt:
+                return prompt["prompt_token_ids"]
+        return self.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
 
     def chat(self, messages: str | list[dict[str, str]] | list[list[dict[str, str]]],
              params: SamplingParams | list[SamplingParams] | None = None, on_token=None,

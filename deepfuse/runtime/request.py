@@ -20,9 +20,10 @@ if TYPE_CHECKING:
 
 @dataclass
 class SamplingParams:
-    """vLLM's names. temperature 0 = greedy (exact argmax); top_k 0 = off; seed None =
-    random; stop: strings that end the text (not in it unless include_stop_str_in_output: then
-    the first listed of those found where the match starts ends it); logprobs: how many top
+    """vLLM's names. temperature 0 = greedy (exact argmax); top_k 0 = off; max_tokens None = as
+    many as the context holds (max_model_len minus the prompt); seed None = random; stop:
+    strings that end the text (not in it unless include_stop_str_in_output: then the first
+    listed of those found where the match starts ends it); logprobs: how many top
     log-probabilities to return per generated token (None = none; of the model's own logits,
     before any of the settings below); prompt_logprobs: the same for each prompt token (None for
     the first; the prompt is then computed in full, not served by the prefix cache).
@@ -38,7 +39,7 @@ class SamplingParams:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
-    max_tokens: int = 16
+    max_tokens: int | None = 16
     seed: int | None = None
     ignore_eos: bool = False
     stop: list[str] = field(default_factory=list)
@@ -78,8 +79,9 @@ class SamplingParams:
             raise DeepfuseError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if not (isinstance(self.top_k, int) and self.top_k >= 0):
             raise DeepfuseError(f"top_k must be an int >= 0 (0 or -1 disables it), got {self.top_k!r}")
-        if not (isinstance(self.max_tokens, int) and self.max_tokens >= 1):
-            raise DeepfuseError(f"max_tokens must be an int >= 1, got {self.max_tokens!r}")
+        m = self.max_tokens
+        if m is not None and not (isinstance(m, int) and not isinstance(m, bool) and m >= 1):
+            raise DeepfuseError(f"max_tokens must be an int >= 1 or None (up to the context), got {m!r}")
         if self.seed is not None and not isinstance(self.seed, int):
             raise DeepfuseError(f"seed must be an int or None, got {self.seed!r}")
         if not isinstance(self.include_stop_str_in_output, bool):
@@ -100,7 +102,7 @@ class SamplingParams:
             v = getattr(self, name)
             if not (isinstance(v, (int, float)) and -2 <= v <= 2):
                 raise DeepfuseError(f"{name} must be a number in [-2, 2] (0 disables it), got {v!r}")
-        if not (isinstance(self.min_tokens, int) and 0 <= self.min_tokens <= self.max_tokens):
+        if not (isinstance(self.min_tokens, int) and 0 <= self.min_tokens <= (m if m is not None else self.min_tokens)):
             raise DeepfuseError(f"min_tokens must be an int in [0, max_tokens], got {self.min_tokens!r}")
         if not (isinstance(self.min_p, (int, float)) and 0 <= self.min_p <= 1):
             raise DeepfuseError(f"min_p must be a number in [0, 1] (0 disables it), got {self.min_p!r}")

@@ -158,6 +158,21 @@ def test_vllm_spellings_are_taken():
     assert SamplingParams(stop=None, stop_token_ids=(7,)).stop_token_ids == [7]
 
 
+def test_max_tokens_none_generates_up_to_the_context(tiny_art):
+    """vLLM's max_tokens=None: as many tokens as max_model_len leaves after the prompt."""
+    eng = engine(tiny_art)
+    assert SamplingParams(max_tokens=None, min_tokens=5).max_tokens is None
+    with pytest.raises(ValueError, match="^max_tokens must"):
+        SamplingParams(max_tokens=True)
+    free = SamplingParams(temperature=0, max_tokens=None, ignore_eos=True)
+    outs = eng.generate([PROMPTS[1], [1] * 256, PROMPTS[0]], [free, free, GREEDY])
+    assert eng.max_model_len == 256
+    assert (outs[0].finish_reason, len(outs[0].token_ids)) == ("length", 256 - len(PROMPTS[1]))
+    assert outs[0].token_ids[:10] == engine(tiny_art).generate([PROMPTS[1]], [GREEDY])[0].token_ids  # greedy, 10 tokens
+    assert outs[1].finish_reason == "error" and "leaves no room to generate" in str(outs[1].error)
+    assert outs[2].finish_reason == "length" and eng.kv.pool.num_used() == 0
+
+
 def test_bad_requests_fail_alone_and_the_rest_complete(tiny_art):
     eng = engine(tiny_art)
     mutated = SamplingParams(temperature=0, max_tokens=4)

@@ -44,3 +44,15 @@ def test_n_completions_through_llm(llm):
     assert len(out.samples) == 3 and len({tuple(s.token_ids) for s in out.samples}) == 3
     first = llm.generate(["Once upon a time"], SamplingParams(temperature=1.0, seed=4, max_tokens=10))[0]
     assert first.token_ids == out.token_ids
+
+
+def test_vllm_prompt_dicts_equal_their_plain_forms(llm, smollm2):
+    tok = smollm2[1]
+    text = "The capital of France is"
+    want = llm.generate([text], GREEDY)[0].token_ids
+    outs = llm.generate([{"prompt": text}, {"prompt_token_ids": tok.encode(text)}, {"prompt_ids": [1, 2]},
+                         {"prompt": text, "extra": 1}], GREEDY)
+    assert [o.token_ids for o in outs[:2]] == [want, want]
+    assert [o.finish_reason for o in outs[2:]] == ["error", "error"]
+    assert "{'prompt_token_ids': [int]}; got dict" in str(outs[2].error)
+    assert llm.generate({"prompt": text}, GREEDY)[0].token_ids == want

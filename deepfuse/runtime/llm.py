@@ -65,15 +65,16 @@ class LLM:
                              max_num_tokens, max_num_seqs, spec, draft)
 
     def generate(self, prompts: str | dict | list[str | dict | list[int]],
-                 params: SamplingParams | list[SamplingParams] | None = None, on_token=None,
+                 sampling_params: SamplingParams | list[SamplingParams] | None = None, on_token=None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
         """One output per prompt, in order. A prompt may be text, token ids, or vLLM's dicts
-        {"prompt": text} and {"prompt_token_ids": ids}. Invalid requests come back with
-        finish_reason "error" and `error` set; the others still run."""
+        {"prompt": text} and {"prompt_token_ids": ids}; sampling_params: one for all, or one per
+        prompt (vLLM's name). Invalid requests come back with finish_reason "error" and `error`
+        set; the others still run."""
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         ids = [self._token_ids(p) for p in prompts]  # the engine checks the rest
-        params = params or SamplingParams()
+        params = sampling_params or SamplingParams()
         plist = params if isinstance(params, list) else [params] * len(ids)
         return self.engine.generate(ids, plist, on_token, use_tqdm=use_tqdm and len(ids) > 1)
 
@@ -88,7 +89,7 @@ class LLM:
         return self.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
 
     def chat(self, messages: str | list[dict[str, str]] | list[list[dict[str, str]]],
-             params: SamplingParams | list[SamplingParams] | None = None, on_token=None,
+             sampling_params: SamplingParams | list[SamplingParams] | None = None, on_token=None,
              use_tqdm: bool = True) -> RequestOutput | list[RequestOutput]:
         """Generates the assistant's reply through the model's chat template. messages: one user
         message (str) or one conversation ([{"role": ..., "content": ...}, ...]) -> its output;
@@ -96,7 +97,7 @@ class LLM:
         batch = isinstance(messages, list) and bool(messages) and all(isinstance(c, list) for c in messages)
         conversations = messages if batch else [messages]
         prompts = [self.tokenizer.render_chat(_conversation(c)) for c in conversations]
-        outs = self.generate(prompts, params, on_token, use_tqdm)
+        outs = self.generate(prompts, sampling_params, on_token, use_tqdm)
         return outs if batch else outs[0]
 
 

@@ -46,7 +46,7 @@ def test_n_completions_through_llm(llm):
     assert first.token_ids == out.token_ids
 
 
-def test_vllm_prompt_dicts_equal_their_plain_forms(llm, smollm2):
+def test_vllm_prompt_dicts_and_keyword_equal_their_plain_forms(llm, smollm2):
     tok = smollm2[1]
     text = "The capital of France is"
     want = llm.generate([text], GREEDY)[0].token_ids
@@ -55,4 +55,4 @@ def test_vllm_prompt_dicts_equal_their_plain_forms(llm, smollm2):
     assert [o.token_ids for o in outs[:2]] == [want, want]
     assert [o.finish_reason for o in outs[2:]] == ["error", "error"]
     assert "{'prompt_token_ids': [int]}; got dict" in str(outs[2].error)
-    assert llm.generate({"prompt": text}, GREEDY)[0].token_ids == want
+    assert llm.generate({"prompt": text}, sampling_params=GREEDY)[0].token_ids == want  # vLLM's keyword

@@ -14,30 +14,32 @@
 
 constexpr int CHAINS = 12;  // enough independent accumulators to cover the instruction's latency
 
-static float bf16_chains(long iters, float seed) {
-  __m512 acc[CHAINS];
-  for (int c = 0; c < CHAINS; ++c) acc[c] = _mm512_set1_ps(seed * c);
-  __m512bh a = (__m512bh)_mm512_set1_epi16(0x3f80), b = (__m512bh)_mm512_set1_epi16(0x3c00);
+// `iters` rounds of CHAINS independent accumulators, each round one `step` on every one;
+// returns their sum (so the work stays live). V: the register type.
+template <class V, class Step, class Add>
+static V chains(long iters, V start, Step step, Add add) {
+  V acc[CHAINS];
+  for (int c = 0; c < CHAINS; ++c) acc[c] = start;
   for (long i = 0; i < iters; ++i) {
 #pragma GCC unroll 12
-    for (int c = 0; c < CHAINS; ++c) acc[c] = _mm512_dpbf16_ps(acc[c], a, b);
+    for (int c = 0; c < CHAINS; ++c) acc[c] = step(acc[c]);
   }
-  __m512 s = acc[0];
-  for (int c = 1; c < CHAINS; ++c) s = _mm512_add_ps(s, acc[c]);
-  return _mm512_reduce_add_ps(s);
+  V s = acc[0];
+  for (int c = 1; c < CHAINS; ++c) s = add(s, acc[c]);
+  return s;
 }
 
-static int int8_chains(long iters, int seed) {
-  __m512i acc[CHAINS];
-  for (int c = 0; c < CHAINS; ++c) acc[c] = _mm512_set1_epi32(seed * c);
-  __m512i a = _mm512_set1_epi8(3), b = _mm512_set1_epi8(-2);
-  for (long i = 0; i < iters; ++i) {
-#pragma GCC unroll 12
-    for (int c = 0; c < CHAINS; ++c) acc[c] = _mm512_dpbusd_epi32(acc[c], a, b);
-  }
-  __m512i s = acc[0];
-  for (int c = 1; c < CHAINS; ++c) s = _mm512_add_epi32(s, acc[c]);
-  return _mm512_reduce_add_epi32(s);
+static float bf16_chains(long iters, float seed) {
+  const __m512bh a = (__m512bh)_mm512_set1_epi16(0x3f80), b = (__m512bh)_mm512_set1_epi16(0x3c00);
+  return _mm512_reduce_add_ps(chains(iters, _mm512_set1_ps(seed), [&](__m512 x) { return _mm512_dpbf16_ps(x, a, b); },
+                                     [](__m512 x, __m512 y) { return _mm512_add_ps(x, y); }));
+}
+
+static float int8_chains(long iters, float seed) {
+  const __m512i a = _mm512_set1_epi8(3), b = _mm512_set1_epi8(-2);
+  return (float)_mm512_reduce_add_epi32(chains(iters, _mm512_set1_epi32((int)seed),
+                                               [&](__m512i x) { return _mm512_dpbusd_epi32(x, a, b); },
+                                               [](__m512i x, __m512i y) { return _mm512_add_epi32(x, y); }));
 }
 
 // G multiply-adds/s of `macs_per_instruction`-wide chains run by every thread at once, best of 5.
@@ -58,7 +60,7 @@ static double best_rate(F chains, long iters, double macs_per_instruction) {
 
 int main(int argc, char** argv) {
   long iters = argc > 1 ? std::atol(argv[1]) : 20000000;
-  std::printf("bf16 %.1f\n", best_rate([](long n, float s) { return bf16_chains(n, s); }, iters, 32));
-  std::printf("int8 %.1f\n", best_rate([](long n, float s) { return (float)int8_chains(n, (int)s); }, iters, 64));
+  std::printf("bf16 %.1f\n", best_rate(bf16_chains, iters, 32));
+  std::printf("int8 %.1f\n", best_rate(int8_chains, iters, 64));
   return 0;
 }

@@ -2,6 +2,7 @@
 flop counter over a transformers Llama, and its peak microbenchmark builds and runs."""
 import os
 import sys
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -16,7 +17,7 @@ def small_llama():
     config = LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
                          num_attention_heads=4, num_key_value_heads=2, head_dim=16, tie_word_embeddings=True)
     torch.manual_seed(0)
-    return LlamaForCausalLM(config).eval(), config
+    return LlamaForCausalLM(config).eval()
 
 
 def test_projection_and_head_counts_equal_torch_flop_counter():
@@ -25,10 +26,12 @@ def test_projection_and_head_counts_equal_torch_flop_counter():
     same matrix products (torch counts 2 flops a multiply-add; attention runs in SDPA, apart)."""
     from torch.utils.flop_counter import FlopCounterMode
 
-    hf, hf_config = small_llama()
+    hf = small_llama()
+    c = hf.config
     ours = bound.workload_macs(
-        type("C", (), {"hidden_size": 64, "intermediate_size": 96, "num_layers": 3, "num_heads": 4,
-                       "num_kv_heads": 2, "head_dim": 16, "vocab_size": 300})(), [11], 5)
+        SimpleNamespace(hidden_size=c.hidden_size, intermediate_size=c.intermediate_size, num_layers=c.num_hidden_layers,
+                        num_heads=c.num_attention_heads, num_kv_heads=c.num_key_value_heads, head_dim=c.head_dim,
+                        vocab_size=c.vocab_size), [11], 5)
     counter = FlopCounterMode(display=False)
     with counter, torch.no_grad():
         hf(torch.arange(11 + 5 - 1)[None], logits_to_keep=5)
@@ -38,8 +41,8 @@ def test_projection_and_head_counts_equal_torch_flop_counter():
 
 
 def test_attention_pairs_by_enumeration():
-    config = type("C", (), {"hidden_size": 8, "intermediate_size": 8, "num_layers": 2, "num_heads": 2,
-                            "num_kv_heads": 1, "head_dim": 4, "vocab_size": 10})()
+    config = SimpleNamespace(hidden_size=8, intermediate_size=8, num_layers=2, num_heads=2, num_kv_heads=1, head_dim=4,
+                             vocab_size=10)
     prompts, out = [3, 7, 1], 4
     pairs = sum(1 for p in prompts for query in range(p + out - 1) for key in range(query + 1))
     assert bound.workload_macs(config, prompts, out)["attention"] == pairs * 2 * 2 * (2 * 4)

@@ -102,7 +102,7 @@ class SamplingParams:
             v = getattr(self, name)
             if not (isinstance(v, (int, float)) and -2 <= v <= 2):
                 raise DeepfuseError(f"{name} must be a number in [-2, 2] (0 disables it), got {v!r}")
-        if not (isinstance(self.min_tokens, int) and 0 <= self.min_tokens <= (m if m is not None else self.min_tokens)):
+        if not (isinstance(self.min_tokens, int) and 0 <= self.min_tokens and (m is None or self.min_tokens <= m)):
             raise DeepfuseError(f"min_tokens must be an int in [0, max_tokens], got {self.min_tokens!r}")
         if not (isinstance(self.min_p, (int, float)) and 0 <= self.min_p <= 1):
             raise DeepfuseError(f"min_p must be a number in [0, 1] (0 disables it), got {self.min_p!r}")

@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
-# Every GPU check in one call, for a session lent a GPU (about 5 minutes on one H200 once the
+# Every GPU check in one call, on a machine with a GPU (about 5 minutes on one H200 once the
 # machine is up; each step has its own limit, 570 s in all: give the call 600):
 # device_check.sh (each kernel against torch, the artifact end to end),
 # gpu_kernel_times.py (each launch in a step, alone, JIT against the artifact's cubins) and
 # gpu_throughput.py --runs 2 --profile (Engine against HF), with `nvidia-smi dmon` (power,
-# utilization, clocks, once a second) running beside them. Each line of session.log carries the
-# time, to line it up with dmon.txt. Six files in OUTDIR.
+# utilization, clocks, once a second) running beside them. Each line of the script's log
+# (OUTDIR/*.log) carries the time, to line it up with dmon.txt. Six files in OUTDIR.
 #
-#   benchmarks/gpu_session.sh OUTDIR [--dry-run]
+#   benchmarks/gpu_*.sh OUTDIR [--dry-run]
 #
 # --dry-run: the three scripts' own dry runs, on the CPU in Triton's interpreter, no dmon.
 set -uo pipefail

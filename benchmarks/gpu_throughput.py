@@ -2,8 +2,8 @@
 tokens, 128 output tokens each, EOS ignored, all arriving at t=0) through deepfuse's sm90/sm100
 build and its Engine (continuous batching), against transformers' batched `generate` on the
 same GPU. Both bf16, both on the same weights: random ones of SmolLM2-135M's shape (30 layers),
-written by transformers and loaded by each engine (the GGUF is larger than the workplace can
-send to its GPU machine; speed does not depend on the weights' values). Rounds are interleaved;
+written by transformers and loaded by each engine (so the GPU machine needs no copy of the
+98 MB GGUF; speed does not depend on the weights' values). Rounds are interleaved;
 medians and per-round ratios are printed, and the runs written as JSON.
 
     python benchmarks/gpu_throughput.py [--runs 3] [--requests 64] [--out FILE] [--profile] [--dry-run]

@@ -8,8 +8,10 @@ each configuration once per run, --runs runs interleaved, medians reported (this
 noisy). "modelled": the same runs' tokens over the time the engine's (sequences, tokens)
 latency grid, frozen, predicts for the steps each configuration took: free of the noise, and
 deterministic but for the online latency correction's effect on the schedule. Then, once
-each, the self-drafter and the MTP draft head (fixed k and confidence-scheduled). Greedy,
-so every configuration produces the same tokens (checked).
+each, the self-drafter and the MTP draft head (fixed k and confidence-scheduled). Greedy in
+f32 (the default --dtype), where a verify row computes what a one-row step computes, so every
+configuration produces the same tokens (checked); with --dtype bf16 verify rows can round
+differently and the tokens can differ.
 Writes benchmarks/results/spec.json. The MTP head is --mtp-head, or trained first
 (`deepfuse train-drafter` defaults, ~8 minutes) into ~/.cache/deepfuse/drafters/ and reused.
 

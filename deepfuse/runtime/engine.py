@@ -18,6 +18,7 @@ import random
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from typing import NamedTuple
 
 import torch
 from tqdm import tqdm
@@ -30,7 +31,7 @@ from .detokenize import IncrementalText, find_stop
 from .host_sampling import RowBuffer, TokenCounts, adjust, draw, needs_host_sampling
 from .kv_cache import CacheConfig, KVCache, KVCacheManager
 from .latency import measure_latency
-from .logprobs import logprob_rows, take_prompt_logprobs
+from .logprobs import RowLogprobs, logprob_rows, take_prompt_logprobs
 from .mtp import MtpDrafter
 from .request import Request, RequestOutput, SamplingParams, completion_seed
 from .scheduler import Scheduler, SchedulerConfig
@@ -45,6 +46,19 @@ class EngineStats:
     prompt_tokens_computed: int = 0  # prompt positions whose KV was computed (not served by the prefix cache)
     tokens_computed: int = 0
     tokens_generated: int = 0
+
+
+class StepRun(NamedTuple):
+    """What one step computed, before the requests take it."""
+
+    scheduled: list[tuple[Request, int]]
+    chunks: list[SeqChunk]
+    logits: torch.Tensor  # [R, V] the sampled rows'
+    sampled: list[int]  # [R] the step's tokens (-1 after a rejected draft)
+    drawn: dict[int, int]  # sampled row -> token drawn on the host
+    logprobs: RowLogprobs
+    hidden: torch.Tensor | None
+    time: float
 
 
 class Engine:
@@ -160,32 +174,19 @@ class Engine:
         if self._unreturned:  # the step before raised in on_token
             carried, self._unreturned = self._unreturned, []
             return carried
-        self._draft()
-        scheduled = self.scheduler.schedule()
-        if not scheduled:
+        checkpoint = self.scheduler.checkpoint()
+        try:
+            ran = self._run_step()
+        except BaseException:  # an error or Ctrl-C inside the step: as if it never ran
+            self.scheduler.rollback(checkpoint)
+            raise
+        if ran is None:
             return []
-        chunks, host = [], []
-        for req, n in scheduled:
-            p = req.params
-            verify = req.remaining == 1 and n > 1  # the last token and n - 1 drafts
-            toks = [req.tokens[req.computed], *req.draft[:n - 1]] if verify else req.tokens[req.computed:req.computed + n]
-            host.append(self._host_sampled(req))  # host_sampling.py draws its token: the step only takes the argmax
-            every_row = not verify and req.needs_prompt_rows  # prompt logprobs: logits of every row
-            chunks.append(SeqChunk(toks, req.computed, req.kv.table, 0.0 if host[-1] else float(p.temperature),
-                                   p.top_k, p.top_p, req.seed, samples=n if verify or every_row else 1, verify=verify))
-        t0 = time.perf_counter()
-        inputs = self.buffers.fill(chunks, self.cache)
-        logits, next_tokens, hidden = self.model(inputs)
-        now = time.perf_counter()
-        if self.latency is not None:
-            self.latency.observe(len(chunks), sum(len(c.tokens) for c in chunks), (now - t0) * 1000)
-        self.stats.steps += 1
-        sampled = next_tokens.tolist()
-        drawn = self._draw_on_host(scheduled, chunks, host, logits, inputs["seeds"])
-        lps = logprob_rows(scheduled, chunks, logits)
+        self.kv.commit()  # its KV is written: its full blocks may now be found by prefix lookup
         finished, row = [], 0
         self._unreturned = finished  # come back from the next step() if on_token raises in this one
-        for (req, n), chunk in zip(scheduled, chunks):
+        sampled, drawn, lps, now = ran.sampled, ran.drawn, ran.logprobs, ran.time
+        for (req, n), chunk in zip(ran.scheduled, ran.chunks):
             first, row = row, row + chunk.samples
             if req.finish == "abort":  # by an on_token callback earlier in this step
                 continue
@@ -202,7 +203,7 @@ class Engine:
                 req.computed += 1 + accepted
             else:
                 if req.needs_prompt_rows:
-                    take_prompt_logprobs(req, start, logits[first:row])
+                    take_prompt_logprobs(req, start, ran.logits[first:row])
                 first = row - 1  # the chunk's last row samples its next token
                 req.computed += n
                 new = [drawn.get(first, sampled[first])]
@@ -211,7 +212,7 @@ class Engine:
             if req.remaining > 0:
                 continue  # mid-prompt chunk: its sample is not a real token
             if self.keep_hidden:  # the state an MTP head drafts from: the row that sampled the last new token
-                req.hidden = hidden[first + len(new) - 1].to(torch.float32, copy=True)
+                req.hidden = ran.hidden[first + len(new) - 1].to(torch.float32, copy=True)
             k = req.params.logprobs
             for j, tok in enumerate(new):
                 self._append(req, tok, now, lps.entry(first + j, tok, k) if k is not None else None)
@@ -227,6 +228,34 @@ class Engine:
                 on_token(req.request_id, tok)
         self._unreturned = []
         return finished
+
+    def _run_step(self) -> StepRun | None:
+        """Drafts, schedules and runs one step (None when nothing is scheduled). It changes request
+        state only through the scheduler, so Scheduler.rollback undoes it."""
+        self._draft()
+        scheduled = self.scheduler.schedule()
+        if not scheduled:
+            return None
+        chunks, host = [], []
+        for req, n in scheduled:
+            p = req.params
+            verify = req.remaining == 1 and n > 1  # the last token and n - 1 drafts
+            toks = [req.tokens[req.computed], *req.draft[:n - 1]] if verify else req.tokens[req.computed:req.computed + n]
+            host.append(self._host_sampled(req))  # host_sampling.py draws its token: the step only takes the argmax
+            every_row = not verify and req.needs_prompt_rows  # prompt logprobs: logits of every row
+            chunks.append(SeqChunk(toks, req.computed, req.kv.table, 0.0 if host[-1] else float(p.temperature),
+                                   p.top_k, p.top_p, req.seed, samples=n if verify or every_row else 1, verify=verify))
+        t0 = time.perf_counter()
+        inputs = self.buffers.fill(chunks, self.cache)
+        logits, next_tokens, hidden = self.model(inputs)
+        now = time.perf_counter()
+        if self.latency is not None:
+            self.latency.observe(len(chunks), sum(len(c.tokens) for c in chunks), (now - t0) * 1000)
+        sampled = next_tokens.tolist()  # waits for the step (a device's KV writes included)
+        drawn = self._draw_on_host(scheduled, chunks, host, logits, inputs["seeds"])
+        lps = logprob_rows(scheduled, chunks, logits)
+        self.stats.steps += 1
+        return StepRun(scheduled, chunks, logits, sampled, drawn, lps, hidden, now)
 
     def _stop_ids(self, p: SamplingParams) -> set[int]:
         return set(p.stop_token_ids) | (set() if p.ignore_eos else self.eos)

@@ -6,7 +6,11 @@ block ids (its block table); the token at position p lives in slot
 table[p // BS] * BS + p % BS. This module owns memory; it does not schedule.
 
 Prefix caching: a full block is named by a hash chained over the whole prefix,
-blake2b(parent hash + the block's token ids), so equal names mean equal KV. Named
+blake2b(parent hash + the block's token ids), so equal names mean equal KV. A name given
+while a step is scheduled is pending: the step's own requests may share the block (a step
+writes all its new KV before attention reads any), but other steps find it only once the
+step that writes it has completed (`commit`); a step that fails drops its pending names
+(`discard_pending`), so an interrupted step never leaves a named, unwritten block. Named
 blocks whose last user is gone stay cached and are evicted least recently used first,
 only when a fresh block is needed. Under a sliding window a request that continues a cached
 prefix needs only the prefix's blocks that its queries can still see (the last `window`
@@ -51,8 +55,10 @@ class BlockPool:
         self.refs = [0] * num_blocks
         self.free = list(range(num_blocks - 1, -1, -1))  # unnamed, unused: pop() gives the lowest id
         self.lru: OrderedDict[int, None] = OrderedDict()  # named, unused: oldest first
-        self.name_of: dict[int, bytes] = {}
+        self.name_of: dict[int, bytes] = {}  # committed names: their blocks are written
         self.by_name: dict[bytes, int] = {}
+        self.pending_of: dict[int, bytes] = {}  # names given in the step being scheduled
+        self.pending: dict[bytes, int] = {}
         self.evictions = 0
 
     def num_available(self) -> int:
@@ -75,23 +81,36 @@ class BlockPool:
         return out
 
     def holds(self, name: bytes) -> bool:
-        """Whether a block named `name` is cached (in use or not), without taking a reference."""
-        return name in self.by_name
+        """Whether a block named `name` is cached or pending (in use or not), without taking a reference."""
+        return name in self.by_name or name in self.pending
 
     def lookup(self, name: bytes) -> int | None:
-        """The cached block named `name`, with a reference taken, or None."""
-        b = self.by_name.get(name)
+        """The cached (or, within its step, pending) block named `name`, with a reference taken, or None."""
+        b = self.by_name.get(name, self.pending.get(name))
         if b is not None:
-            if self.refs[b] == 0:
+            if self.refs[b] == 0:  # only committed blocks wait unused in the LRU
                 del self.lru[b]
             self.refs[b] += 1
         return b
 
     def name(self, block: int, name: bytes) -> None:
-        """Records that `block` (full, computed) holds the prefix named `name`."""
-        if block in self.name_of or name in self.by_name:
+        """Records that `block` (full once the step being scheduled has run) will hold the prefix
+        named `name`: pending until commit()."""
+        if block in self.name_of or block in self.pending_of or self.holds(name):
             return
-        self.name_of[block], self.by_name[name] = name, block
+        self.pending_of[block], self.pending[name] = name, block
+
+    def commit(self) -> None:
+        """The step that writes the pending blocks has completed: prefix lookups may find them."""
+        self.name_of.update(self.pending_of)
+        self.by_name.update(self.pending)
+        self.pending_of.clear()
+        self.pending.clear()
+
+    def discard_pending(self) -> None:
+        """The step that would have written the pending blocks failed: they stay unnamed."""
+        self.pending_of.clear()
+        self.pending.clear()
 
     def release(self, blocks: list[int]) -> None:
         """Drops one reference from each; pass a table tail-first so tails are evicted first."""
@@ -103,6 +122,8 @@ class BlockPool:
                 if b in self.name_of:
                     self.lru[b] = None
                 else:
+                    if b in self.pending_of:  # never written: forget its name
+                        del self.pending[self.pending_of.pop(b)]
                     self.free.append(b)
 
     def num_used(self) -> int:
@@ -232,9 +253,9 @@ class KVCacheManager:
 
     def allocate(self, seq: SeqBlocks, tokens: list[int], num_tokens: int) -> None:
         """Grows seq's table to cover positions [0, num_tokens) of `tokens` (check can_allocate
-        first) and names the blocks that become full. Naming at allocation is safe because the
-        step that allocates also computes them, and a step writes all its new KV before any
-        attention reads it: a request admitted in the same step may already share them."""
+        first) and gives the blocks that become full pending names: a request admitted in the
+        same step may already share them (a step writes all its new KV before any attention
+        reads it); other steps see them once commit() says the step completed."""
         seq.table.extend(self.pool.allocate(self.blocks_needed(seq, num_tokens)))
         if self.cache.config.enable_prefix_caching:
             # only blocks full of known tokens get a name: positions past len(tokens) hold draft
@@ -257,6 +278,19 @@ class KVCacheManager:
     def free(self, seq: SeqBlocks) -> None:
         self.pool.release([b for b in reversed(seq.table) if b >= 0])
         seq.table, seq.names = [], []
+
+    def truncate(self, seq: SeqBlocks, num_blocks: int, num_names: int) -> None:
+        """Shrinks seq back to its first num_blocks blocks and num_names names (undoing a step's growth)."""
+        self.pool.release([b for b in reversed(seq.table[num_blocks:]) if b >= 0])
+        del seq.table[num_blocks:], seq.names[num_names:]
+
+    def commit(self) -> None:
+        """The step has completed: its blocks' names become findable by prefix lookup."""
+        self.pool.commit()
+
+    def discard_pending(self) -> None:
+        """The step failed: the names it gave are dropped (call after undoing its allocations)."""
+        self.pool.discard_pending()
 
     def usage(self) -> dict:
         return {"blocks_total": self.pool.num_blocks, "blocks_used": self.pool.num_used(),

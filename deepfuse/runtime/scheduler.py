@@ -18,11 +18,18 @@ of the waiting queue; on readmission it recomputes prompt + generated tokens (mo
 from the prefix cache) and continues exactly where it stopped: sampling is keyed by
 (seed, position), so its tokens do not change. No admission happens in a step that
 preempted.
+
+A step that fails (an exception or Ctrl-C anywhere before its results are taken) is undone
+with `rollback(checkpoint)`: requests admitted for it go back to the front of the queue with
+their blocks released, running requests lose the blocks and block names it added, and its
+pending prefix names are dropped, so the cache and the queues are as before the step.
+Preemptions made while scheduling it stand: a victim recomputes its tokens (mostly from the
+prefix cache) when readmitted, with the same results.
 """
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ..errors import DeepfuseError
 from .kv_cache import KVCacheManager, SeqBlocks
@@ -38,6 +45,16 @@ class SchedulerConfig:
         if self.max_num_tokens < 1 or self.max_num_seqs < 1:
             raise DeepfuseError(f"max_num_tokens and max_num_seqs must be >= 1, got {self.max_num_tokens}, "
                                 f"{self.max_num_seqs}")
+
+
+@dataclass
+class Checkpoint:
+    """What a step may change, taken before it: the running requests with their table sizes,
+    name counts and draft positions, and the prefix-cache counters."""
+
+    running: list[tuple[Request, int, int, int]] = field(default_factory=list)
+    prefix_queries: int = 0
+    prefix_hits: int = 0
 
 
 class Scheduler:
@@ -94,6 +111,26 @@ class Scheduler:
             raise DeepfuseError(f"request {self.waiting[0].request_id} needs {need} KV blocks and only "
                                 f"{self.kv.pool.num_available()} can be freed; raise num_blocks")
         return out
+
+    def checkpoint(self) -> Checkpoint:
+        """Taken before a step; rollback(checkpoint) undoes it."""
+        return Checkpoint([(r, len(r.kv.table), len(r.kv.names), r.draft_computed) for r in self.running],
+                          self.kv.stats.prefix_queries, self.kv.stats.prefix_hits)
+
+    def rollback(self, cp: Checkpoint) -> None:
+        """Undoes what scheduling (and drafting for) a step that then failed did (module docstring)."""
+        before = {id(r) for r, *_ in cp.running}
+        for req in reversed([r for r in self.running if id(r) not in before]):  # admitted for the step
+            self.running.remove(req)
+            self.kv.free(req.kv)
+            req.computed, req.num_cached_tokens = 0, 0
+            self.waiting.appendleft(req)
+        for req, num_blocks, num_names, draft_computed in cp.running:
+            if req in self.running:  # not preempted (a victim's blocks are already back)
+                self.kv.truncate(req.kv, num_blocks, num_names)
+                req.draft_computed = draft_computed
+        self.kv.discard_pending()
+        self.kv.stats.prefix_queries, self.kv.stats.prefix_hits = cp.prefix_queries, cp.prefix_hits
 
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)

@@ -1,0 +1,160 @@
+"""A step interrupted by an exception or Ctrl-C leaves the KV cache and the queues as if it
+never ran: no block is found by prefix lookup before the step that writes it completes, no
+block leaks, and the same prompts then give the tokens a fresh engine gives."""
+import pytest
+
+import deepfuse
+from deepfuse.runtime.engine import Engine, SamplingParams
+from deepfuse.runtime.kv_cache import CacheConfig
+from deepfuse.runtime.spec import SpecConfig
+
+LONG = [(7 * i + 3) % 120 for i in range(29)]  # 7 full blocks of 4 and a token
+REPEATS = [5, 6, 7, 8] * 6  # the n-gram drafter finds drafts that verify
+GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def tiny_art(tiny_model):
+    return deepfuse.compile(tiny_model)
+
+
+class Interrupt(BaseException):
+    """Stands for Ctrl-C (a BaseException, like KeyboardInterrupt)."""
+
+
+class FailingModel:
+    """Wraps a CompiledModel; its call raises, before running anything, on the first step for
+    which when(inputs) holds (once). Everything else is the model's."""
+
+    def __init__(self, model, when, error=Interrupt):
+        self.model, self.when, self.error, self.fired = model, when, error, False
+
+    def __getattr__(self, name):
+        return getattr(self.model, name)
+
+    def __call__(self, inputs):
+        if not self.fired and self.when(inputs):
+            self.fired = True
+            raise self.error("injected fault")
+        return self.model(inputs)
+
+
+def engine(art, **kw):
+    return Engine(art, CacheConfig(block_size=4, num_blocks=64), max_num_tokens=kw.pop("max_num_tokens", 64), **kw)
+
+
+def prefill_chunk(inputs) -> bool:
+    return int(inputs["query_lens"].max()) > 1 and int(inputs["positions"][0]) > 0  # a later chunk of a prompt
+
+
+def decode_step(inputs) -> bool:
+    return int(inputs["query_lens"].max()) == 1 and int(inputs["positions"][0]) > 30
+
+
+def verify_step(inputs) -> bool:
+    return len(inputs["sample_rows"]) > len(inputs["query_lens"])  # some chunk samples drafts
+
+
+def any_step(inputs) -> bool:
+    return True
+
+
+def no_leaks(eng: Engine) -> None:
+    use = eng.kv.usage()
+    assert use["blocks_used"] == 0 and use["blocks_free"] + use["blocks_cached_unused"] == use["blocks_total"]
+    assert not eng.kv.pool.pending
+
+
+CASES = {  # name: (fault condition, prompts, params, engine settings)
+    "prefill chunk": (prefill_chunk, [LONG, LONG[:13]], GREEDY, {"max_num_tokens": 8}),
+    "decode step": (decode_step, [LONG, REPEATS], GREEDY, {}),
+    "verify step": (verify_step, [REPEATS, LONG], GREEDY, {"spec": SpecConfig(num_draft_tokens=3, schedule="fixed")}),
+    "n > 1": (any_step, [LONG], SamplingParams(n=3, temperature=1.0, seed=5, max_tokens=8, ignore_eos=True), {}),
+    "first step, an exception": (any_step, [LONG, LONG], GREEDY, {}),
+}
+
+
+def all_tokens(outs):
+    return [[s.token_ids for s in o.samples] for o in outs]
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_generate_after_an_interrupted_step_gives_the_fresh_engines_tokens(tiny_art, case):
+    when, prompts, params, kw = CASES[case]
+    want = all_tokens(engine(tiny_art, **kw).generate(prompts, [params] * len(prompts)))
+    eng = engine(tiny_art, **kw)
+    eng.model = FailingModel(eng.model, when, RuntimeError if "exception" in case else Interrupt)
+    with pytest.raises((RuntimeError, Interrupt), match="injected"):
+        eng.generate(prompts, [params] * len(prompts))
+    assert eng.model.fired and not eng.has_unfinished()
+    no_leaks(eng)
+    assert all_tokens(eng.generate(prompts, [params] * len(prompts))) == want
+    no_leaks(eng)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_stepping_on_after_a_failed_step_continues_as_if_it_never_ran(tiny_art, case):
+    """Engine.step raising leaves every request where it was: stepping on gives a fresh engine's tokens."""
+    when, prompts, params, kw = CASES[case]
+    params = params if params.n == 1 else SamplingParams(temperature=1.0, seed=5, max_tokens=8, ignore_eos=True)
+    want = all_tokens(engine(tiny_art, **kw).generate(prompts, [params] * len(prompts)))
+    eng = engine(tiny_art, **kw)
+    eng.model = FailingModel(eng.model, when)
+    ids = [eng.add_request(p, params) for p in prompts]
+    done, failures = {}, 0
+    while eng.has_unfinished():
+        try:
+            outs = eng.step()
+        except Interrupt:
+            failures += 1
+            continue
+        done.update((o.request_id, o) for o in outs)
+    assert failures == 1
+    assert [[done[i].token_ids] for i in ids] == want
+    no_leaks(eng)
+
+
+def test_on_token_raising_leaves_a_cache_that_serves_correct_prefixes(tiny_art):
+    want = all_tokens(engine(tiny_art).generate([LONG, REPEATS], [GREEDY] * 2))
+    eng = engine(tiny_art)
+
+    def on_token(i: int, tok: int) -> None:
+        raise Interrupt("injected in on_token")
+
+    with pytest.raises(Interrupt):
+        eng.generate([LONG, REPEATS], [GREEDY] * 2, on_token)
+    no_leaks(eng)
+    again = eng.generate([LONG, REPEATS], [GREEDY] * 2)
+    assert all_tokens(again) == want
+    assert again[0].num_cached_tokens == 28  # the completed prefill's 7 full blocks are found, and are right
+    no_leaks(eng)
+
+
+def test_a_block_is_found_by_prefix_lookup_only_after_its_step_completes(tiny_art):
+    eng = engine(tiny_art)
+    eng.add_request(LONG, GREEDY)
+    scheduled = eng.scheduler.schedule()  # allocates and names the prompt's blocks, runs nothing
+    assert scheduled and eng.kv.pool.pending
+    other = eng.kv.match_prefix(LONG)  # within the step (same-step sharing): the pending names are seen
+    assert len(other.table) == 7
+    eng.kv.free(other)
+    eng.kv.discard_pending()  # the step failed
+    assert eng.kv.match_prefix(LONG).table == []
+
+
+def test_smollm2_prompt_after_a_ctrl_c_in_its_first_step(smollm2_compiled):
+    """The reported reproduction: Ctrl-C in the first model call of a generate, then the same prompt."""
+    from deepfuse import LLM
+
+    prompt = "The history of the Roman Empire spans many centuries, from the founding of the city to the fall of " \
+             "Constantinople. " * 3
+    params = SamplingParams(temperature=0, max_tokens=12)
+    want = LLM(smollm2_compiled).generate(prompt, params)[0]
+    llm = LLM(smollm2_compiled)
+    llm.engine.model = FailingModel(llm.engine.model, any_step, KeyboardInterrupt)
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate(prompt, params)
+    out = llm.generate(prompt, params)[0]
+    assert out.token_ids == want.token_ids and out.text == want.text
+    assert out.num_cached_tokens == 0  # nothing was written, so nothing is found
+    no_leaks(llm.engine)

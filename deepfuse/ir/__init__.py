@@ -3,12 +3,13 @@ from . import opdefs_basic, opdefs_fused, opdefs_llm, opdefs_moe, opdefs_quant  
 from .graph import Graph, Node, Value
 from .interpret import interpret
 from .ops import OPS, OpDef, get_op
-from .text import parse_graph, print_graph
+from .text import IRSyntaxError, parse_graph, print_graph
 from .types import DTYPES, TensorType, parse_type
 from .verify import VerifyError, verify
 
 __all__ = [
            "DTYPES",
+           "IRSyntaxError",
            "OPS",
            "Graph",
            "Node",

@@ -4,12 +4,14 @@ Errors name the node (`%12 = rope(...)`) so a broken pass is easy to find.
 """
 from __future__ import annotations
 
+from ..errors import DeepfuseError
 from .graph import Graph, Node
 from .ops import OPS
 
 
-class VerifyError(ValueError):
-    pass
+class VerifyError(DeepfuseError):
+    """A graph that breaks the IR's rules. A DeepfuseError (so a ValueError): a graph file is
+    user input, and the CLI shows this message instead of a traceback."""
 
 
 def _where(i: int, n: Node) -> str:
@@ -32,7 +34,7 @@ def verify(g: Graph) -> None:
                 raise VerifyError(f"{_where(i, n)}: uses %{v.name} before it is defined")
         try:
             want = OPS[n.op].infer([v.type for v in n.inputs], n.attrs)
-        except (ValueError, KeyError, TypeError, IndexError) as e:
+        except (ValueError, KeyError, TypeError, IndexError, ArithmeticError) as e:  # a rule on bad attrs
             raise VerifyError(f"{_where(i, n)}: {e}") from None
         got = [v.type for v in n.outputs]
         if want != got:

@@ -51,15 +51,15 @@ def test_gpu_kernel_times_dry_run_lists_every_launch_kind(tmp_path):
         assert sum(r["launches_per_step"] for k, r in rows.items() if k.startswith("qkv_attention")) == 2  # 2 layers
 
 
-def test_gpu_session_dry_run_runs_every_check_and_logs_with_times(tmp_path):
-    """benchmarks/gpu_session.sh OUTDIR --dry-run: the three GPU scripts' dry runs in one call, their
+def test_gpu_checks_dry_run_runs_every_check_and_logs_with_times(tmp_path):
+    """benchmarks/gpu_checks.sh OUTDIR --dry-run: the three GPU scripts' dry runs in one call, their
     JSON and one time-stamped log in OUTDIR; bad arguments exit 2 before anything runs."""
-    script = os.path.join(ROOT, "benchmarks", "gpu_session.sh")
+    script = os.path.join(ROOT, "benchmarks", "gpu_checks.sh")
     r = subprocess.run([script, str(tmp_path), "--dry-run"], capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-2000:]
     assert {p.name for p in tmp_path.iterdir()} == {"device_check.json", "gpu_kernel_times.json", "gpu_throughput.json",
-                                                     "session.log"}
-    log = (tmp_path / "session.log").read_text().splitlines()
+                                                     "checks.log"}
+    log = (tmp_path / "checks.log").read_text().splitlines()
     assert [line.split(" ", 1)[1] for line in log if "== " in line] == ["== device check", "== kernel times", "== throughput",
                                                                          "== done, exit 0"]
     assert all(line[2] == ":" and line[5] == ":" for line in log)

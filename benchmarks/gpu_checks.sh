@@ -14,7 +14,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${1:-}
 if [ -z "$out" ] || [ "${out#-}" != "$out" ]; then
-  echo "usage: benchmarks/gpu_session.sh OUTDIR [--dry-run]" >&2
+  echo "usage: benchmarks/gpu_checks.sh OUTDIR [--dry-run]" >&2
   exit 2
 fi
 dry=()
@@ -44,7 +44,7 @@ stamp() {
     esac
   done
 }
-exec > >(tee "$out/session.log") 2>&1
+exec > >(tee "$out/checks.log") 2>&1
 rc=0
 run() {  # a title, then the command
   echo "== $1" | stamp

@@ -25,6 +25,35 @@ def greedy_with(step, config, prompt: list[int], n: int, dtype=torch.float32, bl
     return out, first
 
 
+def forced_logits(step, config, prompt: list[int], continuation: list[int], dtype=torch.float32,
+                  block_size: int = 4, kv=None) -> torch.Tensor:
+    """Logits f32 [len(continuation), V] of a prefill of `prompt` and then one decode step per
+    token of `continuation` but the last, over a fresh paged cache: row i predicts continuation[i]
+    (teacher forcing, so runs of different precisions see the same tokens). kv: as greedy_with."""
+    row, dtype = (kv.shape[4], DTYPES[kv.dtype]) if kv is not None else (config.head_dim, dtype)
+    cache = KVCache(config.num_layers, config.num_kv_heads, row, dtype, CacheConfig(block_size=block_size, num_blocks=256),
+                    getattr(step, "device", "cpu"))
+    seq, blocks, start, out = list(prompt), [], 0, []
+    for tok in continuation:
+        logits, _, _ = step(build_step([SeqChunk(seq[start:], start, blocks)], cache))
+        out.append(logits[0].float())
+        start = len(seq)
+        seq.append(tok)
+    return torch.stack(out)
+
+
+def hf_forced_logits(hf_model, prompt: list[int], continuation: list[int]) -> torch.Tensor:
+    """forced_logits through transformers' own forward and its KV cache."""
+    ids, past, out = torch.tensor([prompt]), None, []
+    with torch.no_grad():
+        for tok in continuation:
+            res = hf_model(ids, past_key_values=past, use_cache=True)
+            past = res.past_key_values
+            out.append(res.logits[0, -1].float())
+            ids = torch.tensor([[tok]])
+    return torch.stack(out)
+
+
 def eager_step(model):
     names = [s.name for s in step_specs(model.config, "f32")]
     return lambda inputs: model.step(*[inputs[k] for k in names])

@@ -32,6 +32,7 @@ def _parser() -> argparse.ArgumentParser:
     _add_invariant_arg(g)
     g.add_argument("prompt")
     g.add_argument("--artifact", help="a compiled artifact directory (loaded, not recompiled)")
+    g.add_argument("--artifact-digest", help="sha256:... as `deepfuse compile` printed it: refuse any other artifact")
     g.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
     g.add_argument("--max-tokens", type=int, default=128)
     g.add_argument("--temperature", type=float, default=0.0)
@@ -83,7 +84,10 @@ def _generate(args: argparse.Namespace) -> None:
         raise DeepfuseError("--draft-head needs --speculate K (the most drafts verified per step)")
     method = dict(method="mtp", draft_head=args.draft_head) if args.draft_head else {}
     spec = SpecConfig(num_draft_tokens=args.speculate, **method) if args.speculate else None
-    llm = LLM(artifact=args.artifact, spec=spec, batch_invariant=args.batch_invariant) if args.artifact else \
+    if args.artifact_digest and not args.artifact:
+        raise DeepfuseError("--artifact-digest pins an artifact: give it with --artifact DIR")
+    llm = LLM(artifact=args.artifact, spec=spec, batch_invariant=args.batch_invariant,
+              artifact_digest=args.artifact_digest) if args.artifact else \
         LLM(args.model, dtype=args.dtype, quant=args.quant, spec=spec, batch_invariant=args.batch_invariant,
             kv_cache_dtype=args.kv_cache_dtype)
     tok = llm.tokenizer
@@ -191,6 +195,7 @@ def _train_drafter(args: argparse.Namespace) -> None:
 
 
 def _compile(args: argparse.Namespace) -> None:
+    from .codegen.artifact import artifact_digest
     from .compiler import compile
 
     art = compile(args.model, target=args.target, dtype=args.dtype, quant=args.quant,
@@ -198,6 +203,8 @@ def _compile(args: argparse.Namespace) -> None:
     art.save(args.output)
     print(f"wrote {args.output} ({len(art.graph.nodes)} ops, {len(art.graph.params)} weights, "
           f"target {art.target})", file=sys.stderr)
+    print(f"artifact digest: {artifact_digest(args.output)}  (pin it: deepfuse generate --artifact {args.output} "
+          f"--artifact-digest ...)")
 
 
 def _ir(args: argparse.Namespace) -> None:

@@ -53,10 +53,54 @@ def test_truncated_gguf(capsys, tmp_path):
 
 
 @pytest.fixture(scope="module")
-def artifact_dir(tmp_path_factory):
+def compiled_dir(tmp_path_factory):
+    """(artifact directory, what `deepfuse compile` printed on stdout)."""
+    import contextlib
+    import io
+
     out = tmp_path_factory.mktemp("art") / "smollm2-cpu"
-    assert main(["compile", "--model", "smollm2", "--target", "cpu", "-o", str(out)]) == 0
-    return out
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        assert main(["compile", "--model", "smollm2", "--target", "cpu", "-o", str(out)]) == 0
+    return out, printed.getvalue()
+
+
+@pytest.fixture(scope="module")
+def artifact_dir(compiled_dir):
+    return compiled_dir[0]
+
+
+def test_compile_prints_the_digest_and_generate_checks_it(capsys, compiled_dir, tmp_path):
+    from tests.test_artifact_trust import clone, edit
+
+    d, printed = compiled_dir
+    digest = printed.split("artifact digest: ")[1].split()[0]
+    assert digest.startswith("sha256:") and len(digest) == 71
+    rc, out, err = run_main(capsys, "generate", "--artifact", str(d), "--artifact-digest", digest, "--no-chat",
+                            "--max-tokens", "4", "--temperature", "0", "The capital of France is")
+    assert rc == 0 and "Paris" in out
+    other = clone(str(d), tmp_path / "other")
+    edit(os.path.join(other, "manifest.json"), lambda b: b + b"\n")
+    rc, out, err = run_main(capsys, "generate", "--artifact", other, "--artifact-digest", digest, "hi")
+    assert rc == 2 and out == "" and len(err.strip().splitlines()) == 1 and "not the pinned" in err
+    rc, out, err = run_main(capsys, "generate", "--artifact-digest", digest, "hi")
+    assert rc == 2 and "--artifact-digest pins an artifact" in err
+
+
+def test_each_tampered_artifact_exits_2_with_one_line(capsys, artifact_dir, tmp_path):
+    from tests.test_artifact_trust import clone, edit, edit_manifest
+
+    cases = {"files list dropped": lambda d: edit_manifest(d, lambda m: m.pop("files")),
+             "entry dropped": lambda d: edit_manifest(d, lambda m: m["files"].pop("plan.json")),
+             "file added": lambda d: open(os.path.join(d, "notes.txt"), "w").write("x"),
+             "file missing": lambda d: os.remove(os.path.join(d, "graph.ir")),
+             "file altered": lambda d: edit(os.path.join(d, "tokenizer_config.json"), lambda b: b.replace(b"{", b"{ ", 1))}
+    for name, tamper in cases.items():
+        d = clone(str(artifact_dir), tmp_path / name.replace(" ", "-"))
+        tamper(d)
+        rc, out, err = run_main(capsys, "generate", "--artifact", d, "hi")
+        assert rc == 2 and out == "" and len(err.strip().splitlines()) == 1, name
+        assert err.startswith("error: artifact") and "Traceback" not in err, name
 
 
 def test_generate_from_artifact_and_prompt_too_long(capsys, artifact_dir):

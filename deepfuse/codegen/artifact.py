@@ -7,7 +7,9 @@ Directory layout:
     kernels/             compiled targets' kernels: source, PTX, cubin, launch metadata (sm90/sm100)
     weights.safetensors  params of the final graph
     tokenizer.json, tokenizer_config.json
-Data only: no pickle, no code.
+No pickle. What is code, per target (kernel sources, cubins) and what loading runs: docs/artifact-format.md.
+The manifest lists every other file with its sha256; `artifact_digest` (sha256 of manifest.json)
+pins the whole artifact.
 """
 from __future__ import annotations
 
@@ -34,6 +36,11 @@ def sha256_file(path: str) -> str:
         for chunk in iter(lambda: f.read(1 << 22), b""):
             h.update(chunk)
     return h.hexdigest()
+
+
+def artifact_digest(directory: str) -> str:
+    """"sha256:<hex>" of the artifact's manifest.json, which holds the sha256 of every other file."""
+    return "sha256:" + sha256_file(os.path.join(directory, "manifest.json"))
 
 
 @dataclass

@@ -22,19 +22,24 @@ class LLM:
     of one step (and the prefill chunk); max_num_seqs caps the batch; spec: a SpecConfig for
     speculative decoding (same outputs, fewer steps when drafts are accepted);
     batch_invariant: compile so that each request's tokens are the same whatever shares its
-    steps (an artifact must have been compiled so)."""
+    steps (an artifact must have been compiled so); artifact_digest: "sha256:<hex>" as `deepfuse
+    compile` prints it, pins the artifact loaded (any other or modified one is refused)."""
 
     def __init__(self, model: str | CompiledModel = "smollm2", target: str = "cpu", dtype: str = "f32",
                  block_size: int = 16, num_blocks: int = 1024, max_num_tokens: int = 512, max_num_seqs: int = 64,
                  enable_prefix_caching: bool = True, artifact: str | None = None, quant: str | None = None,
-                 spec: SpecConfig | None = None, batch_invariant: bool = False, kv_cache_dtype: str | None = None):
+                 spec: SpecConfig | None = None, batch_invariant: bool = False, kv_cache_dtype: str | None = None,
+                 artifact_digest: str | None = None):
         from ..compiler import compile
         from .loader import load
 
         draft = None
         compiled = isinstance(model, CompiledModel)
-        if compiled or artifact is not None or os.path.isfile(os.path.join(model, "manifest.json")):
-            self.model = model if compiled else load(artifact or model)
+        from_dir = not compiled and (artifact is not None or os.path.isfile(os.path.join(model, "manifest.json")))
+        if artifact_digest is not None and not from_dir:
+            raise DeepfuseError("artifact_digest pins an artifact directory; give one (artifact=...)")
+        if compiled or from_dir:
+            self.model = model if compiled else load(artifact or model, digest=artifact_digest)
             if batch_invariant and not self.model.batch_invariant:
                 raise DeepfuseError("this model was compiled without batch invariance; recompile it with "
                                     "`deepfuse compile --batch-invariant`")

@@ -1,10 +1,14 @@
 """Artifact loader: verifies a directory written by CompiledModel.save and runs it.
 
-Checks format version, deepfuse version, target and the sha256 of every file before
-reading anything else; runs no compiler. Every refusal is a one-line DeepfuseError.
+Before reading anything else it checks the manifest (against a pinned digest where one is
+given), format version, deepfuse version and target, that the directory holds exactly the
+files the manifest lists (graph.ir, plan.json and weights.safetensors among them), and the
+sha256 of each. Every refusal is a one-line DeepfuseError naming the file. What loading then
+runs, per target, is in docs/artifact-format.md.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 
@@ -18,18 +22,33 @@ from ..ir import parse_graph, verify
 from ..models.llama import LlamaConfig
 from .tokenizer import Tokenizer
 
+REQUIRED = ("graph.ir", "plan.json", "weights.safetensors")  # read by every load
 
-def read_manifest(directory: str) -> dict:
+
+def read_manifest(directory: str, digest: str | None = None) -> dict:
+    """The manifest, checked against `digest` ("sha256:<hex>" of manifest.json, as
+    `deepfuse compile` prints it) when one is given."""
     path = os.path.join(directory, "manifest.json")
     if not os.path.isdir(directory):
         raise DeepfuseError(f"artifact directory not found: {directory}")
     if not os.path.isfile(path):
         raise DeepfuseError(f"{directory} is not a deepfuse artifact (no manifest.json); create one with `deepfuse compile`")
+    with open(path, "rb") as f:
+        data = f.read()
+    if digest is not None:
+        if not (isinstance(digest, str) and digest.startswith("sha256:") and len(digest) == 71):
+            raise DeepfuseError(f"artifact digest must be 'sha256:' and 64 hex digits, got {digest!r}")
+        actual = "sha256:" + hashlib.sha256(data).hexdigest()
+        if actual != digest.lower():
+            raise DeepfuseError(f"artifact {directory} has digest {actual}, not the pinned {digest}; "
+                                "it is another or a modified artifact")
     try:
-        with open(path) as f:
-            return json.load(f)
-    except json.JSONDecodeError as e:
+        m = json.loads(data)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise DeepfuseError(f"{path} is corrupt ({e}); recompile the artifact") from None
+    if not isinstance(m, dict):
+        raise DeepfuseError(f"{path} is corrupt (not a JSON object); recompile the artifact")
+    return m
 
 
 def check_manifest(m: dict, directory: str, target: str | None) -> None:
@@ -41,18 +60,44 @@ def check_manifest(m: dict, directory: str, target: str | None) -> None:
                             f"{__version__}; recompile it")
     if target is not None and m.get("target") != target:
         raise DeepfuseError(f"artifact {directory} is for target {m.get('target')!r}, not {target!r}")
-    for name, digest in m.get("files", {}).items():
+    check_files(m.get("files"), directory)
+
+
+def check_files(files: object, directory: str) -> None:
+    """The directory holds exactly the listed files (REQUIRED among them), each with its sha256."""
+    if not isinstance(files, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in files.items()):
+        raise DeepfuseError(f"artifact {directory}: manifest.json has no valid 'files' list of sha256s; recompile it")
+    for name in REQUIRED:
+        if name not in files:
+            raise DeepfuseError(f"artifact {directory}: manifest.json does not list {name}; recompile it")
+    for name in present_files(directory):
+        if name not in files:
+            raise DeepfuseError(f"artifact {directory} holds {name}, which manifest.json does not list; "
+                                "remove it or recompile the artifact")
+    for name, digest in files.items():
         path = os.path.join(directory, name)
-        if not os.path.isfile(path):
+        if os.path.isabs(name) or ".." in name.split("/") or not os.path.isfile(path):
             raise DeepfuseError(f"artifact {directory} is missing {name}; recompile it")
         if sha256_file(path) != digest:
             raise DeepfuseError(f"artifact file {path} does not match its sha256 in manifest.json "
                                 "(modified or corrupt); recompile it")
 
 
-def load(directory: str, target: str | None = None) -> CompiledModel:
-    """Loads a verified artifact. `target` (optional) must match the artifact's."""
-    m = read_manifest(directory)
+def present_files(directory: str) -> list[str]:
+    """Every file under directory but manifest.json, as manifest names ("kernels/x.ptx")."""
+    out = []
+    for root, _, names in os.walk(directory):
+        for n in names:
+            rel = os.path.relpath(os.path.join(root, n), directory).replace(os.sep, "/")
+            if rel != "manifest.json":
+                out.append(rel)
+    return sorted(out)
+
+
+def load(directory: str, target: str | None = None, digest: str | None = None) -> CompiledModel:
+    """Loads a verified artifact. `target` (optional) must match the artifact's; `digest`
+    (optional, "sha256:<hex>" as `deepfuse compile` prints it) pins the whole artifact."""
+    m = read_manifest(directory, digest)
     check_manifest(m, directory, target)
     tgt = get_target(m["target"])
     with open(os.path.join(directory, "graph.ir")) as f:

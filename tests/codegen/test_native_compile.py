@@ -1,0 +1,49 @@
+"""The native CPU kernels build here, and their AMX paths, which only CPUs with AMX execute,
+compile here too: each source that holds AMX code is compiled for Sapphire Rapids (AMX tiles,
+AMX-BF16, AVX512-BF16) with the flags of the real build, so a change that breaks them fails
+CI on a machine without AMX. (Executing them is the self-check's job on machines that have AMX.)"""
+import os
+import shutil
+import subprocess
+import sysconfig
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from deepfuse.codegen.cpu import native
+
+HERE = os.path.dirname(native.__file__)
+AMX_SOURCES = ("decode_amx.cpp", "bf16_gemm.cpp", "prefill_attention.cpp", "vec_gemm.cpp")
+
+
+def compiler() -> str:
+    cxx = shutil.which("c++") or shutil.which("g++")
+    if cxx is None:
+        pytest.fail("no C++ compiler: the native kernels cannot be built or checked") if os.environ.get("CI") \
+            else pytest.skip("no C++ compiler here")
+    return cxx
+
+
+def test_the_native_library_builds_here():
+    """On a machine with a compiler a failed build is a failure, not a fallback."""
+    compiler()
+    assert native.kernels() is not None, f"the native CPU kernels failed to build: {native.build_error}"
+
+
+def test_amx_paths_compile_for_an_amx_cpu():
+    from torch.utils.cpp_extension import include_paths
+
+    cxx = compiler()
+    flags = ["-std=c++17", "-fsyntax-only", "-march=sapphirerapids", "-fopenmp", "-DTORCH_EXTENSION_NAME=check",
+             "-DTORCH_API_INCLUDE_EXTENSION_H", f"-I{sysconfig.get_paths()['include']}", f"-I{HERE}"]
+    flags += [f"-I{p}" for p in include_paths()]
+    probe = "#include \"amx.h\"\n#if !DEEPFUSE_AMX\n#error the AMX paths are not enabled by these flags\n#endif\n"
+    r = subprocess.run([cxx, *flags, "-x", "c++", "-"], input=probe, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-2000:]
+
+    def build(name: str) -> tuple[str, subprocess.CompletedProcess]:
+        return name, subprocess.run([cxx, *flags, os.path.join(HERE, name)], capture_output=True, text=True)
+
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        for name, r in pool.map(build, AMX_SOURCES):
+            assert r.returncode == 0, f"{name} does not compile for an AMX CPU:\n{r.stderr[-3000:]}"

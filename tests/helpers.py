@@ -87,3 +87,99 @@ def with_sinks(model, window: int = 0, seed: int = 0):
     sinks = {f"model.layers.{i}.self_attn.sinks": 2 * torch.randn(c.num_heads, generator=gen)
              for i in range(c.num_layers)}
     return Llama(c, {**model.weights, **sinks})
+
+
+def scheduled_preemptions(prompt_lens: list[int], max_tokens: int, block_size: int, num_blocks: int,
+                          max_num_tokens: int = 512, max_num_seqs: int = 64) -> list[int]:
+    """Each request's preemptions under the scheduler's documented policy (runtime/scheduler.py's
+    docstring), computed here from the workload alone: prefix caching off, every request running
+    to max_tokens (ignore_eos). Each step, running requests first, oldest first, each taking what
+    is left of its prompt (or one token) within the token budget; one that needs a block when none
+    is free preempts the most recently admitted running request (itself when it is the last): its
+    blocks are freed and it goes back to the front of the queue, to recompute its prompt and
+    generated tokens. Then, in a step without a preemption, waiting requests are admitted first come
+    first served while budget, sequence slots and blocks allow. A request whose KV covers t
+    positions holds ceil(t / block_size) blocks; one whose chunk ends its known tokens samples one."""
+    n_req = len(prompt_lens)
+    length = list(prompt_lens)  # prompt + generated
+    generated, computed, held, preempted = [0] * n_req, [0] * n_req, [0] * n_req, [0] * n_req
+    waiting, running = list(range(n_req)), []
+    blocks = lambda t: -(-t // block_size)  # noqa: E731
+    free = lambda: num_blocks - sum(held)  # noqa: E731
+
+    def preempt(r: int) -> None:
+        running.remove(r)
+        held[r], computed[r] = 0, 0
+        preempted[r] += 1
+        waiting.insert(0, r)
+
+    while waiting or running:
+        budget, step, stopped = max_num_tokens, [], False
+        i = 0
+        while i < len(running) and budget > 0:
+            r = running[i]
+            n = min(length[r] - computed[r], budget)
+            while blocks(computed[r] + n) - held[r] > free() and running[-1] != r:
+                preempt(running[-1])
+                stopped = True
+            if blocks(computed[r] + n) - held[r] > free():
+                preempt(r)
+                stopped = True
+                break
+            held[r] = max(held[r], blocks(computed[r] + n))
+            step.append((r, n))
+            budget -= n
+            i += 1
+        while not stopped and waiting and budget > 0 and len(running) < max_num_seqs:
+            r = waiting[0]
+            n = min(length[r], budget)
+            if blocks(n) > free():
+                break
+            held[r] = blocks(n)
+            running.append(waiting.pop(0))
+            step.append((r, n))
+            budget -= n
+        assert step, "the workload cannot run in this cache"
+        for r, n in step:
+            computed[r] += n
+            if computed[r] == length[r]:  # its chunk ended its known tokens: it samples the next one
+                generated[r] += 1
+                length[r] += 1
+                if generated[r] == max_tokens:
+                    running.remove(r)
+                    held[r] = 0
+    return preempted
+
+
+def ngram_spec_counts(prompt: list[int], output: list[int], k: int, max_tokens: int, max_ngram: int = 4,
+                      min_ngram: int = 1) -> dict:
+    """What n-gram speculation with a fixed schedule must verify for a request whose tokens are
+    `output` (the same with and without drafts), computed from the documented rules alone
+    (runtime/spec.py): after its prefill each decoding step looks up the longest suffix of the
+    sequence (max_ngram down to min_ngram tokens) that occurred earlier in it, and drafts the
+    tokens that followed its latest earlier occurrence, at most min(k, max_tokens - generated - 1);
+    the step keeps the drafts that equal the target's own tokens, up to the first that does not,
+    and the target's token after them. Returns verifications, drafted, accepted and decode steps."""
+    seq, gen = list(prompt), 1  # the prefill step samples output[0]
+    seq.append(output[0])
+    counts = dict(verifications=0, drafted=0, accepted=0, decode_steps=0)
+    while gen < len(output):
+        room = min(k, max_tokens - gen - 1)
+        draft = []
+        for n in range(min(max_ngram, len(seq) - 1), min_ngram - 1, -1) if room > 0 else ():
+            earlier = [s for s in range(len(seq) - n) if seq[s:s + n] == seq[-n:]]
+            if earlier:
+                draft = seq[earlier[-1] + n:earlier[-1] + n + room]
+                break
+        accepted = 0
+        while accepted < len(draft) and gen + accepted < len(output) and draft[accepted] == output[gen + accepted]:
+            accepted += 1
+        if draft:
+            counts["verifications"] += 1
+            counts["drafted"] += len(draft)
+            counts["accepted"] += accepted
+        counts["decode_steps"] += 1
+        take = output[gen:gen + accepted + 1]
+        seq += take
+        gen += len(take)
+    return counts

@@ -5,6 +5,7 @@ import deepfuse
 from deepfuse.errors import DeepfuseError
 from deepfuse.runtime.engine import Engine, SamplingParams
 from deepfuse.runtime.kv_cache import CacheConfig, block_hash
+from tests.helpers import ngram_spec_counts, scheduled_preemptions
 
 PROMPTS = [[1, 2, 3], [9, 8, 7, 6, 5, 4, 3, 2, 1, 0, 11, 12, 13], [42], [5, 5, 5, 5, 5]]
 GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
@@ -45,7 +46,11 @@ def test_preemption_when_the_cache_cannot_hold_every_request(tiny_art):
     eng = engine(tiny_art, num_blocks=12, cache={"enable_prefix_caching": False})
     got = eng.generate(PROMPTS * 2, [p] * 8)
     assert tokens(got) == tokens(want)
-    assert eng.scheduler.num_preemptions > 0 and sum(o.num_preemptions for o in got) == eng.scheduler.num_preemptions
+    # the documented policy (LIFO victims, recompute) on these sizes: 8 requests needing 34 blocks
+    # in all, 12 at hand -> 4 preemptions, of requests 2, 3, 4 and 6
+    want_preemptions = scheduled_preemptions([len(pr) for pr in PROMPTS * 2], 12, block_size=4, num_blocks=12)
+    assert [o.num_preemptions for o in got] == want_preemptions and sum(want_preemptions) > 0
+    assert eng.scheduler.num_preemptions == sum(want_preemptions)
     assert eng.kv.pool.num_available() == 12
 
 
@@ -53,7 +58,9 @@ def test_seeded_sampling_survives_preemption(tiny_art):
     p = SamplingParams(temperature=1.0, max_tokens=12, seed=11, ignore_eos=True)
     want = engine(tiny_art).generate(PROMPTS * 2, [p] * 8)
     eng = engine(tiny_art, num_blocks=12)
-    assert tokens(eng.generate(PROMPTS * 2, [p] * 8)) == tokens(want) and eng.scheduler.num_preemptions > 0
+    got = eng.generate(PROMPTS * 2, [p] * 8)
+    assert tokens(got) == tokens(want)
+    assert sum(o.num_preemptions for o in got) == eng.scheduler.num_preemptions > 0
 
 
 def test_request_too_big_for_the_whole_cache_is_an_error_not_a_hang(tiny_art):
@@ -83,11 +90,17 @@ def test_prefix_cache_skips_shared_prompt_blocks(tiny_art):
 def test_prefix_cache_evicts_least_recently_used_blocks(tiny_art):
     eng = engine(tiny_art, num_blocks=12)
     a, b = list(range(1, 17)), list(range(30, 46))
+    # 16 prompt tokens and 10 generated: the KV of 16 + 9 positions, 7 blocks, of which the 6 full
+    # ones are named and stay cached when the request ends; the 7th goes back free
     eng.generate([a], [GREEDY])
-    assert eng.kv.usage()["blocks_cached_unused"] > 0
+    assert eng.kv.usage()["blocks_cached_unused"] == 6 and eng.kv.usage()["blocks_free"] == 6
+    # b takes the 6 free blocks, then evicts a's least recently used one (its tail)
     eng.generate([b], [GREEDY])
-    eng.generate([list(range(60, 96))], [SamplingParams(temperature=0, max_tokens=8)])  # needs 11 blocks: evicts
-    assert eng.kv.pool.evictions > 0
+    assert eng.kv.pool.evictions == 1 and eng.kv.usage()["blocks_cached_unused"] == 5 + 6
+    c = eng.generate([list(range(60, 96))], [SamplingParams(temperature=0, max_tokens=8)])[0]
+    # c's 36 prompt tokens and its n generated ones need ceil((36 + n - 1) / 4) blocks (11 for 8):
+    # one free, the rest evicted
+    assert eng.kv.pool.evictions == 1 + -(-(36 + len(c.token_ids) - 1) // 4) - 1
     assert eng.generate([a], [GREEDY])[0].token_ids == engine(tiny_art).generate([a], [GREEDY])[0].token_ids
 
 
@@ -126,6 +139,10 @@ def test_stop_tokens_logprobs_and_timing(tiny_art):
     for tok, lp in zip(free.token_ids, free.logprobs):
         assert len(lp) == 3 and tok in lp and max(lp.values()) == lp[tok] <= 0  # greedy takes the top one
     assert len(free.token_times) == 8 and free.ttft_s == free.token_times[0] > 0 and free.tpot_s > 0
+    # one token a step: strictly increasing times, tpot the mean gap after the first, all before the end
+    assert all(a < b for a, b in zip(free.token_times, free.token_times[1:]))
+    assert free.tpot_s == pytest.approx((free.token_times[-1] - free.token_times[0]) / 7)
+    assert free.total_s >= free.token_times[-1]
     stop = free.token_ids[3]
     out = eng.generate([PROMPTS[0]], [SamplingParams(temperature=0, max_tokens=8, stop_token_ids=[stop])])[0]
     assert out.finish_reason == "stop" and out.token_ids == free.token_ids[: free.token_ids.index(stop) + 1]
@@ -220,7 +237,12 @@ def test_penalized_requests_keep_their_tokens_in_any_batch_preempted_or_speculat
     spec = engine(tiny_art, spec=SpecConfig(num_draft_tokens=3, schedule="fixed"))
     repeat = [5, 6, 7, 5, 6, 7, 5, 6, 7, 5, 6]  # n-gram drafts for the unpenalized request beside them
     outs = spec.generate(prompts + [repeat], params + [GREEDY])
-    assert tokens(outs[:k]) == alone and outs[k].spec.drafted > 0 and all(o.spec.drafted == 0 for o in outs[:k])
+    assert tokens(outs[:k]) == alone and all(o.spec.drafted == 0 for o in outs[:k])
+    # what prompt lookup must draft for the repeating request, from its tokens (runtime/spec.py's rules)
+    must = ngram_spec_counts(repeat, outs[k].token_ids, 3, GREEDY.max_tokens)
+    assert must["drafted"] > 0
+    assert (outs[k].spec.verifications, outs[k].spec.drafted, outs[k].spec.accepted) == \
+        (must["verifications"], must["drafted"], must["accepted"])
     assert outs[k].token_ids == engine(tiny_art).generate([repeat], [GREEDY])[0].token_ids
 
 
@@ -539,9 +561,19 @@ def test_random_workload_loses_nothing(tiny_art, swa_model, window, spec):
         step += 1
     assert set(ended) == set(ids) and aborted and eng.scheduler.num_preemptions > 0
     assert eng.kv.pool.num_used() == 0 and eng.kv.pool.num_available() == blocks
-    assert eng.kv.stats.prefix_hits > 0
+    # prefix hits: each request's cached tokens at its first admission (whole blocks, never its last
+    # token, never more than it shares with a request that arrived before it)
+    assert eng.kv.stats.prefix_hits == sum(o.num_cached_tokens for o in ended.values()) > 0
+    order = sorted(ended, key=lambda rid: ids[rid])
+    for j, rid in enumerate(order):
+        prompt = specs[ids[rid]][0]
+        shared = max([next((i for i, (x, y) in enumerate(zip(prompt, specs[ids[e]][0] + ended[e].token_ids)) if x != y),
+                           min(len(prompt), len(specs[ids[e]][0]) + len(ended[e].token_ids))) for e in order[:j]],
+                     default=0)
+        n = ended[rid].num_cached_tokens
+        assert n % 4 == 0 and n <= min(len(prompt) - 1, shared), (n, len(prompt), shared)
     if spec:
-        assert eng.spec_stats.accepted > 0
+        assert 0 < eng.spec_stats.accepted <= eng.spec_stats.drafted
     solo = engine(art, cache={"enable_prefix_caching": False})
     stopped = 0
     for rid, out in ended.items():

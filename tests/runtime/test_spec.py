@@ -24,6 +24,7 @@ from deepfuse.runtime.spec import (
     SpecConfig,
     choose_drafts,
 )
+from tests.helpers import check_spec_accounting, ngram_spec_counts
 
 PASSAGE = ("The quick brown fox jumps over the lazy dog. The dog was not amused, and the fox ran away into the "
            "forest, where it met a wise old owl who told it a story about the moon and the stars.")
@@ -103,7 +104,13 @@ def test_smollm2_outputs_are_identical_with_speculation(smollm2, smollm2_compile
     for a, b in zip(plain, spec):
         assert a.token_ids == b.token_ids and a.finish_reason == b.finish_reason
     assert spec[0].spec.acceptance_rate > 0.5 and spec[0].spec.mean_accepted_length > 2
-    assert eng.spec_stats.drafted > 0 and eng.stats.steps < sum(len(o.token_ids) for o in plain)
+    # what prompt lookup must draft and keep for each request, from its tokens (runtime/spec.py's
+    # rules), and the steps: one prefill for all three, then the longest request's decode steps
+    must = [ngram_spec_counts(pr, o.token_ids, 5, p.max_tokens) for pr, o, p in zip(prompts, spec, params)]
+    assert [(o.spec.verifications, o.spec.drafted, o.spec.accepted) for o in spec] == \
+        [(m["verifications"], m["drafted"], m["accepted"]) for m in must]
+    assert eng.spec_stats.drafted == sum(m["drafted"] for m in must) > 0
+    assert eng.stats.steps == 1 + max(m["decode_steps"] for m in must)
     # the confidence schedule verifies what the (machine-dependent) latency table says pays; same tokens
     confident = Engine(smollm2_compiled, spec=SpecConfig(num_draft_tokens=5)).generate(prompts, params)
     assert [o.token_ids for o in confident] == [o.token_ids for o in plain]
@@ -112,8 +119,9 @@ def test_smollm2_outputs_are_identical_with_speculation(smollm2, smollm2_compile
     draft = deepfuse.compile(model.first_layers(8))
     eng = Engine(smollm2_compiled, spec=SpecConfig(method="draft", num_draft_tokens=3, schedule="fixed"),
                  draft_model=draft)
-    assert [o.token_ids for o in eng.generate(prompts, params)] == [o.token_ids for o in plain]
-    assert eng.spec_stats.drafted > 0  # untrained, its drafts are rarely right (see benchmarks/spec.py)
+    outs = eng.generate(prompts, params)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
+    check_spec_accounting(eng, outs, 3)  # untrained, its drafts are rarely right (see benchmarks/spec.py)
     # an MTP head after a few training steps (how good it is: benchmarks/spec.py)
     from deepfuse.runtime.train_drafter import TrainConfig, train_drafter
 
@@ -121,8 +129,9 @@ def test_smollm2_outputs_are_identical_with_speculation(smollm2, smollm2_compile
     train_drafter(smollm2_compiled, head, TrainConfig(num_prompts=8, max_tokens=24, steps=3), log=lambda *_: None)
     eng = Engine(smollm2_compiled, spec=SpecConfig(method="mtp", draft_head=head, num_draft_tokens=3,
                                                    schedule="fixed"))
-    assert [o.token_ids for o in eng.generate(prompts, params)] == [o.token_ids for o in plain]
-    assert eng.spec_stats.drafted > 0
+    outs = eng.generate(prompts, params)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
+    check_spec_accounting(eng, outs, 3)
 
 
 class FixedDrafter(Drafter):
@@ -221,13 +230,29 @@ def test_draft_model_drafter_keeps_outputs_and_a_copy_of_the_target_is_always_ri
     plain = Engine(target).generate(prompts, params)
     half = Engine(target, spec=SpecConfig(method="draft", num_draft_tokens=3, schedule="fixed"),
                   draft_model=deepfuse.compile(tiny_model.first_layers(1)))
-    assert [o.token_ids for o in half.generate(prompts, params)] == [o.token_ids for o in plain]
-    assert half.spec_stats.drafted > 0
+    outs = half.generate(prompts, params)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
+    check_spec_accounting(half, outs, 3)
     same = Engine(target, spec=SpecConfig(method="draft", num_draft_tokens=4, schedule="fixed"),
                   draft_model=deepfuse.compile(tiny_model))
     outs = same.generate(prompts[:2], params[:2])  # greedy drafts of the target itself are never wrong
     assert [o.token_ids for o in outs] == [o.token_ids for o in plain[:2]]
     assert same.spec_stats.acceptance_rate == 1.0 and same.spec_stats.mean_accepted_length > 3
+    # every draft kept: each verification drafts all it may (min(4, max_tokens - generated - 1))
+    # and gains that many tokens and one more. A drafter as costly as the target (cost 1: r + ... +
+    # r^4 never exceeds 4) drafts for a request's first two verifications, then only every 8th
+    # round (DraftGate's probe); the rounds between are plain decode steps
+    for o, p in zip(outs, params):
+        generated, drafted, verifications, skipped = 1, 0, 0, 0
+        while generated < len(o.token_ids):
+            room = min(4, p.max_tokens - generated - 1)
+            if room > 0 and verifications >= 2:
+                skipped = (skipped + 1) % 8
+            if room > 0 and (verifications < 2 or skipped == 0):
+                drafted, verifications, generated = drafted + room, verifications + 1, generated + room + 1
+            else:
+                generated += 1
+        assert (o.spec.drafted, o.spec.verifications) == (drafted, verifications)
 
 
 def test_draft_model_with_another_vocabulary_or_none_is_refused(tiny_model, tmp_path):

@@ -1,7 +1,11 @@
 """Native CPU kernels: C++ next to this file, compiled with g++ on first use through
 torch.utils.cpp_extension (cached under ~/.cache/deepfuse/native/, so later processes load
-the built library in well under a second). A machine without a working compiler gets None
-and the torch-op path, with one warning."""
+the built library in well under a second). Once per process every entry point then checks itself
+on this machine against an independent reference on small data (selfcheck.py, ~0.1 s); one that
+disagrees is refused: its group's availability flag reads False (a failing AMX path: amx_available,
+and the vector paths run), and a failing always-used one refuses the whole library. A machine
+without a working compiler, or whose library the check refuses, gets None and the torch-op path,
+with a warning; `build_error` says why."""
 from __future__ import annotations
 
 import functools
@@ -10,6 +14,7 @@ import os
 import platform
 import sys
 import warnings
+from collections.abc import Callable
 
 
 def build_tag() -> str:
@@ -43,14 +48,43 @@ def source_hash() -> str:
     return h.hexdigest()[:12]
 
 
+build_error: str | None = None  # why kernels() is None: the build's exception, or the self-check's refusal
+
+
 @functools.cache
 def kernels():
-    """The native kernels' extension module (paged_decode, paged_prefill; pack_panels, panel_gemm;
-    amx_available, bf16_gemm_available, pack_vnni, bf16_gemm, q4_gemm;
-    i8_gemm_available, pack_w8, i8_gemm; rms_norm, add_rms_norm; swiglu, rope_cache, argmax;
-    see the .cpp files), or None
-    where it cannot be built. Built once per machine and torch install under
+    """The native kernels (paged_decode, paged_prefill; pack_panels, panel_gemm; amx_available,
+    bf16_gemm_available, pack_vnni, bf16_gemm, q4_gemm; i8_gemm_available, pack_w8, i8_gemm,
+    i8_gemm_swiglu, i8_gemm_norm; rms_norm, add_rms_norm; swiglu, rope_cache, argmax; see the .cpp
+    files) as the self-check leaves them (CheckedKernels: the module's attributes, refused groups'
+    flags False, the report in .selfcheck), or None where they cannot be built or an always-used
+    one failed its check. Loaded and checked once per process."""
+    global build_error
+    module = build()
+    if module is None:
+        return None
+    from .selfcheck import check
+
+    checked = check(module)
+    if checked is None:
+        build_error = "the self-check refused the native kernels: " + ", ".join(
+            name for name, (_, _, ok) in selfcheck_report().items() if not ok)
+    return checked
+
+
+def selfcheck_report() -> dict[str, tuple[float, float, bool]]:
+    """The latest self-check: entry point -> (max error, tolerance, ok), both relative to the output's scale."""
+    from .selfcheck import last_report
+
+    return last_report()
+
+
+@functools.cache
+def build():
+    """The extension module itself, unchecked, or None where it cannot be built (the exception's
+    text in build_error). Built once per machine and torch install under
     ~/.cache/deepfuse/native/ (one to three minutes on 2 cores; a line on stderr says so)."""
+    global build_error
     from torch.utils.cpp_extension import load
 
     here = os.path.dirname(__file__)
@@ -67,16 +101,75 @@ def kernels():
                       extra_cflags=["-O3", "-march=native", "-fopenmp", f"-DDEEPFUSE_SOURCES={source_hash()}"],
                       extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as e:  # no g++, no Python headers, ...: the torch-op path still works
+        build_error = f"{type(e).__name__}: {e}"
         warnings.warn(f"deepfuse: the native CPU kernels could not be built ({e}); attention, projections, "
-                      f"norms and row ops use torch ops instead", stacklevel=2)
+                      f"norms and row ops use torch ops instead", stacklevel=3)
         return None
     with open(stamp, "w") as f:
         f.write(source_hash())
     return module
 
 
+FLAGS = {"bf16_gemm": "bf16_gemm_available", "amx": "amx_available", "i8_gemm": "i8_gemm_available",
+         "paged_prefill": "paged_prefill_available"}  # a group of entry points the check may refuse -> its flag
+
+
+class CheckedKernels:
+    """The native module as its self-check leaves it: every attribute is the module's, except the
+    flags of refused groups, which read False, and, with AMX refused, the four entry points that
+    take an amx switch, which run their vector paths. `selfcheck`: the report, name -> (error,
+    tolerance, ok); `refused`: the refused groups."""
+
+    def __init__(self, module, report: dict[str, tuple[str, float, float, bool]]):
+        """report: entry point -> (group, error, tolerance, ok), as selfcheck.check makes it."""
+        self.module = module
+        self.refused = frozenset(group for group, _, _, ok in report.values() if not ok)
+        self.selfcheck = {name: (error, tol, ok) for name, (_, error, tol, ok) in report.items()}
+        for name in dir(module):  # plain instance attributes: no __getattr__ on the hot path
+            if not name.startswith("_"):
+                self.__dict__[name] = getattr(module, name)
+        for group in self.refused:
+            self.__dict__[FLAGS[group]] = _no
+        if "amx" in self.refused:
+            self.__dict__.update(_vector_only(module))
+
+    def __getattr__(self, name: str):
+        if "module" not in self.__dict__:  # not initialised (copy, pickle): nothing to delegate to
+            raise AttributeError(name)
+        return getattr(self.__dict__["module"], name)
+
+    def __repr__(self) -> str:
+        return f"<CheckedKernels of {self.module!r}, refused: {sorted(self.refused) or 'none'}>"
+
+
+def _no() -> bool:
+    return False
+
+
+def _vector_only(m) -> dict[str, Callable]:
+    """The entry points with an AMX switch, bound to their vector paths (same signatures)."""
+
+    def bf16_gemm(x, panels, n, out=None, amx=True):
+        return m.bf16_gemm(x, panels, n, out, False)
+
+    def q4_gemm(x, nibbles, scales, mins, n, out=None, amx=True):
+        return m.q4_gemm(x, nibbles, scales, mins, n, out, False)
+
+    def paged_prefill(q, cache, tables, rows, qlens, lens, num_heads, window, scale, out, amx=True):
+        return m.paged_prefill(q, cache, tables, rows, qlens, lens, num_heads, window, scale, out, False)
+
+    def paged_decode(q, cache, tables, lens, num_heads, window, scale, out, amx_rows=2):
+        return m.paged_decode(q, cache, tables, lens, num_heads, window, scale, out, 0)
+
+    return {"bf16_gemm": bf16_gemm, "q4_gemm": q4_gemm, "paged_prefill": paged_prefill, "paged_decode": paged_decode}
+
+
 def fingerprint() -> str:
-    """Names the step code this machine runs: the kernels' sources and build tag, and whether
-    they built (keys caches of measured step times, runtime/engine.py)."""
+    """Names the step code this machine runs: the kernels' sources and build tag, whether they
+    built and passed their self-check, and which groups it refused (keys caches of measured step
+    times, runtime/engine.py)."""
     h = hashlib.sha256((build_tag() + source_hash()).encode())
-    return h.hexdigest()[:12] + ("" if kernels() is not None else "-none")
+    native = kernels()
+    if native is None:
+        return h.hexdigest()[:12] + "-none"
+    return h.hexdigest()[:12] + "".join(f"-no-{group}" for group in sorted(native.refused))

@@ -28,6 +28,7 @@ def int8_cache(cache: torch.Tensor) -> torch.Tensor:
 
 
 def test_rows_keep_each_value_within_half_a_step_and_a_zero_row_is_zero():
+    torch.manual_seed(0)
     x = torch.randn(5, 3, 64) * torch.tensor([0.01, 1.0, 40.0])[None, :, None]
     x[2, 1] = 0
     rows = quantize_kv_rows(x)
@@ -35,7 +36,9 @@ def test_rows_keep_each_value_within_half_a_step_and_a_zero_row_is_zero():
     scale = rows[..., 64:].contiguous().view(torch.float32)  # the last 4 bytes: the f32 scale
     assert torch.equal(scale, x.abs().amax(-1, keepdim=True) / 127)
     back = dequantize_kv_rows(rows)
-    assert bool(((back - x).abs() <= scale / 2 * (1 + 1e-6)).all())
+    # half a step, plus the f32 roundings of x * (127 / amax) and q * scale (each 2^-24 relative,
+    # |q| <= 127): ~2^-22 |x| (with 1e-6 of half a step instead, 5 random draws in 3,000 failed)
+    assert bool(((back - x).abs() <= scale / 2 + x.abs() * 2.0 ** -22).all())
     assert bool((rows[2, 1] == 0).all()) and bool((back[2, 1] == 0).all())
     live = scale[..., 0] > 0
     assert bool((rows[..., :64].abs().amax(-1)[live] == 127).all())  # each row's largest value is 127

@@ -69,7 +69,10 @@ def _linear_q4_type(types: list[TensorType], attrs: dict) -> list[TensorType]:
 def linear_q4(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, *,
               group_size: int) -> torch.Tensor:
     """x[T,K] @ dequantize(packed, scales, mins)^T -> [T,N]; the weight is rounded to x's dtype first,
-    as a dense weight of that dtype would be."""
+    as a dense weight of that dtype would be. A kernel may instead round each group's scale s and
+    zero point m + 8s to x's dtype before dequantizing (the CPU target's torch int4 GEMM, used for
+    bf16 steps of 1-3 rows, does): its weight error is then up to 2^-8 (|q - 8| |s| + |m + 8s|) in
+    bf16 rather than 2^-8 |w| (tests/codegen/test_cpu_projections_float64.py bounds both)."""
     return F.linear(x, dequantize_q4(packed, scales, mins).to(x.dtype))
 
 

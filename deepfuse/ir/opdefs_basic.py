@@ -11,24 +11,30 @@ from .ops import decomposition, expect, register
 from .types import DTYPES, TensorType
 
 
-def _same(types: list[TensorType], attrs: dict) -> list[TensorType]:
-    expect(all(t == types[0] for t in types), f"operand types differ: {', '.join(map(str, types))}")
-    return [types[0]]
+def _same(arity: int):
+    """The type rule of an elementwise op of `arity` operands of one type: that type."""
+
+    def rule(types: list[TensorType], attrs: dict) -> list[TensorType]:
+        expect(len(types) == arity, f"wants {arity} operand{'s' if arity > 1 else ''}, got {len(types)}")
+        expect(all(t == types[0] for t in types), f"operand types differ: {', '.join(map(str, types))}")
+        return [types[0]]
+
+    return rule
 
 
-@register("add", _same)
+@register("add", _same(2))
 def add(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """a + b, same shapes."""
     return a + b
 
 
-@register("mul", _same)
+@register("mul", _same(2))
 def mul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """a * b, same shapes."""
     return a * b
 
 
-@register("silu", _same)
+@register("silu", _same(1))
 def silu(x: torch.Tensor) -> torch.Tensor:
     """x * sigmoid(x)."""
     return F.silu(x)

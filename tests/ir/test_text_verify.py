@@ -262,3 +262,15 @@ def test_fuzzed_graph_text_parses_or_names_the_line(base, edits):
     for e in edits:
         text = apply_edit(text, e)
     check_parse_verify(text)
+
+
+
+def test_elementwise_ops_check_their_operand_count():
+    text = print_graph(small_graph())
+    silu = next(ln for ln in text.splitlines() if "= silu(" in ln)
+    add = next(ln for ln in text.splitlines() if "= add(" in ln)
+    operand = silu[silu.index("(") + 1:silu.index(")")]
+    with pytest.raises(VerifyError, match="wants 1 operand, got 2"):
+        verify(parse_graph(text.replace(silu, silu.replace(f"({operand})", f"({operand}, {operand})"))))
+    with pytest.raises(VerifyError, match="wants 2 operands, got 1"):
+        verify(parse_graph(text.replace(add, add[:add.index("(") + 1] + add[add.index("(") + 1:].split(",")[0] + ")")))

@@ -20,6 +20,8 @@ import os
 import subprocess
 import tempfile
 
+from results_file import write_result
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
@@ -85,11 +87,15 @@ def main() -> None:
         vs_hf = f"{outputs / least / hf:.2f}x" if hf else "-"
         print(f"{kind:10s} {least:9.2f}s {outputs / least:10.1f} {vs_hf:>10s}")
     print(f"\n{'engine':22s} {'arithmetic':>10s} {'tok/s':>8s} {'of the most':>11s}")
+    engines = {}
     for name, r in results.items():
         kind = arithmetic_of(name)
         if kind:
             most = outputs / (total / (peaks[kind] * 1e9))
+            engines[name] = {"arithmetic": kind, "output_tps": r["output_tps"], "share_of_most": r["output_tps"] / most}
             print(f"{name:22s} {kind:>10s} {r['output_tps']:8.1f} {r['output_tps'] / most:10.0%}")
+    write_result("bound.json", {"throughput_run": run.get("provenance"), "multiply_adds": macs,
+                                "peaks_g_per_s": peaks, "hf_output_tps": hf, "engines": engines})
 
 
 if __name__ == "__main__":

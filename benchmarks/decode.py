@@ -10,13 +10,13 @@ build compiled batch-invariant). Each config runs
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import statistics
 import time
 
 import torch
+from results_file import write_result
 
 PROMPT = ("Write a short story about a lighthouse keeper who finds a message in a bottle. "
           "The story should be warm, a little mysterious, and end with a surprise. ") * 3
@@ -96,9 +96,7 @@ def main() -> None:
             "threads": torch.get_num_threads(), "torch": torch.__version__, "machine": platform.machine(),
             "allocator": "glibc mallopt(M_MMAP_THRESHOLD=1GiB, M_TRIM_THRESHOLD=2GiB) in-process, for both engines"
             if ALLOCATOR_TUNED else "default"}
-    os.makedirs(os.path.join(os.path.dirname(__file__), "results"), exist_ok=True)
-    with open(os.path.join(os.path.dirname(__file__), "results", "decode.json"), "w") as f:
-        json.dump({"meta": meta, "results": results}, f, indent=1)
+    write_result("decode.json", {"meta": meta, "results": results})
 
 
 if __name__ == "__main__":

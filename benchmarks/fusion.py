@@ -8,13 +8,12 @@ SmolLM2's cold compile time and artifact load time. Writes benchmarks/results/fu
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import statistics
 import tempfile
 import time
 
 import torch
+from results_file import write_result
 
 
 def moe_model():
@@ -108,10 +107,7 @@ def main() -> None:
         if "decomposed" in row:
             print(f"{'':48s} fused_moe vs dense decomposition: "
                   f"{row['decomposed']['decode_step_ms'] / on['decode_step_ms']:.2f}x faster")
-    os.makedirs(os.path.join(os.path.dirname(__file__), "results"), exist_ok=True)
-    with open(os.path.join(os.path.dirname(__file__), "results", "fusion.json"), "w") as f:
-        json.dump({"tokens": args.tokens, "runs": args.runs, "threads": torch.get_num_threads(), "results": results},
-                  f, indent=1)
+    write_result("fusion.json", {"tokens": args.tokens, "runs": args.runs, "results": results})
 
 
 if __name__ == "__main__":

@@ -7,12 +7,11 @@ compile time. Writes benchmarks/results/inductor.json.
 """
 from __future__ import annotations
 
-import json
-import os
 import statistics
 import time
 
 import torch
+from results_file import write_result
 
 from deepfuse.codegen.cpu.kernels import make_kernel
 from deepfuse.ir import OPS
@@ -59,9 +58,7 @@ def main() -> None:
             a, b = per_call_us(ours, args), per_call_us(compiled, args)
             results[f"{op}@{t}"] = {"deepfuse_us": a, "inductor_us": b, "compile_s": compile_s}
             print(f"{op:14s} {t:6d} {a:12.1f} {b:12.1f} {a / b:5.2f}x {compile_s:10.1f}")
-    os.makedirs(os.path.join(os.path.dirname(__file__), "results"), exist_ok=True)
-    with open(os.path.join(os.path.dirname(__file__), "results", "inductor.json"), "w") as f:
-        json.dump({"threads": torch.get_num_threads(), "torch": torch.__version__, "results": results}, f, indent=1)
+    write_result("inductor.json", {"results": results})
 
 
 if __name__ == "__main__":

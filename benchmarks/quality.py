@@ -18,11 +18,11 @@ from __future__ import annotations
 
 import argparse
 import glob
-import json
 import math
 import os
 
 import torch
+from results_file import write_result
 
 import deepfuse
 from deepfuse.ir.types import DTYPES
@@ -84,9 +84,7 @@ def main() -> None:
     for mode, r in results.items():
         r["perplexity_change"] = r["perplexity"] / first - 1
         print(f"{mode:10s} {100 * r['perplexity_change']:+.2f}% perplexity")
-    os.makedirs(os.path.join(os.path.dirname(__file__), "results"), exist_ok=True)
-    with open(os.path.join(os.path.dirname(__file__), "results", "quality.json"), "w") as f:
-        json.dump({"tokens": len(ids), "chunk": args.chunk, "results": results}, f, indent=1)
+    write_result("quality.json", {"tokens": len(ids), "chunk": args.chunk, "results": results})
 
 
 if __name__ == "__main__":

@@ -16,11 +16,10 @@ benchmarks/results/sampling.json.
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import statistics
 import time
 
+from results_file import write_result
 from throughput import make_prompts
 
 SETTINGS = {
@@ -69,10 +68,8 @@ def main() -> None:
         results[name] = {"tok_s": statistics.median(tps[name]), "vs_plain": statistics.median(ratios), "rounds": ratios}
         print(f"{name:14s} {results[name]['tok_s']:8.1f} {results[name]['vs_plain']:8.3f}x  "
               + ", ".join(f"{r:.3f}" for r in ratios))
-    os.makedirs(os.path.join(os.path.dirname(__file__), "results"), exist_ok=True)
-    with open(os.path.join(os.path.dirname(__file__), "results", "sampling.json"), "w") as f:
-        json.dump({"runs": args.runs, "tokens": args.tokens, "dtype": args.dtype, "quant": args.quant,
-                   "results": results}, f, indent=1)
+    write_result("sampling.json", {"runs": args.runs, "tokens": args.tokens, "dtype": args.dtype, "quant": args.quant,
+                                   "results": results})
 
 
 if __name__ == "__main__":

@@ -21,12 +21,12 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import os
 import statistics
 import time
 
 import torch
+from results_file import write_result
 
 PASSAGES = [
     "The quick brown fox jumps over the lazy dog. The dog was not amused, and the fox ran away into the forest, "
@@ -184,9 +184,7 @@ def main() -> None:
         results[f"{name} self-drafter"] = {"tok_s": selfd, "vs_none": selfd / base, **sstats}
         results[f"{name} mtp"] = {s: {"tok_s": m[0], "vs_none": m[0] / base, **m[2]} for s, m in mtp.items()}
         results[f"{name} others identical"] = ok
-    os.makedirs(os.path.join(os.path.dirname(__file__), "results"), exist_ok=True)
-    with open(os.path.join(os.path.dirname(__file__), "results", "spec.json"), "w") as f:
-        json.dump(results, f, indent=1)
+    write_result("spec.json", {"results": results})
 
 
 if __name__ == "__main__":

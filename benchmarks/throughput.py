@@ -26,7 +26,6 @@ engines see about the same machine; per-round ratios are printed too.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import random
@@ -34,6 +33,7 @@ import statistics
 import time
 
 import torch
+from results_file import write_result
 
 OUT_TOKENS = 128
 
@@ -229,9 +229,7 @@ def main() -> None:
     meta = {"requests": args.requests, "prompt_tokens": [len(p) for p in prompts], "output_tokens": OUT_TOKENS,
             "runs": args.runs, "threads": torch.get_num_threads(), "torch": torch.__version__,
             "machine": platform.machine()}
-    os.makedirs(os.path.join(os.path.dirname(__file__), "results"), exist_ok=True)
-    with open(os.path.join(os.path.dirname(__file__), "results", "throughput.json"), "w") as f:
-        json.dump({"meta": meta, "results": results}, f, indent=1)
+    write_result("throughput.json", {"meta": meta, "results": results})
 
 
 if __name__ == "__main__":

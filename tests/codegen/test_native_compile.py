@@ -47,3 +47,10 @@ def test_amx_paths_compile_for_an_amx_cpu():
     with ThreadPoolExecutor(max_workers=2) as pool:
         for name, r in pool.map(build, AMX_SOURCES):
             assert r.returncode == 0, f"{name} does not compile for an AMX CPU:\n{r.stderr[-3000:]}"
+
+
+def test_a_failed_build_is_reported_by_the_compilers_error_lines():
+    log = ("RuntimeError: Error building extension 'x': [1/2] c++ -c a.cpp\nFAILED: rows.o\n"
+           "rows.cpp:230:31: error: expected ')' at end of input\n  230 | int f( {\nninja: build stopped")
+    assert native.compiler_errors(log) == "rows.cpp:230:31: error: expected ')' at end of input"
+    assert native.compiler_errors("OSError: no c++") == "OSError: no c++"

@@ -51,6 +51,12 @@ def source_hash() -> str:
 build_error: str | None = None  # why kernels() is None: the build's exception, or the self-check's refusal
 
 
+def compiler_errors(text: str) -> str:
+    """The compiler's own error lines of a failed build's log (its first five), else the log's first line."""
+    errors = [ln.strip() for ln in text.splitlines() if ": error:" in ln or ": fatal error:" in ln]
+    return " | ".join(errors[:5]) if errors else text.splitlines()[0] if text else text
+
+
 @functools.cache
 def kernels():
     """The native kernels (paged_decode, paged_prefill; pack_panels, panel_gemm; amx_available,
@@ -101,9 +107,9 @@ def build():
                       extra_cflags=["-O3", "-march=native", "-fopenmp", f"-DDEEPFUSE_SOURCES={source_hash()}"],
                       extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as e:  # no g++, no Python headers, ...: the torch-op path still works
-        build_error = f"{type(e).__name__}: {e}"
-        warnings.warn(f"deepfuse: the native CPU kernels could not be built ({e}); attention, projections, "
-                      f"norms and row ops use torch ops instead", stacklevel=3)
+        build_error = compiler_errors(f"{type(e).__name__}: {e}")
+        warnings.warn(f"deepfuse: the native CPU kernels could not be built ({build_error}); attention, "
+                      f"projections, norms and row ops use torch ops instead", stacklevel=3)
         return None
     with open(stamp, "w") as f:
         f.write(source_hash())

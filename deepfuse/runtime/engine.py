@@ -28,7 +28,7 @@ from ..errors import DeepfuseError
 from ..ir import DTYPES
 from .batch import SeqChunk, StepBuffers
 from .detokenize import IncrementalText, find_stop
-from .host_sampling import RowBuffer, TokenCounts, adjust, draw, needs_host_sampling
+from .host_sampling import RowBuffer, draw_on_host, needs_host_sampling
 from .kv_cache import CacheConfig, KVCache, KVCacheManager
 from .latency import measure_latency
 from .logprobs import RowLogprobs, logprob_rows, take_prompt_logprobs
@@ -200,25 +200,29 @@ class Engine:
                 req.spec.add(chunk.samples - 1, accepted)
                 self.spec_stats.add(chunk.samples - 1, accepted)
                 self.drafter.observe(req, chunk.samples - 1, accepted)
-                req.computed += 1 + accepted
+                end = start + 1 + accepted
             else:
                 if req.needs_prompt_rows:
                     take_prompt_logprobs(req, start, ran.logits[first:row])
                 first = row - 1  # the chunk's last row samples its next token
-                req.computed += n
+                end = start + n
                 new = [drawn.get(first, sampled[first])]
-            self.stats.prompt_tokens_computed += max(0, min(req.computed, len(req.prompt)) - start)
-            self.kv.computed(req.kv, req.computed)
-            if req.remaining > 0:
-                continue  # mid-prompt chunk: its sample is not a real token
-            if self.keep_hidden:  # the state an MTP head drafts from: the row that sampled the last new token
-                req.hidden = ran.hidden[first + len(new) - 1].to(torch.float32, copy=True)
-            k = req.params.logprobs
-            for j, tok in enumerate(new):
-                self._append(req, tok, now, lps.entry(first + j, tok, k) if k is not None else None)
-                if req.finish:
-                    new = new[:j + 1]
-                    break
+            mid_prompt = end < len(req.tokens)  # its sample is not a real token
+            if not mid_prompt:
+                if self.keep_hidden:  # the state an MTP head drafts from: the row that sampled the last new token
+                    req.hidden = ran.hidden[first + len(new) - 1].to(torch.float32, copy=True)
+                k = req.params.logprobs
+                # tokens first, then `computed`: an error or Ctrl-C between leaves tokens the next step computes
+                for j, tok in enumerate(new):
+                    self._append(req, tok, now, lps.entry(first + j, tok, k) if k is not None else None)
+                    if req.finish:
+                        new = new[:j + 1]
+                        break
+            req.computed = end
+            self.stats.prompt_tokens_computed += max(0, min(end, len(req.prompt)) - start)
+            self.kv.computed(req.kv, end)
+            if mid_prompt:
+                continue
             if req.finish:
                 self.scheduler.finish(req)
                 del self.requests[req.request_id]
@@ -252,7 +256,7 @@ class Engine:
         if self.latency is not None:
             self.latency.observe(len(chunks), sum(len(c.tokens) for c in chunks), (now - t0) * 1000)
         sampled = next_tokens.tolist()  # waits for the step (a device's KV writes included)
-        drawn = self._draw_on_host(scheduled, chunks, host, logits, inputs["seeds"])
+        drawn = draw_on_host(scheduled, chunks, host, logits, inputs["seeds"], self.host_rows, self._stop_ids)
         lps = logprob_rows(scheduled, chunks, logits)
         self.stats.steps += 1
         return StepRun(scheduled, chunks, logits, sampled, drawn, lps, hidden, now)
@@ -263,27 +267,6 @@ class Engine:
     def _host_sampled(self, req: Request) -> bool:
         """Whether req's next token is drawn by host_sampling.py."""
         return needs_host_sampling(req.params, len(req.generated), self._stop_ids(req.params))
-
-    def _draw_on_host(self, scheduled: list[tuple[Request, int]], chunks: list[SeqChunk], host: list[bool],
-                      logits: torch.Tensor, keys: torch.Tensor) -> dict[int, int]:
-        """The tokens host_sampling.py draws for this step's host-sampled requests that finish their
-        chunk (logits [R, V], keys [R]: the step's sampled rows): sample row -> token."""
-        picks, row = [], 0
-        for (req, n), chunk, on_host in zip(scheduled, chunks, host):
-            row += chunk.samples
-            if on_host and not chunk.verify and req.remaining == n:  # not a mid-prompt chunk
-                picks.append((row - 1, req))  # its last row
-        if not picks:
-            return {}
-        rows = [r for r, _ in picks]
-        for _, req in picks:
-            if req.counts is None:
-                req.counts = TokenCounts(req.prompt, req.generated)
-        params = [req.params for _, req in picks]
-        adjusted = self.host_rows.take(logits, rows)  # a copy: logprobs stay raw
-        adjust(adjusted, params, [req.counts for _, req in picks],
-               [sorted(self._stop_ids(p)) if len(req.generated) < p.min_tokens else [] for p, (_, req) in zip(params, picks)])
-        return dict(zip(rows, draw(adjusted, params, [int(keys[r]) for r in rows])))
 
     def _draft(self) -> None:
         """Proposes drafts for every running request that is decoding (speculative decoding)."""

@@ -163,3 +163,27 @@ def draw(logits: torch.Tensor, params: list[SamplingParams], keys: list[int]) ->
     col = lambda attr, dtype: torch.tensor([getattr(p, attr) for p in params], dtype=dtype)
     return OPS["sample"].reference(logits, col("temperature", torch.float32), col("top_k", torch.long),
                                    col("top_p", torch.float32), torch.tensor(keys, dtype=torch.long)).tolist()
+
+
+def draw_on_host(scheduled: list, chunks: list, host: list[bool], logits: torch.Tensor, keys: torch.Tensor,
+                 buffer: RowBuffer, stop_ids) -> dict[int, int]:
+    """The tokens drawn here for a step's host-sampled requests that finish their chunk.
+    scheduled: the step's (Request, tokens) pairs; chunks: their SeqChunks; host: whether each
+    is host-sampled; logits [R, V], keys [R]: the step's sampled rows; stop_ids(params): the
+    request's stop ids (for min_tokens). Returns sample row -> token."""
+    picks, row = [], 0
+    for (req, n), chunk, on_host in zip(scheduled, chunks, host):
+        row += chunk.samples
+        if on_host and not chunk.verify and req.remaining == n:  # not a mid-prompt chunk
+            picks.append((row - 1, req))  # its last row
+    if not picks:
+        return {}
+    rows = [r for r, _ in picks]
+    for _, req in picks:
+        if req.counts is None:
+            req.counts = TokenCounts(req.prompt, req.generated)
+    params = [req.params for _, req in picks]
+    adjusted = buffer.take(logits, rows)  # a copy: logprobs stay raw
+    adjust(adjusted, params, [req.counts for _, req in picks],
+           [sorted(stop_ids(p)) if len(req.generated) < p.min_tokens else [] for p, (_, req) in zip(params, picks)])
+    return dict(zip(rows, draw(adjusted, params, [int(keys[r]) for r in rows])))

@@ -252,11 +252,12 @@ class KVCacheManager:
         return self.blocks_needed(seq, num_tokens) <= self.pool.num_available()
 
     def allocate(self, seq: SeqBlocks, tokens: list[int], num_tokens: int) -> None:
-        """Grows seq's table to cover positions [0, num_tokens) of `tokens` (check can_allocate
-        first) and gives the blocks that become full pending names: a request admitted in the
-        same step may already share them (a step writes all its new KV before any attention
-        reads it); other steps see them once commit() says the step completed."""
-        seq.table.extend(self.pool.allocate(self.blocks_needed(seq, num_tokens)))
+        """Grows seq's table to cover positions [0, num_tokens) of `tokens`, which the step being
+        scheduled writes (check can_allocate first), and gives the blocks that become full
+        pending names: a request admitted in the same step may already share them (a step writes
+        all its new KV before any attention reads it); other steps see them once commit() says
+        the step completed."""
+        self.reserve(seq, num_tokens)
         if self.cache.config.enable_prefix_caching:
             # only blocks full of known tokens get a name: positions past len(tokens) hold draft
             # tokens under verification, which may be rejected
@@ -265,6 +266,11 @@ class KVCacheManager:
                 name = block_hash(seq.names[-1] if seq.names else b"", tokens[i * self.bs:(i + 1) * self.bs])
                 self.pool.name(seq.table[i], name)
                 seq.names.append(name)
+
+    def reserve(self, seq: SeqBlocks, num_tokens: int) -> None:
+        """Grows seq's table to cover positions [0, num_tokens) without naming any block (for
+        writes the target's step does not make, such as a draft model's)."""
+        seq.table.extend(self.pool.allocate(self.blocks_needed(seq, num_tokens)))
 
     def computed(self, seq: SeqBlocks, num_computed: int) -> None:
         """Applies the window policy once `num_computed` tokens have their KV: blocks no future

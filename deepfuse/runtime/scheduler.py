@@ -22,9 +22,10 @@ preempted.
 A step that fails (an exception or Ctrl-C anywhere before its results are taken) is undone
 with `rollback(checkpoint)`: requests admitted for it go back to the front of the queue with
 their blocks released, running requests lose the blocks and block names it added, and its
-pending prefix names are dropped, so the cache and the queues are as before the step.
-Preemptions made while scheduling it stand: a victim recomputes its tokens (mostly from the
-prefix cache) when readmitted, with the same results.
+pending prefix names are dropped: no block it would have written can be found by prefix
+lookup, none leaks, and every request continues from where it was. What stands: preemptions
+made while scheduling it (a victim recomputes its tokens, mostly from the prefix cache, with
+the same results), cached blocks evicted to make room, and drafters' statistics.
 """
 from __future__ import annotations
 
@@ -91,7 +92,7 @@ class Scheduler:
         while (not preempted and self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs):
             req = self.waiting[0]
             # prompt logprobs need every prompt row computed: no prefix from the cache for them
-            blocks = SeqBlocks() if req.needs_prompt_rows else self.kv.match_prefix(req.tokens)
+            req.kv = blocks = SeqBlocks() if req.needs_prompt_rows else self.kv.match_prefix(req.tokens)
             cached = len(blocks.table) * self.kv.bs
             n = min(len(req.tokens) - cached, budget)
             if not self.kv.can_allocate(blocks, cached + n):
@@ -102,7 +103,7 @@ class Scheduler:
                 self.kv.stats.prefix_queries += len(req.tokens)
                 self.kv.stats.prefix_hits += cached
                 req.num_cached_tokens = cached
-            req.kv, req.computed = blocks, cached
+            req.computed = cached
             self.running.append(self.waiting.popleft())
             out.append((req, n))
             budget -= n
@@ -123,8 +124,12 @@ class Scheduler:
         for req in reversed([r for r in self.running if id(r) not in before]):  # admitted for the step
             self.running.remove(req)
             self.kv.free(req.kv)
-            req.computed, req.num_cached_tokens = 0, 0
+            req.computed = 0
+            if not req.num_preemptions:  # a readmission keeps its first admission's count
+                req.num_cached_tokens = 0
             self.waiting.appendleft(req)
+        for req in self.waiting:  # interrupted while being admitted: its prefix's references
+            self.kv.free(req.kv)
         for req, num_blocks, num_names, draft_computed in cp.running:
             if req in self.running:  # not preempted (a victim's blocks are already back)
                 self.kv.truncate(req.kv, num_blocks, num_names)

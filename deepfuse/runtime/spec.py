@@ -232,7 +232,7 @@ class ModelDrafter(Drafter):
         for i, (r, k) in enumerate(zip(requests, ks)):
             end = len(r.tokens) + k - 1  # positions the draft steps write
             if k > 0 and self.gate.worth_drafting(r, k) and self.kv.can_allocate(r.kv, end):
-                self.kv.allocate(r.kv, r.tokens, end)
+                self.kv.reserve(r.kv, end)  # unnamed: the target's step names what it writes
                 live.append(i)
         # a request not scheduled since its last round has nothing new: its last token runs again
         pending = {i: min(requests[i].draft_computed, len(requests[i].tokens) - 1) for i in live}

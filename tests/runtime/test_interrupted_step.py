@@ -23,11 +23,12 @@ class Interrupt(BaseException):
 
 
 class FailingModel:
-    """Wraps a CompiledModel; its call raises, before running anything, on the first step for
-    which when(inputs) holds (once). Everything else is the model's."""
+    """Wraps a CompiledModel; its call raises on the first step for which when(inputs) holds
+    (once): before running anything, or with after=True once the step has written its KV.
+    Everything else is the model's."""
 
-    def __init__(self, model, when, error=Interrupt):
-        self.model, self.when, self.error, self.fired = model, when, error, False
+    def __init__(self, model, when, error=Interrupt, after=False):
+        self.model, self.when, self.error, self.after, self.fired = model, when, error, after, False
 
     def __getattr__(self, name):
         return getattr(self.model, name)
@@ -35,6 +36,8 @@ class FailingModel:
     def __call__(self, inputs):
         if not self.fired and self.when(inputs):
             self.fired = True
+            if self.after:
+                self.model(inputs)
             raise self.error("injected fault")
         return self.model(inputs)
 
@@ -92,14 +95,16 @@ def test_generate_after_an_interrupted_step_gives_the_fresh_engines_tokens(tiny_
     no_leaks(eng)
 
 
+@pytest.mark.parametrize("after", [False, True], ids=["before the kernels", "after the kernels"])
 @pytest.mark.parametrize("case", CASES)
-def test_stepping_on_after_a_failed_step_continues_as_if_it_never_ran(tiny_art, case):
-    """Engine.step raising leaves every request where it was: stepping on gives a fresh engine's tokens."""
+def test_stepping_on_after_a_failed_step_continues_as_if_it_never_ran(tiny_art, case, after):
+    """Engine.step raising leaves every request where it was: stepping on gives a fresh engine's
+    tokens, whether the failed step wrote its KV or not."""
     when, prompts, params, kw = CASES[case]
     params = params if params.n == 1 else SamplingParams(temperature=1.0, seed=5, max_tokens=8, ignore_eos=True)
     want = all_tokens(engine(tiny_art, **kw).generate(prompts, [params] * len(prompts)))
     eng = engine(tiny_art, **kw)
-    eng.model = FailingModel(eng.model, when)
+    eng.model = FailingModel(eng.model, when, after=after)
     ids = [eng.add_request(p, params) for p in prompts]
     done, failures = {}, 0
     while eng.has_unfinished():
@@ -140,6 +145,79 @@ def test_a_block_is_found_by_prefix_lookup_only_after_its_step_completes(tiny_ar
     eng.kv.free(other)
     eng.kv.discard_pending()  # the step failed
     assert eng.kv.match_prefix(LONG).table == []
+
+
+@pytest.mark.parametrize("case", ["decode step", "verify step"])
+def test_an_error_while_a_step_s_tokens_are_taken_leaves_requests_that_continue(tiny_art, case, monkeypatch):
+    """An error (a tokenizer's, a Ctrl-C) while the step's tokens are appended: the step ran, so
+    its blocks stay named; the request keeps what it took and continues to a fresh engine's tokens."""
+    _, prompts, params, kw = CASES[case]
+    want = all_tokens(engine(tiny_art, **kw).generate(prompts, [params] * len(prompts)))
+    eng = engine(tiny_art, **kw)
+    real, calls = eng._append, []
+
+    def append(req, tok, now, logprobs):
+        calls.append(tok)
+        if len(calls) == 5:
+            raise Interrupt("injected while appending")
+        real(req, tok, now, logprobs)
+
+    monkeypatch.setattr(eng, "_append", append)
+    ids = [eng.add_request(p, params) for p in prompts]
+    done, failures = {}, 0
+    while eng.has_unfinished():
+        try:
+            done.update((o.request_id, o) for o in eng.step())
+        except Interrupt:
+            failures += 1
+    assert failures == 1 and [[done[i].token_ids] for i in ids] == want
+    no_leaks(eng)
+
+
+def test_an_error_while_scheduling_is_undone(tiny_art, monkeypatch):
+    """schedule() itself raising, after it admitted requests and took blocks, is undone too."""
+    want = all_tokens(engine(tiny_art).generate([LONG, REPEATS], [GREEDY] * 2))
+    eng = engine(tiny_art)
+    real, calls = eng.kv.allocate, []
+
+    def allocate(seq, tokens, num_tokens):
+        calls.append(num_tokens)
+        if len(calls) == 2:  # the second request's admission: after the first was admitted
+            raise Interrupt("injected in allocate")
+        real(seq, tokens, num_tokens)
+
+    monkeypatch.setattr(eng.kv, "allocate", allocate)
+    ids = [eng.add_request(p, GREEDY) for p in (LONG, REPEATS)]
+    with pytest.raises(Interrupt):
+        eng.step()
+    assert eng.kv.usage()["blocks_used"] == 0 and not eng.kv.pool.pending and not eng.scheduler.running
+    monkeypatch.undo()
+    done = {}
+    while eng.has_unfinished():
+        done.update((o.request_id, o) for o in eng.step())
+    assert [[done[i].token_ids] for i in ids] == want
+    no_leaks(eng)
+
+
+def test_names_only_blocks_whose_kv_a_completed_step_wrote(tiny_model):
+    """A draft model's blocks are reserved, not named: a decoding request that a step's budget
+    leaves out (its drafts reserved a block holding its last, uncomputed token) has no block
+    found by prefix lookup before the target computes it."""
+    target, draft = deepfuse.compile(tiny_model), deepfuse.compile(tiny_model.first_layers(1))
+    spec = SpecConfig(method="draft", num_draft_tokens=3, schedule="fixed")
+    eng = Engine(target, CacheConfig(block_size=4, num_blocks=64), max_num_tokens=4, spec=spec, draft_model=draft)
+    for p in ([1], [9, 8, 7], [42, 43]):  # both decode after one step; then drafts fill the budget, [9, 8, 7, t] waits
+        eng.add_request(p, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    skipped = 0
+    while eng.has_unfinished():
+        decoding = {id(r): r.computed for r in eng.scheduler.running if r.remaining == 1}
+        eng.step()
+        for req in eng.scheduler.running:
+            skipped += decoding.get(id(req)) == req.computed  # decoding, but not scheduled this step
+            for i, name in enumerate(req.kv.names):
+                if eng.kv.pool.by_name.get(name) == req.kv.table[i]:
+                    assert (i + 1) * 4 <= req.computed, f"block {i} named before its KV was computed"
+    assert skipped > 0  # the budget did leave decoding requests out
 
 
 def test_smollm2_prompt_after_a_ctrl_c_in_its_first_step(smollm2_compiled):

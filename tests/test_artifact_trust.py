@@ -96,3 +96,14 @@ def test_the_digest_pins_the_manifest(artifact, tmp_path):
     refused(d, "not the pinned", digest=digest)
     refused(artifact, "must be 'sha256:' and 64 hex digits", digest="abc")
     refused(artifact, "not the pinned", digest="sha256:" + "0" * 64)
+
+
+def test_a_symbolic_link_or_a_malformed_manifest_is_refused(artifact, tmp_path):
+    d = clone(artifact, tmp_path / "link")
+    os.remove(os.path.join(d, "plan.json"))
+    os.symlink(os.path.join(artifact, "plan.json"), os.path.join(d, "plan.json"))  # the same bytes, elsewhere
+    refused(d, "holds plan.json, a symbolic link")
+    for key in ("dtype", "model", "passes"):
+        d = clone(artifact, tmp_path / f"no-{key}")
+        edit_manifest(d, lambda m, key=key: m.pop(key))
+        refused(d, f"manifest.json has no valid '{key}'")

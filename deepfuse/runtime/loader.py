@@ -3,8 +3,9 @@
 Before reading anything else it checks the manifest (against a pinned digest where one is
 given), format version, deepfuse version and target, that the directory holds exactly the
 files the manifest lists (graph.ir, plan.json and weights.safetensors among them), and the
-sha256 of each. Every refusal is a one-line DeepfuseError naming the file. What loading then
-runs, per target, is in docs/artifact-format.md.
+sha256 of each; symbolic links are refused. Every refusal is a one-line DeepfuseError naming
+the file. Files are hashed, then read: the directory must not change while it loads. What
+loading then runs, per target, is in docs/artifact-format.md.
 """
 from __future__ import annotations
 
@@ -51,7 +52,15 @@ def read_manifest(directory: str, digest: str | None = None) -> dict:
     return m
 
 
+FIELDS = {"format_version": int, "deepfuse_version": str, "target": str, "dtype": str, "model": dict, "passes": list}
+
+
 def check_manifest(m: dict, directory: str, target: str | None) -> None:
+    for key, kind in FIELDS.items():
+        if not isinstance(m.get(key), kind):
+            raise DeepfuseError(f"artifact {directory}: manifest.json has no valid {key!r}; recompile it")
+    if not isinstance(m["model"].get("config"), dict):
+        raise DeepfuseError(f"artifact {directory}: manifest.json has no valid model config; recompile it")
     if m.get("format_version") != FORMAT_VERSION:
         raise DeepfuseError(f"artifact {directory} has format version {m.get('format_version')}, this deepfuse "
                             f"reads {FORMAT_VERSION}; recompile it")
@@ -67,7 +76,7 @@ def check_files(files: object, directory: str) -> None:
     """The directory holds exactly the listed files (REQUIRED among them), each with its sha256."""
     if not isinstance(files, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in files.items()):
         raise DeepfuseError(f"artifact {directory}: manifest.json has no valid 'files' list of sha256s; recompile it")
-    for name in REQUIRED:
+    for name in REQUIRED + (("tokenizer_config.json",) if "tokenizer.json" in files else ()):
         if name not in files:
             raise DeepfuseError(f"artifact {directory}: manifest.json does not list {name}; recompile it")
     for name in present_files(directory):
@@ -84,12 +93,16 @@ def check_files(files: object, directory: str) -> None:
 
 
 def present_files(directory: str) -> list[str]:
-    """Every file under directory but manifest.json, as manifest names ("kernels/x.ptx")."""
+    """Every file under directory but manifest.json, as manifest names ("kernels/x.ptx"). A
+    symbolic link anywhere in it is refused: what it points at is outside what was hashed."""
     out = []
-    for root, _, names in os.walk(directory):
-        for n in names:
+    for root, dirs, names in os.walk(directory):
+        for n in dirs + names:
             rel = os.path.relpath(os.path.join(root, n), directory).replace(os.sep, "/")
-            if rel != "manifest.json":
+            if os.path.islink(os.path.join(root, n)):
+                raise DeepfuseError(f"artifact {directory} holds {rel}, a symbolic link; an artifact holds only "
+                                    "plain files (copy it with the files themselves)")
+            if n in names and rel != "manifest.json":
                 out.append(rel)
     return sorted(out)
 

@@ -11,17 +11,17 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from deepfuse.codegen.cpu import native
+from tests.conftest import CI, has_compiler
 
 HERE = os.path.dirname(native.__file__)
 AMX_SOURCES = ("decode_amx.cpp", "bf16_gemm.cpp", "prefill_attention.cpp", "vec_gemm.cpp")
 
 
 def compiler() -> str:
-    cxx = shutil.which("c++") or shutil.which("g++")
-    if cxx is None:
-        pytest.fail("no C++ compiler: the native kernels cannot be built or checked") if os.environ.get("CI") \
+    if not has_compiler():
+        pytest.fail("no C++ compiler: the native kernels cannot be built or checked") if CI \
             else pytest.skip("no C++ compiler here")
-    return cxx
+    return shutil.which("c++") or shutil.which("g++")
 
 
 def test_the_native_library_builds_here():

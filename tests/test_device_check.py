@@ -1,5 +1,5 @@
 """benchmarks/device_check.sh --dry-run: the GPU check's script starts, runs every kernel kind
-in Triton's interpreter against the CPU kernels, and writes its JSON (issue 5's CI check)."""
+in Triton's interpreter against the CPU kernels, and writes its JSON."""
 import json
 import os
 import subprocess

@@ -13,7 +13,8 @@ import torch
 import deepfuse
 from deepfuse.cli import main
 from deepfuse.codegen.ascendc import build_plan
-from deepfuse.codegen.ascendc.emit import emit_argmax, emit_rms_norm, emit_swiglu
+from deepfuse.codegen.ascendc.emit import emit_rms_norm, emit_swiglu
+from deepfuse.codegen.ascendc.emit_sample import emit_argmax
 from deepfuse.codegen.ascendc.emulate import launch
 from deepfuse.codegen.ascendc.kernel import pack
 from deepfuse.codegen.ascendc.runner import EmulatorRunner

@@ -12,10 +12,11 @@ from __future__ import annotations
 
 from ...ir import Graph, Node
 from ..device_plan import PLACEHOLDER, device_plan, named
-from .emit import emit_argmax, emit_gather, emit_rms_norm, emit_spec_verify
+from .emit import emit_gather, emit_rms_norm
 from .emit_attention import emit_qkv_attention
 from .emit_gemm import emit_gemm
 from .emit_moe import emit_fused_moe
+from .emit_sample import emit_argmax, emit_spec_verify
 from .kernel import FLOATS
 
 DESCRIPTION = "Huawei Ascend 950 (arch 3510), AscendC kernels (checked in deepfuse's CPU emulator)"

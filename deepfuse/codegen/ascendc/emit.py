@@ -1,5 +1,5 @@
-"""AscendC vector kernels for Ascend 950: rms_norm, add_rms_norm, swiglu, row gather
-(embedding, take_rows) and greedy argmax (sample).
+"""AscendC vector kernels for Ascend 950: rms_norm, add_rms_norm, swiglu and row gather
+(embedding, take_rows); sample and spec_verify are in emit_sample.py.
 
 Kernels follow the public AscendC vector-kernel structure: an `extern "C" __global__ __aicore__`
 entry with GM_ADDR arguments, a workspace and a tiling pointer; a kernel class with Init /
@@ -25,6 +25,7 @@ from .kernel import (
     copy_row,
     from_f32,
     rows_tiling,
+    rstd_on_vector,
     tiling_struct,
     to_f32,
 )
@@ -79,7 +80,7 @@ $GM_INIT        wGm.SetGlobalBuffer((__gm__ $T*)w, $D);
         yGm.SetGlobalBuffer((__gm__ $T*)y, (uint64_t)t.rows * $D);
 $QUEUE_INIT        pipe.InitBuffer(weightBuf, $F32_BYTES);
         pipe.InitBuffer(workBuf, $F32_BYTES);
-        pipe.InitBuffer(sumBuf, $BLOCK);
+        pipe.InitBuffer(sumBuf, 2 * $BLOCK);
 $LOAD_W    }
 $PROCESS_ROWS
 private:
@@ -93,8 +94,7 @@ $COMPUTE_IN        LocalTensor<$T> yLocal = outQueueY.AllocTensor<$T>();
         LocalTensor<float> sum = sumBuf.Get<float>();
         Mul(work, $SRC, $SRC, $D);
         ReduceSum(sum, work, work, $D);
-        WaitPipe<HardEvent::V_S>();
-        float rstd = 1.0f / (float)sqrt((double)(sum.GetValue(0) / (float)$D + eps));
+$RSTD        float rstd = sum.GetValue(0);
 $NORMALIZE        outQueueY.EnQue(yLocal);
 $COMPUTE_OUT    }
     __aicore__ inline void CopyOut(uint32_t row)
@@ -122,7 +122,7 @@ def emit_rms_norm(node: Node, name: str, x_arg: list | None = None, y_arg: list 
     row_bytes, f32_bytes = align(d * size), align(d * 4)
     add = node.op in ("add_rms_norm", "add_rms_norm_linear")
     queues = 6 if add else 4  # double-buffered in/out queues
-    if queues * row_bytes + (4 if half else 2) * f32_bytes + BLOCK > UB_BYTES:
+    if queues * row_bytes + (4 if half else 2) * f32_bytes + 2 * BLOCK > UB_BYTES:
         raise ValueError(f"{name}: a row of {d} does not fit the unified buffer")
     rows = f"(uint64_t)t.rows * {d}"
     at = f"[(uint64_t)row * {d}]"
@@ -174,7 +174,7 @@ def emit_rms_norm(node: Node, name: str, x_arg: list | None = None, y_arg: list 
     fields = rows_tiling(["shape", 0, 0], AIV_CORES, [["eps", "float", float(node.attrs["eps"])]])
     params = ["x", "res", "s", "w", "y"] if add else ["x", "w", "y"]
     src = source(name, ("residual add + RMSNorm" if add else "RMSNorm") + f", {dt}", fields, RMS_NORM, params,
-                 D=d, T=t, F32_BYTES=f32_bytes, BLOCK=BLOCK, LOAD_W=load_w.replace("$T", t),
+                 D=d, T=t, F32_BYTES=f32_bytes, BLOCK=BLOCK, LOAD_W=load_w.replace("$T", t), RSTD=rstd_on_vector("sum", d, "eps"),
                  GM_PARAMS="GM_ADDR x, GM_ADDR res, GM_ADDR s, " if add else "GM_ADDR x, ", GM_INIT=gm_init,
                  QUEUE_INIT=queue_init, COPY_IN=copy_in, COMPUTE_IN=compute_in, COMPUTE_OUT=compute_out,
                  COPY_OUT=copy_out, SRC=src_name, NORMALIZE=normalize, QUEUES=queues_decl,
@@ -329,113 +329,4 @@ def emit_gather(node: Node, name: str, ids_index: int = 1, y_arg: list | None = 
     return AscendKernel(name, src, [["in", 0], ids_arg or ["in", ids_index], y_arg or ["out", 0]], fields, AIV_CORES)
 
 
-ARGMAX = """\
-class Kernel_$NAME {
-public:
-    __aicore__ inline Kernel_$NAME() {}
-    __aicore__ inline void Init(GM_ADDR logits, GM_ADDR y, const ${NAME}_tiling& t)
-    {
-$ROWS_INIT        xGm.SetGlobalBuffer((__gm__ float*)logits, (uint64_t)t.rows * $V);
-        yGm.SetGlobalBuffer((__gm__ int64_t*)y, t.rows);
-        pipe.InitBuffer(inQueueX, BUFFER_NUM, $CHUNK_BYTES);
-        pipe.InitBuffer(workBuf, $CHUNK_BYTES);
-        pipe.InitBuffer(maxBuf, $BLOCK);
-        pipe.InitBuffer(outBuf, $BLOCK);
-    }
-$PROCESS_ROWS
-private:
-    // the row's first maximum, $CHUNK floats at a time
-    __aicore__ inline void Compute(uint32_t row)
-    {
-        float best = 0;
-        uint32_t bestIdx = 0;
-        for (uint32_t c = 0; c < $V; c += $CHUNK) {
-            uint32_t n = $V - c < $CHUNK ? $V - c : $CHUNK;
-            LocalTensor<float> xLocal = inQueueX.AllocTensor<float>();
-            DataCopyPad(xLocal, xGm[(uint64_t)row * $V + c], DataCopyExtParams{1, n * 4, 0, 0, 0},
-                        DataCopyPadExtParams<float>{false, 0, 0, 0});
-            inQueueX.EnQue(xLocal);
-            xLocal = inQueueX.DeQue<float>();
-            LocalTensor<float> m = maxBuf.Get<float>();
-            ReduceMax(m, xLocal, workBuf.Get<float>(), n, true);
-            inQueueX.FreeTensor(xLocal);
-            WaitPipe<HardEvent::V_S>();
-            float value = m.GetValue(0);
-            float bits = m.GetValue(1);
-            uint32_t idx = *reinterpret_cast<uint32_t*>(&bits);
-            if (c == 0 || value > best) {
-                best = value;
-                bestIdx = c + idx;
-            }
-        }
-        LocalTensor<int64_t> out = outBuf.Get<int64_t>();
-        WaitPipe<HardEvent::MTE3_S>();  // the previous row's copy-out of `out` is done
-        out.SetValue(0, (int64_t)bestIdx);
-        WaitPipe<HardEvent::S_MTE3>();
-        DataCopyPad(yGm[row], out, DataCopyExtParams{1, 8, 0, 0, 0});
-    }
-
-    TPipe pipe;
-    TQue<QuePosition::VECIN, BUFFER_NUM> inQueueX;
-    TBuf<QuePosition::VECCALC> workBuf, maxBuf, outBuf;
-    GlobalTensor<float> xGm;
-    GlobalTensor<int64_t> yGm;
-    uint32_t first = 0, last = 0;
-};
-"""
-
-
-def emit_argmax(node: Node, name: str) -> AscendKernel:
-    """sample(logits[R,V], ...) for greedy rows: the index of each row's first maximum."""
-    v = node.inputs[0].type.shape[1]
-    chunk = min(align(v * 4) // 4, 8192)
-    fields = rows_tiling(["shape", 0, 0], AIV_CORES)
-    src = source(name, f"greedy argmax over rows of {v} logits", fields, ARGMAX, ["logits", "y"],
-                 STAGES="            Compute(row);\n", V=v, CHUNK=chunk, CHUNK_BYTES=chunk * 4, BLOCK=BLOCK)
-    return AscendKernel(name, src, [["in", 0], ["out", 0]], fields, AIV_CORES, notes={"greedy_only": True})
-
-
-SPEC_VERIFY = """\
-class Kernel_$NAME {
-public:
-    __aicore__ inline Kernel_$NAME() {}
-    __aicore__ inline void Init(GM_ADDR tokens, GM_ADDR drafts, GM_ADDR y, const ${NAME}_tiling& t)
-    {
-        rows = t.rows;
-        tokenGm.SetGlobalBuffer((__gm__ int64_t*)tokens, rows);
-        draftGm.SetGlobalBuffer((__gm__ int64_t*)drafts, rows);
-        yGm.SetGlobalBuffer((__gm__ int64_t*)y, rows);
-    }
-    // one core walks the rows in order: a sequence keeps its tokens until its first rejected draft
-    __aicore__ inline void Process()
-    {
-        if (GetBlockIdx() != 0) {
-            return;
-        }
-        bool keep = true;
-        for (uint32_t r = 0; r < rows; r++) {
-            int64_t token = tokenGm.GetValue(r);
-            int64_t draft = draftGm.GetValue(r);
-            yGm.SetValue(r, keep ? token : -1);
-            keep = draft < 0 || (keep && token == draft);
-        }
-        DataCacheCleanAndInvalid<int64_t, CacheLine::ENTIRE_DATA_CACHE>(yGm);
-    }
-
-private:
-    GlobalTensor<int64_t> tokenGm, draftGm, yGm;
-    uint32_t rows = 0;
-};
-"""
-
-
-def emit_spec_verify(node: Node, name: str) -> AscendKernel:
-    """spec_verify(tokens[R], draft_tokens[R]) on one core's scalar unit (R is at most a step's tokens)."""
-    fields = [["rows", "uint32_t", ["shape", 0, 0]]]
-    src = source(name, "speculative verification: tokens kept until each sequence's first rejected draft", fields,
-                 SPEC_VERIFY, ["tokens", "drafts", "y"])
-    return AscendKernel(name, src, [["in", 0], ["in", 1], ["out", 0]], fields, 1)
-
-
-__all__ = ["AscendKernel", "SIZE", "emit_argmax", "emit_gather", "emit_rms_norm", "emit_spec_verify", "emit_swiglu",
-           "source"]
+__all__ = ["AscendKernel", "SIZE", "emit_gather", "emit_rms_norm", "emit_swiglu", "source"]

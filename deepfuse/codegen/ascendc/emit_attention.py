@@ -20,6 +20,7 @@ from .kernel import (
     BLOCK,
     CTYPE,
     KV_BLOCK,
+    LOWEST,
     SIZE,
     UB_BYTES,
     AscendKernel,
@@ -27,6 +28,7 @@ from .kernel import (
     copy_row,
     from_f32,
     rows_tiling,
+    rstd_on_vector,
     to_f32,
 )
 
@@ -48,7 +50,7 @@ $ROWS_INIT        vOffset = (uint64_t)t.cacheBlocks * $CACHE_ROWS;
 $HALF_INIT
         pipe.InitBuffer(freqBuf, $HALF_BYTES * 4);  // inv_freq | freqs | cos | sin
         pipe.InitBuffer(workBuf, $HD_BYTES);
-        pipe.InitBuffer(sumBuf, $BLOCK);
+        pipe.InitBuffer(sumBuf, 2 * $BLOCK);
         LocalTensor<float> invFreq = freqBuf.Get<float>();
         for (uint32_t i = 0; i < $HALF; i++) {
             invFreq.SetValue(i, INV_FREQ[i]);
@@ -121,8 +123,7 @@ NORM_FN = """\
         LocalTensor<float> sum = sumBuf.Get<float>();
         Mul(work, x, x, $HD);
         ReduceSum(sum, work, work, $HD);
-        WaitPipe<HardEvent::V_S>();
-        float rstd = 1.0f / (float)sqrt((double)(sum.GetValue(0) / (float)$HD + $EPS));
+$RSTD        float rstd = sum.GetValue(0);
         Muls(x, x, rstd, $HD);
         Mul(x, x, w, $HD);
     }
@@ -224,7 +225,7 @@ $STORE
             ReduceSum(score[j * 8], work, work, $HD);
         }
         WaitPipe<HardEvent::V_S>();
-        float blockMax = -INFINITY;
+        float blockMax = $LOWEST;
         for (uint32_t j = 0; j < n; j++) {
             float s = score.GetValue(j * 8) * $SCALE;
             p.SetValue(j, s);
@@ -265,7 +266,7 @@ $STORE
 $SINK_GM};
 """
 # the online softmax starts empty, or (learned sinks) at the sink logit with weight exp(0) = 1
-SOFTMAX_EMPTY = "            m[g] = -INFINITY;\n            l[g] = 0.0f;\n"
+SOFTMAX_EMPTY = f"            m[g] = {LOWEST};\n            l[g] = 0.0f;\n"
 SOFTMAX_SINK = "            m[g] = (float)sinkGm.GetValue(kvh * $GROUP + g);\n            l[g] = 1.0f;\n"
 
 
@@ -290,7 +291,7 @@ def emit_qkv_attention(node: Node, name: str) -> dict:
     hp = hd // 2
     norms, sinks = "qk_norm_eps" in a, a.get("sinks", False)
     it = [CTYPE[v.type.dtype] for v in node.inputs]
-    if 2 * 2 * align(w * size) + (2 * align(w * 4) if half else 0) + 4 * align(hp * 4) + align(hd * 4) + BLOCK \
+    if 2 * 2 * align(w * size) + (2 * align(w * 4) if half else 0) + 4 * align(hp * 4) + align(hd * 4) + 2 * BLOCK \
             > UB_BYTES:
         raise ValueError(f"{name}: a qkv row of {w} does not fit the unified buffer")
     rope_fields = rows_tiling(["shape", 0, 0], AIV_CORES, [["cacheBlocks", "uint32_t", ["shape", 2, 1]]])
@@ -313,7 +314,8 @@ def emit_qkv_attention(node: Node, name: str) -> dict:
                        f"        kNormGm.SetGlobalBuffer((__gm__ {t}*)kNorm, {hd});\n"
                        f"        pipe.InitBuffer(normBuf, {2 * align(hd * 4)});\n" + raw),
             NORM_COMPUTE=(f"            HeadNorm(src, normBuf.Get<float>()[h < {h} ? 0 : {align(hd * 4) // 4}]);\n"),
-            NORM_FN=NORM_FN.replace("$HD", str(hd)).replace("$EPS", f"{float(a['qk_norm_eps']):.9e}f"),
+            NORM_FN=NORM_FN.replace("$RSTD", rstd_on_vector("sum", hd, f"{float(a['qk_norm_eps']):.9e}f"))
+            .replace("$HD", str(hd)),
             NORM_BUFS=", normBuf" + (", rawNormBuf" if half else ""), NORM_GMS=", qNormGm, kNormGm")
     half_pad = align(hp * 4) // 4
     if half:
@@ -377,7 +379,7 @@ def emit_qkv_attention(node: Node, name: str) -> dict:
                      GROUP_BYTES=align(ghd * size), BS=bs, BLOCK_BYTES=align(bs * hd * size),
                      SCORE_BYTES=bs * BLOCK, PROB_BYTES=align((bs + 1) * 4), WINDOW=int(a.get("window", 0)),
                      SCALE=f"{float(a['scale']):.9e}f", TT=it[4], LT=it[5], QLT=it[6], LOAD_Q=load_q, LOAD_KV=load_kv,
-                     STORE=store, **att_half, **sink)
+                     STORE=store, LOWEST=LOWEST, **att_half, **sink)
     att_args = [["tmp", 0], ["in", 2], ["in", 4], ["in", 5], ["in", 6], ["out", 0]]
     att = AscendKernel(name, att_src, att_args + ([["in", len(node.inputs) - 1]] if sinks else []),
                        att_fields, AIV_CORES, requires=requires)

@@ -18,7 +18,19 @@ from __future__ import annotations
 from ...ir import Node
 from .emit import emit_gather, emit_swiglu, source
 from .emit_gemm import emit_grouped_matmul, emit_matmul
-from .kernel import AIV_CORES, BLOCK, CTYPE, SIZE, AscendKernel, align, copy_row, from_f32, rows_tiling, to_f32
+from .kernel import (
+    AIV_CORES,
+    BLOCK,
+    CTYPE,
+    LOWEST,
+    SIZE,
+    AscendKernel,
+    align,
+    copy_row,
+    from_f32,
+    rows_tiling,
+    to_f32,
+)
 
 ROUTE = """\
 class Kernel_$NAME {
@@ -66,7 +78,7 @@ $CHOICE$GROUPS        LocalTensor<int32_t> ids = idsBuf.Get<int32_t>();
             ids.SetValue(k, (int32_t)e);
             w[k] = score.GetValue(e);
             total += w[k];
-            choice.SetValue(e, -INFINITY);
+            choice.SetValue(e, $LOWEST);
             WaitPipe<HardEvent::S_V>();
         }
         for (uint32_t k = 0; k < $TOPK; k++) {
@@ -96,7 +108,7 @@ GROUPS = """\
         float groupScore[$NG];
         bool keep[$NG];
         for (uint32_t g = 0; g < $NG; g++) {
-            float best = -INFINITY, second = -INFINITY;
+            float best = $LOWEST, second = $LOWEST;
             for (uint32_t e = g * $GE; e < (g + 1) * $GE; e++) {
                 float v = choice.GetValue(e);
                 if (v > best) {
@@ -120,7 +132,7 @@ GROUPS = """\
         }
         for (uint32_t g = 0; g < $NG; g++) {
             for (uint32_t e = g * $GE; !keep[g] && e < (g + 1) * $GE; e++) {
-                choice.SetValue(e, -INFINITY);
+                choice.SetValue(e, $LOWEST);
             }
         }
         WaitPipe<HardEvent::S_V>();
@@ -248,14 +260,14 @@ def emit_route(node: Node, name: str, experts: int, kt: int) -> AscendKernel:
               else f"        Adds(choice, score, 0.0f, {experts});\n")
     n_group = a.get("n_group", 1)
     groups = "" if n_group == 1 else GROUPS.replace("$NG", str(n_group)).replace("$GE", str(experts // n_group)) \
-        .replace("$TOPK_GROUP", str(a["topk_group"]))
+        .replace("$TOPK_GROUP", str(a["topk_group"])).replace("$LOWEST", LOWEST)
     fields = rows_tiling(["shape", 0, 0], AIV_CORES)
     params = ["logits"] + (["bias"] if bias else []) + ["ids", "weights"]
     src = source(name, f"MoE routing: {a.get('scoring', 'softmax')} over {experts} experts, top-{top_k}", fields,
                  ROUTE, params, STAGES="            CopyIn(row);\n            Compute(row);\n",
                  E=experts, KT=kt, TOPK=top_k, E_BYTES=e_bytes, KT_BYTES=align(kt * 4), BLOCK=BLOCK,
                  COPY_IN=copy_row("x", f"logitGm[(uint64_t)row * {experts}]", experts, 4, False), SCORES=scores,
-                 CHOICE=choice, GROUPS=groups, WEIGHT=weight,
+                 CHOICE=choice, GROUPS=groups, WEIGHT=weight, LOWEST=LOWEST,
                  BIAS_PARAM="GM_ADDR bias, " if bias else "", BIAS_BUF=", biasBuf" if bias else "",
                  BIAS_GM=", biasGm" if bias else "",
                  BIAS_INIT=(f"        biasGm.SetGlobalBuffer((__gm__ float*)bias, {experts});\n"

@@ -1,15 +1,19 @@
 """Runs emitted AscendC kernels on the CPU with g++ and deepfuse's emulation of the AscendC API
 (emu/). Each kernel compiles once (cached by source) into an object that defines
 `aclrtlaunch_<name>(blockDim, stream, args..., workspace, tiling)` -- the launch function CANN's
-ascendc_library generates -- looping the kernel over its AI cores (GetBlockIdx = 0 .. blockDim-1).
+ascendc_library generates -- which queues the kernel on the stream; the emulated
+aclrtSynchronizeStream runs it over its cores in the mode its entry declares
+(emu/deepfuse_emu/runtime.h).
 
     launch(kernel, tensors, tiling)   one kernel on torch tensors' memory (through ctypes)
     load_project(files)               the artifact's host launch code (host/deepfuse_launch.cpp)
                                       linked with its kernels: the same objects, called by the
                                       generated aclrt code instead of by Python
 
-The emulator is strict where the hardware is: unified-buffer capacity, 32-byte DataCopy rules,
-queue misuse, missing pipe synchronisation and the cube's buffer limits; a violation fails the
+A kernel is compiled as the AI core would see it: only the emulated API's headers (-nostdinc,
+`double` poisoned), so host-only C++ fails to compile. The emulator runtime and the host code
+are compiled apart, with the host's C++ library (emu/runtime/runtime.cpp, emu/host/).
+The emulator is strict where the hardware is (see emu/kernel_operator.h): a violation fails the
 launch with its message. It checks numerics and API discipline, not performance.
 """
 from __future__ import annotations
@@ -17,6 +21,7 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import os
+import re
 import shutil
 import subprocess
 import tempfile
@@ -30,11 +35,9 @@ from .kernel import UB_BYTES, AscendKernel
 EMU_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "emu")
 CACHE = os.path.join(tempfile.gettempdir(), "deepfuse-ascendc-emu")
 
-RUNTIME = """\
-#include "kernel_operator.h"
-extern "C" const char* deepfuse_emu_error() { return deepfuse_emu::last_error().c_str(); }
-extern "C" void deepfuse_emu_set_ub(size_t bytes) { deepfuse_emu::ub_limit() = bytes; }
-"""
+RUNTIME = os.path.join(EMU_DIR, "runtime", "runtime.cpp")
+# the entry's execution-space qualifier -> deepfuse_emu::enqueue's `qualifier`
+QUALIFIERS = {"": 0, "__cube__": 1, "__vector__": 2, "__mix__(1, 1)": 3, "__mix__(1, 2)": 4}
 _LOADED: dict[str, ctypes.CDLL] = {}
 
 
@@ -47,11 +50,14 @@ def _emu_key() -> str:
     return h.hexdigest()
 
 
-def _gxx(args: list[str], what: str) -> None:
+def _gxx(args: list[str], what: str, kernel: bool = False) -> None:
+    """g++ for a kernel (the emulated AscendC headers only: no C or C++ library header, no double)
+    or for host code (the emulator runtime, the generated host launch code: emu/host's acl)."""
     if shutil.which("g++") is None:
         raise DeepfuseError("the AscendC emulator needs g++ (apt install g++)")
-    r = subprocess.run(["g++", "-std=c++17", "-O1", "-fPIC", "-I", EMU_DIR, "-I", os.path.join(EMU_DIR, "host"), *args],
-                       capture_output=True, text=True)
+    flags = ["-nostdinc", "-nostdinc++", "-Werror=double-promotion", "-I", EMU_DIR] if kernel else \
+        ["-I", EMU_DIR, "-I", os.path.join(EMU_DIR, "host")]
+    r = subprocess.run(["g++", "-std=c++17", "-O1", "-fPIC", *flags, *args], capture_output=True, text=True)
     if r.returncode != 0:
         first = next((line for line in r.stderr.splitlines() if "error" in line), r.stderr.strip()[:300])
         raise DeepfuseError(f"{what} does not compile against the emulator: {first}")
@@ -81,32 +87,39 @@ def launch_header(kernel: AscendKernel) -> str:
             f"extern \"C\" {launch_decl(kernel)};\n")
 
 
+def qualifier(kernel: AscendKernel) -> int:
+    """The kernel entry's execution-space qualifier (QUALIFIERS), read from its declaration."""
+    m = re.search(r"__global__((?:\s+__\w+__(?:\(\s*\d\s*,\s*\d\s*\))?)*)\s+void\s+" + kernel.name + r"\s*\(",
+                  kernel.source)
+    if m is None:
+        raise DeepfuseError(f"AscendC kernel {kernel.name}: no `__global__ ... void {kernel.name}(` entry")
+    found = [q for q in QUALIFIERS if q and q.replace(" ", "") in m.group(1).replace(" ", "")]
+    return QUALIFIERS[found[0] if found else ""]
+
+
 def kernel_object(kernel: AscendKernel) -> str:
     """The kernel compiled with its emulated aclrtlaunch_<name> (cached); returns the .o path."""
     args = "".join(f"(GM_ADDR)a{i}, " for i in range(len(kernel.args)))
-    tu = (f"#include \"kernel_operator.h\"\n#include \"acl/acl.h\"\n#include \"kernel.cpp\"\n"
-          f"extern \"C\" {launch_decl(kernel)} {{\n"
-          f"    (void)stream;\n"
-          f"    return deepfuse_emu::run_blocks(blockDim, [&] {{ {kernel.name}({args}(GM_ADDR)workspace, "
-          f"(GM_ADDR)tiling); }});\n}}\n")
+    tu = (f"#pragma GCC poison double\n#include \"kernel.cpp\"\n"
+          "#ifndef DEEPFUSE_EMU_MATMUL\n#define DEEPFUSE_EMU_MATMUL 0\n#endif\n"
+          f"extern \"C\" {launch_decl(kernel).replace('aclrtStream', 'void*')} {{\n"
+          f"    deepfuse_emu::launch_kernel({qualifier(kernel)}, DEEPFUSE_EMU_MATMUL, blockDim, 0, stream, {kernel.name}, "
+          f"{args}(GM_ADDR)workspace, (GM_ADDR)tiling);\n    return 0;\n}}\n")
 
     def make(out: str, tmp: str) -> None:
         with open(os.path.join(out, "kernel.cpp"), "w") as f:
             f.write(kernel.source)
         with open(os.path.join(out, "launch.cpp"), "w") as f:
             f.write(tu)
-        _gxx(["-I", out, "-c", os.path.join(out, "launch.cpp"), "-o", tmp], f"AscendC kernel {kernel.name}")
+        _gxx(["-I", out, "-c", os.path.join(out, "launch.cpp"), "-o", tmp], f"AscendC kernel {kernel.name}", kernel=True)
 
     return _cached(kernel.source + tu, "kernel.o", make)
 
 
 def _runtime_object() -> str:
-    def make(out: str, tmp: str) -> None:
-        with open(os.path.join(out, "runtime.cpp"), "w") as f:
-            f.write(RUNTIME)
-        _gxx(["-c", os.path.join(out, "runtime.cpp"), "-o", tmp], "the emulator runtime")
-
-    return _cached(RUNTIME, "runtime.o", make)
+    with open(RUNTIME) as f:
+        source = f.read()
+    return _cached(source, "runtime.o", lambda out, tmp: _gxx(["-c", RUNTIME, "-o", tmp], "the emulator runtime"))
 
 
 def _load(path: str) -> ctypes.CDLL:
@@ -118,7 +131,7 @@ def _load(path: str) -> ctypes.CDLL:
 def build(kernel: AscendKernel) -> str:
     """The kernel as a shared library exporting aclrtlaunch_<name> (cached); returns its path."""
     obj = kernel_object(kernel)
-    return _cached(obj, "kernel.so", lambda out, tmp: _gxx(["-shared", obj, _runtime_object(), "-o", tmp],
+    return _cached(obj, "kernel.so", lambda out, tmp: _gxx(["-shared", obj, _runtime_object(), "-lm", "-o", tmp],
                                                             f"AscendC kernel {kernel.name}"))
 
 
@@ -128,9 +141,10 @@ def _check(lib: ctypes.CDLL, rc: int, what: str) -> None:
         raise DeepfuseError(f"{what} failed in the emulator: {lib.deepfuse_emu_error().decode()}")
 
 
-def launch(kernel: AscendKernel, tensors: list[torch.Tensor], tiling: bytes, ub_bytes: int = UB_BYTES) -> None:
+def launch(kernel: AscendKernel, tensors: list[torch.Tensor], tiling: bytes, ub_bytes: int = UB_BYTES) -> dict:
     """Runs the kernel over its block_dim cores on `tensors` (one per GM argument, contiguous CPU
-    memory, written in place)."""
+    memory, written in place): queued on the default stream, then the stream synchronised.
+    Returns what ran: {"blocks": bodies run, "busy_cubes": cube cores that computed a Matmul}."""
     for t in tensors:
         if not t.is_contiguous() or t.device.type != "cpu":
             raise DeepfuseError(f"{kernel.name}: the emulator needs contiguous CPU tensors")
@@ -139,9 +153,10 @@ def launch(kernel: AscendKernel, tensors: list[torch.Tensor], tiling: bytes, ub_
     workspace = ctypes.create_string_buffer(max(kernel.workspace, 32))
     tiling_buf = ctypes.create_string_buffer(tiling, max(len(tiling), 4))
     fn = getattr(lib, f"aclrtlaunch_{kernel.name}")
-    rc = fn(ctypes.c_uint32(kernel.block_dim), None, *[ctypes.c_void_p(t.data_ptr()) for t in tensors], workspace,
-            tiling_buf)
-    _check(lib, rc, f"AscendC kernel {kernel.name}")
+    fn(ctypes.c_uint32(kernel.block_dim), None, *[ctypes.c_void_p(t.data_ptr()) for t in tensors], workspace, tiling_buf)
+    _check(lib, lib.aclrtSynchronizeStream(None), f"AscendC kernel {kernel.name}")
+    lib.deepfuse_emu_blocks_run.restype = lib.deepfuse_emu_busy_cubes.restype = ctypes.c_int64
+    return {"blocks": lib.deepfuse_emu_blocks_run(), "busy_cubes": lib.deepfuse_emu_busy_cubes()}
 
 
 def load_project(files: dict[str, bytes], kernels: list[AscendKernel]) -> ctypes.CDLL:
@@ -157,7 +172,7 @@ def load_project(files: dict[str, bytes], kernels: list[AscendKernel]) -> ctypes
         for name in ("host/deepfuse_launch.cpp", "host/deepfuse_launch.h"):
             with open(os.path.join(out, os.path.basename(name)), "wb") as f:
                 f.write(files[name])
-        _gxx(["-shared", "-I", out, os.path.join(out, "deepfuse_launch.cpp"), *objs, _runtime_object(), "-o", tmp],
-             "the generated host launch code")
+        _gxx(["-shared", "-I", out, os.path.join(out, "deepfuse_launch.cpp"), *objs, _runtime_object(), "-lm", "-o",
+              tmp], "the generated host launch code")
 
     return _load(_cached(host + "".join(objs), "project.so", make))

@@ -38,6 +38,24 @@ __aicore__ inline void WaitPipe()
 """
 
 
+# the lowest finite float: an empty maximum's start and the mask of a discarded choice. Kernels
+# have no INFINITY (no host <cmath> on the AI core); the kit starts ReduceMax at this value too
+LOWEST = "-3.402823466e+38f"
+
+
+def rstd_on_vector(sums: str, n: int, eps: str) -> str:
+    """C++ turning sums[0] (a sum of squares over n elements, a vector result) into
+    1 / sqrt(sums[0] / n + eps), on the vector unit: the scalar unit has no float sqrt to call
+    (host sqrt(double) is not device code). Sqrt and Div round as torch's rsqrt does to within an
+    ulp; the docs advise against Rsqrt / Reciprocal where precision matters (Rsqrt.md,
+    Reciprocal.md). `sums` is a 64-byte TBuf tensor (sums[8] is scratch); ends with the V_S
+    handover, so the caller reads sums.GetValue(0)."""
+    return (f"        Duplicate({sums}[8], (float){n}, 1);\n        Div({sums}, {sums}, {sums}[8], 1);\n"
+            f"        Adds({sums}, {sums}, {eps}, 1);\n        Sqrt({sums}, {sums}, 1);\n"
+            f"        Duplicate({sums}[8], 1.0f, 1);\n        Div({sums}, {sums}[8], {sums}, 1);\n"
+            "        WaitPipe<HardEvent::V_S>();\n")
+
+
 @dataclass
 class AscendKernel:
     """One `extern "C" __global__ __aicore__` entry: name(GM args..., workspace, tiling)."""

@@ -109,6 +109,8 @@ class EmulatorRunner:
                     getattr(a, field)[j][d] = n
         a.workspace, a.tiling = self.workspace.data_ptr(), self.tiling.data_ptr()
         rc = self.host.deepfuse_launch(index, None, ctypes.byref(a))
+        if rc == 0:  # the kernels are queued on the stream: run them
+            rc = self.host.aclrtSynchronizeStream(None)
         if rc != 0:
             self.host.deepfuse_emu_error.restype = ctypes.c_char_p
             raise DeepfuseError(f"launch {index} {p['node']} failed through the host code (aclError {rc}): "

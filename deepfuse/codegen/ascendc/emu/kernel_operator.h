@@ -1,49 +1,48 @@
-// deepfuse's CPU emulation of the AscendC API subset its emitted kernels use. NOT the hardware:
-// a strict model of the rules a kernel must keep on Ascend 950 (arch 3510), so generated kernels
-// compile with g++ and are checked numerically and for misuse:
-//   - the unified buffer (UB) holds at most UB_BYTES (248 KB by default) of queue/buffer space;
+// deepfuse's CPU emulation of the AscendC API subset its emitted kernels use. A TEST TOOL, NOT
+// THE HARDWARE: a strict model of the rules a kernel must keep on Ascend 950 (arch 3510), so
+// generated kernels compile with g++ and are checked numerically and for misuse. Declarations
+// follow Huawei's public AscendC headers (asc-devkit: include/basic_api/*.h) where deepfuse uses
+// them; the behaviour is deepfuse's own model.
+//
+// A kernel sees only these headers: it is compiled with -nostdinc and `double` poisoned, so host
+// C++ (<cmath>, sqrt(double), INFINITY, std::) fails to compile here as it would for the AI core.
+// Checked:
+//   - the unified buffer (UB) holds at most ub_limit() (248 KB by default) of queue/buffer space;
 //   - DataCopy moves whole 32-byte blocks: a count whose bytes are not a multiple of 32 is the
 //     hardware's silent round-down, reported here as an error (use DataCopyPad for tails);
 //   - UB tensors start 32-byte aligned; a GM<->UB copy and every vector operand need alignment;
 //   - a queue holds at most its depth of enqueued tensors; DeQue needs a prior EnQue;
 //   - a tensor allocated from a queue must go back (FreeTensor) before it is allocated again;
 //   - hand-overs between the scalar, vector and copy pipes through TBuf memory need
-//     SetFlag/WaitFlag (see HardEvent below); queue tensors are synchronised by EnQue/DeQue.
-// Errors throw deepfuse_emu::Error; run_blocks() returns 3 with last_error() set.
-// Each instruction runs to completion: pipe timing and concurrency, and the cube unit's fractal
-// layouts (lib/matmul_intf.h computes in ND), are not modelled.
+//     SetFlag/WaitFlag (see HardEvent below); queue tensors are synchronised by EnQue/DeQue;
+//   - ReduceSum's operand overlap rule (only dst and sharedTmpBuffer may overlap) and its
+//     sharedTmpBuffer size (kernel_vector.h);
+//   - kernel modes: a __cube__ kernel has no vector work, a __vector__ kernel no Matmul, and
+//     GetBlockIdx ranges as the launch's mode defines (deepfuse_emu/runtime.h);
+//   - launches queue on their stream and run at aclrtSynchronizeStream, after the copies queued
+//     before them; a blocking aclrtMemcpy is not ordered with them (host/acl/acl.h).
+// NOT modelled (a kernel can be wrong here and pass):
+//   - cores run one after another, so races between cores (two blocks writing one GM range, one
+//     reading what another has not written yet) are invisible;
+//   - GM addresses and copy offsets are not checked for alignment, only UB ones;
+//   - event ids: SetFlag / WaitFlag are tracked per HardEvent kind whatever the id;
+//   - each instruction runs to completion: pipe timing and concurrency; the cube unit's fractal
+//     layouts (lib/matmul_intf.h computes in ND); a mixed kernel's own AIC-side code (the MIX
+//     modes model the Matmul API's AIV client with its AIC server only).
+// Errors throw deepfuse_emu::Error; the stream's synchronisation reports the message.
 #pragma once
-#include <algorithm>
-#include <cmath>
-#include <cstdint>
-#include <cstring>
-#include <deque>
-#include <map>
-#include <stdexcept>
-#include <string>
-#include <vector>
+#include "deepfuse_emu/runtime.h"
 
 #define __aicore__
 #define __global__
 #define __gm__
-typedef uint8_t* GM_ADDR;
-
-namespace deepfuse_emu {
-struct Error : std::runtime_error {
-  explicit Error(const std::string& m) : std::runtime_error(m) {}
-};
-inline size_t& ub_limit() { static size_t v = 248 * 1024; return v; }
-inline int64_t& block_idx() { static int64_t v = 0; return v; }
-inline int64_t& block_num() { static int64_t v = 1; return v; }
-constexpr size_t BLOCK = 32;
-// unsynchronised hand-overs between the AI core's pipes (scalar S, vector V, copy-in MTE2,
-// copy-out MTE3) that the kernel has not yet waited for: a bit per HardEvent
-// per UB buffer (its TQue / TBuf), the events written there and not yet waited for
-inline std::map<const void*, unsigned>& pending() { static std::map<const void*, unsigned> v; return v; }
-}  // namespace deepfuse_emu
+#define __cube__
+#define __vector__
+#define __mix__(cube, vec)
+#define GM_ADDR __gm__ uint8_t*
 
 namespace AscendC {
-using deepfuse_emu::Error;
+using deepfuse_emu::fail;
 using half = _Float16;
 // bf16 in 16 bits: from float rounding to nearest even (NaN kept quiet), to float exactly
 struct bfloat16_t {
@@ -51,13 +50,13 @@ struct bfloat16_t {
   bfloat16_t() = default;
   bfloat16_t(float f) {
     uint32_t u;
-    std::memcpy(&u, &f, 4);
+    __builtin_memcpy(&u, &f, 4);
     bits = (u & 0x7fffffffu) > 0x7f800000u ? (uint16_t)((u >> 16) | 0x40u) : (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
   }
   operator float() const {
     uint32_t u = (uint32_t)bits << 16;
     float f;
-    std::memcpy(&f, &u, 4);
+    __builtin_memcpy(&f, &u, 4);
     return f;
   }
 };
@@ -70,7 +69,8 @@ struct bfloat16_t {
 // out must not be overwritten by the scalar unit before MTE3_S, nor by the vector unit before
 // MTE3_V. The emulator reports each missing wait.
 enum class HardEvent : unsigned { V_S = 1, S_V = 2, MTE2_V = 4, V_MTE3 = 8, S_MTE3 = 16, MTE3_S = 32, MTE3_V = 64 };
-typedef int event_t;
+enum event_t : int { EVENT_ID0, EVENT_ID1, EVENT_ID2, EVENT_ID3, EVENT_ID4, EVENT_ID5, EVENT_ID6, EVENT_ID7 };
+using TEventID = int8_t;
 inline const char* event_name(HardEvent e) {
   switch (e) {
     case HardEvent::V_S: return "V_S"; case HardEvent::S_V: return "S_V"; case HardEvent::MTE2_V: return "MTE2_V";
@@ -78,27 +78,31 @@ inline const char* event_name(HardEvent e) {
     case HardEvent::MTE3_S: return "MTE3_S"; default: return "MTE3_V";
   }
 }
-inline void raise_event(const void* buf, HardEvent e) { deepfuse_emu::pending()[buf] |= (unsigned)e; }
-inline void need_synced(const void* buf, HardEvent e, const std::string& what) {
-  auto it = deepfuse_emu::pending().find(buf);
-  if (it != deepfuse_emu::pending().end() && (it->second & (unsigned)e))
-    throw Error(what + " without a WaitFlag<HardEvent::" + event_name(e) + ">: a pipe race on the hardware");
+inline void raise_event(const void* buf, HardEvent e) { deepfuse_emu::raise_event(buf, (unsigned)e); }
+// `what` happens to a buffer with event e pending; `op` names the vector op doing it, if one is
+inline void need_synced(const void* buf, HardEvent e, const char* what, const char* op = nullptr) {
+  if (deepfuse_emu::is_pending(buf, (unsigned)e))
+    fail("%s%s%s without a WaitFlag<HardEvent::%s>: a pipe race on the hardware", op ? "vector " : "", op ? op : "",
+         what, event_name(e));
 }
-inline unsigned& flags_set() { static unsigned v = 0; return v; }
 template <HardEvent E>
-void SetFlag(event_t) { flags_set() |= (unsigned)E; }
+void SetFlag(int32_t) { deepfuse_emu::set_flag((unsigned)E); }
 template <HardEvent E>
-void WaitFlag(event_t) {
-  if (!(flags_set() & (unsigned)E)) throw Error(std::string("WaitFlag<") + event_name(E) + "> without its SetFlag");
-  flags_set() &= ~(unsigned)E;
-  for (auto& kv : deepfuse_emu::pending()) kv.second &= ~(unsigned)E;
+void WaitFlag(int32_t) {
+  if (!deepfuse_emu::wait_flag((unsigned)E)) fail("WaitFlag<%s> without its SetFlag", event_name(E));
 }
-enum PipeType { PIPE_S, PIPE_V, PIPE_MTE2, PIPE_MTE3, PIPE_ALL };
-template <PipeType P>
-void PipeBarrier() { if (P == PIPE_ALL) deepfuse_emu::pending().clear(); }
+enum pipe_t { PIPE_S, PIPE_V, PIPE_MTE2, PIPE_MTE3, PIPE_ALL };
+template <pipe_t P>
+void PipeBarrier() {
+  static_assert(P != PIPE_S, "PipeBarrier does not synchronise PIPE_S: use SetFlag/WaitFlag");
+  if (P == PIPE_ALL) deepfuse_emu::barrier_all();
+}
 
-inline int64_t GetBlockIdx() { return deepfuse_emu::block_idx(); }
-inline int64_t GetBlockNum() { return deepfuse_emu::block_num(); }
+inline int64_t GetBlockIdx() { return deepfuse_emu::block().idx; }
+inline int64_t GetBlockNum() { return deepfuse_emu::block().num; }
+inline int64_t GetSubBlockIdx() { return deepfuse_emu::block().sub_idx; }
+inline int64_t GetSubBlockNum() { return deepfuse_emu::block().sub_num; }
+inline int64_t GetTaskRatio() { return deepfuse_emu::block().ratio; }
 
 // TPosition: where a tensor lives (GM; the vector unit's UB queues; the cube unit's L1 / L0 levels)
 enum class TPosition { GM, VECIN, VECOUT, VECCALC, A1, A2, B1, B2, CO1, CO2 };
@@ -108,6 +112,7 @@ enum class RoundMode { CAST_NONE, CAST_RINT };
 template <typename T>
 class LocalTensor {
  public:
+  using PrimType = T;
   LocalTensor() = default;
   LocalTensor(T* p, uint32_t n, const void* owner, bool queued = false)
       : ptr_(p), size_(n), owner_(owner), queued_(queued) {}
@@ -116,7 +121,7 @@ class LocalTensor {
     need_synced(owner_, HardEvent::V_S, "a scalar GetValue of a vector op's result");
     return ptr_[i];
   }
-  void SetValue(uint32_t i, T v) {
+  void SetValue(uint32_t i, T v) const {
     check(i);
     need_synced(owner_, HardEvent::MTE3_S, "a scalar SetValue into a TBuf still being copied out");
     ptr_[i] = v;
@@ -133,8 +138,8 @@ class LocalTensor {
 
  private:
   void check(uint32_t i) const {
-    if (ptr_ == nullptr) throw Error("use of an unallocated LocalTensor");
-    if (i >= size_) throw Error("LocalTensor index " + std::to_string(i) + " past its " + std::to_string(size_) + " elements");
+    if (ptr_ == nullptr) fail("use of an unallocated LocalTensor");
+    if (i >= size_) fail("LocalTensor index %u past its %u elements", i, size_);
   }
   T* ptr_ = nullptr;
   uint32_t size_ = 0;
@@ -147,11 +152,11 @@ class GlobalTensor {
  public:
   void SetGlobalBuffer(__gm__ T* p, uint64_t n) { ptr_ = p; size_ = n; }
   GlobalTensor operator[](uint64_t off) const {
-    if (off > size_) throw Error("GlobalTensor offset " + std::to_string(off) + " past its " + std::to_string(size_) + " elements");
+    if (off > size_) fail("GlobalTensor offset %lu past its %lu elements", (unsigned long)off, (unsigned long)size_);
     GlobalTensor g; g.ptr_ = ptr_ + off; g.size_ = size_ - off; return g;
   }
-  T GetValue(uint64_t i) const { if (i >= size_) throw Error("GlobalTensor read out of range"); return ptr_[i]; }
-  void SetValue(uint64_t i, T v) const { if (i >= size_) throw Error("GlobalTensor write out of range"); ptr_[i] = v; }
+  T GetValue(uint64_t i) const { if (i >= size_) fail("GlobalTensor read out of range"); return ptr_[i]; }
+  void SetValue(uint64_t i, T v) const { if (i >= size_) fail("GlobalTensor write out of range"); ptr_[i] = v; }
   T* data() const { return ptr_; }
   uint64_t GetSize() const { return size_; }
 
@@ -162,85 +167,99 @@ class GlobalTensor {
 
 // ---- unified buffer: TPipe hands out 32-byte aligned regions; TQue/TBuf own them ----------
 class TPipe;
+template <TPosition POS>
+class TBuf;
 inline TPipe*& current_pipe() { static TPipe* p = nullptr; return p; }
+inline bool vector_position(TPosition p) { return p == TPosition::VECIN || p == TPosition::VECOUT || p == TPosition::VECCALC; }
 
 class TPipe {
  public:
-  TPipe() : ub_(deepfuse_emu::ub_limit() + deepfuse_emu::BLOCK) { current_pipe() = this; }
+  TPipe() {
+    if (current_pipe() != nullptr) fail("a second TPipe in one kernel: TPipe owns the core's buffers, create it once");
+    current_pipe() = this;
+  }
+  ~TPipe() { current_pipe() = nullptr; }
+  TPipe(const TPipe&) = delete;
+  TPipe& operator=(const TPipe&) = delete;
   uint8_t* carve(size_t bytes, const char* what) {
-    size_t aligned = (bytes + deepfuse_emu::BLOCK - 1) / deepfuse_emu::BLOCK * deepfuse_emu::BLOCK;
-    if (used_ + aligned > deepfuse_emu::ub_limit())
-      throw Error(std::string("unified buffer overflow: ") + what + " asks " + std::to_string(aligned) + " bytes, " +
-                  std::to_string(deepfuse_emu::ub_limit() - used_) + " of " + std::to_string(deepfuse_emu::ub_limit()) + " left");
-    uint8_t* base = ub_.data() + (deepfuse_emu::BLOCK - (uintptr_t)ub_.data() % deepfuse_emu::BLOCK) % deepfuse_emu::BLOCK;
-    uint8_t* p = base + used_;
+    deepfuse_emu::need_core(deepfuse_emu::Core::AIV, "a unified-buffer TQue / TBuf");
+    size_t aligned = (bytes + 31) / 32 * 32, limit = deepfuse_emu::ub_limit();
+    if (used_ + aligned > limit)
+      fail("unified buffer overflow: %s asks %lu bytes, %lu of %lu left", what, (unsigned long)aligned,
+           (unsigned long)(limit - used_), (unsigned long)limit);
+    uint8_t* p = deepfuse_emu::ub_arena() + used_;
     used_ += aligned;
     return p;
   }
   template <class Q>
-  void InitBuffer(Q& q, int num, uint32_t bytes) { q.init(*this, num, bytes); }
-  template <class B>
-  void InitBuffer(B& buf, uint32_t bytes) { buf.init(*this, 1, bytes); }
+  void InitBuffer(Q& q, uint8_t num, uint32_t bytes) { q.init(*this, num, bytes); }
+  template <TPosition POS>
+  void InitBuffer(TBuf<POS>& buf, uint32_t bytes) { buf.init(*this, 1, bytes); }
   size_t used() const { return used_; }
-  event_t FetchEventID(HardEvent) { return 0; }
+  TEventID FetchEventID(HardEvent) { return 0; }
 
  private:
-  std::vector<uint8_t> ub_;
   size_t used_ = 0;
 };
 
 inline TPipe* GetTPipePtr() { return current_pipe(); }
 
-template <QuePosition POS, int DEPTH>
+template <TPosition POS, int32_t DEPTH>
 class TQue {
+  static_assert(DEPTH >= 1 && DEPTH <= 8, "queue depth");
+
  public:
   void init(TPipe& pipe, int num, uint32_t bytes) {
-    if (num < 1 || num > 2) throw Error("TQue buffer count must be 1 or 2 (double buffering), got " + std::to_string(num));
-    for (int i = 0; i < num; i++) slots_.push_back({pipe.carve(bytes, "TQue"), bytes, false});
+    if (num < 1 || num > 2) fail("TQue buffer count must be 1 or 2 (double buffering), got %d", num);
+    for (int i = 0; i < num; i++) slots_[i] = {pipe.carve(bytes, "TQue"), bytes, false};
+    nslots_ = num;
   }
   template <typename T>
   LocalTensor<T> AllocTensor() {
-    for (auto& s : slots_)
-      if (!s.busy) { s.busy = true; return LocalTensor<T>((T*)s.ptr, s.bytes / sizeof(T), this, true); }
-    throw Error("AllocTensor on a queue whose buffers are all in use (FreeTensor missing?)");
+    for (int i = 0; i < nslots_; i++)
+      if (!slots_[i].busy) { slots_[i].busy = true; return LocalTensor<T>((T*)slots_[i].ptr, slots_[i].bytes / sizeof(T), this, true); }
+    fail("AllocTensor on a queue whose buffers are all in use (FreeTensor missing?)");
   }
   template <typename T>
   void EnQue(const LocalTensor<T>& t) {
-    if (t.owner() != this) throw Error("EnQue of a tensor from another queue");
-    if ((int)queued_.size() >= DEPTH) throw Error("EnQue past the queue depth " + std::to_string(DEPTH));
-    queued_.push_back((uint8_t*)t.data());
+    if (t.owner() != this) fail("EnQue of a tensor from another queue");
+    if (count_ >= DEPTH) fail("EnQue past the queue depth %d", (int)DEPTH);
+    queued_[(head_ + count_++) % DEPTH] = (uint8_t*)t.data();
   }
   template <typename T>
   LocalTensor<T> DeQue() {
-    if (queued_.empty()) throw Error("DeQue before EnQue: the queue is empty");
-    uint8_t* p = queued_.front();
-    queued_.pop_front();
-    for (auto& s : slots_)
-      if (s.ptr == p) return LocalTensor<T>((T*)p, s.bytes / sizeof(T), this, true);
-    throw Error("DeQue of an unknown buffer");
+    if (count_ == 0) fail("DeQue before EnQue: the queue is empty");
+    uint8_t* p = queued_[head_];
+    head_ = (head_ + 1) % DEPTH;
+    count_--;
+    for (int i = 0; i < nslots_; i++)
+      if (slots_[i].ptr == p) return LocalTensor<T>((T*)p, slots_[i].bytes / sizeof(T), this, true);
+    fail("DeQue of an unknown buffer");
   }
   template <typename T>
   void FreeTensor(const LocalTensor<T>& t) {
-    for (auto& s : slots_)
-      if (s.ptr == (uint8_t*)t.data()) {
-        if (!s.busy) throw Error("FreeTensor of a buffer that is not allocated");
-        s.busy = false;
+    for (int i = 0; i < nslots_; i++)
+      if (slots_[i].ptr == (uint8_t*)t.data()) {
+        if (!slots_[i].busy) fail("FreeTensor of a buffer that is not allocated");
+        slots_[i].busy = false;
         return;
       }
-    throw Error("FreeTensor of a tensor from another queue");
+    fail("FreeTensor of a tensor from another queue");
   }
 
  private:
   struct Slot { uint8_t* ptr; uint32_t bytes; bool busy; };
-  std::vector<Slot> slots_;
-  std::deque<uint8_t*> queued_;
+  Slot slots_[2] = {};
+  int nslots_ = 0;
+  uint8_t* queued_[DEPTH] = {};
+  int head_ = 0, count_ = 0;
 };
 
 // a queue whose buffers are copied in and straight out again (no vector stage)
-template <QuePosition SRC, QuePosition DST, int DEPTH>
+template <TPosition SRC, TPosition DST, int32_t DEPTH>
 class TQueBind : public TQue<SRC, DEPTH> {};
 
-template <QuePosition POS>
+template <TPosition POS>
 class TBuf {
  public:
   void init(TPipe& pipe, int, uint32_t bytes) { ptr_ = pipe.carve(bytes, "TBuf"); bytes_ = bytes; }
@@ -248,7 +267,7 @@ class TBuf {
   LocalTensor<T> Get() const { return LocalTensor<T>((T*)ptr_, bytes_ / sizeof(T), this); }
   template <typename T>
   LocalTensor<T> Get(uint32_t count) const {
-    if (count * sizeof(T) > bytes_) throw Error("TBuf::Get of " + std::to_string(count) + " elements past its " + std::to_string(bytes_) + " bytes");
+    if (count * sizeof(T) > bytes_) fail("TBuf::Get of %u elements past its %u bytes", count, bytes_);
     return LocalTensor<T>((T*)ptr_, count, this);
   }
 
@@ -257,108 +276,6 @@ class TBuf {
   uint32_t bytes_ = 0;
 };
 
-// ---- data movement -------------------------------------------------------------------------
-inline void check_ub_aligned(const void* p, const char* what) {
-  if ((uintptr_t)p % deepfuse_emu::BLOCK != 0) throw Error(std::string(what) + ": unified-buffer address not 32-byte aligned");
-}
-// a vector op reads its sources (scalar writes and TBuf copy-ins must be waited for) and
-// writes its destination (scalar reads and TBuf copy-outs of it must then wait)
-template <typename T>
-void vec_src(const LocalTensor<T>& t, const char* op) {
-  need_synced(t.owner(), HardEvent::S_V, std::string("vector ") + op + " of a scalar SetValue's data");
-  need_synced(t.owner(), HardEvent::MTE2_V, std::string("vector ") + op + " of data copied into a TBuf");
-}
-template <typename T>
-void vec_dst(const LocalTensor<T>& t, const char* op) {
-  vec_src(t, op);
-  need_synced(t.owner(), HardEvent::MTE3_V, std::string("vector ") + op + " into a TBuf still being copied out");
-  raise_event(t.owner(), HardEvent::V_S);
-  raise_event(t.owner(), HardEvent::V_MTE3);
-}
-template <typename T>
-void copied_in(const LocalTensor<T>& dst) {
-  if (!dst.queued()) raise_event(dst.owner(), HardEvent::MTE2_V);
-}
-template <typename T>
-void copying_out(const LocalTensor<T>& src) {
-  if (src.queued()) return;
-  need_synced(src.owner(), HardEvent::V_MTE3, "a copy-out of a vector op's result from a TBuf");
-  need_synced(src.owner(), HardEvent::S_MTE3, "a copy-out of a scalar SetValue's data from a TBuf");
-  raise_event(src.owner(), HardEvent::MTE3_S);
-  raise_event(src.owner(), HardEvent::MTE3_V);
-}
-
-template <typename T>
-void DataCopy(const LocalTensor<T>& dst, const GlobalTensor<T>& src, uint32_t count) {
-  if (count * sizeof(T) % deepfuse_emu::BLOCK != 0)
-    throw Error("DataCopy of " + std::to_string(count) + " elements (" + std::to_string(count * sizeof(T)) +
-                " bytes) is not whole 32-byte blocks: the hardware rounds it down silently; use DataCopyPad");
-  check_ub_aligned(dst.data(), "DataCopy GM->UB");
-  if (count > dst.GetSize() || count > src.GetSize()) throw Error("DataCopy GM->UB past a tensor's end");
-  std::memcpy(dst.data(), src.data(), count * sizeof(T));
-  copied_in(dst);
-}
-template <typename T>
-void DataCopy(const GlobalTensor<T>& dst, const LocalTensor<T>& src, uint32_t count) {
-  if (count * sizeof(T) % deepfuse_emu::BLOCK != 0)
-    throw Error("DataCopy of " + std::to_string(count) + " elements (" + std::to_string(count * sizeof(T)) +
-                " bytes) is not whole 32-byte blocks: the hardware rounds it down silently; use DataCopyPad");
-  check_ub_aligned(src.data(), "DataCopy UB->GM");
-  copying_out(src);
-  if (count > src.GetSize() || count > dst.GetSize()) throw Error("DataCopy UB->GM past a tensor's end");
-  std::memcpy(dst.data(), src.data(), count * sizeof(T));
-}
-
-// a UB -> UB move, on the vector pipe
-template <typename T>
-void DataCopy(const LocalTensor<T>& dst, const LocalTensor<T>& src, uint32_t count) {
-  vec_src(src, "DataCopy UB->UB"); vec_dst(dst, "DataCopy UB->UB");
-  if (count * sizeof(T) % deepfuse_emu::BLOCK != 0) throw Error("DataCopy UB->UB of a count that is not whole 32-byte blocks");
-  check_ub_aligned(dst.data(), "DataCopy UB->UB");
-  check_ub_aligned(src.data(), "DataCopy UB->UB");
-  if (count > dst.GetSize() || count > src.GetSize()) throw Error("DataCopy UB->UB past a tensor's end");
-  std::memmove(dst.data(), src.data(), count * sizeof(T));
-}
-
-struct DataCopyExtParams {
-  uint16_t blockCount; uint32_t blockLen; uint32_t srcStride; uint32_t dstStride; uint32_t rsv;
-};
-template <typename T>
-struct DataCopyPadExtParams { bool isPad; uint8_t leftPadding; uint8_t rightPadding; T paddingValue; };
-
-// blockCount rows of blockLen bytes; GM strides in bytes, UB rows padded to 32 bytes
-template <typename T>
-void DataCopyPad(const LocalTensor<T>& dst, const GlobalTensor<T>& src, const DataCopyExtParams& p,
-                 const DataCopyPadExtParams<T>& pad) {
-  check_ub_aligned(dst.data(), "DataCopyPad GM->UB");
-  uint32_t row = (p.blockLen + deepfuse_emu::BLOCK - 1) / deepfuse_emu::BLOCK * deepfuse_emu::BLOCK;
-  if ((uint64_t)p.blockCount * row > dst.GetSize() * sizeof(T)) throw Error("DataCopyPad GM->UB past the UB tensor");
-  const uint8_t* s = (const uint8_t*)src.data();
-  uint8_t* d = (uint8_t*)dst.data();
-  for (uint32_t r = 0; r < p.blockCount; r++) {
-    uint64_t off = (uint64_t)r * (p.blockLen + p.srcStride);
-    if ((off + p.blockLen) > src.GetSize() * sizeof(T)) throw Error("DataCopyPad GM->UB reads past the global tensor");
-    std::memcpy(d + r * row, s + off, p.blockLen);
-    if (pad.isPad)
-      for (uint32_t b = p.blockLen; b < row; b += sizeof(T)) *(T*)(d + r * row + b) = pad.paddingValue;
-  }
-  copied_in(dst);
-}
-template <typename T>
-void DataCopyPad(const GlobalTensor<T>& dst, const LocalTensor<T>& src, const DataCopyExtParams& p) {
-  check_ub_aligned(src.data(), "DataCopyPad UB->GM");
-  copying_out(src);
-  uint32_t row = (p.blockLen + deepfuse_emu::BLOCK - 1) / deepfuse_emu::BLOCK * deepfuse_emu::BLOCK;
-  if ((uint64_t)p.blockCount * row > src.GetSize() * sizeof(T)) throw Error("DataCopyPad UB->GM past the UB tensor");
-  uint8_t* d = (uint8_t*)dst.data();
-  const uint8_t* s = (const uint8_t*)src.data();
-  for (uint32_t r = 0; r < p.blockCount; r++) {
-    uint64_t off = (uint64_t)r * (p.blockLen + p.dstStride);
-    if ((off + p.blockLen) > dst.GetSize() * sizeof(T)) throw Error("DataCopyPad UB->GM writes past the global tensor");
-    std::memcpy(d + off, s + r * row, p.blockLen);
-  }
-}
-
 // scalar writes to GM go through the data cache; a kernel flushes them before its consumers run
 enum class CacheLine { SINGLE_CACHE_LINE, ENTIRE_DATA_CACHE };
 template <typename T, CacheLine C>
@@ -366,31 +283,17 @@ void DataCacheCleanAndInvalid(const GlobalTensor<T>&) {}
 
 }  // namespace AscendC
 
-#include "kernel_vector.h"  // the vector unit's ops
+#include "kernel_data_copy.h"  // DataCopy, DataCopyPad and their parameter structs
+#include "kernel_vector.h"     // the vector unit's ops
 
-// the launch loop: runs a kernel once per block index, as the AI cores would
 namespace deepfuse_emu {
-inline std::string& last_error() { static std::string v; return v; }
-// each block starts with its own pipes idle (no pending hand-overs, no flags set)
-template <typename F>
-void launch(int64_t blocks, F&& body) {
-  block_num() = blocks;
-  for (int64_t b = 0; b < blocks; b++) {
-    block_idx() = b;
-    pending().clear();
-    AscendC::flags_set() = 0;
-    body();
-  }
-}
-// a kernel launch over `blocks` AI cores: 0 on success, 3 with last_error() set on a violation
-template <typename F>
-uint32_t run_blocks(int64_t blocks, F&& body) {
-  try {
-    launch(blocks, body);
-  } catch (const std::exception& e) {
-    last_error() = e.what();
-    return 3;
-  }
-  return 0;
+// what a kernel's `name<<<blockDim, 0, stream>>>(args...)` becomes in the emulator (emulate.py
+// rewrites the launch): the kernel and its arguments, copied, queued on the stream
+template <class... P, class... A>
+void launch_kernel(int qualifier, int matmul, uint32_t blocks, uint32_t, void* stream, void (*kernel)(P...), A... args) {
+  auto call = [=]() { kernel(args...); };
+  using Call = decltype(call);
+  enqueue(stream, qualifier, matmul, blocks, [](void* c) { (*(Call*)c)(); }, new Call(call),
+          [](void* c) { delete (Call*)c; });
 }
 }  // namespace deepfuse_emu

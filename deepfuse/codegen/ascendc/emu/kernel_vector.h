@@ -6,15 +6,15 @@
 namespace AscendC {
 // ---- vector unit (count elements; operands are UB tensors) -------------------------------
 template <typename T>
-inline void check_count(const LocalTensor<T>& t, uint32_t n, const char* op) {
+inline void check_count(const LocalTensor<T>& t, int32_t n, const char* op) {
   check_ub_aligned(t.data(), op);
-  if (n > t.GetSize()) throw Error(std::string(op) + " of " + std::to_string(n) + " elements on a tensor of " + std::to_string(t.GetSize()));
+  if (n < 0 || (uint32_t)n > t.GetSize()) fail("%s of %d elements on a tensor of %u", op, n, t.GetSize());
 }
 #define DEEPFUSE_BINARY(NAME, EXPR)                                                                   \
   template <typename T>                                                                             \
-  void NAME(const LocalTensor<T>& d, const LocalTensor<T>& a, const LocalTensor<T>& b, uint32_t n) { \
+  void NAME(const LocalTensor<T>& d, const LocalTensor<T>& a, const LocalTensor<T>& b, const int32_t& n) { \
     vec_src(a, #NAME); vec_src(b, #NAME); vec_dst(d, #NAME); check_count(d, n, #NAME); check_count(a, n, #NAME); check_count(b, n, #NAME); \
-    for (uint32_t i = 0; i < n; i++) { T x = a.data()[i], y = b.data()[i]; d.data()[i] = (EXPR); }  \
+    for (int32_t i = 0; i < n; i++) { T x = a.data()[i], y = b.data()[i]; d.data()[i] = (EXPR); }  \
   }
 DEEPFUSE_BINARY(Add, x + y)
 DEEPFUSE_BINARY(Sub, x - y)
@@ -24,9 +24,9 @@ DEEPFUSE_BINARY(Max, x > y ? x : y)
 DEEPFUSE_BINARY(And, x & y)
 #define DEEPFUSE_SCALAR(NAME, EXPR)                                                      \
   template <typename T>                                                                \
-  void NAME(const LocalTensor<T>& d, const LocalTensor<T>& a, T s, uint32_t n) {       \
+  void NAME(const LocalTensor<T>& d, const LocalTensor<T>& a, const T& s, const int32_t& n) {       \
     vec_src(a, #NAME); vec_dst(d, #NAME); check_count(d, n, #NAME); check_count(a, n, #NAME); \
-    for (uint32_t i = 0; i < n; i++) { T x = a.data()[i]; d.data()[i] = (EXPR); }      \
+    for (int32_t i = 0; i < n; i++) { T x = a.data()[i]; d.data()[i] = (EXPR); }      \
   }
 DEEPFUSE_SCALAR(Adds, x + s)
 DEEPFUSE_SCALAR(ShiftRight, x >> s)
@@ -35,53 +35,55 @@ DEEPFUSE_SCALAR(Maxs, x > s ? x : s)
 DEEPFUSE_SCALAR(Mins, x < s ? x : s)
 // dst += src * s (the vector unit's fused multiply-add by a scalar)
 template <typename T>
-void Axpy(const LocalTensor<T>& d, const LocalTensor<T>& a, T s, uint32_t n) {
+void Axpy(const LocalTensor<T>& d, const LocalTensor<T>& a, const T s, const int32_t n) {
   vec_src(a, "Axpy"); vec_dst(d, "Axpy"); check_count(d, n, "Axpy"); check_count(a, n, "Axpy");
-  for (uint32_t i = 0; i < n; i++) d.data()[i] = d.data()[i] + a.data()[i] * s;
+  for (int32_t i = 0; i < n; i++) d.data()[i] = d.data()[i] + a.data()[i] * s;
 }
 #define DEEPFUSE_UNARY(NAME, EXPR)                                                   \
   template <typename T>                                                            \
-  void NAME(const LocalTensor<T>& d, const LocalTensor<T>& a, uint32_t n) {        \
+  void NAME(const LocalTensor<T>& d, const LocalTensor<T>& a, const int32_t& n) {        \
     vec_src(a, #NAME); vec_dst(d, #NAME); check_count(d, n, #NAME); check_count(a, n, #NAME); \
-    for (uint32_t i = 0; i < n; i++) { T x = a.data()[i]; d.data()[i] = (EXPR); }  \
+    for (int32_t i = 0; i < n; i++) { T x = a.data()[i]; d.data()[i] = (EXPR); }  \
   }
-DEEPFUSE_UNARY(Exp, (T)std::exp((float)x))
-DEEPFUSE_UNARY(Sqrt, (T)std::sqrt((float)x))
+DEEPFUSE_UNARY(Exp, (T)__builtin_expf((float)x))
+DEEPFUSE_UNARY(Sqrt, (T)__builtin_sqrtf((float)x))
 DEEPFUSE_UNARY(Reciprocal, (T)(1.0f / (float)x))
-DEEPFUSE_UNARY(Sin, (T)std::sin((float)x))
-DEEPFUSE_UNARY(Cos, (T)std::cos((float)x))
+DEEPFUSE_UNARY(Sin, (T)__builtin_sinf((float)x))
+DEEPFUSE_UNARY(Cos, (T)__builtin_cosf((float)x))
 template <typename T>
-void Duplicate(const LocalTensor<T>& d, T v, uint32_t n) {
+void Duplicate(const LocalTensor<T>& d, const T& v, const int32_t& n) {
   vec_dst(d, "Duplicate"); check_count(d, n, "Duplicate");
-  for (uint32_t i = 0; i < n; i++) d.data()[i] = v;
+  for (int32_t i = 0; i < n; i++) d.data()[i] = v;
 }
 // dst[0] = sum(src[0:n]); work is scratch of at least n elements (as the hardware needs)
 template <typename T>
-void ReduceSum(const LocalTensor<T>& d, const LocalTensor<T>& s, const LocalTensor<T>& work, uint32_t n) {
+void ReduceSum(const LocalTensor<T>& d, const LocalTensor<T>& s, const LocalTensor<T>& work, const int32_t count) {
+  int32_t n = count;
   vec_src(s, "ReduceSum"); vec_dst(work, "ReduceSum"); vec_dst(d, "ReduceSum"); check_count(s, n, "ReduceSum"); check_count(work, n, "ReduceSum work");
   float acc = 0.0f;
-  for (uint32_t i = 0; i < n; i++) acc += (float)s.data()[i];
+  for (int32_t i = 0; i < n; i++) acc += (float)s.data()[i];
   d.data()[0] = (T)acc;
 }
 // dst[0] = max(src[0:n]); with calIndex, dst[1] holds the first maximum's index (its bits as T)
 template <typename T>
-void ReduceMax(const LocalTensor<T>& d, const LocalTensor<T>& s, const LocalTensor<T>& work, uint32_t n,
+void ReduceMax(const LocalTensor<T>& d, const LocalTensor<T>& s, const LocalTensor<T>& work, const int32_t count,
                bool calIndex = false) {
+  int32_t n = count;
   vec_src(s, "ReduceMax"); vec_dst(work, "ReduceMax"); vec_dst(d, "ReduceMax"); check_count(s, n, "ReduceMax"); check_count(work, n, "ReduceMax work"); check_count(d, calIndex ? 2 : 1, "ReduceMax");
-  if (n == 0) throw Error("ReduceMax of 0 elements");
+  if (n == 0) fail("ReduceMax of 0 elements");
   uint32_t best = 0;
-  for (uint32_t i = 1; i < n; i++)
+  for (int32_t i = 1; i < n; i++)
     if (s.data()[i] > s.data()[best]) best = i;
   d.data()[0] = s.data()[best];
   if (calIndex) {
     static_assert(sizeof(T) == 4, "ReduceMax index in a 32-bit lane");
-    std::memcpy(&d.data()[1], &best, sizeof(best));
+    __builtin_memcpy(&d.data()[1], &best, sizeof(best));
   }
 }
 template <typename D, typename S>
-void Cast(const LocalTensor<D>& d, const LocalTensor<S>& s, RoundMode mode, uint32_t n) {
-  if (sizeof(D) < sizeof(S) && mode == RoundMode::CAST_NONE) throw Error("Cast to a narrower type needs a rounding mode (CAST_RINT)");
-  vec_src(s, "Cast"); vec_dst(d, "Cast"); check_count(d, n, "Cast"); check_count(s, n, "Cast");
+void Cast(const LocalTensor<D>& d, const LocalTensor<S>& s, const RoundMode& mode, const uint32_t n) {
+  if (sizeof(D) < sizeof(S) && mode == RoundMode::CAST_NONE) fail("Cast to a narrower type needs a rounding mode (CAST_RINT)");
+  vec_src(s, "Cast"); vec_dst(d, "Cast"); check_count(d, (int32_t)n, "Cast"); check_count(s, (int32_t)n, "Cast");
   for (uint32_t i = 0; i < n; i++) d.data()[i] = (D)(float)s.data()[i];
 }
 // GatherMask with a built-in pattern: 1 keeps the even elements, 2 the odd ones, of
@@ -92,9 +94,9 @@ void GatherMask(const LocalTensor<T>& d, const LocalTensor<T>& s, uint8_t patter
                 const GatherMaskParams& p, uint64_t& rsvdCnt) {
   (void)mask;
   if (reduceMode || (pattern != 1 && pattern != 2) || p.src0BlockStride != 1 || p.src0RepeatStride != 8)
-    throw Error("GatherMask: the emulator models patterns 1 and 2 over contiguous repeats");
+    fail("GatherMask: the emulator models patterns 1 and 2 over contiguous repeats");
   uint32_t n = p.repeatTimes * (256 / sizeof(T));
-  vec_src(s, "GatherMask"); vec_dst(d, "GatherMask"); check_count(s, n, "GatherMask"); check_count(d, n / 2, "GatherMask");
+  vec_src(s, "GatherMask"); vec_dst(d, "GatherMask"); check_count(s, (int32_t)n, "GatherMask"); check_count(d, (int32_t)(n / 2), "GatherMask");
   for (uint32_t i = 0; i < n / 2; i++) d.data()[i] = s.data()[2 * i + (pattern == 2 ? 1 : 0)];
   rsvdCnt = n / 2;
 }

@@ -2,7 +2,7 @@
 // computes for a Matmul object. deepfuse fills these fields (by their CANN names) itself; the
 // real struct has more fields, which deepfuse's host code leaves zero.
 #pragma once
-#include <cstdint>
+#include "deepfuse_emu/types.h"
 
 struct TCubeTiling {
   int32_t usedCoreNum, M, N, Ka, Kb, singleCoreM, singleCoreN, singleCoreK, baseM, baseN, baseK;

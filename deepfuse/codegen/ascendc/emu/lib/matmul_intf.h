@@ -5,13 +5,23 @@
 // tiling is checked against Ascend 950's cube buffers -- L0A / L0B 64 KB (a base tile, double
 // buffered), L0C 256 KB, base sizes in whole 16 x (32 bytes) fractals. The ND <-> fractal (NZ)
 // layout conversions the hardware performs between GM, L1 and L0 are not modelled.
+// As in the real header, ASCENDC_CUBE_ONLY defined before this include makes Matmul run on the
+// cube core itself (a pure-cube kernel); without it Matmul is the mixed mode's vector-side client
+// of a cube-side server, and the kernel runs as a mixed 1:2 kernel (deepfuse_emu/runtime.h).
 #pragma once
 #include "kernel_operator.h"
 #include "kernel_tiling/kernel_tiling.h"
 
+#ifdef ASCENDC_CUBE_ONLY
+#define DEEPFUSE_EMU_MATMUL 1
+#else
+#define DEEPFUSE_EMU_MATMUL 2
+#endif
+
 namespace deepfuse_emu {
 constexpr int64_t L0A_BYTES = 64 * 1024, L0B_BYTES = 64 * 1024, L0C_BYTES = 256 * 1024;
 inline uint8_t*& sys_workspace() { static uint8_t* p = nullptr; return p; }
+inline float* l0c() { static float acc[L0C_BYTES / sizeof(float)]; return acc; }
 }  // namespace deepfuse_emu
 
 namespace AscendC {
@@ -19,12 +29,10 @@ inline void SetSysWorkspace(GM_ADDR workspace) { deepfuse_emu::sys_workspace() =
 inline GM_ADDR GetSysWorkSpacePtr() { return deepfuse_emu::sys_workspace(); }
 }  // namespace AscendC
 
-namespace matmul {
-using AscendC::Error;
-using AscendC::GlobalTensor;
+namespace AscendC {
 enum class CubeFormat { ND, NZ };
 
-template <AscendC::TPosition POS, CubeFormat FORMAT, typename T, bool ISTRANS = false>
+template <TPosition POS, CubeFormat FORMAT, typename T, bool ISTRANS = false>
 struct MatmulType {
   using type = T;
   static constexpr bool isTrans = ISTRANS;
@@ -37,50 +45,51 @@ class Matmul {
   using TC = typename C::type;
 
  public:
-  void Init(const TCubeTiling* tiling, AscendC::TPipe* pipe) {
-    if (tiling == nullptr || pipe == nullptr) throw Error("REGIST_MATMUL_OBJ needs a pipe and a tiling");
+  void Init(const TCubeTiling* tiling, TPipe* pipe) {
+    if (tiling == nullptr || pipe == nullptr) fail("REGIST_MATMUL_OBJ needs a pipe and a tiling");
     t_ = *tiling;
     const TCubeTiling& t = t_;
-    if (t.baseM <= 0 || t.baseN <= 0 || t.baseK <= 0) throw Error("Matmul tiling: base sizes must be positive");
+    if (t.baseM <= 0 || t.baseN <= 0 || t.baseK <= 0) fail("Matmul tiling: base sizes must be positive");
     if (t.baseM % 16 || t.baseN % 16 || (t.baseK * (int)sizeof(TA)) % 32)
-      throw Error("Matmul tiling: baseM and baseN must be multiples of 16 and baseK whole 32-byte fractal rows");
+      fail("Matmul tiling: baseM and baseN must be multiples of 16 and baseK whole 32-byte fractal rows");
     int64_t a = (int64_t)t.baseM * t.baseK * sizeof(TA) * (t.dbL0A > 1 ? 2 : 1);
     int64_t b = (int64_t)t.baseK * t.baseN * sizeof(TB) * (t.dbL0B > 1 ? 2 : 1);
     int64_t c = (int64_t)t.baseM * t.baseN * sizeof(float) * (t.dbL0C > 1 ? 2 : 1);
-    if (a > deepfuse_emu::L0A_BYTES) throw Error("Matmul tiling: the A base tile overflows L0A (" + std::to_string(a) + " bytes)");
-    if (b > deepfuse_emu::L0B_BYTES) throw Error("Matmul tiling: the B base tile overflows L0B (" + std::to_string(b) + " bytes)");
-    if (c > deepfuse_emu::L0C_BYTES) throw Error("Matmul tiling: the C base tile overflows L0C (" + std::to_string(c) + " bytes)");
+    if (a > deepfuse_emu::L0A_BYTES) fail("Matmul tiling: the A base tile overflows L0A (%ld bytes)", (long)a);
+    if (b > deepfuse_emu::L0B_BYTES) fail("Matmul tiling: the B base tile overflows L0B (%ld bytes)", (long)b);
+    if (c > deepfuse_emu::L0C_BYTES) fail("Matmul tiling: the C base tile overflows L0C (%ld bytes)", (long)c);
     if (t.Ka != t.Kb || t.singleCoreK > t.Ka || t.singleCoreN > t.N)
-      throw Error("Matmul tiling: single-core shape does not fit the original shape");
+      fail("Matmul tiling: single-core shape does not fit the original shape");
     tailM_ = t.singleCoreM; tailN_ = t.singleCoreN; tailK_ = t.singleCoreK;
     ready_ = true;
   }
   void SetTensorA(const GlobalTensor<TA>& a, bool transA = false) {
-    if (transA) throw Error("Matmul: transposed A is not emitted by deepfuse");
+    if (transA) fail("Matmul: transposed A is not emitted by deepfuse");
     a_ = a; hasA_ = true;
   }
   void SetTensorB(const GlobalTensor<TB>& b, bool transB = false) {
-    if (transB != B::isTrans) throw Error("Matmul: SetTensorB's transpose flag differs from the B MatmulType");
+    if (transB != B::isTrans) fail("Matmul: SetTensorB's transpose flag differs from the B MatmulType");
     b_ = b; hasB_ = true;
   }
   void SetTail(int tailM = -1, int tailN = -1, int tailK = -1) {
     if (tailM > 0) tailM_ = tailM;
     if (tailN > 0) tailN_ = tailN;
     if (tailK > 0) tailK_ = tailK;
-    if (tailM_ > t_.M || tailN_ > t_.singleCoreN || tailK_ > t_.Ka) throw Error("Matmul SetTail past the single-core shape");
+    if (tailM_ > t_.M || tailN_ > t_.singleCoreN || tailK_ > t_.Ka) fail("Matmul SetTail past the single-core shape");
   }
   // C[m, n] = sum_k A[m, k] * B[n, k] (B transposed) over this core's tailM x tailN block
   void IterateAll(const GlobalTensor<TC>& c, uint8_t enAtomic = 0) {
-    if (!ready_) throw Error("Matmul IterateAll before REGIST_MATMUL_OBJ");
-    if (!hasA_ || !hasB_) throw Error("Matmul IterateAll before SetTensorA / SetTensorB");
+    if (!ready_) fail("Matmul IterateAll before REGIST_MATMUL_OBJ");
+    if (!hasA_ || !hasB_) fail("Matmul IterateAll before SetTensorA / SetTensorB");
+    deepfuse_emu::cube_work(DEEPFUSE_EMU_MATMUL);
     const TCubeTiling& t = t_;
-    std::vector<float> acc((size_t)t.baseM * t.baseN);
+    float* acc = deepfuse_emu::l0c();
     for (int m0 = 0; m0 < tailM_; m0 += t.baseM)
       for (int n0 = 0; n0 < tailN_; n0 += t.baseN) {
-        int bm = std::min(t.baseM, tailM_ - m0), bn = std::min(t.baseN, tailN_ - n0);
-        std::fill(acc.begin(), acc.end(), 0.0f);
+        int bm = t.baseM < tailM_ - m0 ? t.baseM : tailM_ - m0, bn = t.baseN < tailN_ - n0 ? t.baseN : tailN_ - n0;
+        for (int i = 0; i < t.baseM * t.baseN; i++) acc[i] = 0.0f;
         for (int k0 = 0; k0 < tailK_; k0 += t.baseK) {
-          int bk = std::min(t.baseK, tailK_ - k0);
+          int bk = t.baseK < tailK_ - k0 ? t.baseK : tailK_ - k0;
           for (int i = 0; i < bm; i++)
             for (int j = 0; j < bn; j++) {
               float s = 0.0f;
@@ -107,6 +116,7 @@ class Matmul {
   int tailM_ = 0, tailN_ = 0, tailK_ = 0;
   bool ready_ = false, hasA_ = false, hasB_ = false;
 };
-}  // namespace matmul
+}  // namespace AscendC
+namespace matmul = AscendC;
 
 #define REGIST_MATMUL_OBJ(pipe, workspace, obj, tiling) (obj).Init((tiling), (pipe))

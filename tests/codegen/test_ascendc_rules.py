@@ -1,0 +1,93 @@
+"""ascend950: what CANN's AscendC toolchain would reject or run wrongly, checked without CANN.
+Each rule is from Huawei's public AscendC development kit (asc-devkit, read at commit
+0da921b91aeb2abdc6e8d74423b0bbe7040c3fd1; paths below are in that repository) and is enforced
+by deepfuse's emulator or checked in the generated project: no host-only C++ in kernels."""
+import shutil
+
+import pytest
+import torch
+
+from deepfuse.codegen.ascendc import build_plan
+from deepfuse.codegen.ascendc.emulate import build, launch
+from deepfuse.codegen.ascendc.kernel import AscendKernel
+from deepfuse.codegen.targets import get_target
+from deepfuse.compiler import trace_model
+from deepfuse.errors import DeepfuseError
+from deepfuse.frontend import Spec, ops, trace
+from deepfuse.models import load_model
+from deepfuse.passes import PassManager
+from tests.models.test_deepseek_moe_routing import make_block, routing, weights
+
+pytestmark = pytest.mark.skipif(shutil.which("g++") is None, reason="the AscendC emulator needs g++")
+
+TINY = """\
+#include "kernel_operator.h"
+using namespace AscendC;
+
+extern "C" __global__ __aicore__ void NAME(GM_ADDR x, GM_ADDR workspace, GM_ADDR tiling)
+{
+    GlobalTensor<float> xGm;
+    xGm.SetGlobalBuffer((__gm__ float*)x, 8);
+    float v = xGm.GetValue(0);
+    xGm.SetValue(0, BODY);
+}
+"""
+
+
+def tiny_kernel(name: str, body: str, head: str = "") -> AscendKernel:
+    """A one-core vector kernel that sets x[0] = body (x: f32 [8])."""
+    return AscendKernel(name, head + TINY.replace("NAME", name).replace("BODY", body), [["in", 0]], [], 1)
+
+
+@pytest.mark.parametrize("body,head", [("(float)sqrt((double)v)", ""), ("-INFINITY", ""), ("sqrtf(v)", ""),
+                                       ("std::sqrt(v)", "#include <cmath>\n"), ("v * 0.5", "")],
+                         ids=["sqrt-double", "INFINITY", "sqrtf", "cmath", "double-literal"])
+def test_kernels_see_no_host_headers(body, head):
+    """The AI core has no host C library: the kit's device headers include <cmath> only under
+    ASCENDC_CPU_DEBUG (impl/utils/std/cmath/sqrt.h), and the scalar sqrt the kit offers is
+    AscendC::Std::sqrt on float (docs/zh/api/Utils-API/CPP标准库/数学函数/sqrt1.md). A kernel
+    using sqrt(double), INFINITY, libm or double arithmetic does not compile here."""
+    with pytest.raises(DeepfuseError, match="does not compile against the emulator"):
+        build(tiny_kernel(f"host_cpp_{abs(hash(body)) % 10**6}", body, head))
+
+
+def test_a_device_only_kernel_compiles_and_runs():
+    """The same kernel with float arithmetic only (the control for the test above)."""
+    x = torch.full((8,), 3.0)
+    launch(tiny_kernel("device_cpp", "v * 0.5f"), [x], b"")
+    assert x[0] == 1.5
+
+
+def deepseek_plan() -> dict:
+    cfg, m = make_block()
+    w = weights(m)
+
+    def fn(x):
+        return ops.moe(x, ops.linear(x, w["router"]), w["w13"], w["w2"], w["bias"], **routing(cfg))
+
+    g, _ = PassManager(get_target("ascend950").pipeline()).run(trace(fn, Spec("x", "f32", ("T", 64)), weights=w))
+    return build_plan(g)
+
+
+def qwen3_plan(tmp_path, dtype: str) -> dict:
+    from tests.models.test_moe_families import qwen3_moe
+
+    torch.manual_seed(0)
+    qwen3_moe().eval().save_pretrained(tmp_path)
+    model, _ = load_model(str(tmp_path), with_tokenizer=False)
+    g, _ = PassManager(get_target("ascend950").pipeline()).run(trace_model(model, dtype))
+    return build_plan(g)
+
+
+@pytest.mark.parametrize("dtype", ["f32", "bf16"])
+def test_emitted_kernels_keep_to_device_cpp(dtype, tmp_path):
+    """Every kernel of a Qwen3-MoE step (rms_norm's rstd, the attention's per-head RMSNorm and
+    online softmax, MoE routing) and of DeepSeek-V3 routing (group-limited choice): rstd on the
+    vector unit (Sqrt, then the V_S handover), the lowest float for an empty maximum; each
+    kernel compiles as the AI core sees it."""
+    plans = [qwen3_plan(tmp_path, dtype)] + ([deepseek_plan()] if dtype == "f32" else [])
+    kernels = {k["name"]: AscendKernel(**k) for plan in plans for p in plan["launches"] for k in p.get("kernels", [])}
+    for k in kernels.values():
+        assert not any(bad in k.source for bad in ("sqrt(", "INFINITY", "double")), k.name
+        build(k)
+    assert any("Sqrt(" in k.source for k in kernels.values())

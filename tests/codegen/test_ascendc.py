@@ -382,7 +382,7 @@ def test_emulator_checks_the_matmul_tiling_against_l0(tiny_model):
 
 def test_a_kernel_that_does_not_compile_is_named():
     g = norm_graph(576, False)
-    k = broken(emit_rms_norm(g.nodes[0], "norm_typo"), "ReduceSum(sum, work, work, 576);", "ReduceSum(sum, wrk, 576);",
-               "norm_typo")
+    k = broken(emit_rms_norm(g.nodes[0], "norm_typo"), "ReduceSum(sum, work, reduceBuf.Get<float>(), 576);",
+               "ReduceSum(sum, wrk, 576);", "norm_typo")
     with pytest.raises(DeepfuseError, match="AscendC kernel norm_typo does not compile against the emulator"):
         run_node(g, k, norm_inputs(g, 3))

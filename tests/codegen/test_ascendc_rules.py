@@ -91,3 +91,68 @@ def test_emitted_kernels_keep_to_device_cpp(dtype, tmp_path):
         assert not any(bad in k.source for bad in ("sqrt(", "INFINITY", "double")), k.name
         build(k)
     assert any("Sqrt(" in k.source for k in kernels.values())
+
+
+REDUCE = """\
+#include "kernel_operator.h"
+using namespace AscendC;
+
+extern "C" __global__ __aicore__ void NAME(GM_ADDR x, GM_ADDR workspace, GM_ADDR tiling)
+{
+    TPipe pipe;
+    TBuf<QuePosition::VECCALC> srcBuf, tmpBuf, dstBuf;
+    pipe.InitBuffer(srcBuf, 576 * 4);
+    pipe.InitBuffer(tmpBuf, TMP_BYTES);
+    pipe.InitBuffer(dstBuf, 32);
+    GlobalTensor<float> xGm;
+    xGm.SetGlobalBuffer((__gm__ float*)x, 576);
+    LocalTensor<float> src = srcBuf.Get<float>();
+    LocalTensor<float> tmp = tmpBuf.Get<float>();
+    LocalTensor<float> dst = dstBuf.Get<float>();
+    DataCopy(src, xGm, 576);
+    SetFlag<HardEvent::MTE2_V>(0);
+    WaitFlag<HardEvent::MTE2_V>(0);
+    ReduceSum(DST, src, TMP, 576);
+    SetFlag<HardEvent::V_S>(0);
+    WaitFlag<HardEvent::V_S>(0);
+    xGm.SetValue(0, DST.GetValue(0));
+}
+"""
+
+
+def reduce_kernel(name: str, dst: str, tmp: str, tmp_bytes: int) -> AscendKernel:
+    src = REDUCE.replace("NAME", name).replace("DST", dst).replace("TMP_BYTES", str(tmp_bytes)).replace("TMP", tmp)
+    return AscendKernel(name, src, [["in", 0]], [], 1)
+
+
+@pytest.mark.parametrize("dst,tmp,tmp_bytes,error", [
+    ("dst", "src", 32, "ReduceSum: its sharedTmpBuffer overlaps its source"),
+    ("src", "tmp", 64, "ReduceSum: its destination overlaps its source"),
+    ("dst", "tmp", 32, r"ReduceSum of 576 float needs a sharedTmpBuffer of 16 elements \(64 bytes\), it has 8"),
+    ("dst", "tmp", 64, None), ("tmp", "tmp", 64, None)],
+    ids=["tmp-is-src", "dst-is-src", "tmp-too-small", "separate", "dst-in-tmp"])
+def test_reduce_sum_scratch_rules(dst, tmp, tmp_bytes, error):
+    """ReduceSum (include/basic_api/kernel_operator_vec_reduce_intf.h, count form): only dst and
+    sharedTmpBuffer may overlap (docs/zh/api/SIMD-API/基础API/Memory矢量计算/归约计算/ReduceSum.md,
+    约束说明; no other overlap is sanctioned: 通用说明和约束.md, 通用地址重叠约束); on Ascend 950
+    sharedTmpBuffer holds one partial sum per 256-byte repeat, in whole 32-byte blocks (same page,
+    方式二): 576 floats need 16."""
+    x = torch.randn(576)
+    want = x.sum()
+    k = reduce_kernel(f"reduce_{dst}_{tmp}_{tmp_bytes}", dst, tmp, tmp_bytes)
+    if error:
+        with pytest.raises(DeepfuseError, match=error):
+            launch(k, [x], b"")
+    else:
+        launch(k, [x], b"")
+        torch.testing.assert_close(x[0], want, atol=1e-4, rtol=1e-5)
+
+
+def test_emitted_reduce_sums_have_their_own_scratch(tmp_path):
+    """No emitted ReduceSum passes its source as its scratch (norms, attention scores, int4 dots)."""
+    import re
+
+    kernels = [k for p in qwen3_plan(tmp_path, "f32")["launches"] for k in p.get("kernels", [])]
+    calls = [re.search(r"ReduceSum\(([^,]+), ([^,]+), ([^,]+),", line) for k in kernels for line in k["source"].splitlines()
+             if "ReduceSum(" in line]
+    assert calls and all(c and c.group(2) != c.group(3) for c in calls)

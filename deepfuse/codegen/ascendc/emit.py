@@ -24,6 +24,7 @@ from .kernel import (
     align,
     copy_row,
     from_f32,
+    reduce_tmp_bytes,
     rows_tiling,
     rstd_on_vector,
     tiling_struct,
@@ -81,6 +82,7 @@ $GM_INIT        wGm.SetGlobalBuffer((__gm__ $T*)w, $D);
 $QUEUE_INIT        pipe.InitBuffer(weightBuf, $F32_BYTES);
         pipe.InitBuffer(workBuf, $F32_BYTES);
         pipe.InitBuffer(sumBuf, 2 * $BLOCK);
+        pipe.InitBuffer(reduceBuf, $REDUCE_BYTES);
 $LOAD_W    }
 $PROCESS_ROWS
 private:
@@ -93,7 +95,7 @@ $COMPUTE_IN        LocalTensor<$T> yLocal = outQueueY.AllocTensor<$T>();
         LocalTensor<float> work = workBuf.Get<float>();
         LocalTensor<float> sum = sumBuf.Get<float>();
         Mul(work, $SRC, $SRC, $D);
-        ReduceSum(sum, work, work, $D);
+        ReduceSum(sum, work, reduceBuf.Get<float>(), $D);
 $RSTD        float rstd = sum.GetValue(0);
 $NORMALIZE        outQueueY.EnQue(yLocal);
 $COMPUTE_OUT    }
@@ -103,7 +105,7 @@ $COPY_OUT    }
 
     TPipe pipe;
     $QUEUES
-    TBuf<QuePosition::VECCALC> weightBuf, workBuf, sumBuf$HALF_BUFS;
+    TBuf<QuePosition::VECCALC> weightBuf, workBuf, sumBuf, reduceBuf$HALF_BUFS;
     $GLOBALS
     uint32_t first = 0, last = 0;
     float eps = 0;
@@ -122,7 +124,7 @@ def emit_rms_norm(node: Node, name: str, x_arg: list | None = None, y_arg: list 
     row_bytes, f32_bytes = align(d * size), align(d * 4)
     add = node.op in ("add_rms_norm", "add_rms_norm_linear")
     queues = 6 if add else 4  # double-buffered in/out queues
-    if queues * row_bytes + (4 if half else 2) * f32_bytes + 2 * BLOCK > UB_BYTES:
+    if queues * row_bytes + (4 if half else 2) * f32_bytes + 2 * BLOCK + reduce_tmp_bytes(d) > UB_BYTES:
         raise ValueError(f"{name}: a row of {d} does not fit the unified buffer")
     rows = f"(uint64_t)t.rows * {d}"
     at = f"[(uint64_t)row * {d}]"
@@ -175,6 +177,7 @@ def emit_rms_norm(node: Node, name: str, x_arg: list | None = None, y_arg: list 
     params = ["x", "res", "s", "w", "y"] if add else ["x", "w", "y"]
     src = source(name, ("residual add + RMSNorm" if add else "RMSNorm") + f", {dt}", fields, RMS_NORM, params,
                  D=d, T=t, F32_BYTES=f32_bytes, BLOCK=BLOCK, LOAD_W=load_w.replace("$T", t), RSTD=rstd_on_vector("sum", d, "eps"),
+                 REDUCE_BYTES=reduce_tmp_bytes(d),
                  GM_PARAMS="GM_ADDR x, GM_ADDR res, GM_ADDR s, " if add else "GM_ADDR x, ", GM_INIT=gm_init,
                  QUEUE_INIT=queue_init, COPY_IN=copy_in, COMPUTE_IN=compute_in, COMPUTE_OUT=compute_out,
                  COPY_OUT=copy_out, SRC=src_name, NORMALIZE=normalize, QUEUES=queues_decl,

@@ -27,6 +27,7 @@ from .kernel import (
     align,
     copy_row,
     from_f32,
+    reduce_tmp_bytes,
     rows_tiling,
     rstd_on_vector,
     to_f32,
@@ -122,7 +123,7 @@ NORM_FN = """\
         LocalTensor<float> work = workBuf.Get<float>();
         LocalTensor<float> sum = sumBuf.Get<float>();
         Mul(work, x, x, $HD);
-        ReduceSum(sum, work, work, $HD);
+        ReduceSum(sum, work, reduceBuf.Get<float>(), $HD);
 $RSTD        float rstd = sum.GetValue(0);
         Muls(x, x, rstd, $HD);
         Mul(x, x, w, $HD);
@@ -154,6 +155,7 @@ $SINK_INIT        pipe.InitBuffer(qQueue, 1, $GROUP_BYTES);
         pipe.InitBuffer(workBuf, $HD_BYTES);
         pipe.InitBuffer(scoreBuf, $SCORE_BYTES);  // a 32-byte slot per key's dot product
         pipe.InitBuffer(probBuf, $PROB_BYTES);  // a block's scores, then exp(score - max) | correction
+        pipe.InitBuffer(reduceBuf, $REDUCE_BYTES);  // ReduceSum's scratch
 $HALF_INIT    }
     __aicore__ inline void Process()
     {
@@ -222,7 +224,7 @@ $STORE
         LocalTensor<float> p = probBuf.Get<float>();
         for (uint32_t j = 0; j < n; j++) {
             Mul(work, k[(j0 + j) * $HD], q, $HD);
-            ReduceSum(score[j * 8], work, work, $HD);
+            ReduceSum(score[j * 8], work, reduceBuf.Get<float>(), $HD);
         }
         WaitPipe<HardEvent::V_S>();
         float blockMax = $LOWEST;
@@ -256,7 +258,7 @@ $STORE
     TQue<QuePosition::VECIN, 1> qQueue;
     TQue<QuePosition::VECIN, BUFFER_NUM> kQueue, vQueue;
     TQue<QuePosition::VECOUT, 1> outQueue;
-    TBuf<QuePosition::VECCALC> workBuf, scoreBuf, probBuf$HALF_BUFS;
+    TBuf<QuePosition::VECCALC> workBuf, scoreBuf, probBuf, reduceBuf$HALF_BUFS;
     GlobalTensor<$T> qGm, outGm, cacheGm;
     GlobalTensor<$TT> tableGm;
     GlobalTensor<$LT> seqLenGm;
@@ -312,11 +314,12 @@ def emit_qkv_attention(node: Node, name: str) -> dict:
             NORM_PARAMS="GM_ADDR qNorm, GM_ADDR kNorm, ",
             NORM_INIT=(f"        qNormGm.SetGlobalBuffer((__gm__ {t}*)qNorm, {hd});\n"
                        f"        kNormGm.SetGlobalBuffer((__gm__ {t}*)kNorm, {hd});\n"
-                       f"        pipe.InitBuffer(normBuf, {2 * align(hd * 4)});\n" + raw),
+                       f"        pipe.InitBuffer(normBuf, {2 * align(hd * 4)});\n"
+                       f"        pipe.InitBuffer(reduceBuf, {reduce_tmp_bytes(hd)});\n" + raw),
             NORM_COMPUTE=(f"            HeadNorm(src, normBuf.Get<float>()[h < {h} ? 0 : {align(hd * 4) // 4}]);\n"),
             NORM_FN=NORM_FN.replace("$RSTD", rstd_on_vector("sum", hd, f"{float(a['qk_norm_eps']):.9e}f"))
             .replace("$HD", str(hd)),
-            NORM_BUFS=", normBuf" + (", rawNormBuf" if half else ""), NORM_GMS=", qNormGm, kNormGm")
+            NORM_BUFS=", normBuf, reduceBuf" + (", rawNormBuf" if half else ""), NORM_GMS=", qNormGm, kNormGm")
     half_pad = align(hp * 4) // 4
     if half:
         to_f = ("        LocalTensor<float> xf = xfBuf.Get<float>();\n        LocalTensor<float> yf = yfBuf.Get<float>();\n"
@@ -379,7 +382,7 @@ def emit_qkv_attention(node: Node, name: str) -> dict:
                      GROUP_BYTES=align(ghd * size), BS=bs, BLOCK_BYTES=align(bs * hd * size),
                      SCORE_BYTES=bs * BLOCK, PROB_BYTES=align((bs + 1) * 4), WINDOW=int(a.get("window", 0)),
                      SCALE=f"{float(a['scale']):.9e}f", TT=it[4], LT=it[5], QLT=it[6], LOAD_Q=load_q, LOAD_KV=load_kv,
-                     STORE=store, LOWEST=LOWEST, **att_half, **sink)
+                     STORE=store, LOWEST=LOWEST, REDUCE_BYTES=reduce_tmp_bytes(hd), **att_half, **sink)
     att_args = [["tmp", 0], ["in", 2], ["in", 4], ["in", 5], ["in", 6], ["out", 0]]
     att = AscendKernel(name, att_src, att_args + ([["in", len(node.inputs) - 1]] if sinks else []),
                        att_fields, AIV_CORES, requires=requires)

@@ -16,7 +16,20 @@ from __future__ import annotations
 
 from ...ir import Node
 from .emit import emit_rms_norm, emit_swiglu, source
-from .kernel import AIV_CORES, BLOCK, CTYPE, SIZE, UB_BYTES, AscendKernel, align, cdiv, copy_row, from_f32, to_f32
+from .kernel import (
+    AIV_CORES,
+    BLOCK,
+    CTYPE,
+    SIZE,
+    UB_BYTES,
+    AscendKernel,
+    align,
+    cdiv,
+    copy_row,
+    from_f32,
+    reduce_tmp_bytes,
+    to_f32,
+)
 
 LINEAR_Q4 = """\
 class Kernel_$NAME {
@@ -44,6 +57,7 @@ public:
         pipe.InitBuffer(workBuf, $K * 4);
         pipe.InitBuffer(sumBuf, $NC * $BLOCK);
         pipe.InitBuffer(yBuf, $NC_F32_BYTES);
+        pipe.InitBuffer(reduceBuf, $REDUCE_BYTES);  // ReduceSum's scratch
 $Y_INIT        Duplicate(maskBuf.Get<uint16_t>(), (uint16_t)0x0F0F, $QK);
     }
     __aicore__ inline void Process()
@@ -110,7 +124,7 @@ $X_F32        uint64_t kept = 0;
         LocalTensor<float> sum = sumBuf.Get<float>();
         for (uint32_t j = 0; j < nc; j++) {
             Mul(work, xeoBuf.Get<float>(), wBuf.Get<float>()[j * $K], $K);
-            ReduceSum(sum[j * 8], work, work, $K);
+            ReduceSum(sum[j * 8], work, reduceBuf.Get<float>(), $K);
         }
         WaitPipe<HardEvent::V_S>();
         LocalTensor<float> yRow = yBuf.Get<float>();
@@ -122,7 +136,7 @@ $STORE    }
 
     TPipe pipe;
     TQue<QuePosition::VECIN, BUFFER_NUM> packedQueue, xQueue;
-    TBuf<QuePosition::VECCALC> maskBuf, planeBuf, halfBuf, wBuf, xfBuf, xeoBuf, workBuf, sumBuf, yBuf$Y_BUF;
+    TBuf<QuePosition::VECCALC> maskBuf, planeBuf, halfBuf, wBuf, xfBuf, xeoBuf, workBuf, sumBuf, yBuf, reduceBuf$Y_BUF;
     GlobalTensor<$T> xGm, yGm;
     GlobalTensor<uint8_t> packedGm;
     GlobalTensor<float> scaleGm, minGm;
@@ -144,7 +158,7 @@ def emit_linear_q4(name: str, node: Node, x_arg: list, w_index: int, y_arg: list
     # UB besides the chunk's weights: packed rows and x rows (double-buffered), nibble planes and mask,
     # half staging, fp32 x, x's even|odd, the product, sums and the output row
     fixed = 2 * align(hk) + 2 * align(k * size) + 3 * align(hk) + align(hk * 2) + (align(k, 64) * 4 if half else 0) \
-        + 2 * k * 4 + 8 * BLOCK + 2 * align(k * size) + 4 * BLOCK
+        + 2 * k * 4 + 8 * BLOCK + 2 * align(k * size) + 4 * BLOCK + reduce_tmp_bytes(k)
     nc = max(1, min(8, (UB_BYTES - fixed) // (k * 4)))
     fields = [["rows", "uint32_t", ["shape", 0, 0] if x_arg[0] == "in" else ["tmp_shape", x_arg[1], 0]],
               ["colsPerCore", "uint32_t", cdiv(n, AIV_CORES)]]
@@ -170,7 +184,8 @@ def emit_linear_q4(name: str, node: Node, x_arg: list, w_index: int, y_arg: list
                  T=t, N=n, K=k, HK=hk, QK=hk // 2, QK_PAD=align(hk // 2 * 2) // 2, GROUPS=groups, HG=g // 2, NC=nc,
                  BLOCK=BLOCK, HK_BYTES=align(hk), X_BYTES=align(k * size), QK_BYTES=align(hk // 2 * 2),
                  HK_HALF_BYTES=align(hk * 2), XF_BYTES=align(k, 64) * 4 if half else BLOCK, NC_F32_BYTES=align(nc * 4),
-                 REPEATS=cdiv(k, 64), Y_INIT=y_init, Y_BUF=y_buf, X_F32=x_f32, ROUND_W=round_w, STORE=store,
+                 REPEATS=cdiv(k, 64), REDUCE_BYTES=reduce_tmp_bytes(k),
+                 Y_INIT=y_init, Y_BUF=y_buf, X_F32=x_f32, ROUND_W=round_w, STORE=store,
                  COPY_PACKED=copy_row("pk", f"packedGm[(uint64_t)n * {hk}]", hk, 1, False, "uint8_t"),
                  COPY_X=copy_row("xLocal", f"xGm[(uint64_t)m * {k}]", k, size, False, t))
     args = [x_arg, ["in", w_index], ["in", w_index + 1], ["in", w_index + 2], y_arg]

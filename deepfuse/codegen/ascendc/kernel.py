@@ -43,6 +43,13 @@ __aicore__ inline void WaitPipe()
 LOWEST = "-3.402823466e+38f"
 
 
+def reduce_tmp_bytes(count: int, size: int = 4) -> int:
+    """Bytes of the sharedTmpBuffer ReduceSum needs on Ascend 950 for `count` elements of `size`
+    bytes: one partial sum per 256-byte repeat, in whole 32-byte blocks (ReduceSum.md, 方式二).
+    It must not be ReduceSum's source (only its destination may overlap it)."""
+    return align(cdiv(count, 256 // size) * size)
+
+
 def rstd_on_vector(sums: str, n: int, eps: str) -> str:
     """C++ turning sums[0] (a sum of squares over n elements, a vector result) into
     1 / sqrt(sums[0] / n + eps), on the vector unit: the scalar unit has no float sqrt to call

@@ -55,21 +55,40 @@ void Duplicate(const LocalTensor<T>& d, const T& v, const int32_t& n) {
   vec_dst(d, "Duplicate"); check_count(d, n, "Duplicate");
   for (int32_t i = 0; i < n; i++) d.data()[i] = v;
 }
-// dst[0] = sum(src[0:n]); work is scratch of at least n elements (as the hardware needs)
+// ReduceSum, count form (include/basic_api/kernel_operator_vec_reduce_intf.h): dst[0] =
+// sum(src[0:count]). On Ascend 950 sharedTmpBuffer holds the first pass's partial sums, one per
+// 256-byte repeat, in whole 32-byte blocks (ReduceSum.md, 方式二); dst may overlap it, src may
+// not, nor may dst overlap src (ReduceSum.md 约束说明, and the general overlap rule).
+template <typename T>
+inline bool overlap(const LocalTensor<T>& a, uint32_t na, const LocalTensor<T>& b, uint32_t nb) {
+  return a.data() < b.data() + nb && b.data() < a.data() + na;
+}
 template <typename T>
 void ReduceSum(const LocalTensor<T>& d, const LocalTensor<T>& s, const LocalTensor<T>& work, const int32_t count) {
   int32_t n = count;
-  vec_src(s, "ReduceSum"); vec_dst(work, "ReduceSum"); vec_dst(d, "ReduceSum"); check_count(s, n, "ReduceSum"); check_count(work, n, "ReduceSum work");
+  vec_src(s, "ReduceSum"); vec_dst(work, "ReduceSum"); vec_dst(d, "ReduceSum");
+  check_count(s, n, "ReduceSum"); check_count(d, 1, "ReduceSum");
+  uint32_t per_block = 32 / sizeof(T), partials = n < (int32_t)(256 / sizeof(T)) ? 1 : (n + 256 / sizeof(T) - 1) / (256 / sizeof(T));
+  uint32_t need = (partials + per_block - 1) / per_block * per_block;
+  check_ub_aligned(work.data(), "ReduceSum sharedTmpBuffer");
+  if (work.GetSize() < need)
+    fail("ReduceSum of %d %s needs a sharedTmpBuffer of %u elements (%lu bytes), it has %u", n,
+         sizeof(T) == 4 ? "float" : "half", need, (unsigned long)(need * sizeof(T)), work.GetSize());
+  if (overlap(work, need, s, (uint32_t)n)) fail("ReduceSum: its sharedTmpBuffer overlaps its source (only dst may)");
+  if (overlap(d, 1, s, (uint32_t)n)) fail("ReduceSum: its destination overlaps its source");
   float acc = 0.0f;
   for (int32_t i = 0; i < n; i++) acc += (float)s.data()[i];
   d.data()[0] = (T)acc;
 }
+// ReduceMax, count form: on Ascend 950 sharedTmpBuffer is not used ("可以直接传入src或者任意大小的
+// sharedTmpBuffer", ReduceMax.md)
 // dst[0] = max(src[0:n]); with calIndex, dst[1] holds the first maximum's index (its bits as T)
 template <typename T>
 void ReduceMax(const LocalTensor<T>& d, const LocalTensor<T>& s, const LocalTensor<T>& work, const int32_t count,
                bool calIndex = false) {
   int32_t n = count;
-  vec_src(s, "ReduceMax"); vec_dst(work, "ReduceMax"); vec_dst(d, "ReduceMax"); check_count(s, n, "ReduceMax"); check_count(work, n, "ReduceMax work"); check_count(d, calIndex ? 2 : 1, "ReduceMax");
+  (void)work;
+  vec_src(s, "ReduceMax"); vec_dst(d, "ReduceMax"); check_count(s, n, "ReduceMax"); check_count(d, calIndex ? 2 : 1, "ReduceMax");
   if (n == 0) fail("ReduceMax of 0 elements");
   uint32_t best = 0;
   for (int32_t i = 1; i < n; i++)

@@ -113,8 +113,8 @@ def test_every_kernel_kind_matches_the_interpreter(model):
 
 
 def test_generated_host_code_launches_the_step(tiny_model):
-    """The artifact's host/deepfuse_launch.cpp (tiling from the step's shapes, aclrt copies,
-    ACLRT_LAUNCH_KERNEL) compiled against the emulated aclrt runs the same step."""
+    """The artifact's host/deepfuse_launch.cpp (tiling from the step's shapes, each kernel's
+    <<<>>> launch function) compiled against the emulated aclrt runs the same step."""
     step_matches(tiny_model, via_host=True)
 
 
@@ -268,12 +268,12 @@ def test_compile_ascend950_artifact_cli(moe_dir, smollm2, tmp_path):
     plan = json.loads((out / "plan.json").read_text())
     names = {k["name"] for p in plan["launches"] for k in p.get("kernels", [])}
     assert manifest["target"] == "ascend950"
-    assert {f"kernels/{n}.cpp" for n in names} | {"CMakeLists.txt", "host/deepfuse_launch.cpp",
+    assert {f"kernels/{n}.cpp" for n in names} | {"CMakeLists.txt", "cmake/deepfuse_soc.cmake", "host/deepfuse_launch.cpp",
                                                   "host/deepfuse_launch.h"} <= set(manifest["files"])
     cmake = (out / "CMakeLists.txt").read_text()
-    assert "ascendc_library(deepfuse_kernels" in cmake and all(f"kernels/{n}.cpp" in cmake for n in names)
+    assert "find_package(ASC REQUIRED)" in cmake and all(f"kernels/{n}.cpp" in cmake for n in names)
     host = (out / "host/deepfuse_launch.cpp").read_text()
-    assert all(f"ACLRT_LAUNCH_KERNEL({n})" in host for n in names)
+    assert all(f"deepfuse_launch_{n}(" in host for n in names)
     art = deepfuse.load(str(out))
     assert art.target == "ascend950"
 

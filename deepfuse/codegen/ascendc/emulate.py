@@ -1,9 +1,9 @@
 """Runs emitted AscendC kernels on the CPU with g++ and deepfuse's emulation of the AscendC API
-(emu/). Each kernel compiles once (cached by source) into an object that defines
-`aclrtlaunch_<name>(blockDim, stream, args..., workspace, tiling)` -- the launch function CANN's
-ascendc_library generates -- which queues the kernel on the stream; the emulated
-aclrtSynchronizeStream runs it over its cores in the mode its entry declares
-(emu/deepfuse_emu/runtime.h).
+(emu/). Each kernel file of the artifact (the kernel and its host-side launch function,
+kernel.kernel_file) compiles once (cached by source) into an object; its
+`name<<<blockDim, 0, stream>>>(...)` is rewritten into the emulator's launch, which queues the
+kernel on the stream. The emulated aclrtSynchronizeStream runs it over its cores in the mode
+its entry declares (emu/deepfuse_emu/runtime.h).
 
     launch(kernel, tensors, tiling)   one kernel on torch tensors' memory (through ctypes)
     load_project(files)               the artifact's host launch code (host/deepfuse_launch.cpp)
@@ -30,7 +30,7 @@ import threading
 import torch
 
 from ...errors import DeepfuseError
-from .kernel import UB_BYTES, AscendKernel
+from .kernel import UB_BYTES, AscendKernel, kernel_file, launch_symbol
 
 EMU_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "emu")
 CACHE = os.path.join(tempfile.gettempdir(), "deepfuse-ascendc-emu")
@@ -75,18 +75,6 @@ def _cached(key: str, name: str, make) -> str:
     return path
 
 
-def launch_decl(kernel: AscendKernel) -> str:
-    params = "".join(f"void* a{i}, " for i in range(len(kernel.args)))
-    return f"uint32_t aclrtlaunch_{kernel.name}(uint32_t blockDim, aclrtStream stream, {params}void* workspace, void* tiling)"
-
-
-def launch_header(kernel: AscendKernel) -> str:
-    """aclrtlaunch_<name>.h as CANN's ascendc_library generates it."""
-    return ("#pragma once\n#include \"acl/acl.h\"\n#ifndef ACLRT_LAUNCH_KERNEL\n"
-            "#define ACLRT_LAUNCH_KERNEL(kernel_func) aclrtlaunch_##kernel_func\n#endif\n"
-            f"extern \"C\" {launch_decl(kernel)};\n")
-
-
 def qualifier(kernel: AscendKernel) -> int:
     """The kernel entry's execution-space qualifier (QUALIFIERS), read from its declaration."""
     m = re.search(r"__global__((?:\s+__\w+__(?:\(\s*\d\s*,\s*\d\s*\))?)*)\s+void\s+" + kernel.name + r"\s*\(",
@@ -97,23 +85,31 @@ def qualifier(kernel: AscendKernel) -> int:
     return QUALIFIERS[found[0] if found else ""]
 
 
+def emulated_file(kernel: AscendKernel) -> str:
+    """The kernel's artifact file as the emulator compiles it: `double` poisoned, and its
+    `name<<<blockDim, 0, stream>>>(args)` turned into deepfuse_emu::launch_kernel with the
+    entry's qualifier and the Matmul objects it declares (DEEPFUSE_EMU_MATMUL)."""
+    text = kernel_file(kernel)
+    launch = re.compile(r"\b" + kernel.name + r"<<<\s*([^,]+),\s*([^,]+),\s*([^>]+?)\s*>>>\(")
+    if len(launch.findall(text)) != 1:
+        raise DeepfuseError(f"AscendC kernel {kernel.name}: its file must launch it once with <<<...>>>")
+    cut = launch.search(text).start()
+    rewritten = launch.sub(rf"deepfuse_emu::launch_kernel({qualifier(kernel)}, DEEPFUSE_EMU_MATMUL, \1, \2, \3, "
+                           rf"{kernel.name}, ", text[cut:])
+    return (f"#pragma GCC poison double\n{text[:cut]}"
+            f"#ifndef DEEPFUSE_EMU_MATMUL\n#define DEEPFUSE_EMU_MATMUL 0\n#endif\n{rewritten}")
+
+
 def kernel_object(kernel: AscendKernel) -> str:
-    """The kernel compiled with its emulated aclrtlaunch_<name> (cached); returns the .o path."""
-    args = "".join(f"(GM_ADDR)a{i}, " for i in range(len(kernel.args)))
-    tu = (f"#pragma GCC poison double\n#include \"kernel.cpp\"\n"
-          "#ifndef DEEPFUSE_EMU_MATMUL\n#define DEEPFUSE_EMU_MATMUL 0\n#endif\n"
-          f"extern \"C\" {launch_decl(kernel).replace('aclrtStream', 'void*')} {{\n"
-          f"    deepfuse_emu::launch_kernel({qualifier(kernel)}, DEEPFUSE_EMU_MATMUL, blockDim, 0, stream, {kernel.name}, "
-          f"{args}(GM_ADDR)workspace, (GM_ADDR)tiling);\n    return 0;\n}}\n")
+    """The kernel's file compiled against the emulator (cached); returns the .o path."""
+    tu = emulated_file(kernel)
 
     def make(out: str, tmp: str) -> None:
         with open(os.path.join(out, "kernel.cpp"), "w") as f:
-            f.write(kernel.source)
-        with open(os.path.join(out, "launch.cpp"), "w") as f:
             f.write(tu)
-        _gxx(["-I", out, "-c", os.path.join(out, "launch.cpp"), "-o", tmp], f"AscendC kernel {kernel.name}", kernel=True)
+        _gxx(["-c", os.path.join(out, "kernel.cpp"), "-o", tmp], f"AscendC kernel {kernel.name}", kernel=True)
 
-    return _cached(kernel.source + tu, "kernel.o", make)
+    return _cached(tu, "kernel.o", make)
 
 
 def _runtime_object() -> str:
@@ -129,7 +125,7 @@ def _load(path: str) -> ctypes.CDLL:
 
 
 def build(kernel: AscendKernel) -> str:
-    """The kernel as a shared library exporting aclrtlaunch_<name> (cached); returns its path."""
+    """The kernel as a shared library exporting its launch function (cached); returns its path."""
     obj = kernel_object(kernel)
     return _cached(obj, "kernel.so", lambda out, tmp: _gxx(["-shared", obj, _runtime_object(), "-lm", "-o", tmp],
                                                             f"AscendC kernel {kernel.name}"))
@@ -152,7 +148,8 @@ def launch(kernel: AscendKernel, tensors: list[torch.Tensor], tiling: bytes, ub_
     lib.deepfuse_emu_set_ub(ctypes.c_size_t(ub_bytes))
     workspace = ctypes.create_string_buffer(max(kernel.workspace, 32))
     tiling_buf = ctypes.create_string_buffer(tiling, max(len(tiling), 4))
-    fn = getattr(lib, f"aclrtlaunch_{kernel.name}")
+    fn = getattr(lib, launch_symbol(kernel))
+    fn.restype = None
     fn(ctypes.c_uint32(kernel.block_dim), None, *[ctypes.c_void_p(t.data_ptr()) for t in tensors], workspace, tiling_buf)
     _check(lib, lib.aclrtSynchronizeStream(None), f"AscendC kernel {kernel.name}")
     lib.deepfuse_emu_blocks_run.restype = lib.deepfuse_emu_busy_cubes.restype = ctypes.c_int64
@@ -166,9 +163,6 @@ def load_project(files: dict[str, bytes], kernels: list[AscendKernel]) -> ctypes
     host = files["host/deepfuse_launch.cpp"].decode() + files["host/deepfuse_launch.h"].decode()
 
     def make(out: str, tmp: str) -> None:
-        for k in kernels:
-            with open(os.path.join(out, f"aclrtlaunch_{k.name}.h"), "w") as f:
-                f.write(launch_header(k))
         for name in ("host/deepfuse_launch.cpp", "host/deepfuse_launch.h"):
             with open(os.path.join(out, os.path.basename(name)), "wb") as f:
                 f.write(files[name])

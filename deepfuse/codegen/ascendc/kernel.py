@@ -80,6 +80,30 @@ class AscendKernel:
         return asdict(self)
 
 
+def launch_symbol(k: AscendKernel) -> str:
+    return f"deepfuse_launch_{k.name}"
+
+
+def launch_signature(k: AscendKernel) -> str:
+    """The C++ signature of k's host-side launch function (see launch_function)."""
+    params = "".join(f"uint8_t* a{i}, " for i in range(len(k.args)))
+    return f'extern "C" void {launch_symbol(k)}(uint32_t blockDim, void* stream, {params}uint8_t* workspace, uint8_t* tiling)'
+
+
+def launch_function(k: AscendKernel) -> str:
+    """Host-side C++ in k's own file, as the kit's direct-call samples write it: a function that
+    queues k on `stream` with `<<<blockDim, 0, stream>>>`. bisheng compiles it with the kernel;
+    the host launch code calls it; the emulator rewrites only the `<<<>>>`."""
+    args = "".join(f"a{i}, " for i in range(len(k.args)))
+    return (f"\n// host side: queues {k.name} on `stream` (the kernel direct-call launch)\n{launch_signature(k)}\n{{\n"
+            f"    {k.name}<<<blockDim, 0, stream>>>({args}workspace, tiling);\n}}\n")
+
+
+def kernel_file(k: AscendKernel) -> str:
+    """kernels/<name>.cpp of the artifact: the kernel and its launch function."""
+    return k.source + launch_function(k)
+
+
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 

@@ -1,7 +1,8 @@
-"""The ascend950 artifact's CANN project: kernels/<name>.cpp (one per distinct kernel),
-host/deepfuse_launch.{h,cpp} (aclrt launch code: each plan launch's tiling computed from the
-step's shapes and its kernels launched in order with ACLRT_LAUNCH_KERNEL), and a
-CMakeLists.txt that builds both with CANN's ascendc_library (bisheng). docs/targets.md has
+"""The ascend950 artifact's CANN project: kernels/<name>.cpp (one per distinct kernel, with its
+`<<<>>>` launch function), host/deepfuse_launch.{h,cpp} (each plan launch's tiling computed from
+the step's shapes and its kernels queued in order on the caller's stream), and a CMakeLists.txt
+in the AscendC kit's current flow (find_package(ASC), the ASC language, bisheng
+--npu-arch=dav-3510) with cmake/deepfuse_soc.cmake checking SOC_VERSION. docs/targets.md has
 the build steps. The host code compiles with g++ against emu/host/ here (runner.py's
 `via_host`), which is how its tiling and argument order are checked without CANN.
 """
@@ -9,7 +10,17 @@ from __future__ import annotations
 
 import json
 
-from .kernel import AscendKernel, render, tiling_struct
+from ...errors import DeepfuseError
+from .kernel import AscendKernel, kernel_file, launch_signature, launch_symbol, render, tiling_struct
+
+# the Ascend 950PR / 950DT SoC names CANN's host config accepts (asc-devkit
+# cmake/asc/legacy_modules/host_config.cmake, ascend950_list; compared lower-cased); all are
+# NPU architecture dav-3510. The default is the one CANN's custom-op flow maps "ascend950" to.
+ASCEND950_SOCS = tuple(f"Ascend950PR_{s}" for s in "9599 958a 9589 958b 9579 957b 957c 957d 950z".split()) + tuple(
+    f"Ascend950DT_{s}" for s in ("950x 950y 95a1 95a2 9591 9592 9595 9596 9581 9582 9583 9584 9585 9586 9587 9588 "
+                                 "9571 9572 9573 9574 9575 9576 9577 9578").split())
+DEFAULT_SOC = "Ascend950PR_9599"
+NPU_ARCH = "dav-3510"
 
 MAX_ARGS = 16  # most inputs / scratch tensors of one launch
 MAX_DIMS = 6
@@ -57,6 +68,8 @@ SOURCE_HEAD = """\
 #include <cstring>
 #include "deepfuse_launch.h"
 #include "kernel_tiling/kernel_tiling.h"
+
+// each kernel's launch function (kernels/<name>.cpp)
 $INCLUDES
 static inline int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 static inline int64_t Min(int64_t a, int64_t b) { return a < b ? a : b; }
@@ -66,10 +79,10 @@ static inline int64_t Min(int64_t a, int64_t b) { return a < b ? a : b; }
 
 def _kernel_fn(k: AscendKernel) -> str:
     """run_<name>: fills the kernel's tiling from the launch's shapes, copies it to its device
-    slot and launches the kernel."""
+    slot and queues the kernel on the stream."""
     struct = "TCubeTiling" if k.core == "aic" else f"{k.name}_tiling"
     fill = "".join(f"    t.{f} = ({ctype}){render(e)};\n" for f, ctype, e in k.tiling)
-    args = ", ".join(f"a->{kind}[{i}]" for kind, i in k.args)
+    args = ", ".join(f"(uint8_t*)a->{kind}[{i}]" for kind, i in k.args)
     return (f"static aclError run_{k.name}(aclrtStream stream, const DeepfuseLaunchArgs* a, uint8_t* tiling)\n{{\n"
             f"    const int64_t (*in_shape)[DEEPFUSE_MAX_DIMS] = a->in_shape;\n"
             f"    const int64_t (*tmp_shape)[DEEPFUSE_MAX_DIMS] = a->tmp_shape;\n"
@@ -77,12 +90,13 @@ def _kernel_fn(k: AscendKernel) -> str:
             f"    {struct} t;\n    std::memset(&t, 0, sizeof(t));\n{fill}"
             f"    aclError rc = aclrtMemcpy(tiling, DEEPFUSE_TILING_SLOT, &t, sizeof(t), ACL_MEMCPY_HOST_TO_DEVICE);\n"
             f"    if (rc != ACL_SUCCESS) {{\n        return rc;\n    }}\n"
-            f"    return (aclError)ACLRT_LAUNCH_KERNEL({k.name})({k.block_dim}, stream, {args}, a->workspace, tiling);\n}}\n")
+            f"    {launch_symbol(k)}({k.block_dim}, stream, {args}, (uint8_t*)a->workspace, tiling);\n"
+            f"    return ACL_SUCCESS;\n}}\n")
 
 
 def host_source(plan: dict, kernels: dict[str, AscendKernel]) -> str:
     structs = "".join(tiling_struct(k.name, k.tiling) for k in kernels.values() if k.core != "aic")
-    includes = "".join(f'#include "aclrtlaunch_{name}.h"\n' for name in kernels)
+    includes = "".join(f"{launch_signature(k)};\n" for k in kernels.values())
     out = SOURCE_HEAD.replace("$INCLUDES", includes) + structs + "\n"
     out += "\n".join(_kernel_fn(k) for k in kernels.values())
     out += "\ntypedef aclError (*KernelFn)(aclrtStream, const DeepfuseLaunchArgs*, uint8_t*);\n"
@@ -123,33 +137,53 @@ extern "C" aclError deepfuse_launch(int i, aclrtStream stream, const DeepfuseLau
 
 
 CMAKE = """\
-# deepfuse ascend950 artifact: AscendC kernels + host launch library. Needs CANN (bisheng):
-#   source <cann>/set_env.sh
-#   cmake -S . -B build -DSOC_VERSION=<your Ascend 950 SoC name> && cmake --build build
+# deepfuse ascend950 artifact: AscendC kernels (kernels/*.cpp, each with its <<<>>> launch
+# function) and the host launch library (host/), built with the AscendC kit's CMake flow:
+# find_package(ASC), the ASC language (bisheng), --npu-arch=$ARCH. Needs CANN:
+#   source <CANN install>/set_env.sh                 # sets ASCEND_HOME_PATH
+#   cmake -S . -B build [-DSOC_VERSION=<chip>]      # npu-smi info -t board -i 0: Chip Name_NPU Name
+#   cmake --build build -j
 cmake_minimum_required(VERSION 3.16)
-project(deepfuse_ascend950 LANGUAGES CXX)
 
-set(SOC_VERSION "$SOC" CACHE STRING "system on chip type (npu-smi info)")
-set(ASCEND_CANN_PACKAGE_PATH "$$ENV{ASCEND_HOME_PATH}" CACHE PATH "CANN package installation directory")
-set(RUN_MODE "npu" CACHE STRING "run mode: npu")
+# the Ascend 950 chip to build for; cmake/deepfuse_soc.cmake refuses any other and sets its arch
+set(SOC_VERSION "$SOC" CACHE STRING "Ascend 950 SoC (npu-smi info -t board -i <id>: Chip Name_NPU Name)")
+include($${CMAKE_CURRENT_SOURCE_DIR}/cmake/deepfuse_soc.cmake)
+# read when the ASC language initialises: before find_package(ASC)
+set(CMAKE_ASC_ARCHITECTURES "$${DEEPFUSE_NPU_ARCH}" CACHE STRING "NPU architecture (Ascend 950: $ARCH)")
+find_package(ASC REQUIRED)
+project(deepfuse_ascend950 LANGUAGES ASC CXX)
 
-if(EXISTS $${ASCEND_CANN_PACKAGE_PATH}/compiler/tikcpp/ascendc_kernel_cmake)
-    set(ASCENDC_CMAKE_DIR $${ASCEND_CANN_PACKAGE_PATH}/compiler/tikcpp/ascendc_kernel_cmake)
-elseif(EXISTS $${ASCEND_CANN_PACKAGE_PATH}/tools/tikcpp/ascendc_kernel_cmake)
-    set(ASCENDC_CMAKE_DIR $${ASCEND_CANN_PACKAGE_PATH}/tools/tikcpp/ascendc_kernel_cmake)
-else()
-    message(FATAL_ERROR "ascendc_kernel_cmake not found: source CANN's set_env.sh or set ASCEND_CANN_PACKAGE_PATH")
-endif()
-include($${ASCENDC_CMAKE_DIR}/ascendc.cmake)
-
-# one AscendC library with every kernel; it also generates the aclrtlaunch_<kernel>.h headers
-ascendc_library(deepfuse_kernels STATIC
+set(DEEPFUSE_KERNELS
 $KERNELS)
+# the kernels and the host code that fills TCubeTiling (kernel_tiling/kernel_tiling.h) are ASC
+set_source_files_properties($${DEEPFUSE_KERNELS} host/deepfuse_launch.cpp PROPERTIES LANGUAGE ASC)
+
+add_library(deepfuse_kernels SHARED $${DEEPFUSE_KERNELS})
+set_target_properties(deepfuse_kernels PROPERTIES LINKER_LANGUAGE ASC)
+target_compile_options(deepfuse_kernels PRIVATE $$<$$<COMPILE_LANGUAGE:ASC>:--npu-arch=$${CMAKE_ASC_ARCHITECTURES} -fPIC>)
 
 add_library(deepfuse_launch SHARED host/deepfuse_launch.cpp)
-target_include_directories(deepfuse_launch PRIVATE host $${ASCEND_CANN_PACKAGE_PATH}/include)
-target_link_libraries(deepfuse_launch PRIVATE deepfuse_kernels ascendcl tiling_api platform)
-install(TARGETS deepfuse_launch DESTINATION lib)
+set_target_properties(deepfuse_launch PROPERTIES LINKER_LANGUAGE ASC)
+target_compile_options(deepfuse_launch PRIVATE $$<$$<COMPILE_LANGUAGE:ASC>:--npu-arch=$${CMAKE_ASC_ARCHITECTURES} -fPIC>)
+target_include_directories(deepfuse_launch PRIVATE host $$ENV{ASCEND_HOME_PATH}/include)
+target_link_libraries(deepfuse_launch PRIVATE deepfuse_kernels)
+install(TARGETS deepfuse_launch deepfuse_kernels DESTINATION lib)
+"""
+
+SOC_CHECK = """\
+# deepfuse: SOC_VERSION must name an Ascend 950PR / 950DT chip, as CANN's host config spells them
+# (asc-devkit cmake/asc/legacy_modules/host_config.cmake, ascend950_list, compared lower-cased);
+# every one is NPU architecture $ARCH, set here as DEEPFUSE_NPU_ARCH. Runs alone too:
+#   cmake -DSOC_VERSION=$SOC -P cmake/deepfuse_soc.cmake
+set(DEEPFUSE_ASCEND950_SOCS
+$SOCS)
+string(TOLOWER "$${SOC_VERSION}" _deepfuse_soc)
+list(FIND DEEPFUSE_ASCEND950_SOCS "$${_deepfuse_soc}" _deepfuse_soc_at)
+if(_deepfuse_soc_at EQUAL -1)
+    message(FATAL_ERROR "SOC_VERSION '$${SOC_VERSION}' is not an Ascend 950 SoC name: these kernels are for $ARCH "
+                        "(Ascend 950PR / 950DT; npu-smi info -t board -i 0 gives the chip's). Valid: $NAMES")
+endif()
+set(DEEPFUSE_NPU_ARCH $ARCH)
 """
 
 
@@ -162,12 +196,16 @@ def kernels_of(plan: dict) -> dict[str, AscendKernel]:
     return out
 
 
-def project_files(plan: dict, soc: str = "Ascend950") -> dict[str, bytes]:
-    """kernels/*.cpp, host/deepfuse_launch.{h,cpp}, CMakeLists.txt and kernels/tiling.json."""
+def project_files(plan: dict, soc: str = DEFAULT_SOC) -> dict[str, bytes]:
+    """kernels/*.cpp, host/deepfuse_launch.{h,cpp}, CMakeLists.txt, cmake/deepfuse_soc.cmake and
+    kernels/tiling.json; `soc` is SOC_VERSION's default (CMake's -DSOC_VERSION overrides it)."""
     from string import Template
 
+    if soc.lower() not in {s.lower() for s in ASCEND950_SOCS}:
+        raise DeepfuseError(f"{soc} is not an Ascend 950 SoC name (npu-smi info -t board -i 0 gives the chip's): "
+                            f"one of {', '.join(ASCEND950_SOCS)}")
     kernels = kernels_of(plan)
-    files = {f"kernels/{name}.cpp": k.source.encode() for name, k in kernels.items()}
+    files = {f"kernels/{name}.cpp": kernel_file(k).encode() for name, k in kernels.items()}
     files["kernels/tiling.json"] = json.dumps(
         {name: {"block_dim": k.block_dim, "core": k.core, "args": k.args, "tiling": k.tiling,
                 "workspace": k.workspace, "requires": k.requires} for name, k in kernels.items()},
@@ -175,5 +213,8 @@ def project_files(plan: dict, soc: str = "Ascend950") -> dict[str, bytes]:
     files["host/deepfuse_launch.h"] = HEADER.encode()
     files["host/deepfuse_launch.cpp"] = host_source(plan, kernels).encode()
     files["CMakeLists.txt"] = Template(CMAKE).substitute(
-        SOC=soc, KERNELS="".join(f"    kernels/{name}.cpp\n" for name in kernels)).encode()
+        SOC=soc, ARCH=NPU_ARCH, KERNELS="".join(f"    kernels/{name}.cpp\n" for name in kernels)).encode()
+    files["cmake/deepfuse_soc.cmake"] = Template(SOC_CHECK).substitute(
+        ARCH=NPU_ARCH, SOC=DEFAULT_SOC, NAMES=" ".join(ASCEND950_SOCS),
+        SOCS="".join(f"    {s.lower()}\n" for s in ASCEND950_SOCS)).encode()
     return files

@@ -156,3 +156,73 @@ def test_emitted_reduce_sums_have_their_own_scratch(tmp_path):
     calls = [re.search(r"ReduceSum\(([^,]+), ([^,]+), ([^,]+),", line) for k in kernels for line in k["source"].splitlines()
              if "ReduceSum(" in line]
     assert calls and all(c and c.group(2) != c.group(3) for c in calls)
+
+
+def test_gemm_kernels_run_on_the_cube_cores_alone():
+    """The GEMM is pure cube: ASCENDC_CUBE_ONLY before lib/matmul_intf.h and a __cube__ entry
+    (docs/zh/guide/编程指南/语言扩展层/SIMD-BuiltIn关键字.md; examples/01_simd_cpp_api/00_introduction/
+    02_matrix/matmul_advanced_api). Without them Matmul is the mixed mode's vector-side client
+    (include/adv_api/matmul/matmul_intf.h), GetBlockIdx on the vector side ranges over twice the
+    blocks (docs/zh/api/SIMD-API/基础API/工具接口/系统资源与变量/GetBlockIdx.md) and the
+    GetBlockIdx() * singleCoreN split leaves half the cube cores idle."""
+    from deepfuse.codegen.ascendc.emit_gemm import emit_matmul
+    from deepfuse.codegen.ascendc.kernel import pack
+
+    k = emit_matmul("mm_modes", ["shape", 0, 0], 512, 64, ["in", 0], ["in", 1], ["out", 0])
+    a, b, c = torch.randn(5, 64), torch.randn(512, 64), torch.zeros(5, 512)
+    ran = launch(k, [a, b, c], pack(k.tiling, [(5, 64), (512, 64)]))
+    torch.testing.assert_close(c, a @ b.T, atol=1e-4, rtol=1e-5)
+    assert k.block_dim == 32 and ran == {"blocks": 32, "busy_cubes": 32}
+    assert k.source.index("#define ASCENDC_CUBE_ONLY") < k.source.index('#include "lib/matmul_intf.h"')
+
+
+def test_every_kernel_declares_the_cores_it_runs_on(tmp_path):
+    """__vector__ for the vector kernels, __cube__ for the Matmul ones: on Ascend 950 (separate
+    AIC and AIV cores, NPU架构版本3510.md) __aicore__ alone does not say which."""
+    from deepfuse.codegen.ascendc.emulate import QUALIFIERS, qualifier
+
+    kernels = {k["name"]: AscendKernel(**k) for p in qwen3_plan(tmp_path, "f32")["launches"] for k in p.get("kernels", [])}
+    want = {"aiv": QUALIFIERS["__vector__"], "aic": QUALIFIERS["__cube__"]}
+    assert {k.core for k in kernels.values()} == {"aiv", "aic"}
+    assert all(qualifier(k) == want[k.core] for k in kernels.values())
+
+
+MODES = """\
+#include "kernel_operator.h"
+HEAD
+using namespace AscendC;
+
+extern "C" __global__ QUALIFIER void NAME(GM_ADDR x, GM_ADDR workspace, GM_ADDR tiling)
+{
+    GlobalTensor<float> xGm;
+    xGm.SetGlobalBuffer((__gm__ float*)x, 16);
+    BODY
+    xGm.SetValue(GetBlockIdx(), (float)(GetBlockNum() * 100 + GetSubBlockIdx() * 10 + GetTaskRatio()));
+}
+"""
+
+
+@pytest.mark.parametrize("qualifier,head,body,want", [
+    ("__vector__", "", "", [301, 301, 301, 0, 0, 0]),
+    ("__cube__", "", "", [301, 301, 301, 0, 0, 0]),
+    ("__mix__(1, 2)", "", "", [302, 312, 302, 312, 302, 312]),
+    ("__cube__", "", "TPipe pipe; TBuf<QuePosition::VECCALC> buf; pipe.InitBuffer(buf, 32);",
+     "a unified-buffer TQue / TBuf on a cube"),
+    ("__cube__", '#include "lib/matmul_intf.h"', "", "__cube__ kernel whose Matmul is the mixed-mode"),
+    ("__vector__", '#define ASCENDC_CUBE_ONLY\n#include "lib/matmul_intf.h"', "", "__vector__ kernel with a Matmul"),
+], ids=["vector", "cube", "mix-1-2", "cube-with-ub", "cube-with-mix-matmul", "vector-with-matmul"])
+def test_kernel_modes_and_block_indices(qualifier, head, body, want):
+    """Per mode, the cores a launch of 3 blocks starts and what GetBlockIdx / GetBlockNum /
+    GetSubBlockIdx / GetTaskRatio return there (GetBlockIdx.md, GetBlockNum.md,
+    GetSubBlockIdx.md, GetTaskRatio.md); a pure-cube kernel has no vector logic (设置Kernel类型.md,
+    KERNEL_TYPE_AIC_ONLY), a __cube__ Matmul needs ASCENDC_CUBE_ONLY."""
+    name = f"modes_{abs(hash((qualifier, head, body))) % 10**6}"
+    src = MODES.replace("NAME", name).replace("QUALIFIER", qualifier).replace("HEAD", head).replace("BODY", body)
+    k = AscendKernel(name, src, [["in", 0]], [], 3)
+    x = torch.zeros(16)
+    if isinstance(want, str):
+        with pytest.raises(DeepfuseError, match=want):
+            launch(k, [x], b"")
+    else:
+        launch(k, [x], b"")
+        assert x[:6].tolist() == want

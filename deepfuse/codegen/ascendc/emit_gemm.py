@@ -19,9 +19,14 @@ from ...ir import Node
 from .emit import emit_gather, emit_rms_norm, emit_swiglu
 from .kernel import AIC_CORES, CTYPE, SIZE, AscendKernel, align, cdiv
 
-# includes and operand types shared by the GEMM kernels: A, B (transposed) in $TA, C in $TC
+# includes and operand types shared by the GEMM kernels: A, B (transposed) in $TA, C in $TC.
+# Pure cube: ASCENDC_CUBE_ONLY before lib/matmul_intf.h makes Matmul run on the cube core itself
+# (without it Matmul is the mixed mode's vector-side client and GetBlockIdx counts vector cores),
+# and the entries are __cube__ (AIC only: GetBlockIdx in [0, blockDim), no vector work)
 MATMUL_HEAD = """\
 #include "kernel_operator.h"
+#include "kernel_tiling/kernel_tiling.h"
+#define ASCENDC_CUBE_ONLY
 #include "lib/matmul_intf.h"
 using namespace AscendC;
 using namespace matmul;
@@ -69,7 +74,7 @@ private:
     int32_t nStart = 0;
 };
 
-extern "C" __global__ __aicore__ void $NAME(GM_ADDR a, GM_ADDR b, GM_ADDR c, GM_ADDR workspace, GM_ADDR tiling)
+extern "C" __global__ __cube__ void $NAME(GM_ADDR a, GM_ADDR b, GM_ADDR c, GM_ADDR workspace, GM_ADDR tiling)
 {
     SetSysWorkspace(workspace);
     TCubeTiling t = *(__gm__ TCubeTiling*)tiling;
@@ -181,7 +186,7 @@ private:
     int32_t nStart = 0;
 };
 
-extern "C" __global__ __aicore__ void $NAME(GM_ADDR a, GM_ADDR b, GM_ADDR c, GM_ADDR offsets, GM_ADDR workspace,
+extern "C" __global__ __cube__ void $NAME(GM_ADDR a, GM_ADDR b, GM_ADDR c, GM_ADDR offsets, GM_ADDR workspace,
                                              GM_ADDR tiling)
 {
     SetSysWorkspace(workspace);

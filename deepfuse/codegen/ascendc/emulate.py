@@ -77,8 +77,7 @@ def _cached(key: str, name: str, make) -> str:
 
 def qualifier(kernel: AscendKernel) -> int:
     """The kernel entry's execution-space qualifier (QUALIFIERS), read from its declaration."""
-    m = re.search(r"__global__((?:\s+__\w+__(?:\(\s*\d\s*,\s*\d\s*\))?)*)\s+void\s+" + kernel.name + r"\s*\(",
-                  kernel.source)
+    m = re.search(r"^([^\n]*\b__global__\b[^\n]*?)\bvoid\s+" + kernel.name + r"\s*\(", kernel.source, re.M)
     if m is None:
         raise DeepfuseError(f"AscendC kernel {kernel.name}: no `__global__ ... void {kernel.name}(` entry")
     found = [q for q in QUALIFIERS if q and q.replace(" ", "") in m.group(1).replace(" ", "")]

@@ -65,7 +65,8 @@ def rstd_on_vector(sums: str, n: int, eps: str) -> str:
 
 @dataclass
 class AscendKernel:
-    """One `extern "C" __global__ __aicore__` entry: name(GM args..., workspace, tiling)."""
+    """One `extern "C" __global__ __vector__` (core "aiv") or `__cube__` (core "aic") entry:
+    name(GM args..., workspace, tiling)."""
     name: str
     source: str
     args: list[list]  # argument forms, one per GM_ADDR

@@ -9,7 +9,7 @@ import torch
 
 from deepfuse.codegen.ascendc import build_plan
 from deepfuse.codegen.ascendc.emulate import build, launch
-from deepfuse.codegen.ascendc.kernel import AscendKernel
+from deepfuse.codegen.ascendc.kernel import AscendKernel, pack
 from deepfuse.codegen.targets import get_target
 from deepfuse.compiler import trace_model
 from deepfuse.errors import DeepfuseError
@@ -20,11 +20,16 @@ from tests.models.test_deepseek_moe_routing import make_block, routing, weights
 
 pytestmark = pytest.mark.skipif(shutil.which("g++") is None, reason="the AscendC emulator needs g++")
 
+UNUSED = [["unused", "uint32_t", 0]]  # the tiling of the test kernels below: one unused field
 TINY = """\
 #include "kernel_operator.h"
 using namespace AscendC;
 
-extern "C" __global__ __aicore__ void NAME(GM_ADDR x, GM_ADDR workspace, GM_ADDR tiling)
+struct NAME_tiling {
+    uint32_t unused;
+};
+
+extern "C" __global__ __aicore__ void NAME(GM_ADDR x, GM_ADDR workspace, NAME_tiling tiling)
 {
     GlobalTensor<float> xGm;
     xGm.SetGlobalBuffer((__gm__ float*)x, 8);
@@ -36,7 +41,7 @@ extern "C" __global__ __aicore__ void NAME(GM_ADDR x, GM_ADDR workspace, GM_ADDR
 
 def tiny_kernel(name: str, body: str, head: str = "") -> AscendKernel:
     """A one-core vector kernel that sets x[0] = body (x: f32 [8])."""
-    return AscendKernel(name, head + TINY.replace("NAME", name).replace("BODY", body), [["in", 0]], [], 1)
+    return AscendKernel(name, head + TINY.replace("NAME", name).replace("BODY", body), [["in", 0]], UNUSED, 1)
 
 
 @pytest.mark.parametrize("body,head", [("(float)sqrt((double)v)", ""), ("-INFINITY", ""), ("sqrtf(v)", ""),
@@ -54,7 +59,7 @@ def test_kernels_see_no_host_headers(body, head):
 def test_a_device_only_kernel_compiles_and_runs():
     """The same kernel with float arithmetic only (the control for the test above)."""
     x = torch.full((8,), 3.0)
-    launch(tiny_kernel("device_cpp", "v * 0.5f"), [x], b"")
+    launch(tiny_kernel("device_cpp", "v * 0.5f"), [x], pack(UNUSED, []))
     assert x[0] == 1.5
 
 
@@ -97,7 +102,11 @@ REDUCE = """\
 #include "kernel_operator.h"
 using namespace AscendC;
 
-extern "C" __global__ __aicore__ void NAME(GM_ADDR x, GM_ADDR workspace, GM_ADDR tiling)
+struct NAME_tiling {
+    uint32_t unused;
+};
+
+extern "C" __global__ __aicore__ void NAME(GM_ADDR x, GM_ADDR workspace, NAME_tiling tiling)
 {
     TPipe pipe;
     TBuf<QuePosition::VECCALC> srcBuf, tmpBuf, dstBuf;
@@ -122,7 +131,7 @@ extern "C" __global__ __aicore__ void NAME(GM_ADDR x, GM_ADDR workspace, GM_ADDR
 
 def reduce_kernel(name: str, dst: str, tmp: str, tmp_bytes: int) -> AscendKernel:
     src = REDUCE.replace("NAME", name).replace("DST", dst).replace("TMP_BYTES", str(tmp_bytes)).replace("TMP", tmp)
-    return AscendKernel(name, src, [["in", 0]], [], 1)
+    return AscendKernel(name, src, [["in", 0]], UNUSED, 1)
 
 
 @pytest.mark.parametrize("dst,tmp,tmp_bytes,error", [
@@ -142,9 +151,9 @@ def test_reduce_sum_scratch_rules(dst, tmp, tmp_bytes, error):
     k = reduce_kernel(f"reduce_{dst}_{tmp}_{tmp_bytes}", dst, tmp, tmp_bytes)
     if error:
         with pytest.raises(DeepfuseError, match=error):
-            launch(k, [x], b"")
+            launch(k, [x], pack(UNUSED, []))
     else:
-        launch(k, [x], b"")
+        launch(k, [x], pack(UNUSED, []))
         torch.testing.assert_close(x[0], want, atol=1e-4, rtol=1e-5)
 
 
@@ -166,7 +175,6 @@ def test_gemm_kernels_run_on_the_cube_cores_alone():
     blocks (docs/zh/api/SIMD-API/基础API/工具接口/系统资源与变量/GetBlockIdx.md) and the
     GetBlockIdx() * singleCoreN split leaves half the cube cores idle."""
     from deepfuse.codegen.ascendc.emit_gemm import emit_matmul
-    from deepfuse.codegen.ascendc.kernel import pack
 
     k = emit_matmul("mm_modes", ["shape", 0, 0], 512, 64, ["in", 0], ["in", 1], ["out", 0])
     a, b, c = torch.randn(5, 64), torch.randn(512, 64), torch.zeros(5, 512)
@@ -192,7 +200,11 @@ MODES = """\
 HEAD
 using namespace AscendC;
 
-extern "C" __global__ QUALIFIER void NAME(GM_ADDR x, GM_ADDR workspace, GM_ADDR tiling)
+struct NAME_tiling {
+    uint32_t unused;
+};
+
+extern "C" __global__ QUALIFIER void NAME(GM_ADDR x, GM_ADDR workspace, NAME_tiling tiling)
 {
     GlobalTensor<float> xGm;
     xGm.SetGlobalBuffer((__gm__ float*)x, 16);
@@ -218,11 +230,11 @@ def test_kernel_modes_and_block_indices(qualifier, head, body, want):
     KERNEL_TYPE_AIC_ONLY), a __cube__ Matmul needs ASCENDC_CUBE_ONLY."""
     name = f"modes_{abs(hash((qualifier, head, body))) % 10**6}"
     src = MODES.replace("NAME", name).replace("QUALIFIER", qualifier).replace("HEAD", head).replace("BODY", body)
-    k = AscendKernel(name, src, [["in", 0]], [], 3)
+    k = AscendKernel(name, src, [["in", 0]], UNUSED, 3)
     x = torch.zeros(16)
     if isinstance(want, str):
         with pytest.raises(DeepfuseError, match=want):
-            launch(k, [x], b"")
+            launch(k, [x], pack(UNUSED, []))
     else:
-        launch(k, [x], b"")
+        launch(k, [x], pack(UNUSED, []))
         assert x[:6].tolist() == want

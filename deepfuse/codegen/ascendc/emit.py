@@ -2,8 +2,8 @@
 (embedding, take_rows); sample and spec_verify are in emit_sample.py.
 
 Kernels follow the public AscendC vector-kernel structure: an `extern "C" __global__ __vector__`
-entry (vector cores only) with GM_ADDR arguments, a workspace and a tiling pointer; a kernel
-class with Init / Process and CopyIn -> Compute -> CopyOut stages over TQue double buffers;
+entry (vector cores only) with GM_ADDR arguments, a workspace and its tiling struct (by value);
+a kernel class with Init / Process and CopyIn -> Compute -> CopyOut stages over TQue double buffers;
 rows split across AI vector cores by GetBlockIdx; DataCopy for whole 32-byte blocks and
 DataCopyPad for rows whose bytes are not; SetFlag/WaitFlag where the scalar unit reads
 vector results. fp32, bf16 or f16 in GM; bf16 / f16 rows are computed in fp32 in UB.
@@ -50,11 +50,10 @@ ROWS_INIT = """        first = GetBlockIdx() * t.rowsPerCore;
         last = first + t.rowsPerCore < t.rows ? first + t.rowsPerCore : t.rows;
 """
 ENTRY = """
-extern "C" __global__ __vector__ void $NAME($PARAMS, GM_ADDR workspace, GM_ADDR tiling)
+extern "C" __global__ __vector__ void $NAME($PARAMS, GM_ADDR workspace, ${NAME}_tiling tiling)
 {
-    ${NAME}_tiling t = *(__gm__ ${NAME}_tiling*)tiling;
     Kernel_$NAME op;
-    op.Init($ARGS, t);
+    op.Init($ARGS, tiling);
     op.Process();
 }
 """

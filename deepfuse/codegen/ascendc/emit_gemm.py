@@ -74,32 +74,49 @@ private:
     int32_t nStart = 0;
 };
 
-extern "C" __global__ __cube__ void $NAME(GM_ADDR a, GM_ADDR b, GM_ADDR c, GM_ADDR workspace, GM_ADDR tiling)
+extern "C" __global__ __cube__ void $NAME(GM_ADDR a, GM_ADDR b, GM_ADDR c, GM_ADDR workspace,
+                                          AscendC::tiling::TCubeTiling tiling)
 {
     SetSysWorkspace(workspace);
-    TCubeTiling t = *(__gm__ TCubeTiling*)tiling;
     TPipe pipe;
     Kernel_$NAME op;
-    REGIST_MATMUL_OBJ(&pipe, GetSysWorkSpacePtr(), op.mm, &t);
-    op.Init(a, b, c, t);
+    REGIST_MATMUL_OBJ(&pipe, GetSysWorkSpacePtr(), op.mm, &tiling);
+    op.Init(a, b, c, tiling);
     op.Process();
 }
 """)
 WORKSPACE = 16 * 1024 * 1024  # the Matmul API's system workspace (CANN asks for 16 MB)
 
 
+# TCubeTiling's fields in the kit's order (asc-devkit include/adv_api/matmul/matmul_tilingdata.h),
+# all int32_t; emu/kernel_tiling/kernel_tiling.h mirrors it
+TCUBE_TILING = ("usedCoreNum M N Ka Kb singleCoreM singleCoreN singleCoreK baseM baseN baseK depthA1 depthB1 stepM "
+                "stepN isBias transLength iterateOrder shareMode shareL1Size shareL0CSize shareUbSize batchM batchN "
+                "singleBatchM singleBatchN stepKa stepKb depthAL1CacheUB depthBL1CacheUB dbL0A dbL0B dbL0C "
+                "ALayoutInfoB ALayoutInfoS ALayoutInfoN ALayoutInfoG ALayoutInfoD BLayoutInfoB BLayoutInfoS "
+                "BLayoutInfoN BLayoutInfoG BLayoutInfoD CLayoutInfoB CLayoutInfoS1 CLayoutInfoN CLayoutInfoG "
+                "CLayoutInfoS2 BatchNum mxTypePara").split()
+
+
 def cube_tiling(m_expr, n: int, k: int, size: int = 4) -> tuple[list[list], int]:
-    """TCubeTiling fields (in emu/kernel_tiling/kernel_tiling.h's order) and the cores used: N
-    split in 16-aligned slices over the cube cores; base tiles 128 x min(128, slice) x
-    min(64, K) (K in whole 32-byte fractal rows of `size`-byte elements), double-buffered in
-    L0A/L0B (64 KB each)."""
+    """Every TCubeTiling field, in the struct's order, and the cores used: N split in 16-aligned
+    slices over the cube cores (singleCoreM = M, the step's rows); base tiles 128 x min(128,
+    slice) x min(64, K) (K in whole 32-byte fractal rows of `size`-byte elements), double-buffered
+    in L0A/L0B (64 KB each) and L1. deepfuse chooses the split and base tiles itself (not
+    MultiCoreMatmulTiling::GetTiling, whose choice depends on the SoC); the fields that follow
+    from them are set as GetTiling sets them on Ascend 950 (depthA1/B1 = step * stepK * 2,
+    shareL1Size = the L1 the A and B tiles take, shareL0CSize = baseM * baseN * 4), and the
+    rest -- transLength, shareMode, shareUbSize (UB staging only on older SoCs), batch*,
+    depth*L1CacheUB (310P only), the layout infos, BatchNum, mxTypePara -- are 0, GetTiling's
+    value for a plain ND GEMM without batch or MX types there."""
     single_n = min(align(cdiv(n, AIC_CORES), 16), n)
     cores = cdiv(n, single_n)
     base_m, base_n, base_k = 128, min(128, align(single_n, 16)), min(64, align(k, 32 // size))
-    values = {"usedCoreNum": cores, "M": m_expr, "N": n, "Ka": k, "Kb": k, "singleCoreM": m_expr,
-              "singleCoreN": single_n, "singleCoreK": k, "baseM": base_m, "baseN": base_n, "baseK": base_k,
-              "depthA1": 2, "depthB1": 2, "stepM": 1, "stepN": 1, "stepKa": 1, "stepKb": 1, "isBias": 0,
-              "iterateOrder": 0, "dbL0A": 2, "dbL0B": 2, "dbL0C": 1}
+    values = dict.fromkeys(TCUBE_TILING, 0)
+    values.update(usedCoreNum=cores, M=m_expr, N=n, Ka=k, Kb=k, singleCoreM=m_expr, singleCoreN=single_n,
+                  singleCoreK=k, baseM=base_m, baseN=base_n, baseK=base_k, depthA1=2, depthB1=2, stepM=1, stepN=1,
+                  stepKa=1, stepKb=1, dbL0A=2, dbL0B=2, dbL0C=1,
+                  shareL1Size=(2 * base_m + 2 * base_n) * base_k * size, shareL0CSize=base_m * base_n * 4)
     return [[f, "int32_t", v] for f, v in values.items()], cores
 
 
@@ -187,14 +204,13 @@ private:
 };
 
 extern "C" __global__ __cube__ void $NAME(GM_ADDR a, GM_ADDR b, GM_ADDR c, GM_ADDR offsets, GM_ADDR workspace,
-                                             GM_ADDR tiling)
+                                          AscendC::tiling::TCubeTiling tiling)
 {
     SetSysWorkspace(workspace);
-    TCubeTiling t = *(__gm__ TCubeTiling*)tiling;
     TPipe pipe;
     Kernel_$NAME op;
-    REGIST_MATMUL_OBJ(&pipe, GetSysWorkSpacePtr(), op.mm, &t);
-    op.Init(a, b, c, offsets, t);
+    REGIST_MATMUL_OBJ(&pipe, GetSysWorkSpacePtr(), op.mm, &tiling);
+    op.Init(a, b, c, offsets, tiling);
     op.Process();
 }
 """)

@@ -136,20 +136,33 @@ def _check(lib: ctypes.CDLL, rc: int, what: str) -> None:
         raise DeepfuseError(f"{what} failed in the emulator: {lib.deepfuse_emu_error().decode()}")
 
 
+CTYPES = {"int32_t": ctypes.c_int32, "uint32_t": ctypes.c_uint32, "float": ctypes.c_float}
+
+
+def tiling_ctype(kernel: AscendKernel) -> type:
+    """The kernel's tiling struct as a ctypes Structure (passed by value to its launch function)."""
+    return type(f"{kernel.name}_tiling", (ctypes.Structure,), {"_fields_": [(f, CTYPES[c]) for f, c, _ in kernel.tiling]})
+
+
 def launch(kernel: AscendKernel, tensors: list[torch.Tensor], tiling: bytes, ub_bytes: int = UB_BYTES) -> dict:
     """Runs the kernel over its block_dim cores on `tensors` (one per GM argument, contiguous CPU
-    memory, written in place): queued on the default stream, then the stream synchronised.
-    Returns what ran: {"blocks": bodies run, "busy_cubes": cube cores that computed a Matmul}."""
+    memory, written in place) with `tiling` (its struct's bytes, kernel.pack): queued on the
+    default stream by its launch function, then the stream synchronised. Returns what ran:
+    {"blocks": bodies run, "busy_cubes": cube cores that computed a Matmul}."""
     for t in tensors:
         if not t.is_contiguous() or t.device.type != "cpu":
             raise DeepfuseError(f"{kernel.name}: the emulator needs contiguous CPU tensors")
+    struct = tiling_ctype(kernel)
+    if len(tiling) != ctypes.sizeof(struct):
+        raise DeepfuseError(f"{kernel.name}: {len(tiling)} bytes of tiling for a {ctypes.sizeof(struct)}-byte struct")
     lib = _load(build(kernel))
     lib.deepfuse_emu_set_ub(ctypes.c_size_t(ub_bytes))
     workspace = ctypes.create_string_buffer(max(kernel.workspace, 32))
-    tiling_buf = ctypes.create_string_buffer(tiling, max(len(tiling), 4))
     fn = getattr(lib, launch_symbol(kernel))
     fn.restype = None
-    fn(ctypes.c_uint32(kernel.block_dim), None, *[ctypes.c_void_p(t.data_ptr()) for t in tensors], workspace, tiling_buf)
+    fn.argtypes = [ctypes.c_uint32, ctypes.c_void_p] + [ctypes.c_void_p] * (len(tensors) + 1) + [struct]
+    fn(kernel.block_dim, None, *[t.data_ptr() for t in tensors], ctypes.addressof(workspace),
+       struct.from_buffer_copy(tiling))
     _check(lib, lib.aclrtSynchronizeStream(None), f"AscendC kernel {kernel.name}")
     lib.deepfuse_emu_blocks_run.restype = lib.deepfuse_emu_busy_cubes.restype = ctypes.c_int64
     return {"blocks": lib.deepfuse_emu_blocks_run(), "busy_cubes": lib.deepfuse_emu_busy_cubes()}

@@ -66,7 +66,7 @@ def rstd_on_vector(sums: str, n: int, eps: str) -> str:
 @dataclass
 class AscendKernel:
     """One `extern "C" __global__ __vector__` (core "aiv") or `__cube__` (core "aic") entry:
-    name(GM args..., workspace, tiling)."""
+    name(GM args..., workspace, tiling), the tiling struct by value (tiling_type)."""
     name: str
     source: str
     args: list[list]  # argument forms, one per GM_ADDR
@@ -85,10 +85,17 @@ def launch_symbol(k: AscendKernel) -> str:
     return f"deepfuse_launch_{k.name}"
 
 
+def tiling_type(k: AscendKernel) -> str:
+    """The C++ type of k's tiling argument: the kit's TCubeTiling for a GEMM, else the kernel's
+    own struct (tiling_struct)."""
+    return "AscendC::tiling::TCubeTiling" if k.core == "aic" else f"{k.name}_tiling"
+
+
 def launch_signature(k: AscendKernel) -> str:
     """The C++ signature of k's host-side launch function (see launch_function)."""
     params = "".join(f"uint8_t* a{i}, " for i in range(len(k.args)))
-    return f'extern "C" void {launch_symbol(k)}(uint32_t blockDim, void* stream, {params}uint8_t* workspace, uint8_t* tiling)'
+    return (f'extern "C" void {launch_symbol(k)}(uint32_t blockDim, void* stream, {params}uint8_t* workspace, '
+            f"{tiling_type(k)} tiling)")
 
 
 def launch_function(k: AscendKernel) -> str:
@@ -148,7 +155,8 @@ def render(expr) -> str:
 
 
 def pack(fields: list[list], shapes: list[tuple], tmp_shapes: list[tuple] = ()) -> bytes:
-    """The tiling struct's bytes for one launch."""
+    """The tiling struct's bytes for one launch (4-byte fields in order, as the struct lays them
+    out)."""
     out = b""
     for _, ctype, expr in fields:
         v = evaluate(expr, shapes, tmp_shapes)

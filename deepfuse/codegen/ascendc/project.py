@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 
 from ...errors import DeepfuseError
-from .kernel import AscendKernel, kernel_file, launch_signature, launch_symbol, render, tiling_struct
+from .kernel import AscendKernel, kernel_file, launch_signature, launch_symbol, render, tiling_struct, tiling_type
 
 # the Ascend 950PR / 950DT SoC names CANN's host config accepts (asc-devkit
 # cmake/asc/legacy_modules/host_config.cmake, ascend950_list; compared lower-cased); all are
@@ -24,7 +24,6 @@ NPU_ARCH = "dav-3510"
 
 MAX_ARGS = 16  # most inputs / scratch tensors of one launch
 MAX_DIMS = 6
-TILING_SLOT = 256  # bytes of device tiling per kernel
 KERNEL_SLOTS = 8  # most kernels per launch (fused_moe's eight)
 
 HEADER = f"""\
@@ -36,7 +35,6 @@ HEADER = f"""\
 
 #define DEEPFUSE_MAX_ARGS {MAX_ARGS}
 #define DEEPFUSE_MAX_DIMS {MAX_DIMS}
-#define DEEPFUSE_TILING_SLOT {TILING_SLOT}
 #define DEEPFUSE_KERNEL_SLOTS {KERNEL_SLOTS}
 
 // device pointers and shapes of one launch; in / out follow the plan's "in" / "out" order,
@@ -48,7 +46,6 @@ struct DeepfuseLaunchArgs {{
     int64_t in_shape[DEEPFUSE_MAX_ARGS][DEEPFUSE_MAX_DIMS];
     int64_t tmp_shape[DEEPFUSE_MAX_ARGS][DEEPFUSE_MAX_DIMS];
     void* workspace;  // device memory of at least deepfuse_workspace_bytes()
-    void* tiling;     // device memory of at least deepfuse_tiling_bytes()
 }};
 
 extern "C" {{
@@ -57,8 +54,9 @@ int deepfuse_num_launches(void);
 const char* deepfuse_launch_op(int i);
 int deepfuse_launch_is_host_step(int i);
 uint64_t deepfuse_workspace_bytes(void);
-uint64_t deepfuse_tiling_bytes(void);
-// launches the kernels of plan launch i on `stream` (returns the first aclError)
+// queues the kernels of plan launch i on `stream`, each with its tiling (by value); they run in
+// stream order, so the caller synchronises the stream before it reads their outputs
+
 aclError deepfuse_launch(int i, aclrtStream stream, const DeepfuseLaunchArgs* args);
 }}
 """
@@ -69,7 +67,7 @@ SOURCE_HEAD = """\
 #include "deepfuse_launch.h"
 #include "kernel_tiling/kernel_tiling.h"
 
-// each kernel's launch function (kernels/<name>.cpp)
+// each kernel's tiling struct (TCubeTiling for the GEMMs) and launch function (kernels/<name>.cpp)
 $INCLUDES
 static inline int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 static inline int64_t Min(int64_t a, int64_t b) { return a < b ? a : b; }
@@ -78,28 +76,25 @@ static inline int64_t Min(int64_t a, int64_t b) { return a < b ? a : b; }
 
 
 def _kernel_fn(k: AscendKernel) -> str:
-    """run_<name>: fills the kernel's tiling from the launch's shapes, copies it to its device
-    slot and queues the kernel on the stream."""
-    struct = "TCubeTiling" if k.core == "aic" else f"{k.name}_tiling"
+    """run_<name>: fills the kernel's tiling from the launch's shapes and queues the kernel on
+    the stream with it: by value, so a launch still queued keeps its own tiling."""
     fill = "".join(f"    t.{f} = ({ctype}){render(e)};\n" for f, ctype, e in k.tiling)
     args = ", ".join(f"(uint8_t*)a->{kind}[{i}]" for kind, i in k.args)
-    return (f"static aclError run_{k.name}(aclrtStream stream, const DeepfuseLaunchArgs* a, uint8_t* tiling)\n{{\n"
+    return (f"static aclError run_{k.name}(aclrtStream stream, const DeepfuseLaunchArgs* a)\n{{\n"
             f"    const int64_t (*in_shape)[DEEPFUSE_MAX_DIMS] = a->in_shape;\n"
             f"    const int64_t (*tmp_shape)[DEEPFUSE_MAX_DIMS] = a->tmp_shape;\n"
             f"    (void)in_shape;\n    (void)tmp_shape;\n"
-            f"    {struct} t;\n    std::memset(&t, 0, sizeof(t));\n{fill}"
-            f"    aclError rc = aclrtMemcpy(tiling, DEEPFUSE_TILING_SLOT, &t, sizeof(t), ACL_MEMCPY_HOST_TO_DEVICE);\n"
-            f"    if (rc != ACL_SUCCESS) {{\n        return rc;\n    }}\n"
-            f"    {launch_symbol(k)}({k.block_dim}, stream, {args}, (uint8_t*)a->workspace, tiling);\n"
+            f"    {tiling_type(k)} t{{}};\n{fill}"
+            f"    {launch_symbol(k)}({k.block_dim}, stream, {args}, (uint8_t*)a->workspace, t);\n"
             f"    return ACL_SUCCESS;\n}}\n")
 
 
 def host_source(plan: dict, kernels: dict[str, AscendKernel]) -> str:
     structs = "".join(tiling_struct(k.name, k.tiling) for k in kernels.values() if k.core != "aic")
-    includes = "".join(f"{launch_signature(k)};\n" for k in kernels.values())
-    out = SOURCE_HEAD.replace("$INCLUDES", includes) + structs + "\n"
+    includes = structs + "".join(f"{launch_signature(k)};\n" for k in kernels.values())
+    out = SOURCE_HEAD.replace("$INCLUDES", includes) + "\n"
     out += "\n".join(_kernel_fn(k) for k in kernels.values())
-    out += "\ntypedef aclError (*KernelFn)(aclrtStream, const DeepfuseLaunchArgs*, uint8_t*);\n"
+    out += "\ntypedef aclError (*KernelFn)(aclrtStream, const DeepfuseLaunchArgs*);\n"
     out += "struct Launch {\n    const char* op;\n    int count;\n    KernelFn kernels[DEEPFUSE_KERNEL_SLOTS];\n};\n"
     rows = []
     for p in plan["launches"]:
@@ -114,18 +109,14 @@ extern "C" int deepfuse_num_launches(void) {{ return {n}; }}
 extern "C" const char* deepfuse_launch_op(int i) {{ return i >= 0 && i < {n} ? LAUNCHES[i].op : nullptr; }}
 extern "C" int deepfuse_launch_is_host_step(int i) {{ return i >= 0 && i < {n} && LAUNCHES[i].count == 0; }}
 extern "C" uint64_t deepfuse_workspace_bytes(void) {{ return {workspace}ULL; }}
-extern "C" uint64_t deepfuse_tiling_bytes(void) {{ return {n}ULL * DEEPFUSE_KERNEL_SLOTS * DEEPFUSE_TILING_SLOT; }}
 
 extern "C" aclError deepfuse_launch(int i, aclrtStream stream, const DeepfuseLaunchArgs* args)
 {{
     if (i < 0 || i >= {n} || LAUNCHES[i].count == 0) {{
         return ACL_ERROR_INVALID_PARAM;
     }}
-    // every kernel of every launch has its own tiling slot: no launch overwrites a tiling
-    // that a kernel still queued on the stream reads
-    uint8_t* tiling = (uint8_t*)args->tiling + (uint64_t)i * DEEPFUSE_KERNEL_SLOTS * DEEPFUSE_TILING_SLOT;
     for (int k = 0; k < LAUNCHES[i].count; k++) {{
-        aclError rc = LAUNCHES[i].kernels[k](stream, args, tiling + k * DEEPFUSE_TILING_SLOT);
+        aclError rc = LAUNCHES[i].kernels[k](stream, args);
         if (rc != ACL_SUCCESS) {{
             return rc;
         }}

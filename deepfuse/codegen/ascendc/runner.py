@@ -28,7 +28,7 @@ Shapes = (ctypes.c_int64 * MAX_DIMS) * MAX_ARGS
 class LaunchArgs(ctypes.Structure):
     """host/deepfuse_launch.h's DeepfuseLaunchArgs."""
     _fields_ = [("in_", Ptrs), ("out", Ptrs), ("tmp", Ptrs), ("in_shape", Shapes), ("tmp_shape", Shapes),
-                ("workspace", ctypes.c_void_p), ("tiling", ctypes.c_void_p)]
+                ("workspace", ctypes.c_void_p)]
 
 
 class EmulatorRunner:
@@ -44,9 +44,7 @@ class EmulatorRunner:
         if via_host:
             self.host = load_project(project_files(plan), list(kernels_of(plan).values()))
             self.host.deepfuse_workspace_bytes.restype = ctypes.c_uint64
-            self.host.deepfuse_tiling_bytes.restype = ctypes.c_uint64
             self.workspace = torch.zeros(max(self.host.deepfuse_workspace_bytes(), 32), dtype=torch.uint8)
-            self.tiling = torch.zeros(self.host.deepfuse_tiling_bytes(), dtype=torch.uint8)
 
     def _build(self) -> None:
         """Compiles every kernel of the plan with g++ (cached), in parallel; on the first step,
@@ -107,7 +105,7 @@ class EmulatorRunner:
             for j, t in enumerate(tensors):
                 for d, n in enumerate(t.shape):
                     getattr(a, field)[j][d] = n
-        a.workspace, a.tiling = self.workspace.data_ptr(), self.tiling.data_ptr()
+        a.workspace = self.workspace.data_ptr()
         rc = self.host.deepfuse_launch(index, None, ctypes.byref(a))
         if rc == 0:  # the kernels are queued on the stream: run them
             rc = self.host.aclrtSynchronizeStream(None)

@@ -50,6 +50,12 @@ class Matmul {
     t_ = *tiling;
     const TCubeTiling& t = t_;
     if (t.baseM <= 0 || t.baseN <= 0 || t.baseK <= 0) fail("Matmul tiling: base sizes must be positive");
+    // the TCubeTiling doc's rules (TCubeTiling结构体.md): step / depth > 0, dbL0* in {1, 2}
+    if (t.usedCoreNum <= 0 || t.stepM <= 0 || t.stepN <= 0 || t.stepKa <= 0 || t.stepKb <= 0 || t.depthA1 <= 0 ||
+        t.depthB1 <= 0)
+      fail("Matmul tiling: usedCoreNum, step* and depth* must be positive");
+    if (t.dbL0A < 1 || t.dbL0A > 2 || t.dbL0B < 1 || t.dbL0B > 2 || t.dbL0C < 1 || t.dbL0C > 2)
+      fail("Matmul tiling: dbL0A / dbL0B / dbL0C must be 1 or 2");
     if (t.baseM % 16 || t.baseN % 16 || (t.baseK * (int)sizeof(TA)) % 32)
       fail("Matmul tiling: baseM and baseN must be multiples of 16 and baseK whole 32-byte fractal rows");
     int64_t a = (int64_t)t.baseM * t.baseK * sizeof(TA) * (t.dbL0A > 1 ? 2 : 1);

@@ -75,7 +75,7 @@ private:
 };
 
 extern "C" __global__ __cube__ void $NAME(GM_ADDR a, GM_ADDR b, GM_ADDR c, GM_ADDR workspace,
-                                          AscendC::tiling::TCubeTiling tiling)
+    AscendC::tiling::TCubeTiling tiling)
 {
     SetSysWorkspace(workspace);
     TPipe pipe;
@@ -204,7 +204,7 @@ private:
 };
 
 extern "C" __global__ __cube__ void $NAME(GM_ADDR a, GM_ADDR b, GM_ADDR c, GM_ADDR offsets, GM_ADDR workspace,
-                                          AscendC::tiling::TCubeTiling tiling)
+    AscendC::tiling::TCubeTiling tiling)
 {
     SetSysWorkspace(workspace);
     TPipe pipe;

@@ -78,12 +78,12 @@ def native():
 
 CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
 # skips that mean a part of the project did not build or is missing, never acceptable in CI
-MISSING_TOOL = ("compiler", "g++", "emulator", "could not be built", "failed to build")
+MISSING_TOOL = ("compiler", "g++", "cmake", "emulator", "could not be built", "failed to build")
 
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item, call):
-    """Under CI=true a skip for a missing compiler, g++ or the emulator is a failure."""
+    """Under CI=true a skip for a missing compiler, g++, cmake or the emulator is a failure."""
     outcome = yield
     report = outcome.get_result()
     if CI and report.skipped and not hasattr(report, "wasxfail"):

@@ -5,7 +5,6 @@ L0 overflow, DeQue before EnQue, missing pipe synchronisation). An emulator, not
 hardware: see docs/targets.md."""
 import dataclasses
 import json
-import shutil
 
 import pytest
 import torch
@@ -28,10 +27,11 @@ from deepfuse.passes import PassManager
 from deepfuse.runtime.batch import SeqChunk, build_step
 from deepfuse.runtime.kv_cache import CacheConfig, KVCache
 from tests.codegen.test_triton import mixed_step, tiny
+from tests.conftest import needs_gxx
 from tests.helpers import greedy_with, with_sinks
 from tests.models.test_deepseek_moe_routing import make_block, routing, weights
 
-pytestmark = pytest.mark.skipif(shutil.which("g++") is None, reason="the AscendC emulator needs g++")
+pytestmark = needs_gxx
 KINDS = {"embedding", "take_rows", "rms_norm_linear", "add_rms_norm_linear", "qkv_attention", "linear", "swiglu_linear",
          "add_rms_norm", "logits", "sample", "spec_verify"}
 

@@ -2,7 +2,6 @@
 Each rule is from Huawei's public AscendC development kit (asc-devkit, read at commit
 0da921b91aeb2abdc6e8d74423b0bbe7040c3fd1; paths below are in that repository) and is enforced
 by deepfuse's emulator or checked in the generated project: no host-only C++ in kernels."""
-import shutil
 
 import pytest
 import torch
@@ -16,9 +15,10 @@ from deepfuse.errors import DeepfuseError
 from deepfuse.frontend import Spec, ops, trace
 from deepfuse.models import load_model
 from deepfuse.passes import PassManager
+from tests.conftest import needs_gxx
 from tests.models.test_deepseek_moe_routing import make_block, routing, weights
 
-pytestmark = pytest.mark.skipif(shutil.which("g++") is None, reason="the AscendC emulator needs g++")
+pytestmark = needs_gxx
 
 UNUSED = [["unused", "uint32_t", 0]]  # the tiling of the test kernels below: one unused field
 TINY = """\

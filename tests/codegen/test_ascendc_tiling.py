@@ -5,10 +5,8 @@ asc-devkit at commit 0da921b91aeb2abdc6e8d74423b0bbe7040c3fd1, and the CANN runt
 aclrtMemcpy / aclrtMemcpyAsync ordering."""
 import ctypes
 import re
-import shutil
 import subprocess
 
-import pytest
 import torch
 
 from deepfuse.codegen.ascendc import build_plan
@@ -18,8 +16,9 @@ from deepfuse.codegen.ascendc.kernel import evaluate, pack
 from deepfuse.codegen.ascendc.runner import EmulatorRunner, LaunchArgs
 from deepfuse.ir import interpret
 from tests.codegen.test_ascendc import norm_graph
+from tests.conftest import needs_gxx
 
-pytestmark = pytest.mark.skipif(shutil.which("g++") is None, reason="the AscendC emulator needs g++")
+pytestmark = needs_gxx
 
 # include/adv_api/matmul/matmul_tilingdata.h:21-72 (BEGIN_TILING_DATA_DEF(TCubeTiling)): 50 fields,
 # all int32_t, in this order; the kernel-side kernel_tiling/kernel_tiling.h is generated from it

@@ -6,15 +6,131 @@ from __future__ import annotations
 
 from typing import Any
 
-from .tracer import apply
+from .tracer import apply, constant_like
 
 
 def add(a: Any, b: Any) -> Any:
-    return apply("add", a, b)
+    """a + b, broadcast; either may be a Python number (a constant of the other's dtype)."""
+    return apply("add", *_operands(a, b))
 
 
 def mul(a: Any, b: Any) -> Any:
-    return apply("mul", a, b)
+    return apply("mul", *_operands(a, b))
+
+
+def _operands(*xs: Any) -> list[Any]:
+    """Python numbers among xs as 0-d constants of the first tensor operand's dtype."""
+    like = next((x for x in xs if not isinstance(x, (int, float))), None)
+    if like is None:
+        raise TypeError("an op needs at least one tensor operand")
+    return [constant_like(x, like) if isinstance(x, (int, float)) else x for x in xs]
+
+
+# ---- primitives (ir/opdefs_prim.py): what decompositions are written in -------------------------
+
+
+def sub(a: Any, b: Any) -> Any:
+    return apply("sub", *_operands(a, b))
+
+
+def div(a: Any, b: Any) -> Any:
+    return apply("div", *_operands(a, b))
+
+
+def maximum(a: Any, b: Any) -> Any:
+    return apply("maximum", *_operands(a, b))
+
+
+def minimum(a: Any, b: Any) -> Any:
+    return apply("minimum", *_operands(a, b))
+
+
+def lt(a: Any, b: Any) -> Any:
+    return apply("lt", *_operands(a, b))
+
+
+def le(a: Any, b: Any) -> Any:
+    return apply("le", *_operands(a, b))
+
+
+def gt(a: Any, b: Any) -> Any:
+    return apply("gt", *_operands(a, b))
+
+
+def ge(a: Any, b: Any) -> Any:
+    return apply("ge", *_operands(a, b))
+
+
+def eq(a: Any, b: Any) -> Any:
+    return apply("eq", *_operands(a, b))
+
+
+def ne(a: Any, b: Any) -> Any:
+    return apply("ne", *_operands(a, b))
+
+
+def where(cond: Any, a: Any, b: Any) -> Any:
+    """a where cond, else b; a or b may be a number."""
+    x, y = _operands(a, b)
+    return apply("where", cond, x, y)
+
+
+def neg(x: Any) -> Any:
+    return apply("neg", x)
+
+
+def abs(x: Any) -> Any:  # noqa: A001  (the op's name)
+    return apply("abs", x)
+
+
+def exp(x: Any) -> Any:
+    return apply("exp", x)
+
+
+def log(x: Any) -> Any:
+    return apply("log", x)
+
+
+def sqrt(x: Any) -> Any:
+    return apply("sqrt", x)
+
+
+def rsqrt(x: Any) -> Any:
+    return apply("rsqrt", x)
+
+
+def tanh(x: Any) -> Any:
+    return apply("tanh", x)
+
+
+def erf(x: Any) -> Any:
+    return apply("erf", x)
+
+
+def sigmoid(x: Any) -> Any:
+    return apply("sigmoid", x)
+
+
+def pow(x: Any, exponent: float) -> Any:  # noqa: A001
+    """x ** exponent, a constant exponent."""
+    return apply("pow_scalar", x, exponent=float(exponent))
+
+
+def reduce_sum(x: Any, *, axis: int = -1, keepdim: bool = True) -> Any:
+    return apply("reduce_sum", x, axis=axis, keepdim=keepdim)
+
+
+def reduce_max(x: Any, *, axis: int = -1, keepdim: bool = True) -> Any:
+    return apply("reduce_max", x, axis=axis, keepdim=keepdim)
+
+
+def reduce_mean(x: Any, *, axis: int = -1, keepdim: bool = True) -> Any:
+    return apply("reduce_mean", x, axis=axis, keepdim=keepdim)
+
+
+def reshape(x: Any, *, shape: list) -> Any:
+    """A view with `shape` (ints, or the input's symbolic dims in order)."""
+    return apply("reshape", x, shape=list(shape))
 
 
 def silu(x: Any) -> Any:
@@ -184,3 +300,18 @@ def sample(logits: Any, temperature: Any, top_k: Any, top_p: Any, seeds: Any) ->
 def spec_verify(tokens: Any, draft_tokens: Any) -> Any:
     """[R] i64: tokens, -1 after each sequence's first rejected draft."""
     return apply("spec_verify", tokens, draft_tokens)
+
+
+def gelu_tanh(x: Any) -> Any:
+    """GELU with the tanh approximation."""
+    return apply("gelu_tanh", x)
+
+
+def softmax(x: Any) -> Any:
+    """Softmax along the last axis (in f32)."""
+    return apply("softmax", x)
+
+
+def softcap(x: Any, *, cap: float) -> Any:
+    """cap * tanh(x / cap)."""
+    return apply("softcap", x, cap=float(cap))

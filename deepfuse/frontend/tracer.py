@@ -90,6 +90,15 @@ def apply(op: str, *args: Any, **attrs: Any) -> Any:
     return OPS[op].reference(*args, **attrs)
 
 
+def constant_like(value: float, like: Any) -> torch.Tensor:
+    """A 0-d tensor holding `value` in the dtype of `like` (a Tracer or a tensor): under trace it
+    becomes a 0-d param, which lowering inlines as a literal."""
+    from ..ir import DTYPES
+
+    dtype = DTYPES[like.dtype] if isinstance(like, Tracer) else like.dtype
+    return torch.tensor(value, dtype=dtype)
+
+
 def args_ctx(args: Sequence[Any]) -> TraceContext:
     for a in args:
         if isinstance(a, Tracer):

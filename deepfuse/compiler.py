@@ -1,4 +1,5 @@
-"""compile(): model -> traced graph -> passes -> target launch data -> CompiledModel."""
+"""compile(): model -> traced graph -> passes -> target launch data -> CompiledModel; or a traced
+graph -> CompiledGraph."""
 from __future__ import annotations
 
 from tqdm import tqdm
@@ -7,9 +8,9 @@ from .codegen import get_target
 from .codegen.artifact import CompiledModel
 from .errors import DeepfuseError
 from .frontend import trace
-from .ir import DTYPES
+from .ir import DTYPES, Graph
 from .models import Llama, load_model, step_specs
-from .passes import PassManager
+from .passes import PassManager, cleanup_passes, fusion_passes
 from .runtime.tokenizer import Tokenizer
 
 
@@ -22,10 +23,39 @@ def trace_model(model: Llama, dtype: str = "f32", kv_cache_dtype: str | None = N
     return trace(cast.step, *step_specs(model.config, dtype, kv_cache_dtype), weights=weights, name=model.config.family)
 
 
-def compile(model: str | Llama, target: str = "cpu", dtype: str = "f32", fuse: bool = True,
+def check_host_steps(plan: dict, target: str, allow_host_steps: bool) -> None:
+    """ascend950 refuses a build whose ops would run as references on the host, unless allowed."""
+    steps = plan["host_steps"]
+    if target == "ascend950" and steps and not allow_host_steps:
+        listed = "; ".join(f"{s['node']}: {s['why']}" for s in steps[:8]) + (" ..." if len(steps) > 8 else "")
+        raise DeepfuseError(f"{len(steps)} op(s) would run on the host, not as ascend950 kernels: {listed} "
+                            "(compile(..., allow_host_steps=True) builds it anyway, listing them in the manifest)")
+
+
+def compile_graph(graph: Graph, target: str = "cpu", fuse: bool = True, dump_dir: str | None = None,
+                  allow_host_steps: bool = False):
+    """Compiles a traced graph (deepfuse.trace) for `target` -> CompiledGraph, callable here."""
+    from .compiled_graph import CompiledGraph
+
+    tgt = get_target(target)
+    passes = cleanup_passes() + (fusion_passes() if fuse else []) + tgt.codegen_passes()
+    weights = dict(graph.weights)
+    graph = graph.copy()
+    graph.weights = weights
+    graph, reports = PassManager(passes).run(graph, dump_dir)
+    plan = tgt.lower(graph)
+    check_host_steps(plan, target, allow_host_steps)
+    files = tgt.binaries(plan)
+    return CompiledGraph(graph, plan, target, tgt.make_runner(plan, graph.weights, files), [vars(r) for r in reports])
+
+
+def compile(model: str | Llama | Graph, target: str = "cpu", dtype: str = "f32", fuse: bool = True,
             dump_dir: str | None = None, tokenizer: Tokenizer | None = None, quant: str | None = None,
-            batch_invariant: bool = False, kv_cache_dtype: str | None = None) -> CompiledModel:
-    """Compiles `model` (a name/path that load_model accepts, or a Llama) for `target`.
+            batch_invariant: bool = False, kv_cache_dtype: str | None = None, allow_host_steps: bool = False):
+    """Compiles `model` (a name/path that load_model accepts, or a Llama) for `target`; a traced
+    ir.Graph instead gives a CompiledGraph (compile_graph).
+    allow_host_steps (ascend950): build even where an op would run its reference on the host
+        (the plan's and manifest's host_steps list them); without it such a build is refused.
     quant: None, "int4" (weight-only, 4-bit groups of 32) or "w8a8" (int8 weights, int8
         activations per row and group of 64; see passes/quantize.py).
     kv_cache_dtype: None (the caches hold `dtype`) or "int8" (cpu: each cached k and v row as int8
@@ -33,6 +63,8 @@ def compile(model: str | Llama, target: str = "cpu", dtype: str = "f32", fuse: b
     batch_invariant (cpu): one kernel per op for every batch shape, so a request's tokens never
     depend on what shares its steps or how its prompt was chunked (slower small steps; see
     codegen/cpu/executor.check_batch_invariant for where it is available)."""
+    if isinstance(model, Graph):
+        return compile_graph(model, target, fuse, dump_dir, allow_host_steps)
     tgt = get_target(target)
     if batch_invariant and target != "cpu":
         raise DeepfuseError(f"batch_invariant is implemented for the cpu target, not {target!r}")
@@ -46,7 +78,8 @@ def compile(model: str | Llama, target: str = "cpu", dtype: str = "f32", fuse: b
         bar.update()
         graph, reports = PassManager(pipeline).run(graph, dump_dir)
         bar.update()
-        plan = tgt.build(graph)
+        plan = tgt.lower(graph)
+        check_host_steps(plan, target, allow_host_steps)
         if batch_invariant:
             plan["batch_invariant"] = True
         files = tgt.binaries(plan)

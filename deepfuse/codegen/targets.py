@@ -1,7 +1,10 @@
-"""Target registry. A target names its lowering passes, the ops it has kernels for,
-how it turns a final graph into launch data, and how it runs that data.
+"""Target registry. A target names the ops it has hand-written kernels (templates) for, how it
+turns a final graph into launch data, and how it runs that data.
 
-Adding a target touches only its own folder plus one line here.
+Every other op gets its decomposition where each piece then has a kernel, and groups of
+primitive ops become generated kernels (passes/generate_kernels.py) that the target renders
+from the kernel IR; what is left runs its op's reference and is listed in the plan's
+`host_steps`. Adding a target touches only its own folder plus one line here.
 """
 from __future__ import annotations
 
@@ -11,22 +14,27 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import DeepfuseError
-from ..ir import Graph
-from ..passes import Pass, cleanup_passes, fusion_passes, prologue_passes, quant_passes
-from ..passes.decompose import decompose_unsupported
+from ..ir import Graph, Node
+from ..passes import Pass, cleanup_passes, dce, fusion_passes, prologue_passes, quant_passes
+from ..passes.decompose import decompose_for
+from ..passes.generate_kernels import generate_kernels
 
 Runner = Callable[[dict[str, torch.Tensor]], list[torch.Tensor]]
+Keep = Callable[[Node], bool]
+VIEW_OPS = ("reshape",)  # a reference that only relabels memory
 
 
 @dataclass(frozen=True)
 class Target:
     name: str
     description: str
-    kernels: frozenset[str]
+    keeps: Keep  # the node runs a hand-written kernel (template) here
     build: Callable[[Graph], dict]  # final graph -> launch plan (JSON-able)
     runner: Callable[[dict, dict[str, torch.Tensor]], Runner]  # (plan, weights) -> step function
     binaries: Callable[[dict], dict[str, bytes]] = lambda plan: {}  # plan -> artifact files (kernels/...)
     runs_binaries: bool = False  # the runner takes those files as a third argument (Triton: cubins)
+    device: bool = True  # a reference launch runs off the target's kernels (a host step)
+    templates: frozenset[str] = frozenset()  # ops with a template, for some forms of them (keeps decides)
 
     def make_runner(self, plan: dict, weights: dict[str, torch.Tensor], files: dict[str, bytes]) -> Runner:
         return self.runner(plan, weights, files) if self.runs_binaries else self.runner(plan, weights)
@@ -34,37 +42,71 @@ class Target:
     def pipeline(self, fuse: bool = True, quant: str | None = None) -> list[Pass]:
         passes = cleanup_passes() + (fusion_passes() if fuse else []) + quant_passes(quant)
         passes += prologue_passes() if fuse else []
-        return passes + [Pass("decompose_unsupported", decompose_unsupported(set(self.kernels)))]
+        return passes + self.codegen_passes()
+
+    def codegen_passes(self) -> list[Pass]:
+        """Decompose what has no template here, then generate kernels for the primitive groups."""
+        return [Pass("decompose", decompose_for(self.keeps)), Pass("generate_kernels", generate_kernels(self.keeps)),
+                Pass("dce", dce)]
+
+    def lower(self, g: Graph) -> dict:
+        """The launch plan of a final graph, each launch marked with its kind ("generated",
+        "template", "view" or "reference") and the plan's host_steps listed."""
+        plan = self.build(g)
+        for n, p in zip(g.nodes, plan["launches"]):
+            p["kind"] = launch_kind(self, n, p)
+        plan["host_steps"] = [{"node": p.get("node", f"%{i} ({p['op']})"), "op": p["op"], "why": self.why_reference(n)}
+                              for i, (n, p) in enumerate(zip(g.nodes, plan["launches"])) if p["kind"] == "reference"]
+        if self.device and any(p["op"] == "sample" and p["kind"] == "template" for p in plan["launches"]):
+            plan["host_fallbacks"] = [{"op": "sample", "when": "a row samples (temperature > 0)",
+                                       "why": f"the {self.name} sampling kernel is greedy argmax only"}]
+        return plan
+
+    def why_reference(self, n: Node) -> str:
+        quant = {k: n.attrs[k] for k in ("act_group", "group_size") if k in n.attrs}
+        if n.op in self.templates:
+            return f"the {self.name} {n.op} template does not take this form{f' ({quant})' if quant else ''}"
+        return f"{self.name} has no kernel for {n.op} and no decomposition into ops that have one"
+
+
+def launch_kind(t: Target, n: Node, p: dict) -> str:
+    if n.op == "kernel" and (p.get("kernels") or not t.device):
+        return "generated"
+    if p.get("kernels") or (not t.device and t.keeps(n)):
+        return "template"
+    return "view" if n.op in VIEW_OPS else "reference"
 
 
 def _cpu() -> Target:
-    from ..ir import OPS
     from .cpu import CpuExecutor, build_plan
+    from .cpu.kernels import FACTORIES, PREPACKED, PREPACKED_Q4
+    from .cpu.out_kernels import OUT_FACTORIES
 
-    return Target("cpu", "this machine's CPU, torch kernels", frozenset(OPS), build_plan, CpuExecutor)
+    hand = (set(FACTORIES) | set(PREPACKED) | set(PREPACKED_Q4) | set(OUT_FACTORIES)) - {"kernel"}
+    return Target("cpu", "this machine's CPU: native and torch kernels, generated C++", lambda n: n.op in hand,
+                  build_plan, CpuExecutor, device=False)
 
 
 def _triton(arch: str) -> Callable[[], Target]:
     def make() -> Target:
-        from ..ir import OPS
         from .triton import ARCH_DESCRIPTIONS, build_plan, compile_binaries
+        from .triton.emit import EMITTERS, emittable
         from .triton.runner import TritonRunner
 
-        # every op is allowed: those without an emitter run their torch reference on the device
-        return Target(arch, ARCH_DESCRIPTIONS[arch], frozenset(OPS), lambda g: build_plan(g, arch), TritonRunner,
-                      compile_binaries, runs_binaries=True)
+        return Target(arch, ARCH_DESCRIPTIONS[arch], lambda n: n.op != "kernel" and emittable(n),
+                      lambda g: build_plan(g, arch), TritonRunner, compile_binaries, runs_binaries=True,
+                      templates=frozenset(EMITTERS) - {"kernel"})
 
     return make
 
 
 def _ascend() -> Target:
-    from ..ir import OPS
-    from .ascendc import DESCRIPTION, build_plan
+    from .ascendc import DESCRIPTION, EMITTERS, build_plan, emittable
     from .ascendc.project import project_files
     from .ascendc.runner import EmulatorRunner
 
-    # every op is allowed: those without an emitter run their reference (a host step)
-    return Target("ascend950", DESCRIPTION, frozenset(OPS), build_plan, EmulatorRunner, project_files)
+    return Target("ascend950", DESCRIPTION, lambda n: n.op != "kernel" and emittable(n), build_plan, EmulatorRunner,
+                  project_files, templates=frozenset(EMITTERS) - {"kernel"})
 
 
 TARGETS: dict[str, Callable[[], Target]] = {"cpu": _cpu, "sm90": _triton("sm90"), "sm100": _triton("sm100"),

@@ -1,34 +1,68 @@
-"""Decomposition: replaces ops a target has no kernel for by their registered decomposition."""
+"""Decomposition: an op the target has no hand kernel for is replaced by its registered
+decomposition when every piece of it then runs as a kernel there (a hand kernel, or a
+primitive the kernel generator lowers); otherwise it stays whole and runs its reference
+(listed as a host step). So a decomposition never turns one reference launch into many.
+"""
 from __future__ import annotations
 
 from collections.abc import Callable
 
-from ..ir import OPS, Graph
+from ..ir import OPS, Graph, Node, Value
+from ..kernel.lower import VIEWS, space_of
+
+Keep = Callable[[Node], bool]
 
 
 def decompose_unsupported(supported: set[str]) -> Callable[[Graph], Graph]:
-    """A pass that expands every op not in `supported` that has a decomposition."""
+    """Expands every op not in `supported` that has a decomposition, whatever its pieces are."""
+    return decompose_for(lambda n: n.op in supported, runs_anything=True)
+
+
+def decompose_for(keep: Keep, runs_anything: bool = False) -> Callable[[Graph], Graph]:
+    """A pass expanding each node that `keep` refuses and that has a decomposition whose pieces
+    all run as kernels (kept, lowerable, or views); runs_anything: expand regardless."""
+
+    def runs(n: Node) -> bool:
+        return runs_anything or keep(n) or space_of(n) is not None or n.op in VIEWS
 
     def decompose(g: Graph) -> Graph:
-        while any(n.op not in supported and OPS[n.op].decompose is not None for n in g.nodes):
-            expand(g)  # again: a decomposition may use ops that decompose further
-        return g
-
-    def expand(g: Graph) -> None:
         from ..frontend import trace_into
 
-        out = []
+        out: list[Node] = []
         for n in g.nodes:
-            fn = OPS[n.op].decompose
-            if n.op in supported or fn is None:
-                out.append(n)
-                continue
-            nodes, results = trace_into(g, fn, n.inputs, n.attrs)
-            out.extend(nodes)
-            for old, new in zip(n.outputs, results):
-                for m in g.nodes + nodes:
-                    m.inputs = [new if v is old else v for v in m.inputs]
-                g.outputs = [new if v is old else v for v in g.outputs]
+            traced: list[Node] = []  # every node traced for n, so a nested expansion rewires its siblings
+            done = expand(g, n, trace_into, traced)
+            out.extend(done[0] if done is not None else [n])
         g.nodes = out
+        return g
+
+    def expand(g: Graph, n: Node, trace_into, traced: list[Node]) -> tuple[list[Node], list[Value]] | None:
+        """(n's full expansion, the values now standing for n's outputs), with n's outputs
+        rewired to them; None where n stays whole."""
+        fn = OPS[n.op].decompose
+        if keep(n) or fn is None:
+            return None
+        nodes, results = trace_into(g, fn, n.inputs, n.attrs)
+        traced.extend(nodes)
+        flat: list[Node] = []
+        for m in nodes:
+            done = expand(g, m, trace_into, traced)
+            if done is None and not runs(m):
+                return None
+            if done is None:
+                flat.append(m)
+                continue
+            flat.extend(done[0])
+            stands = dict(zip(m.outputs, done[1]))
+            results = [stands.get(r, r) for r in results]
+        _rewire(g, n.outputs, results, traced)
+        return flat, results
 
     return decompose
+
+
+def _rewire(g: Graph, old: list[Value], new: list[Value], added: list[Node]) -> None:
+    for o, v in zip(old, new):
+        for m in g.nodes + added:
+            m.inputs = [v if x is o else x for x in m.inputs]
+        g.outputs = [v if x is o else x for x in g.outputs]

@@ -1,7 +1,7 @@
 """generate_kernels: every group of lowerable primitive ops (kernel/schedule.py) becomes one
 `kernel` node holding its kernel IR (kernel/lower.py), which each target renders.
 
-`hand` names the ops the target keeps for its hand-written kernels; they are never lowered.
+`keeps(node)` says the target runs the node with a hand-written kernel; such nodes are never lowered.
 Loads see through split and reshape, so those nodes usually die here (a dce follows).
 """
 from __future__ import annotations
@@ -40,9 +40,9 @@ def stable_topo(g: Graph) -> None:
     g.nodes = out
 
 
-def generate_kernels(hand: frozenset[str] = frozenset()) -> Callable[[Graph], Graph]:
+def generate_kernels(keeps: Callable[[Node], bool] = lambda n: False) -> Callable[[Graph], Graph]:
     def run(g: Graph) -> Graph:
-        lowerable = {n for n in g.nodes if n.op not in hand and space_of(n) is not None}
+        lowerable = {n for n in g.nodes if not keeps(n) and space_of(n) is not None}
         groups = schedule(g, lowerable)
         users = g.users()
         graph_outputs = set(g.outputs)

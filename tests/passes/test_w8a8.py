@@ -9,6 +9,7 @@ from deepfuse.codegen.cpu.kernels import PREPACKED
 from deepfuse.codegen.cpu.row_kernels import add_rms_rows, rms_rows, swiglu_rows
 from deepfuse.codegen.cpu.w8a8_kernels import W8A8Weights, w8a8_linear, w8a8_norm_linear, w8a8_swiglu_linear
 from deepfuse.compiler import trace_model
+from deepfuse.errors import DeepfuseError
 from deepfuse.ir import OPS, TensorType, interpret, verify
 from deepfuse.ir.opdefs_quant import W8_ZERO, linear_w8a8, logits_w8a8, quantize_rows_i8, quantize_w8
 from deepfuse.passes import PassManager, cleanup_passes, fusion_passes, quant_passes
@@ -173,10 +174,14 @@ def test_fused_ops_over_a_w8a8_projection_type_check_and_decompose(tiny_model):
 
 def test_w8a8_artifacts_for_the_device_targets_run_the_fused_forms_as_references(tiny_model):
     """Triton and AscendC have no W8A8 kernels: the prologue-fused projections run their
-    references there (host steps), so a W8A8 ascend950 build decodes as the CPU interpreter does."""
+    references there (host steps): ascend950 refuses such a build unless allowed, and then lists
+    them; it decodes as the CPU interpreter does."""
     from deepfuse.codegen.ascendc import emittable as ascend_emittable
     from deepfuse.codegen.triton.emit import emittable as triton_emittable
-    art = deepfuse.compile(tiny_model, quant="w8a8", target="ascend950")
+    with pytest.raises(DeepfuseError, match=r"would run on the host.*rms_norm_linear template does not take this form"):
+        deepfuse.compile(tiny_model, quant="w8a8", target="ascend950")
+    art = deepfuse.compile(tiny_model, quant="w8a8", target="ascend950", allow_host_steps=True)
+    assert {s["op"] for s in art.plan["host_steps"]} >= {"rms_norm_linear", "add_rms_norm_linear", "logits_w8a8"}
     fused = [n for n in art.graph.nodes if "act_group" in n.attrs]
     assert fused and not any(ascend_emittable(n) or triton_emittable(n) for n in fused)
     prompt = [5, 17, 99, 3, 42, 7]

@@ -21,6 +21,7 @@ from ...ir.opdefs_llm import rope_cos_sin, write_kv
 from ...ir.opdefs_moe import route, routing_attrs
 from ...ir.opdefs_quant import dequantize_q4, unpack_q4
 from .bound import Bound
+from .generated_build import make_generated
 from .native import kernels as native_kernels
 from .row_kernels import NORM_DTYPES, add_rms_rows, native_rows, rms_rows, swiglu_rows, take_rows
 from .w8a8_kernels import W8A8Weights, w8a8_linear, w8a8_logits, w8a8_norm_linear, w8a8_swiglu_linear
@@ -235,6 +236,12 @@ def _add(attrs: dict) -> Kernel:
 def _split(attrs: dict) -> Kernel:
     sizes, axis = attrs["sizes"], attrs.get("axis", -1)
     return lambda x: torch.split(x, sizes, dim=axis)  # views: consumers accept strided input
+
+
+@factory("kernel")
+def _kernel(attrs: dict) -> Kernel:
+    """A generated kernel (deepfuse/kernel), compiled by generated_build.py."""
+    return make_generated(attrs)
 
 
 @factory("head_rms_norm")

@@ -16,6 +16,7 @@ from collections.abc import Callable
 import torch
 
 from .bound import Bound, bind_as_is
+from .generated_build import make_generated
 from .kernels import FACTORIES, Kernel, PanelWeight, Q4Weights, factory, q4_linear
 from .row_kernels import add_rms_rows, rms_rows, swiglu_rows
 from .w8a8_kernels import (
@@ -71,6 +72,11 @@ def _embedding(attrs: dict) -> Kernel:
 @out_factory("add")
 def _add(attrs: dict) -> Kernel:
     return lambda a, b, out: torch.add(a, b, out=out[0])
+
+
+@out_factory("kernel")
+def _kernel(attrs: dict) -> Kernel:
+    return make_generated(attrs, into=True)  # binds to its native call (generated_build.NativeKernel.bind)
 
 
 @out_factory("linear")

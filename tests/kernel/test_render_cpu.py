@@ -1,0 +1,111 @@
+"""The CPU renderer of the kernel IR (codegen/cpu/generated*.py): each case's kernel compiled with
+g++ against the kernel IR's interpreter (deepfuse.kernel.interpret), alone, as the `kernel` op's
+CPU kernels and in the CPU executor. Skipped only without g++ (a failure under CI=true)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from deepfuse.codegen.cpu import CpuExecutor, build_plan
+from deepfuse.codegen.cpu.generated import PARALLEL_ELEMS, render_cpp
+from deepfuse.codegen.cpu.generated_build import NativeKernel, build
+from deepfuse.codegen.cpu.out_kernels import OUT_FACTORIES
+from deepfuse.errors import DeepfuseError
+from deepfuse.kernel.interpret import run
+from deepfuse.kernel.ir import Buffer, Index, Instr, Kernel, verify
+from tests.conftest import needs_gxx
+from tests.kernel.cases import CASES, case_inputs, generated, kernels_of
+
+pytestmark = needs_gxx
+
+
+def case_kernel(name: str, dtype: str, rows: int) -> tuple[Kernel, dict[str, torch.Tensor]]:
+    """The case's one kernel and its inputs by buffer name."""
+    g = generated(name, dtype)
+    (node,) = g.nodes
+    (k,) = kernels_of(g)
+    ins = case_inputs(name, dtype, rows)
+    return k, {b.name: ins[v.name] for b, v in zip(k.inputs, node.inputs)}
+
+
+def assert_matches(got: torch.Tensor, want: torch.Tensor, dtype: str) -> None:
+    """f32: 1e-5 relative to the output's scale; bf16: one bf16 ulp (1e-2)."""
+    finite = want.float()[torch.isfinite(want.float())]
+    scale = finite.abs().max().item() if finite.numel() else 1.0
+    tol = 1e-5 if dtype == "f32" else 1e-2
+    torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol * max(scale, 1.0), equal_nan=True)
+
+
+@pytest.mark.parametrize("rows", [1, 5, 300])
+@pytest.mark.parametrize("dtype", ["f32", "bf16"])
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_native_matches_interpreter(name, dtype, rows):
+    k, ins = case_kernel(name, dtype, rows)
+    want = run(k, ins)
+    got = NativeKernel(k)(*[ins[b.name] for b in k.inputs])
+    got = got if isinstance(got, tuple) else (got,)
+    for b, t in zip(k.outputs, got):
+        assert t.dtype == want[b.name].dtype and t.shape == want[b.name].shape
+        assert_matches(t, want[b.name], dtype)
+    r, groups, cols = k.space
+    assert (rows * groups * cols >= PARALLEL_ELEMS) == (rows == 300)  # 300 rows take the OpenMP path
+
+
+def test_out_kernel_and_bound_call_write_planned_buffers():
+    k, ins = case_kernel("add_rms_norm", "bf16", 7)
+    xs = [ins[b.name] for b in k.inputs]
+    want = run(k, ins)
+    kernel = OUT_FACTORIES["kernel"]({"kernel": k.to_json(), "ops": []})
+    outs = [torch.full(want[b.name].shape, 7.0, dtype=torch.bfloat16) for b in k.outputs]
+    kernel(*xs, out=outs)
+    for b, o in zip(k.outputs, outs):
+        assert_matches(o, want[b.name], "bf16")
+    for o in outs:
+        o.fill_(7.0)
+    bound = kernel.bind(*xs, out=outs)
+    xs[0].copy_(xs[0] * 2)  # a bound call reads the tensors' new contents
+    want = run(k, {b.name: x for b, x in zip(k.inputs, xs)})
+    for call in bound.calls:
+        call()
+    for b, o in zip(k.outputs, outs):
+        assert_matches(o, want[b.name], "bf16")
+
+
+@pytest.mark.parametrize("dtype", ["f32", "bf16"])
+def test_executor_runs_kernel_node(dtype):
+    g = generated("softmax", dtype)
+    ins = case_inputs("softmax", dtype, 9)
+    (want,) = [run(k, {"in0": ins["x"]})["out0"] for k in kernels_of(g)]
+    (got,) = CpuExecutor(build_plan(g), g.weights)(ins)
+    assert_matches(got, want, dtype)
+
+
+def _reducer(kind: str) -> Kernel:
+    """out0[r] = reduce.<kind>(x[r, :]) over 8 columns, by hand."""
+    body = [Instr(0, "load", (), "f32", "elem", {"buf": "x", "index": Index(8, 0, 1, 0)}),
+            Instr(1, "reduce", (0,), "i32" if kind == "argmax" else "f32", "row", {"kind": kind}),
+            Instr(-1, "store", (1,), "i32" if kind == "argmax" else "f32", "row", {"buf": "y", "index": Index(1, 0, 0, 0)})]
+    k = Kernel(f"reduce_{kind}", [Buffer("x", "f32", ("T", 8), "in"),
+                                  Buffer("y", "i32" if kind == "argmax" else "f32", ("T",), "out")], ("T", 1, 8), body)
+    verify(k)
+    return k
+
+
+def test_argmax_and_max_take_the_first_maximum_and_nan():
+    x = torch.tensor([[1.0, 3.0, 3.0, 2.0, 3.0, 0.0, -1.0, 3.0],
+                      [-5.0, -5.0, -5.0, -5.0, -5.0, -5.0, -5.0, -5.0],
+                      [0.0, 9.0, float("nan"), 9.0, float("nan"), 1.0, 2.0, 3.0],
+                      [float("-inf")] * 8])
+    got = NativeKernel(_reducer("argmax"))(x)
+    assert got.tolist() == [1, 0, 2, 0] == run(_reducer("argmax"), {"x": x})["y"].tolist()
+    for kind in ("max", "min"):
+        got = NativeKernel(_reducer(kind))(x)
+        torch.testing.assert_close(got, run(_reducer(kind), {"x": x})["y"], equal_nan=True)
+    assert torch.isnan(NativeKernel(_reducer("max"))(x)[2])
+
+
+def test_broken_source_names_the_compiler_error():
+    k, _ = case_kernel("softmax", "f32", 1)
+    source = render_cpp(k).replace("df_exp(v", "df_exp_missing(v")
+    with pytest.raises(DeepfuseError, match="df_exp_missing.*not declared"):
+        build(source)

@@ -15,6 +15,7 @@ from ..device_plan import PLACEHOLDER, device_plan, named
 from .emit import emit_gather, emit_rms_norm
 from .emit_attention import emit_qkv_attention
 from .emit_gemm import emit_gemm
+from .emit_generated import emit_generated, renderable
 from .emit_moe import emit_fused_moe
 from .emit_sample import emit_argmax, emit_spec_verify
 from .kernel import FLOATS
@@ -41,14 +42,18 @@ EMITTERS = {
     "fused_moe": emit_fused_moe,
     "sample": _single(emit_argmax),
     "spec_verify": _single(emit_spec_verify),
+    "kernel": emit_generated,  # generated kernels (deepfuse/kernel IR), rendered by emit_generated.py
 }
 
 
 def emittable(node: Node) -> bool:
-    """f32 / bf16 / f16 graphs; head dims that are not multiples of 16 and int4 shapes the kernel
-    does not tile go to the reference (a host step)."""
+    """f32 / bf16 / f16 graphs; generated kernels as far as emit_generated renders them; head dims
+    that are not multiples of 16 and int4 shapes the kernel does not tile go to the reference (a
+    host step)."""
     if node.op not in EMITTERS:
         return False
+    if node.op == "kernel":  # the renderer's own check: dtypes, ops and UB it handles
+        return renderable(node)
     if "act_group" in node.attrs:  # a prologue-fused W8A8 projection: the reference, as linear_w8a8's
         return False
     if "group_size" in node.attrs:  # int4: K in whole 64-element repeats, groups of whole 32-byte halves

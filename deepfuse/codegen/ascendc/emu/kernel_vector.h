@@ -21,6 +21,7 @@ DEEPFUSE_BINARY(Sub, x - y)
 DEEPFUSE_BINARY(Mul, x * y)
 DEEPFUSE_BINARY(Div, x / y)
 DEEPFUSE_BINARY(Max, x > y ? x : y)
+DEEPFUSE_BINARY(Min, x < y ? x : y)  // include/basic_api/kernel_operator_vec_binary_intf.h (count form)
 DEEPFUSE_BINARY(And, x & y)
 #define DEEPFUSE_SCALAR(NAME, EXPR)                                                      \
   template <typename T>                                                                \
@@ -50,6 +51,9 @@ DEEPFUSE_UNARY(Sqrt, (T)__builtin_sqrtf((float)x))
 DEEPFUSE_UNARY(Reciprocal, (T)(1.0f / (float)x))
 DEEPFUSE_UNARY(Sin, (T)__builtin_sinf((float)x))
 DEEPFUSE_UNARY(Cos, (T)__builtin_cosf((float)x))
+// Abs, Ln: count forms of include/basic_api/kernel_operator_vec_unary_intf.h
+DEEPFUSE_UNARY(Abs, (T)__builtin_fabsf((float)x))
+DEEPFUSE_UNARY(Ln, (T)__builtin_logf((float)x))
 template <typename T>
 void Duplicate(const LocalTensor<T>& d, const T& v, const int32_t& n) {
   vec_dst(d, "Duplicate"); check_count(d, n, "Duplicate");
@@ -99,6 +103,24 @@ void ReduceMax(const LocalTensor<T>& d, const LocalTensor<T>& s, const LocalTens
     __builtin_memcpy(&d.data()[1], &best, sizeof(best));
   }
 }
+// ReduceMin, count form (include/basic_api/kernel_operator_vec_reduce_intf.h): as ReduceMax, the
+// first minimum and, with calIndex, its index in dst[1]
+template <typename T>
+void ReduceMin(const LocalTensor<T>& d, const LocalTensor<T>& s, const LocalTensor<T>& work, const int32_t count,
+               bool calIndex = false) {
+  int32_t n = count;
+  (void)work;
+  vec_src(s, "ReduceMin"); vec_dst(d, "ReduceMin"); check_count(s, n, "ReduceMin"); check_count(d, calIndex ? 2 : 1, "ReduceMin");
+  if (n == 0) fail("ReduceMin of 0 elements");
+  uint32_t best = 0;
+  for (int32_t i = 1; i < n; i++)
+    if (s.data()[i] < s.data()[best]) best = i;
+  d.data()[0] = s.data()[best];
+  if (calIndex) {
+    static_assert(sizeof(T) == 4, "ReduceMin index in a 32-bit lane");
+    __builtin_memcpy(&d.data()[1], &best, sizeof(best));
+  }
+}
 template <typename D, typename S>
 void Cast(const LocalTensor<D>& d, const LocalTensor<S>& s, const RoundMode& mode, const uint32_t n) {
   if (sizeof(D) < sizeof(S) && mode == RoundMode::CAST_NONE) fail("Cast to a narrower type needs a rounding mode (CAST_RINT)");
@@ -120,3 +142,4 @@ void GatherMask(const LocalTensor<T>& d, const LocalTensor<T>& s, uint8_t patter
   rsvdCnt = n / 2;
 }
 }  // namespace AscendC
+#include "kernel_cmpsel.h"  // Compare and Select

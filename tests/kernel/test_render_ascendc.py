@@ -1,0 +1,106 @@
+"""The AscendC renderer of the kernel IR (codegen/ascendc/emit_generated.py): every case's
+generated kernel, built with build_plan and run in deepfuse's CPU emulator of the AscendC API,
+against the graph interpreter of the same graph (which runs the kernel IR's interpreter); the
+host launch code; the accuracy of the tanh / erf expansions; the emulator's checks of the
+Compare / Select rules; the UB refusal."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from deepfuse.codegen.ascendc import build_plan, emittable
+from deepfuse.codegen.ascendc.emit_generated import emit_generated
+from deepfuse.codegen.ascendc.runner import EmulatorRunner
+from deepfuse.errors import DeepfuseError
+from deepfuse.frontend import Spec, ops, trace
+from deepfuse.ir import interpret
+from deepfuse.passes import dce
+from deepfuse.passes.decompose import decompose_unsupported
+from deepfuse.passes.generate_kernels import generate_kernels
+from tests.conftest import needs_gxx
+from tests.kernel.cases import CASES, case_inputs, generated
+
+pytestmark = needs_gxx
+
+
+def run(g, ins, via_host=False):
+    plan = build_plan(g)
+    assert [bool(p.get("kernels")) for p in plan["launches"]] == [True], "the kernel node was not rendered"
+    return EmulatorRunner(plan, g.weights, via_host=via_host)(ins), interpret(g, ins)
+
+
+@pytest.mark.parametrize("rows", [1, 70])
+@pytest.mark.parametrize("dtype", ["f32", "bf16"])
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_rendered_kernel_matches_the_interpreter(name, dtype, rows):
+    """f32 within 1e-5 (relative, and absolute near zero: tanh's 1 - 2/(exp(2x)+1) and the
+    reference's own 1 + tanh cancel at the level of an ulp of 1); bf16 within 1e-2."""
+    ins = case_inputs(name, dtype, rows=rows, seed=rows)
+    got, ref = run(generated(name, dtype), ins)
+    tol = 1e-5 if dtype == "f32" else 1e-2
+    for a, b in zip(got, ref):
+        assert a.dtype == b.dtype and a.shape == b.shape
+        torch.testing.assert_close(a.float(), b.float(), rtol=tol, atol=tol)
+
+
+def test_host_launch_code_runs_a_generated_kernel():
+    """Through host/deepfuse_launch.cpp: its tiling (rows = T * groups) and argument order."""
+    ins = case_inputs("head_rms_norm", "bf16", rows=70)
+    got, ref = run(generated("head_rms_norm", "bf16"), ins, via_host=True)
+    torch.testing.assert_close(got[0].float(), ref[0].float(), rtol=1e-2, atol=1e-2)
+
+
+def gen(fn, d: int = 96):
+    g = trace(fn, Spec("x", "f32", ("T", d)))
+    return dce(generate_kernels()(decompose_unsupported(set())(g)))
+
+
+@pytest.mark.parametrize("op,bound", [("erf", 1e-6), ("tanh", 1e-6)])
+def test_expansions_are_accurate(op, bound):
+    """erf (Abramowitz-Stegun 7.1.26, 1.5e-7 in exact arithmetic) and tanh (1 - 2/(exp(2x)+1))
+    over [-6, 6] and tiny values, against float64 torch: within `bound` absolute."""
+    x = torch.cat([torch.linspace(-6, 6, 96 * 60), torch.tensor([0.0, -0.0, 1e-30, -1e-30, 1e-7, -1e-7] * 16)])
+    g = gen(getattr(ops, op))
+    got = run(g, {"x": x.view(-1, 96)})[0][0].reshape(-1).double()
+    want = getattr(torch, op)(x.double())
+    assert (got - want).abs().max().item() < bound
+
+
+def where_kernel():
+    g = generated("where_clamp", "f32")
+    plan = build_plan(g)
+    return g, plan, plan["launches"][0]["kernels"][0]
+
+
+def broken_plan(plan, k, old: str, new: str, name: str):
+    assert old in k["source"], k["source"]
+    bad = dict(k, name=name, source=k["source"].replace(old, new, 1).replace(k["name"], name))
+    return dict(plan, launches=[dict(plan["launches"][0], kernels=[bad])])
+
+
+def test_emulator_rejects_a_compare_count_of_partial_repeats():
+    """Compare's count must cover whole 256-byte repeats (96 floats do not: 128 is rendered)."""
+    g, plan, k = where_kernel()
+    bad = broken_plan(plan, k, "CMPMODE::GT, 128);", "CMPMODE::GT, 96);", "where_cmp96")
+    with pytest.raises(DeepfuseError, match="Compare of 96 elements.*whole 256-byte repeats"):
+        EmulatorRunner(bad, g.weights)(case_inputs("where_clamp", rows=2))
+
+
+def test_emulator_rejects_a_select_mask_too_small():
+    """Select over 96 floats consumes the bits of two 64-element repeats: 16 bytes of selMask."""
+    g, plan, k = where_kernel()
+    line = next(x for x in k["source"].splitlines() if "Select(" in x)
+    mask = line.split(", ")[1]
+    bad = broken_plan(plan, k, line, line.replace(mask, "maskBuf.Get<uint8_t>(8)"), "where_sel8")
+    with pytest.raises(DeepfuseError, match="Select of 96 elements needs a selMask of 16 bytes"):
+        EmulatorRunner(bad, g.weights)(case_inputs("where_clamp", rows=2))
+
+
+def test_a_row_too_long_for_the_unified_buffer_is_refused():
+    g = gen(ops.softmax, d=40000)
+    (node,) = g.nodes
+    with pytest.raises(ValueError, match=r"needs \d+ bytes of the unified buffer, more than its 253952"):
+        emit_generated(node, "too_long")
+    assert not emittable(node)
+    assert not build_plan(g)["launches"][0].get("kernels")  # the reference runs it (a host step)
+

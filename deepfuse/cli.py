@@ -225,13 +225,39 @@ def _ir(args: argparse.Namespace) -> None:
         print(f"{r.name:24s} {r.nodes_before:5d} -> {r.nodes_after:5d} nodes  {r.seconds * 1000:7.1f} ms  id {r.id}",
               file=sys.stderr)
     if args.dump_dir:
+        with open(os.path.join(args.dump_dir, "kernels.txt"), "w") as f:
+            f.write(kernels_text(graph))
         print(f"wrote {len(os.listdir(args.dump_dir))} files to {args.dump_dir}", file=sys.stderr)
     else:
         sys.stdout.write(print_graph(graph))
 
 
+def kernels_text(graph) -> str:
+    """Every generated kernel of the graph as kernel IR text, with the scheduler's reasons."""
+    from .kernel.ir import Kernel
+
+    return "\n".join(Kernel.from_json(n.attrs["kernel"]).text() for n in graph.nodes if n.op == "kernel")
+
+
+def fusion_lines(graph) -> list[str]:
+    """One line per distinct generated kernel: the ops it fuses, its index space, how often a
+    step runs it, and the scheduler's reasons (why it was formed, why neighbours were left out)."""
+    seen: dict[str, list] = {}
+    for n in graph.nodes:
+        if n.op == "kernel":
+            k = n.attrs["kernel"]
+            key = "+".join(n.attrs["ops"]) + str(k["space"])
+            seen.setdefault(key, [n.attrs["ops"], k["space"], 0, k["notes"]])[2] += 1
+    lines = []
+    for ops, space, count, notes in seen.values():
+        lines.append(f"  x{count:<3d} [{', '.join(map(str, space))}]  {' -> '.join(ops)}")
+        lines += [f"        {note}" for note in notes if note.startswith("not fused")]
+    return lines
+
+
 def stats_table(graph, reports) -> str:
-    """Per-pass node counts and rule firings, then the kernels one step launches, by op."""
+    """Per-pass node counts and rule firings, then the kernels one step launches, by op, and the
+    generated kernels with the fusion scheduler's reasons."""
     lines = [f"{'pass':24s} {'nodes':>13s} {'ms':>8s}  rules fired"]
     for r in reports:
         fired = ", ".join(f"{k} x{v}" for k, v in r.fired.items()) or "-"
@@ -239,6 +265,10 @@ def stats_table(graph, reports) -> str:
     counts = graph.op_counts()
     lines.append(f"\nkernels per step: {len(graph.nodes)}  ("
                  + ", ".join(f"{op} {n}" for op, n in sorted(counts.items(), key=lambda kv: -kv[1])) + ")")
+    fused = fusion_lines(graph)
+    if fused:
+        lines.append("\ngenerated kernels (fused ops; groups not merged, and why):")
+        lines += fused
     return "\n".join(lines) + "\n"
 
 

@@ -28,7 +28,7 @@ class CompiledGraph:
     @property
     def launches(self) -> list[dict]:
         """Per launch: its op, its kind, and for a generated kernel the graph ops it fuses."""
-        return [{"op": p["op"], "kind": p["kind"], **({"ops": p["attrs"]["ops"]} if p["op"] == "kernel" else {})}
+        return [{"op": p["op"], "kind": p["kind"], **({"ops": p["attrs"]["ops"]} if "ops" in p["attrs"] else {})}
                 for p in self.plan["launches"]]
 
     @property

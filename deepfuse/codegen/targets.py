@@ -17,6 +17,7 @@ from ..errors import DeepfuseError
 from ..ir import Graph, Node
 from ..passes import Pass, cleanup_passes, dce, fusion_passes, prologue_passes, quant_passes
 from ..passes.decompose import decompose_for
+from ..passes.fuse_epilogues import HOSTS, fuse_epilogues
 from ..passes.generate_kernels import generate_kernels
 
 Runner = Callable[[dict[str, torch.Tensor]], list[torch.Tensor]]
@@ -35,6 +36,7 @@ class Target:
     runs_binaries: bool = False  # the runner takes those files as a third argument (Triton: cubins)
     device: bool = True  # a reference launch runs off the target's kernels (a host step)
     templates: frozenset[str] = frozenset()  # ops with a template, for some forms of them (keeps decides)
+    epilogue_hosts: frozenset[str] = frozenset()  # template ops whose kernels run a generated epilogue
 
     def make_runner(self, plan: dict, weights: dict[str, torch.Tensor], files: dict[str, bytes]) -> Runner:
         return self.runner(plan, weights, files) if self.runs_binaries else self.runner(plan, weights)
@@ -47,7 +49,11 @@ class Target:
     def codegen_passes(self) -> list[Pass]:
         """Decompose what has no template here, then generate kernels for the primitive groups."""
         return [Pass("decompose", decompose_for(self.keeps)), Pass("generate_kernels", generate_kernels(self.keeps)),
-                Pass("dce", dce)]
+                Pass("dce", dce), Pass("fuse_epilogues", fuse_epilogues(self.hosts_epilogue))]
+
+    def hosts_epilogue(self, n: Node) -> bool:
+        """The node's template takes a generated epilogue here."""
+        return self.keeps(n) and n.op in self.epilogue_hosts
 
     def lower(self, g: Graph) -> dict:
         """The launch plan of a final graph, each launch marked with its kind ("generated",
@@ -72,6 +78,8 @@ class Target:
 def launch_kind(t: Target, n: Node, p: dict) -> str:
     if n.op == "kernel" and (p.get("kernels") or not t.device):
         return "generated"
+    if n.op == "with_epilogue" and (p.get("kernels") or not t.device):
+        return "template+generated"
     if p.get("kernels") or (not t.device and t.keeps(n)):
         return "template"
     return "view" if n.op in VIEW_OPS else "reference"
@@ -82,9 +90,10 @@ def _cpu() -> Target:
     from .cpu.kernels import FACTORIES, PREPACKED, PREPACKED_Q4
     from .cpu.out_kernels import OUT_FACTORIES
 
-    hand = (set(FACTORIES) | set(PREPACKED) | set(PREPACKED_Q4) | set(OUT_FACTORIES)) - {"kernel"}
+    # add: generated, so a residual add fuses with its neighbours (and into a GEMM's epilogue)
+    hand = (set(FACTORIES) | set(PREPACKED) | set(PREPACKED_Q4) | set(OUT_FACTORIES)) - {"kernel", "add"}
     return Target("cpu", "this machine's CPU: native and torch kernels, generated C++", lambda n: n.op in hand,
-                  build_plan, CpuExecutor, device=False)
+                  build_plan, CpuExecutor, device=False, epilogue_hosts=frozenset(HOSTS))
 
 
 def _triton(arch: str) -> Callable[[], Target]:

@@ -59,6 +59,20 @@ def check_batch_invariant(plan: dict, prepack: bool) -> None:
         raise DeepfuseError(f"batch-invariant execution is not available: {why}")
 
 
+def then_epilogue(kernel, n_inner: int, attrs: dict):
+    """A with_epilogue launch: the template's kernel on its first n_inner inputs, then the
+    generated epilogue kernel (attrs["kernel"]) on its result and the remaining inputs."""
+    epi = make_kernel("kernel", {"kernel": attrs["kernel"], "ops": attrs["ops"]})
+    feeds = attrs["feeds"]
+
+    def run(*xs):
+        y = kernel(*xs[:n_inner])
+        extra = xs[n_inner:]
+        return epi(*extra[:feeds], y, *extra[feeds:])
+
+    return run
+
+
 class StepBuffers:
     """The memory plan's buffers, grown (never shrunk) to the largest step seen, and each
     launch's output views for the last step size (decode steps repeat it). generation counts
@@ -133,10 +147,12 @@ class CpuExecutor:
         self.launches = []
         for p in plan["launches"]:
             ins = list(p["in"])
-            attrs = {**p["attrs"], "batch_invariant": True} if self.batch_invariant and p["op"] in INVARIANT_AWARE \
-                else p["attrs"]
-            kernel = make_kernel(p["op"], attrs)
-            pre = prepack_for(p["op"], attrs) if prepack and can_prepack() else None
+            op, attrs, epilogue = p["op"], p["attrs"], None
+            if op == "with_epilogue":  # a template op, then its generated epilogue on the result
+                op, attrs, epilogue = attrs["inner"], attrs["inner_attrs"], attrs
+            attrs = {**attrs, "batch_invariant": True} if self.batch_invariant and op in INVARIANT_AWARE else attrs
+            kernel = make_kernel(op, attrs)
+            pre = prepack_for(op, attrs) if prepack and can_prepack() else None
             in_place, prepacked = True, False  # its kernel could write into planned buffers
             if pre is not None and DTYPES[p["dtype"]] in pre.dtypes and all(ins[i] in param_slots for i in pre.weights):
                 key = tuple(ins[i] for i in pre.weights)
@@ -147,6 +163,11 @@ class CpuExecutor:
                 ins = [packed[key] if i == pre.weights[0] else s for i, s in enumerate(ins) if i not in pre.weights[1:]]
                 kernel = pre.make(attrs)
                 in_place, prepacked = writes_in_place(self.base[packed[key]]), True
+            if epilogue is not None:
+                n_inner = epilogue["n_inner"] - (len(pre.weights) - 1 if prepacked else 0)
+                self.planned.append(None)
+                self.launches.append((then_epilogue(kernel, n_inner, epilogue), ins, p["out"], p["free"]))
+                continue
             # an int4 or W8A8 projection writes in place only prepacked (its reference allocates)
             quantized = "group_size" in attrs or "act_group" in attrs
             if in_place and use_buffers and p["op"] in OUT_FACTORIES and (not quantized or prepacked) \

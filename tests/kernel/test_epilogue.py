@@ -1,0 +1,43 @@
+"""A pointwise chain after a projection (a residual add and a scale) becomes the GEMM template's
+epilogue: one launch, the interpreter's numbers, no change to the template."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import deepfuse
+from deepfuse.frontend import Spec, ops, trace
+from deepfuse.ir import interpret
+
+W = torch.randn(48, 64, generator=torch.Generator().manual_seed(1))
+
+
+def graph(dtype: str = "f32"):
+    w = W.to(deepfuse.ir.DTYPES[dtype])
+    return trace(lambda x, r: ops.mul(ops.add(ops.linear(x, w), r), 0.5), Spec("x", dtype, ("T", 64)),
+                 Spec("r", dtype, ("T", 48)), weights={"w": w}, name="residual_scale")
+
+
+def inputs(dtype: str = "f32", rows: int = 5):
+    gen = torch.Generator().manual_seed(0)
+    dt = deepfuse.ir.DTYPES[dtype]
+    return {"x": torch.randn(rows, 64, generator=gen).to(dt), "r": torch.randn(rows, 48, generator=gen).to(dt)}
+
+
+@pytest.mark.parametrize("dtype", ["f32", "bf16"])
+def test_cpu_epilogue_is_one_launch(dtype):
+    g = graph(dtype)
+    f = deepfuse.compile(g, target="cpu")
+    assert f.launches == [{"op": "with_epilogue", "kind": "template+generated", "ops": ["linear", "add", "mul"]}]
+    ins = inputs(dtype)
+    want = interpret(g, ins)[0]
+    tol = 1e-5 if dtype == "f32" else 1e-2
+    torch.testing.assert_close(f(**ins).float(), want.float(), rtol=tol, atol=tol)
+
+
+def test_epilogue_needs_the_gemm_result_alone():
+    """The projection's result is also a graph output: no epilogue (it must be written anyway)."""
+    g = trace(lambda x, r: (ops.linear(x, W), ops.mul(ops.add(ops.linear(x, W), r), 0.5)),
+              Spec("x", "f32", ("T", 64)), Spec("r", "f32", ("T", 48)))
+    kinds = [p["kind"] for p in deepfuse.compile(g, target="cpu").launches]
+    assert "template+generated" not in kinds and "generated" in kinds

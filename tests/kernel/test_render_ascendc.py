@@ -104,3 +104,44 @@ def test_a_row_too_long_for_the_unified_buffer_is_refused():
     assert not emittable(node)
     assert not build_plan(g)["launches"][0].get("kernels")  # the reference runs it (a host step)
 
+
+
+def test_row_values_reductions_and_row_stores():
+    """A hand-written kernel over what the cases do not reach: reduce.min / argmax, row math
+    (erf, tanh, compare, where on the scalar unit), a row load, row stores (f32 and i32), an elem
+    compare against a row value, scalar-first sub / div."""
+    from types import SimpleNamespace
+
+    from deepfuse.codegen.ascendc.emulate import launch
+    from deepfuse.codegen.ascendc.kernel import AscendKernel, pack
+    from deepfuse.kernel import interpret as kinterp
+    from deepfuse.kernel.ir import Buffer, Index, Instr, Kernel
+
+    e, rw = Index(row=96, col=1), Index(row=1)
+    f, row = "f32", "row"
+    body = [Instr(0, "load", (), f, "elem", {"buf": "x", "index": e}),
+            Instr(1, "reduce", (0,), f, row, {"kind": "min"}), Instr(2, "reduce", (0,), "i32", row, {"kind": "argmax"}),
+            Instr(3, "reduce", (0,), f, row, {"kind": "max"}), Instr(4, "const", (), f, row, {"value": 0.5}),
+            Instr(5, "sub", (3, 1), f, row), Instr(6, "erf", (5,), f, row), Instr(7, "tanh", (1,), f, row),
+            Instr(8, "lt", (1, 4), "bool", row), Instr(9, "where", (8, 6, 7), f, row),
+            Instr(10, "ge", (0, 9), "bool", "elem"), Instr(11, "sub", (4, 0), f, "elem"),
+            Instr(12, "div", (0, 3), f, "elem"), Instr(13, "where", (10, 11, 12), f, "elem"),
+            Instr(14, "abs", (0,), f, "elem"), Instr(15, "rsqrt", (14,), f, "elem"), Instr(16, "add", (13, 15), f, "elem"),
+            Instr(17, "load", (), f, row, {"buf": "s", "index": rw}), Instr(18, "div", (17, 0), f, "elem"),
+            Instr(19, "add", (16, 18), f, "elem"),
+            Instr(-1, "store", (19,), f, "elem", {"buf": "y", "index": e}),
+            Instr(-1, "store", (9,), f, "elem", {"buf": "m", "index": rw}),
+            Instr(-1, "store", (2,), "i32", "elem", {"buf": "a", "index": rw})]
+    bufs = [Buffer("x", f, ("T", 96), "in"), Buffer("s", f, ("T",), "in"), Buffer("y", f, ("T", 96), "out"),
+            Buffer("m", f, ("T",), "out"), Buffer("a", "i32", ("T",), "out")]
+    k = Kernel("rowk", bufs, ("T", 1, 96), body)
+    (ak,) = emit_generated(SimpleNamespace(attrs={"kernel": k.to_json()}), "gen_rowk")["kernels"]
+    gen = torch.Generator().manual_seed(3)
+    ins = {"x": torch.randn(70, 96, generator=gen), "s": torch.randn(70, generator=gen)}
+    ref = kinterp.run(k, ins)
+    outs = {n: torch.zeros_like(t) for n, t in ref.items()}
+    tensors = [ins["x"], ins["s"], outs["y"], outs["m"], outs["a"]]
+    launch(AscendKernel(**ak.to_json()), tensors, pack(ak.tiling, [(70, 96), (70,)]))
+    assert torch.equal(outs["a"], ref["a"])
+    for n in ("y", "m"):
+        torch.testing.assert_close(outs[n], ref[n], rtol=1e-5, atol=1e-5)

@@ -40,7 +40,7 @@ def decompose_for(keep: Keep, runs_anything: bool = False) -> Callable[[Graph], 
         """(n's full expansion, the values now standing for n's outputs), with n's outputs
         rewired to them; None where n stays whole."""
         fn = OPS[n.op].decompose
-        if keep(n) or fn is None:
+        if keep(n) or fn is None or (not runs_anything and space_of(n) is not None):  # lowered as it is
             return None
         nodes, results = trace_into(g, fn, n.inputs, n.attrs)
         traced.extend(nodes)

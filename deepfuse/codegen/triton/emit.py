@@ -17,6 +17,7 @@ from string import Template
 
 from ...ir import Node
 from . import templates as T
+from .generated import emit_kernel, renderable
 from .tiles import tiles_for
 
 PTR = {"f32": "*fp32", "bf16": "*bf16", "f16": "*fp16", "i32": "*i32", "i64": "*i64", "u8": "*u8"}
@@ -218,6 +219,7 @@ EMITTERS = {
     "fused_moe": emit_fused_moe,
     "sample": emit_sample,
     "spec_verify": emit_spec_verify,
+    "kernel": emit_kernel,  # a generated kernel: its kernel IR rendered (generated.py)
 }
 PREPARE = {"fused_moe": "moe_align"}  # ops whose kernels need a torch step first (runner.PREPARE)
 
@@ -231,4 +233,6 @@ def emittable(node: Node) -> bool:
     if node.op == "qkv_attention":
         hd = node.attrs["head_dim"]
         return hd == pow2(hd) and hd >= 16
+    if node.op == "kernel":
+        return renderable(node)
     return True

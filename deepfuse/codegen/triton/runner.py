@@ -79,7 +79,8 @@ def load_kernel(spec: dict, jit: bool = True):
 
     filename = f"<deepfuse-triton:{spec['name']}>"
     linecache.cache[filename] = (len(spec["source"]), None, spec["source"].splitlines(True), filename)
-    ns: dict = {}
+    # a module name: Triton reads its helpers' __module__ (a kernel with @triton.jit helpers)
+    ns: dict = {"__name__": f"deepfuse_kernel_{spec['name']}"}
     exec(compile(spec["source"].replace("@triton.jit\n", ""), filename, "exec"), ns)
     fn = ns[spec["name"]]
     return triton.jit(fn) if jit else fn
@@ -236,7 +237,8 @@ class TritonRunner:
             ins = [env[i] for i in p["in"]]
             # whether any row samples (the kernel is greedy only), read from the host's temperatures
             # where the step gave them: no wait on the GPU
-            if kernels and not samples(p, given.get(p["in"][1], ins[1])):
+            # (only the sampling op has one: other ops may have a single input)
+            if kernels and not (p["op"] == "sample" and samples(p, given.get(p["in"][1], ins[1]))):
                 outs = self._run(p, kernels, ins)
             else:
                 outs = as_list(ref(*ins, **p["attrs"]))

@@ -114,8 +114,9 @@ def _ascend() -> Target:
     from .ascendc.project import project_files
     from .ascendc.runner import EmulatorRunner
 
-    return Target("ascend950", DESCRIPTION, lambda n: n.op != "kernel" and emittable(n), build_plan, EmulatorRunner,
-                  project_files, templates=frozenset(EMITTERS) - {"kernel"})
+    return Target("ascend950", DESCRIPTION, lambda n: n.op not in ("kernel", "with_epilogue") and emittable(n),
+                  build_plan, EmulatorRunner, project_files, templates=frozenset(EMITTERS) - {"kernel", "with_epilogue"},
+                  epilogue_hosts=frozenset(HOSTS))
 
 
 TARGETS: dict[str, Callable[[], Target]] = {"cpu": _cpu, "sm90": _triton("sm90"), "sm100": _triton("sm100"),

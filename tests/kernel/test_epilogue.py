@@ -8,6 +8,7 @@ import torch
 import deepfuse
 from deepfuse.frontend import Spec, ops, trace
 from deepfuse.ir import interpret
+from tests.conftest import needs_gxx
 
 W = torch.randn(48, 64, generator=torch.Generator().manual_seed(1))
 
@@ -41,3 +42,21 @@ def test_epilogue_needs_the_gemm_result_alone():
               Spec("x", "f32", ("T", 64)), Spec("r", "f32", ("T", 48)))
     kinds = [p["kind"] for p in deepfuse.compile(g, target="cpu").launches]
     assert "template+generated" not in kinds and "generated" in kinds
+
+
+@needs_gxx
+@pytest.mark.parametrize("dtype", ["f32", "bf16"])
+def test_ascend950_epilogue_is_one_launch(dtype):
+    """The cube GEMM writes its result to scratch and the generated vector kernel finishes it,
+    in one launch of the plan (and through the generated host code)."""
+    from deepfuse.codegen.ascendc.runner import EmulatorRunner
+
+    g = graph(dtype)
+    f = deepfuse.compile(g, target="ascend950")
+    assert f.launches == [{"op": "with_epilogue", "kind": "template+generated", "ops": ["linear", "add", "mul"]}]
+    ins = inputs(dtype, rows=70)
+    want = interpret(g, ins)[0]
+    tol = 1e-5 if dtype == "f32" else 1e-2
+    torch.testing.assert_close(f(**ins).float(), want.float(), rtol=tol, atol=tol)
+    host = EmulatorRunner(f.plan, f.graph.weights, via_host=True)
+    torch.testing.assert_close(host(ins)[0].float(), want.float(), rtol=tol, atol=tol)

@@ -10,7 +10,10 @@ here: the kernels are checked by compiling them with g++ against emu/ (runner.py
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 from ...ir import Graph, Node
+from ..device_epilogue import remap, result_to_tmp, split_epilogue
 from ..device_plan import PLACEHOLDER, device_plan, named
 from .emit import emit_gather, emit_rms_norm
 from .emit_attention import emit_qkv_attention
@@ -46,6 +49,23 @@ EMITTERS = {
 }
 
 
+def emit_with_epilogue(node: Node, name: str) -> dict:
+    """A GEMM template and its generated epilogue as one launch: the GEMM writes its result into a
+    scratch tensor that the epilogue kernel (vector cores) reads (device_epilogue.py)."""
+    inner, epi, y = split_epilogue(node)
+    out = EMITTERS[inner.op](inner, name)
+    tmp = len(out["tmps"])
+    kernels = [replace(k, args=[result_to_tmp(a, tmp) for a in k.args]) for k in out["kernels"]]
+    fed = emit_generated(epi, name + "_epilogue")["kernels"][0]
+    n, feeds = node.attrs["n_inner"], node.attrs["feeds"]
+    fed = replace(fed, args=[remap(a, n, feeds, tmp) for a in fed.args],
+                  tiling=[[f, ct, remap(e, n, feeds, tmp)] for f, ct, e in fed.tiling])
+    return {"kernels": kernels + [fed], "tmps": out["tmps"] + [{"shape": list(y.type.shape), "dtype": y.type.dtype}]}
+
+
+EMITTERS["with_epilogue"] = emit_with_epilogue
+
+
 def emittable(node: Node) -> bool:
     """f32 / bf16 / f16 graphs; generated kernels as far as emit_generated renders them; head dims
     that are not multiples of 16 and int4 shapes the kernel does not tile go to the reference (a
@@ -54,6 +74,9 @@ def emittable(node: Node) -> bool:
         return False
     if node.op == "kernel":  # the renderer's own check: dtypes, ops and UB it handles
         return renderable(node)
+    if node.op == "with_epilogue":
+        inner, epi, _ = split_epilogue(node)
+        return emittable(inner) and renderable(epi)
     if "act_group" in node.attrs:  # a prologue-fused W8A8 projection: the reference, as linear_w8a8's
         return False
     if "group_size" in node.attrs:  # int4: K in whole 64-element repeats, groups of whole 32-byte halves

@@ -99,12 +99,12 @@ def _cpu() -> Target:
 def _triton(arch: str) -> Callable[[], Target]:
     def make() -> Target:
         from .triton import ARCH_DESCRIPTIONS, build_plan, compile_binaries
-        from .triton.emit import EMITTERS, emittable
+        from .triton.emit import EMITTERS, EPILOGUE_HOSTS, emittable
         from .triton.runner import TritonRunner
 
-        return Target(arch, ARCH_DESCRIPTIONS[arch], lambda n: n.op != "kernel" and emittable(n),
+        return Target(arch, ARCH_DESCRIPTIONS[arch], lambda n: n.op not in ("kernel", "with_epilogue") and emittable(n),
                       lambda g: build_plan(g, arch), TritonRunner, compile_binaries, runs_binaries=True,
-                      templates=frozenset(EMITTERS) - {"kernel"})
+                      templates=frozenset(EMITTERS) - {"kernel", "with_epilogue"}, epilogue_hosts=frozenset(EPILOGUE_HOSTS))
 
     return make
 

@@ -2,6 +2,8 @@
 epilogue: one launch, the interpreter's numbers, no change to the template."""
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -60,3 +62,25 @@ def test_ascend950_epilogue_is_one_launch(dtype):
     torch.testing.assert_close(f(**ins).float(), want.float(), rtol=tol, atol=tol)
     host = EmulatorRunner(f.plan, f.graph.weights, via_host=True)
     torch.testing.assert_close(host(ins)[0].float(), want.float(), rtol=tol, atol=tol)
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs Triton's interpreter")
+@pytest.mark.parametrize("dtype", ["f32"])  # bf16: the interpreter's bf16 tl.dot is wrong (a plain linear too)
+def test_triton_epilogue_replaces_the_gemm_store(dtype):
+    """sm90: the epilogue is rendered where the GEMM template stores its tile (one kernel, whose
+    result never goes to memory); run in Triton's interpreter, and compiled to PTX for sm90 and sm100."""
+    from deepfuse.codegen.triton import build_plan
+    from deepfuse.codegen.triton.aot import compile_all
+
+    g = graph(dtype)
+    f = deepfuse.compile(g, target="sm90")
+    assert f.launches == [{"op": "with_epilogue", "kind": "template+generated", "ops": ["linear", "add", "mul"]}]
+    (spec,) = f.plan["launches"][0]["kernels"]
+    assert "tl.dot" in spec["source"] and "tl.store(y_ptr" not in spec["source"]
+    ins = inputs(dtype, rows=37)
+    want = interpret(g, ins)[0]
+    tol = 1e-4 if dtype == "f32" else 2e-2  # the GEMM's own f32 sum order
+    torch.testing.assert_close(f(**ins).float(), want.float(), rtol=tol, atol=tol)
+    files = compile_all([(spec, "with_epilogue")], "sm100")
+    assert any(name.endswith(".cubin") for name in files)
+    assert build_plan(f.graph, "sm90")["launches"][0]["kernels"][0]["name"] == spec["name"]

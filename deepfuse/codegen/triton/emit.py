@@ -16,7 +16,9 @@ import math
 from string import Template
 
 from ...ir import Node
+from ..device_epilogue import split_epilogue
 from . import templates as T
+from .epilogue import emit_with_epilogue
 from .generated import emit_kernel, renderable
 from .tiles import tiles_for
 
@@ -110,7 +112,7 @@ def emit_gemm(node: Node, name: str, arch: str) -> list[dict]:
         if op == "swiglu_linear":
             load = T.LOAD_SWIGLU
     sig = ", ".join(p for p, _, _ in params)
-    src = _source(name, T.GEMM, PARAMS=sig, ROWS=rows, PRE=pre, LOAD_A=load, LOAD_B=T.LOAD_B_Q4 if q4 else T.LOAD_B_DENSE,
+    src = _source(name, T.GEMM, STORE=T.GEMM_STORE, PARAMS=sig, ROWS=rows, PRE=pre, LOAD_A=load, LOAD_B=T.LOAD_B_Q4 if q4 else T.LOAD_B_DENSE,
                   K=k, N=n, XW=xw, G=node.attrs.get("group_size", 1), EXTRA=", SMAX: tl.constexpr" if "SMAX" in consts else "")
     out = len(node.outputs) - 1
     params.append(("y_ptr", _ptr(node, "out", out), ["out", out]))
@@ -224,6 +226,10 @@ EMITTERS = {
 PREPARE = {"fused_moe": "moe_align"}  # ops whose kernels need a torch step first (runner.PREPARE)
 
 
+EPILOGUE_HOSTS = ("linear", "linear_q4", "rms_norm_linear", "swiglu_linear")  # emit_gemm's, one output
+EMITTERS["with_epilogue"] = lambda node, name, arch: emit_with_epilogue(node, name, arch)
+
+
 def emittable(node: Node) -> bool:
     """Shapes the templates do not cover go to the reference."""
     if node.op not in EMITTERS:
@@ -235,4 +241,7 @@ def emittable(node: Node) -> bool:
         return hd == pow2(hd) and hd >= 16
     if node.op == "kernel":
         return renderable(node)
+    if node.op == "with_epilogue":
+        inner, epi, _ = split_epilogue(node)
+        return inner.op in EPILOGUE_HOSTS and emittable(inner) and renderable(epi)
     return True

@@ -27,7 +27,9 @@ $ROWS$PRE    acc = tl.zeros((BM, BN), dtype=tl.float32)
         kk = k0 + rk
         k_ok = kk < $K
 $LOAD_A$LOAD_B        acc += tl.dot(a.to(b.dtype), b)
-    tl.store(y_ptr + rm[:, None] * $N + rn[None, :], acc.to(y_ptr.dtype.element_ty),
+$STORE"""
+# the GEMM's store of its [BM, BN] tile; a generated epilogue (epilogue.py) takes its place
+GEMM_STORE = """    tl.store(y_ptr + rm[:, None] * $N + rn[None, :], acc.to(y_ptr.dtype.element_ty),
              mask=row_ok[:, None] & (rn[None, :] < $N))
 """
 

@@ -1,0 +1,73 @@
+"""A GEMM template with a generated epilogue (a with_epilogue node): the kernel IR of the
+epilogue is rendered in place of the template's store, over the [BM, BN] accumulator tile, so
+the GEMM's result never goes to memory. The template is untouched: its `$STORE` slot is the
+one hook every GEMM has.
+
+The tile's rows and columns play the kernel IR's r and c (index space (T, 1, N)); the loads of
+the epilogue's input that the GEMM feeds read the accumulator, rounded to the result's dtype
+as the template's store would round it; every other load and store is the renderer's own.
+"""
+from __future__ import annotations
+
+from string import Template
+
+from ...ir import Node
+from ...kernel.ir import Kernel
+from ..device_epilogue import split_epilogue
+from . import templates as T
+from .generated import HELPERS, PTR, _Body
+
+TILE = """    rb = rm[:, None].to(tl.int64)
+    rm = row_ok[:, None]
+    cols = rn[None, :]
+    cm = cols < $N
+    g = 0
+"""
+
+
+def emit_with_epilogue(node: Node, name: str, arch: str) -> list[dict]:
+    from .emit import EMITTERS
+
+    inner, epi, y = split_epilogue(node)
+    (spec,) = EMITTERS[inner.op](inner, name, arch)
+    k = Kernel.from_json(node.attrs["kernel"])
+    feeds, n_inner = node.attrs["feeds"], node.attrs["n_inner"]
+    n = y.type.shape[1]
+    fed = k.inputs[feeds].name
+    params = {b.name: f"e{i}" for i, b in enumerate(k.buffers) if b.name != fed}
+    body = _Body(k, params)
+    for ins in k.body:
+        if ins.op == "load" and ins.attrs["buf"] == fed:
+            acc = "acc" if y.type.dtype == "f32" else \
+                ("_rne_bf16(acc).to(tl.bfloat16)" if y.type.dtype == "bf16" else "acc.to(tl.float16)")
+            body.put(f"v{ins.out} = {acc}", 1)
+        else:
+            body.instr(ins, 1)
+    code = Template(TILE).substitute(N=n) + "\n".join(body.lines) + "\n"
+    store = Template(T.GEMM_STORE).substitute(N=n)
+    src = spec["source"]
+    if store not in src:
+        raise ValueError(f"{inner.op}'s template has no store slot for an epilogue")
+    src = src.replace(store, code)
+    src = src.replace("y_ptr, M,", "y_ptr, " + "".join(f"{p}, " for p in params.values()) + "M,", 1)
+    helpers = "".join(h + "\n\n" for hn, h in HELPERS.items() if hn + "(" in src and f"def {hn}(" not in src)
+    src = src.replace("@triton.jit\ndef ", helpers + "@triton.jit\ndef ", 1)
+    ins_of = {b.name: i for i, b in enumerate(k.inputs)}
+    outs_of = {b.name: j for j, b in enumerate(k.outputs)}
+
+    def form(b) -> list:
+        if b.role == "out":
+            return ["out", outs_of[b.name]]
+        i = ins_of[b.name]
+        return ["in", n_inner + (i if i < feeds else i - 1)]
+
+    sig, args = {}, []
+    for (p, t), a in zip([(p, t) for p, t in spec["signature"].items() if t != "constexpr"], spec["args"]):
+        sig[p], args = t, args + [["out", 0] if p == "y_ptr" else a]
+        if p == "y_ptr":
+            for b in k.buffers:
+                if b.name != fed:
+                    sig[params[b.name]] = PTR[b.dtype]
+                    args.append(form(b))
+    sig |= {c: "constexpr" for c in spec["constexprs"]}
+    return [{**spec, "source": src, "signature": sig, "args": args}]

@@ -112,7 +112,8 @@ def emit_gemm(node: Node, name: str, arch: str) -> list[dict]:
         if op == "swiglu_linear":
             load = T.LOAD_SWIGLU
     sig = ", ".join(p for p, _, _ in params)
-    src = _source(name, T.GEMM, STORE=T.GEMM_STORE, PARAMS=sig, ROWS=rows, PRE=pre, LOAD_A=load, LOAD_B=T.LOAD_B_Q4 if q4 else T.LOAD_B_DENSE,
+    src = _source(name, T.GEMM, STORE=T.GEMM_STORE, PARAMS=sig, ROWS=rows, PRE=pre, LOAD_A=load,
+                  LOAD_B=T.LOAD_B_Q4 if q4 else T.LOAD_B_DENSE,
                   K=k, N=n, XW=xw, G=node.attrs.get("group_size", 1), EXTRA=", SMAX: tl.constexpr" if "SMAX" in consts else "")
     out = len(node.outputs) - 1
     params.append(("y_ptr", _ptr(node, "out", out), ["out", out]))

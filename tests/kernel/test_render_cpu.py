@@ -51,8 +51,9 @@ def test_native_matches_interpreter(name, dtype, rows):
     assert (rows * groups * cols >= PARALLEL_ELEMS) == (rows == 300)  # 300 rows take the OpenMP path
 
 
-def test_out_kernel_and_bound_call_write_planned_buffers():
-    k, ins = case_kernel("add_rms_norm", "bf16", 7)
+@pytest.mark.parametrize("rows", [7, 300])  # 300: the bound call runs on OpenMP threads
+def test_out_kernel_and_bound_call_write_planned_buffers(rows):
+    k, ins = case_kernel("add_rms_norm", "bf16", rows)
     xs = [ins[b.name] for b in k.inputs]
     want = run(k, ins)
     kernel = OUT_FACTORIES["kernel"]({"kernel": k.to_json(), "ops": []})
@@ -109,3 +110,20 @@ def test_broken_source_names_the_compiler_error():
     source = render_cpp(k).replace("df_exp(v", "df_exp_missing(v")
     with pytest.raises(DeepfuseError, match="df_exp_missing.*not declared"):
         build(source)
+
+
+def test_bf16_cast_of_a_rounded_value_keeps_nan_and_inf():
+    """The cast of a round-to-bf16 value takes its high 16 bits (generated.expr): NaN stays a NaN."""
+    body = [Instr(0, "load", (), "f32", "elem", {"buf": "x", "index": Index(4, 0, 1, 0)}),
+            Instr(1, "round", (0,), "f32", "elem", {"to": "bf16"}),
+            Instr(2, "cast", (1,), "bf16", "elem", {"to": "bf16"}),
+            Instr(-1, "store", (2,), "bf16", "elem", {"buf": "y", "index": Index(4, 0, 1, 0)})]
+    k = Kernel("round_cast", [Buffer("x", "f32", ("T", 4), "in"), Buffer("y", "bf16", ("T", 4), "out")], ("T", 1, 4), body)
+    verify(k)
+    assert "df_bits(v1) >> 16" in render_cpp(k)
+    x = torch.tensor([[float("nan"), float("inf"), -1.00390625, 3.0e38]])
+    got = NativeKernel(k)(x)
+    want = run(k, {"x": x})["y"]
+    assert got.view(torch.int16)[0, 0].item() == 0x7FC0  # a NaN, as the full cast writes it
+    assert got.view(torch.int16)[0, 1:].tolist() == want.view(torch.int16)[0, 1:].tolist()  # bit for bit
+    assert torch.isnan(want[0, 0].float())

@@ -56,27 +56,49 @@ def accumulate(ins: Instr) -> tuple[str, str, str, str]:
 
 
 def render_body(k: Kernel) -> str:
-    """The extern "C" entry of k (the prelude's helpers in scope)."""
-    rows, groups, cols = k.space
+    """k's row function (the (r, g) pairs begin..end) and its extern "C" entry (see generated.py)."""
+    name, (_, groups, cols) = entry_name(k), k.space
+    ins = [b for b in k.buffers if b.role == "in"]
+    outs = [b for b in k.buffers if b.role == "out"]
+    lines = [f"static void {name}_rows(const int64_t* __restrict__ args, int64_t begin, int64_t end) {{"]
+    for i, b in enumerate(ins + outs):
+        t = ("const " if b.role == "in" else "") + CTYPE[b.dtype]
+        lines.append(f"    {t}* __restrict__ {b.name} = reinterpret_cast<{t}*>(args[{i}]);")
+    lines += ["    for (int64_t rg = begin; rg < end; ++rg) {",
+              f"        const int64_t r = rg / {groups}, g = rg % {groups};",
+              "        (void)r; (void)g;"]
+    lines += _row_group(k)
+    n = len(ins) + len(outs)
+    lines += ["    }", "}", "",
+              f'extern "C" void {name}(const int64_t* args) {{',
+              f"    const int64_t total = args[{n}] * {groups};",
+              f"    const int threads = static_cast<int>(args[{n + 1}]);",
+              f"    if (threads < 2 || total < 2 || total * {cols} < {PARALLEL_ELEMS}) {{",
+              f"        {name}_rows(args, 0, total);",
+              "        return;",
+              "    }",
+              "#pragma omp parallel num_threads(threads)",
+              "    {",
+              "        const int64_t parts = omp_get_num_threads(), part = omp_get_thread_num();",
+              "        const int64_t begin = total * part / parts, end = total * (part + 1) / parts;",
+              f"        if (begin < end) {name}_rows(args, begin, end);",
+              "    }",
+              "}", ""]
+    return "\n".join(lines)
+
+
+def _row_group(k: Kernel) -> list[str]:
+    """The body of the (r, g) loop: the per-(r, g) pointers, then the phases."""
+    cols = k.space[2]
     by_out = {i.out: i for i in k.body if i.out >= 0}
     lv = levels(k)
-    lines = [f'extern "C" void {entry_name(k)}(const void* const* in, void* const* out, int64_t rows, int threads) {{']
-    for role, arr in (("in", "in"), ("out", "out")):
-        for i, b in enumerate(x for x in k.buffers if x.role == role):
-            t = ("const " if role == "in" else "") + CTYPE[b.dtype]
-            lines.append(f"    {t}* __restrict__ {b.name} = static_cast<{t}*>({arr}[{i}]);")
-    lines += [f"    const int64_t total = rows * {groups};",
-              f"#pragma omp parallel for schedule(static) num_threads(threads) if(total * {cols} >= {PARALLEL_ELEMS})",
-              "    for (int64_t rg = 0; rg < total; ++rg) {",
-              f"        const int64_t r = rg / {groups}, g = rg % {groups};"]
-    lines.append("        (void)r; (void)g;")
     bases = {}
     for ins in k.body:
         if ins.op in ("load", "store"):
             ix, b = ins.attrs["index"], k.buffer(ins.attrs["buf"])
             t = ("const " if b.role == "in" else "") + CTYPE[b.dtype]
             bases[base_name(ins)] = f"        {t}* __restrict__ {base_name(ins)} = {b.name} + r * {ix.row} + g * {ix.group};"
-    lines += bases.values()
+    lines = list(bases.values())
     top = max(lv.values(), default=0)
     reduces = [i for i in k.body if i.op == "reduce"]
     stores = [i for i in k.body if i.op == "store"]
@@ -90,8 +112,7 @@ def render_body(k: Kernel) -> str:
     for s in stores:
         if not s.attrs["index"].col:
             lines.append(f"        {index_expr(s)} = v{s.args[0]};")
-    lines += ["    }", "}", ""]
-    return "\n".join(lines)
+    return lines
 
 
 def _row_value(ins: Instr, by_out: dict[int, Instr]) -> str:

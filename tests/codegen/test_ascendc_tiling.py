@@ -9,13 +9,14 @@ import subprocess
 
 import torch
 
+import deepfuse
 from deepfuse.codegen.ascendc import build_plan
 from deepfuse.codegen.ascendc.emit_gemm import emit_matmul
 from deepfuse.codegen.ascendc.emulate import EMU_DIR
 from deepfuse.codegen.ascendc.kernel import evaluate, pack
 from deepfuse.codegen.ascendc.runner import EmulatorRunner, LaunchArgs
+from deepfuse.frontend import Spec, ops, trace
 from deepfuse.ir import interpret
-from tests.codegen.test_ascendc import norm_graph
 from tests.conftest import needs_gxx
 
 pytestmark = needs_gxx
@@ -100,11 +101,13 @@ def test_a_queued_launch_keeps_its_own_tiling():
     with the stream ("不会进行隐式的device同步或流同步", aclrtMemcpy in the CANN runtime API). Two
     steps of one launch queued before the stream is synchronised (7 rows, then 3) must each run
     with their own tiling: the first writes all 7 of its rows."""
-    g = norm_graph(576, False)
-    runner = EmulatorRunner(build_plan(g), g.weights, via_host=True)
+    w = torch.randn(576)
+    g = trace(lambda x: ops.rms_norm(x, w, eps=1e-5), Spec("x", "f32", ("T", 576)))
+    f = deepfuse.compile(g, target="ascend950")  # one generated kernel, reading x and w
+    assert [p["kind"] for p in f.launches] == ["generated"] and f.graph.nodes[0].inputs[0].name == "x"
+    runner = EmulatorRunner(f.plan, f.graph.weights, via_host=True)
     x1, x2 = torch.randn(7, 576), torch.randn(3, 576)
     y1, y2 = torch.zeros(7, 576), torch.zeros(3, 576)
-    w = g.weights[g.nodes[0].inputs[1].name]
     a1, a2 = host_args(runner, [x1, w], [y1]), host_args(runner, [x2, w], [y2])
     assert runner.host.deepfuse_launch(0, None, ctypes.byref(a1)) == 0
     assert runner.host.deepfuse_launch(0, None, ctypes.byref(a2)) == 0

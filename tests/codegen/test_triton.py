@@ -24,7 +24,7 @@ from tests.helpers import greedy_with, with_sinks
 
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs Triton's interpreter")
 KINDS = {"embedding", "take_rows", "rms_norm_linear", "add_rms_norm_linear", "qkv_attention", "linear", "swiglu_linear",
-         "add_rms_norm", "logits", "sample", "spec_verify"}
+         "kernel", "logits", "sample", "spec_verify"}  # kernel: the final add_rms_norm, generated
 
 
 def tiny(tmp_path_factory, **over):

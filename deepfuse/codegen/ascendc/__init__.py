@@ -15,7 +15,7 @@ from dataclasses import replace
 from ...ir import Graph, Node
 from ..device_epilogue import remap, result_to_tmp, split_epilogue
 from ..device_plan import PLACEHOLDER, device_plan, named
-from .emit import emit_gather, emit_rms_norm
+from .emit import emit_gather
 from .emit_attention import emit_qkv_attention
 from .emit_gemm import emit_gemm
 from .emit_generated import emit_generated, renderable
@@ -33,8 +33,6 @@ def _single(fn):
 EMITTERS = {
     "embedding": _single(emit_gather),
     "take_rows": _single(emit_gather),
-    "rms_norm": _single(emit_rms_norm),
-    "add_rms_norm": _single(emit_rms_norm),
     "linear": emit_gemm,
     "linear_q4": emit_gemm,
     "logits": emit_gemm,

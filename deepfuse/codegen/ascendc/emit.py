@@ -15,7 +15,6 @@ from string import Template
 from ...ir import Node
 from .kernel import (
     AIV_CORES,
-    BLOCK,
     CTYPE,
     SIZE,
     UB_BYTES,
@@ -24,9 +23,7 @@ from .kernel import (
     align,
     copy_row,
     from_f32,
-    reduce_tmp_bytes,
     rows_tiling,
-    rstd_on_vector,
     tiling_struct,
     to_f32,
 )
@@ -67,127 +64,6 @@ def source(name: str, what: str, fields: list[list], body: str, params: list[str
                                                 ARGS=", ".join(params)))
     return Template(text).substitute(NAME=name, PROCESS_ROWS=Template(PROCESS_ROWS).substitute(STAGES=stages),
                                      ROWS_INIT=ROWS_INIT, **subs)
-
-
-RMS_NORM = """\
-class Kernel_$NAME {
-public:
-    __aicore__ inline Kernel_$NAME() {}
-    __aicore__ inline void Init(${GM_PARAMS}GM_ADDR w, GM_ADDR y, const ${NAME}_tiling& t)
-    {
-$ROWS_INIT        eps = t.eps;
-$GM_INIT        wGm.SetGlobalBuffer((__gm__ $T*)w, $D);
-        yGm.SetGlobalBuffer((__gm__ $T*)y, (uint64_t)t.rows * $D);
-$QUEUE_INIT        pipe.InitBuffer(weightBuf, $F32_BYTES);
-        pipe.InitBuffer(workBuf, $F32_BYTES);
-        pipe.InitBuffer(sumBuf, 2 * $BLOCK);
-        pipe.InitBuffer(reduceBuf, $REDUCE_BYTES);
-$LOAD_W    }
-$PROCESS_ROWS
-private:
-    __aicore__ inline void CopyIn(uint32_t row)
-    {
-$COPY_IN    }
-    __aicore__ inline void Compute()
-    {
-$COMPUTE_IN        LocalTensor<$T> yLocal = outQueueY.AllocTensor<$T>();
-        LocalTensor<float> work = workBuf.Get<float>();
-        LocalTensor<float> sum = sumBuf.Get<float>();
-        Mul(work, $SRC, $SRC, $D);
-        ReduceSum(sum, work, reduceBuf.Get<float>(), $D);
-$RSTD        float rstd = sum.GetValue(0);
-$NORMALIZE        outQueueY.EnQue(yLocal);
-$COMPUTE_OUT    }
-    __aicore__ inline void CopyOut(uint32_t row)
-    {
-$COPY_OUT    }
-
-    TPipe pipe;
-    $QUEUES
-    TBuf<QuePosition::VECCALC> weightBuf, workBuf, sumBuf, reduceBuf$HALF_BUFS;
-    $GLOBALS
-    uint32_t first = 0, last = 0;
-    float eps = 0;
-};
-"""
-
-
-def emit_rms_norm(node: Node, name: str, x_arg: list | None = None, y_arg: list | None = None) -> AscendKernel:
-    """rms_norm(x[T,D], w[D]) -> y, or add_rms_norm(x, res, w) -> (s = x + res, y): one row per
-    iteration, rows split across the vector cores. x_arg / y_arg override where x is read and y
-    written (a GEMM prologue writes y into the launch's scratch). bf16 / f16 rows are cast to
-    fp32 in UB and rounded where the reference rounds (s, the normalised row, the product)."""
-    x = node.inputs[0].type
-    d, dt = x.shape[1], x.dtype
-    t, size, half = CTYPE[dt], SIZE[dt], dt != "f32"
-    row_bytes, f32_bytes = align(d * size), align(d * 4)
-    add = node.op in ("add_rms_norm", "add_rms_norm_linear")
-    queues = 6 if add else 4  # double-buffered in/out queues
-    if queues * row_bytes + (4 if half else 2) * f32_bytes + 2 * BLOCK + reduce_tmp_bytes(d) > UB_BYTES:
-        raise ValueError(f"{name}: a row of {d} does not fit the unified buffer")
-    rows = f"(uint64_t)t.rows * {d}"
-    at = f"[(uint64_t)row * {d}]"
-    gm = ["x", "res", "s"] if add else ["x"]
-    gm_init = "".join(f"        {g}Gm.SetGlobalBuffer((__gm__ {t}*){g}, {rows});\n" for g in gm)
-    ins = ["x", "res"] if add else ["x"]
-    queue_init = "".join(f"        pipe.InitBuffer(inQueue{q.capitalize()}, BUFFER_NUM, {row_bytes});\n" for q in ins)
-    queue_init += "".join(f"        pipe.InitBuffer(outQueue{q}, BUFFER_NUM, {row_bytes});\n"
-                          for q in (["S", "Y"] if add else ["Y"]))
-    if half:
-        queue_init += (f"        pipe.InitBuffer(xfBuf, {f32_bytes});\n"
-                       f"        pipe.InitBuffer(rawWeightBuf, {row_bytes});\n")
-        load_w = ("        LocalTensor<$T> wRaw = rawWeightBuf.Get<$T>();\n"
-                  f"        {copy_row('wRaw', 'wGm', d, size, False, t)}\n"
-                  "        WaitPipe<HardEvent::MTE2_V>();\n"
-                  f"        {to_f32('weightBuf.Get<float>()', 'wRaw', d)}\n")
-    else:
-        load_w = (f"        {copy_row('weightBuf.Get<float>()', 'wGm', d, 4, False)}\n"
-                  "        WaitPipe<HardEvent::MTE2_V>();\n")
-    copy_in = "".join(f"        LocalTensor<{t}> {q}Local = inQueue{q.capitalize()}.AllocTensor<{t}>();\n"
-                      f"        {copy_row(f'{q}Local', f'{q}Gm{at}', d, size, False, t)}\n"
-                      f"        inQueue{q.capitalize()}.EnQue({q}Local);\n" for q in ins)
-    compute_in = "".join(f"        LocalTensor<{t}> {q}Local = inQueue{q.capitalize()}.DeQue<{t}>();\n" for q in ins)
-    compute_out = "".join(f"        inQueue{q.capitalize()}.FreeTensor({q}Local);\n" for q in ins)
-    if add:
-        compute_in += f"        LocalTensor<{t}> sLocal = outQueueS.AllocTensor<{t}>();\n"
-        compute_out = "        outQueueS.EnQue(sLocal);\n" + compute_out
-    if half:  # x (and s = x + res, rounded) in fp32 in xf
-        compute_in += "        LocalTensor<float> xf = xfBuf.Get<float>();\n" + f"        {to_f32('xf', 'xLocal', d)}\n"
-        if add:
-            compute_in += (f"        {to_f32('workBuf.Get<float>()', 'resLocal', d)}\n"
-                           f"        Add(xf, xf, workBuf.Get<float>(), {d});\n"
-                           f"        {from_f32('sLocal', 'xf', d)}\n        {to_f32('xf', 'sLocal', d)}\n")
-        normalize = (f"        Muls(work, xf, rstd, {d});\n        {from_f32('yLocal', 'work', d)}\n"
-                     f"        {to_f32('work', 'yLocal', d)}\n        Mul(work, work, weightBuf.Get<float>(), {d});\n"
-                     f"        {from_f32('yLocal', 'work', d)}\n")
-        src_name = "xf"
-    else:
-        if add:
-            compute_in += f"        Add(sLocal, xLocal, resLocal, {d});\n"
-        src_name = "sLocal" if add else "xLocal"
-        normalize = (f"        Muls(yLocal, {src_name}, rstd, {d});\n"
-                     f"        Mul(yLocal, yLocal, weightBuf.Get<float>(), {d});\n")
-    copy_out = "".join(f"        LocalTensor<{t}> {o}Local = outQueue{o.upper()}.DeQue<{t}>();\n"
-                       f"        {copy_row(f'{o}Gm{at}', f'{o}Local', d, size, True)}\n"
-                       f"        outQueue{o.upper()}.FreeTensor({o}Local);\n" for o in (["s", "y"] if add else ["y"]))
-    queues_decl = ("TQue<QuePosition::VECIN, BUFFER_NUM> " + ", ".join(f"inQueue{q.capitalize()}" for q in ins) + ";\n"
-                   "    TQue<QuePosition::VECOUT, BUFFER_NUM> " + ("outQueueS, outQueueY;" if add else "outQueueY;"))
-    fields = rows_tiling(["shape", 0, 0], AIV_CORES, [["eps", "float", float(node.attrs["eps"])]])
-    params = ["x", "res", "s", "w", "y"] if add else ["x", "w", "y"]
-    src = source(name, ("residual add + RMSNorm" if add else "RMSNorm") + f", {dt}", fields, RMS_NORM, params,
-                 D=d, T=t, F32_BYTES=f32_bytes, BLOCK=BLOCK, LOAD_W=load_w.replace("$T", t), RSTD=rstd_on_vector("sum", d, "eps"),
-                 REDUCE_BYTES=reduce_tmp_bytes(d),
-                 GM_PARAMS="GM_ADDR x, GM_ADDR res, GM_ADDR s, " if add else "GM_ADDR x, ", GM_INIT=gm_init,
-                 QUEUE_INIT=queue_init, COPY_IN=copy_in, COMPUTE_IN=compute_in, COMPUTE_OUT=compute_out,
-                 COPY_OUT=copy_out, SRC=src_name, NORMALIZE=normalize, QUEUES=queues_decl,
-                 HALF_BUFS=", xfBuf, rawWeightBuf" if half else "",
-                 GLOBALS=f"GlobalTensor<{t}> " + ", ".join(f"{g}Gm" for g in gm + ["w", "y"]) + ";")
-    x_arg = x_arg or ["in", 0]
-    if add:
-        args = [x_arg, ["in", 1], ["out", 0], ["in", 2], y_arg or ["out", 1]]
-    else:
-        args = [x_arg, ["in", 1], y_arg or ["out", 0]]
-    return AscendKernel(name, src, args, fields, AIV_CORES)
 
 
 SWIGLU = """\
@@ -331,4 +207,4 @@ def emit_gather(node: Node, name: str, ids_index: int = 1, y_arg: list | None = 
     return AscendKernel(name, src, [["in", 0], ids_arg or ["in", ids_index], y_arg or ["out", 0]], fields, AIV_CORES)
 
 
-__all__ = ["AscendKernel", "SIZE", "emit_gather", "emit_rms_norm", "emit_swiglu", "source"]
+__all__ = ["AscendKernel", "SIZE", "emit_gather", "emit_swiglu", "source"]

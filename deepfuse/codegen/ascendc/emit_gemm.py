@@ -16,8 +16,9 @@ from __future__ import annotations
 from string import Template
 
 from ...ir import Node
-from .emit import emit_gather, emit_rms_norm, emit_swiglu
+from .emit import emit_gather
 from .kernel import AIC_CORES, CTYPE, SIZE, AscendKernel, align, cdiv
+from .prologue import emit_prologue
 
 # includes and operand types shared by the GEMM kernels: A, B (transposed) in $TA, C in $TC.
 # Pure cube: ASCENDC_CUBE_ONLY before lib/matmul_intf.h makes Matmul run on the cube core itself
@@ -148,10 +149,7 @@ def emit_gemm(node: Node, name: str) -> dict:
         return {"kernels": [gather, mm], "tmps": [{"shape": [node.inputs[2].type.shape[0], k], "dtype": dt}]}
     w = node.inputs[-1].type
     n, k = w.shape
-    if op == "swiglu_linear":
-        pro = emit_swiglu(node, name + "_swiglu", y_arg=["tmp", 0])
-    else:
-        pro = emit_rms_norm(node, name + "_norm", y_arg=["tmp", 0])
+    pro = emit_prologue(node, name + "_prologue")  # generated (prologue.py)
     out = 1 if op == "add_rms_norm_linear" else 0
     mm = emit_matmul(name, rows, n, k, ["tmp", 0], ["in", len(node.inputs) - 1], ["out", out], dt)
     return {"kernels": [pro, mm], "tmps": [{"shape": [x.shape[0], k], "dtype": dt}]}

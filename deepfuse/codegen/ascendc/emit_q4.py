@@ -15,7 +15,7 @@ the vector unit; a cube path that dequantizes B tiles into L1 is not written yet
 from __future__ import annotations
 
 from ...ir import Node
-from .emit import emit_rms_norm, emit_swiglu, source
+from .emit import source
 from .kernel import (
     AIV_CORES,
     BLOCK,
@@ -30,6 +30,7 @@ from .kernel import (
     reduce_tmp_bytes,
     to_f32,
 )
+from .prologue import emit_prologue
 
 LINEAR_Q4 = """\
 class Kernel_$NAME {
@@ -199,10 +200,7 @@ def emit_gemm_q4(node: Node, name: str) -> dict:
     if op == "linear_q4":
         return {"kernels": [emit_linear_q4(name, node, ["in", 0], 1, ["out", 0])], "tmps": []}
     k = 2 * node.inputs[w_index].type.shape[1]
-    if op == "swiglu_linear":
-        pro = emit_swiglu(node, name + "_swiglu", y_arg=["tmp", 0])
-    else:
-        pro = emit_rms_norm(node, name + "_norm", y_arg=["tmp", 0])
+    pro = emit_prologue(node, name + "_prologue")  # generated (prologue.py)
     out = 1 if op == "add_rms_norm_linear" else 0
     mm = emit_linear_q4(name, node, ["tmp", 0], w_index, ["out", out])
     return {"kernels": [pro, mm], "tmps": [{"shape": [x.shape[0], k], "dtype": x.dtype}]}

@@ -54,26 +54,6 @@ def emit_embedding(node: Node, name: str, arch: str) -> list[dict]:
     return [_spec(name, _source(name, T.EMBEDDING, D=d), params, {"BD": pow2(d)}, [["shape", 1, 0], 1, 1], tiles)]
 
 
-def emit_rms_norm(node: Node, name: str, arch: str) -> list[dict]:
-    x = node.inputs[0].type
-    d, eps = x.shape[1], node.attrs["eps"]
-    tiles = tiles_for(arch, "row", node)
-    load = "tl.load($X + row * $D + d, mask=ok, other=0.0)"
-    if node.op == "add_rms_norm":
-        params = [("x_ptr", PTR[x.dtype], ["in", 0]), ("res_ptr", PTR[x.dtype], ["in", 1]),
-                  ("w_ptr", _ptr(node, "in", 2), ["in", 2]), ("s_ptr", PTR[x.dtype], ["out", 0]),
-                  ("y_ptr", PTR[x.dtype], ["out", 1])]
-        total = Template(load).safe_substitute(X="x_ptr") + " + " + Template(load).safe_substitute(X="res_ptr")
-        store = "    tl.store(s_ptr + row * $D + d, xv, mask=ok)\n"
-    else:
-        params = [("x_ptr", PTR[x.dtype], ["in", 0]), ("w_ptr", _ptr(node, "in", 1), ["in", 1]),
-                  ("y_ptr", PTR[x.dtype], ["out", 0])]
-        total, store = Template(load).safe_substitute(X="x_ptr"), ""
-    sig = ", ".join(p for p, _, _ in params[:-1])
-    src = _source(name, T.RMS_NORM, PARAMS=sig, SUM=total, STORE_SUM=store, D=d, EPS=repr(float(eps)))
-    return [_spec(name, src, params, {"BD": pow2(d)}, [["shape", 0, 0], 1, 1], tiles)]
-
-
 def emit_gemm(node: Node, name: str, arch: str) -> list[dict]:
     """linear, linear_q4, logits, rms_norm_linear, add_rms_norm_linear, swiglu_linear; the
     projection dense, or int4 (attr group_size: packed, scales, mins in place of W)."""
@@ -210,8 +190,6 @@ def emit_spec_verify(node: Node, name: str, arch: str) -> list[dict]:
 EMITTERS = {
     "embedding": emit_embedding,
     "take_rows": emit_embedding,  # x[rows]: the same gather
-    "rms_norm": emit_rms_norm,
-    "add_rms_norm": emit_rms_norm,
     "linear": emit_gemm,
     "linear_q4": emit_gemm,
     "logits": emit_gemm,

@@ -71,21 +71,6 @@ LOAD_SWIGLU = """        g = tl.load(x_ptr + xrow[:, None] * $XW + kk[None, :], 
         a = (g * tl.sigmoid(g)).to(x_ptr.dtype.element_ty).to(tl.float32) * u.to(tl.float32)
 """
 
-# rms_norm / add_rms_norm over one row per program; D fits one block
-RMS_NORM = """
-@triton.jit
-def $NAME($PARAMS, y_ptr, BD: tl.constexpr):
-    row = tl.program_id(0)
-    d = tl.arange(0, BD)
-    ok = d < $D
-    xv = $SUM
-$STORE_SUM    xf = xv.to(tl.float32)
-    rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / $D + $EPS)
-    w = tl.load(w_ptr + d, mask=ok, other=0.0).to(tl.float32)
-    y = (xf * rstd).to(y_ptr.dtype.element_ty).to(tl.float32) * w
-    tl.store(y_ptr + row * $D + d, y.to(y_ptr.dtype.element_ty), mask=ok)
-"""
-
 EMBEDDING = """
 @triton.jit
 def $NAME(table_ptr, ids_ptr, y_ptr, BD: tl.constexpr):

@@ -12,6 +12,9 @@ from .types import TensorType
 
 
 def _kernel_type(types: list[TensorType], attrs: dict) -> list[TensorType]:
+    from ..kernel.ir import Kernel, verify
+
+    verify(Kernel.from_json(attrs["kernel"]))  # KernelError is a ValueError: the graph verifier names the node
     k = attrs["kernel"]
     ins = [b for b in k["buffers"] if b[3] == "in"]
     expect(len(ins) == len(types), f"kernel {k['name']} takes {len(ins)} inputs, got {len(types)}")

@@ -209,3 +209,10 @@ def _softcap_decomp(x, *, cap):
     from ..frontend import ops
 
     return ops.mul(ops.tanh(ops.div(x, cap)), cap)
+
+
+@decomposition("add_bias")
+def _add_bias_decomp(x, b):
+    from ..frontend import ops
+
+    return ops.add(x, b)

@@ -199,3 +199,33 @@ def verify(k: Kernel) -> None:
     missing = {b.name for b in k.outputs} - stored
     if missing:
         raise KernelError(f"{k.name}: outputs never stored: {sorted(missing)}")
+    for ins in k.body:
+        if ins.op in ("load", "store"):
+            check_bounds(k, k.buffer(ins.attrs["buf"]), ins.attrs["index"], ins.text())
+
+
+def check_bounds(k: Kernel, buf: Buffer, ix: Index, what: str) -> None:
+    """Every (r, g, c) of the space addresses an element inside `buf`, for every row count: a
+    kernel (from an artifact, say) cannot read or write outside its buffers."""
+    rows, groups, cols = k.space
+    if not (isinstance(groups, int) and isinstance(cols, int) and groups >= 1 and cols >= 1):
+        raise KernelError(f"{k.name}: the space's groups and columns must be positive ints, got {k.space}")
+    if min(ix.row, ix.group, ix.col, ix.offset) < 0:
+        raise KernelError(f"{k.name}: {what}: negative index terms")
+    per_row = 1
+    for d in buf.shape[1:]:
+        if not isinstance(d, int):
+            raise KernelError(f"{k.name}: {buf} has a symbolic dim past its first")
+        per_row *= d
+    inner = ix.group * (groups - 1) + ix.col * (cols - 1) + ix.offset  # the largest offset within a row
+    if buf.shape and buf.shape[0] == rows and isinstance(rows, str):
+        ok = ix.row <= per_row and inner < per_row  # row r stays in the buffer's row r (or earlier ones)
+    else:
+        numel = per_row * (buf.shape[0] if buf.shape else 1)
+        if not buf.shape or isinstance(buf.shape[0], str):
+            ok = False if buf.shape else inner < 1 and ix.row == 0
+        else:
+            last_row = (rows - 1) if isinstance(rows, int) else None
+            ok = last_row is not None and ix.row * last_row + inner < numel or ix.row == 0 and inner < numel
+    if not ok:
+        raise KernelError(f"{k.name}: {what}: the index can leave {buf}")

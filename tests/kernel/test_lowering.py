@@ -54,3 +54,21 @@ def test_verify_rejects_bad_kernels():
     no_store = Kernel(k.name, k.buffers, k.space, [i for i in k.body if i.op != "store"])
     with pytest.raises(KernelError, match="never stored"):
         verify(no_store)
+
+
+def test_verify_keeps_loads_and_stores_inside_their_buffers():
+    """A kernel (from an artifact, say) whose index could leave its buffer is refused before any
+    renderer turns it into code."""
+    import dataclasses
+
+    from deepfuse.kernel.ir import Index
+
+    (k,) = kernels_of(generated("swiglu"))
+    for bad in (Index(192, 0, 1, 97), Index(193, 0, 1, 96), Index(0, 0, 3, 0)):
+        body = [dataclasses.replace(i, attrs={**i.attrs, "index": bad}) if i.op == "load" else i for i in k.body]
+        with pytest.raises(KernelError, match="the index can leave in0"):
+            verify(Kernel(k.name, k.buffers, k.space, body))
+    body = [dataclasses.replace(i, attrs={**i.attrs, "index": Index(96, 0, 1, 1)}) if i.op == "store" else i
+            for i in k.body]
+    with pytest.raises(KernelError, match="the index can leave out0"):
+        verify(Kernel(k.name, k.buffers, k.space, body))

@@ -26,7 +26,7 @@ import torch
 from ...errors import DeepfuseError
 from ...ir import DTYPES
 from ...kernel.interpret import run
-from ...kernel.ir import Kernel
+from ...kernel.ir import Kernel, verify
 from .bound import Bound
 from .generated import PARALLEL_ELEMS, render_cpp
 from .generated_phases import entry_name
@@ -205,6 +205,7 @@ def make_generated(attrs: dict, into: bool = False) -> Callable:
     """The CPU kernel of a `kernel` node: compiled (NativeKernel), or the interpreter with a
     one-time warning where there is no compiler. into: the out-kernel form, kernel(*xs, out=[...])."""
     k = Kernel.from_json(attrs["kernel"])
+    verify(k)  # an artifact's kernel IR: checked (buffers' bounds included) before it becomes code
     if compiler() is None:
         warn_no_compiler()
         fn = interpreted(k)

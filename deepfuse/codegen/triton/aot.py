@@ -41,7 +41,7 @@ def compile_spec(spec: dict, arch: str, where: str) -> dict[str, bytes]:
                         attrs=aligned_attrs(pointer_params(spec), fn.arg_names))
         k = triton.compile(src, target=GPUTarget("cuda", ARCHS[arch], 32),
                            options={"num_warps": spec["num_warps"], "num_stages": spec["num_stages"],
-                                    "enable_fp_fusion": True})
+                                    "enable_fp_fusion": spec.get("fp_fusion", True)})
     except Exception as e:  # triton raises CompilationError, RuntimeError, ...: all become one message
         first = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
         raise DeepfuseError(f"Triton kernel {spec['name']} for {where} failed to compile for {arch}: {first}") from e

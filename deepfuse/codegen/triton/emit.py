@@ -17,6 +17,7 @@ from string import Template
 
 from ...ir import Node
 from ..device_epilogue import split_epilogue
+from . import sample
 from . import templates as T
 from .epilogue import emit_with_epilogue
 from .generated import emit_kernel, renderable
@@ -55,27 +56,35 @@ def emit_embedding(node: Node, name: str, arch: str) -> list[dict]:
 
 
 def emit_gemm(node: Node, name: str, arch: str) -> list[dict]:
-    """linear, linear_q4, logits, rms_norm_linear, add_rms_norm_linear, swiglu_linear; the
-    projection dense, or int4 (attr group_size: packed, scales, mins in place of W)."""
+    """linear, linear_q4, linear_w8a8, logits, logits_w8a8, rms_norm_linear, add_rms_norm_linear,
+    swiglu_linear; the projection dense, int4 (attr group_size: packed, scales, mins in place of W)
+    or W8A8 (attr act_group: wq, scale; the K tile is one activation group, templates.DOT_W8A8)."""
     op, ins = node.op, node.inputs
     x = ins[0].type
-    first_w = {"linear": 1, "linear_q4": 1, "logits": 1, "rms_norm_linear": 2, "add_rms_norm_linear": 3,
-               "swiglu_linear": 1}[op]
-    q4 = "group_size" in node.attrs
+    first_w = {"linear": 1, "linear_q4": 1, "linear_w8a8": 1, "logits": 1, "logits_w8a8": 1, "rms_norm_linear": 2,
+               "add_rms_norm_linear": 3, "swiglu_linear": 1}[op]
+    q4, w8 = "group_size" in node.attrs, "act_group" in node.attrs
     n = ins[first_w].type.shape[0]
     k = ins[first_w].type.shape[1] * (2 if q4 else 1)
     xw = x.shape[1]
     tiles = tiles_for(arch, "gemm", node)
     consts = {k_: tiles[k_] for k_ in ("BM", "BN", "BK")}
+    if w8:
+        consts["BK"] = node.attrs["act_group"]  # a K tile holds exactly one group
     params = [("x_ptr", PTR[x.dtype], ["in", 0])]
     rows, pre, load, m = T.ROWS_PLAIN, "", T.LOAD_PLAIN, ["shape", 0, 0]
-    weight = [("packed_ptr", "*u8", ["in", first_w]), ("scales_ptr", "*fp32", ["in", first_w + 1]),
-              ("mins_ptr", "*fp32", ["in", first_w + 2])] if q4 else [("w_ptr", PTR[ins[first_w].type.dtype],
-                                                                        ["in", first_w])]
+    if q4:
+        weight = [("packed_ptr", "*u8", ["in", first_w]), ("scales_ptr", "*fp32", ["in", first_w + 1]),
+                  ("mins_ptr", "*fp32", ["in", first_w + 2])]
+    elif w8:
+        weight = [("wq_ptr", "*u8", ["in", first_w]), ("wscale_ptr", "*fp32", ["in", first_w + 1])]
+    else:
+        weight = [("w_ptr", PTR[ins[first_w].type.dtype], ["in", first_w])]
     requires = []
-    if op == "logits":
-        params += weight + [("rows_ptr", _ptr(node, "in", 2), ["in", 2])]
-        rows, m = T.ROWS_TAKE, ["shape", 2, 0]
+    if op in ("logits", "logits_w8a8"):
+        r = 1 + len(weight)  # the sample rows follow the weight's operands
+        params += weight + [("rows_ptr", _ptr(node, "in", r), ["in", r])]
+        rows, m = T.ROWS_TAKE, ["shape", r, 0]
     elif op in ("rms_norm_linear", "add_rms_norm_linear"):
         add = op == "add_rms_norm_linear"
         if add:
@@ -93,7 +102,8 @@ def emit_gemm(node: Node, name: str, arch: str) -> list[dict]:
             load = T.LOAD_SWIGLU
     sig = ", ".join(p for p, _, _ in params)
     src = _source(name, T.GEMM, STORE=T.GEMM_STORE, PARAMS=sig, ROWS=rows, PRE=pre, LOAD_A=load,
-                  LOAD_B=T.LOAD_B_Q4 if q4 else T.LOAD_B_DENSE,
+                  LOAD_B=T.LOAD_B_Q4 if q4 else T.LOAD_B_W8 if w8 else T.LOAD_B_DENSE,
+                  DOT=T.DOT_W8A8 if w8 else T.DOT, FINISH=T.FINISH_W8A8 if w8 else "",
                   K=k, N=n, XW=xw, G=node.attrs.get("group_size", 1), EXTRA=", SMAX: tl.constexpr" if "SMAX" in consts else "")
     out = len(node.outputs) - 1
     params.append(("y_ptr", _ptr(node, "out", out), ["out", out]))
@@ -101,6 +111,8 @@ def emit_gemm(node: Node, name: str, arch: str) -> list[dict]:
     grid = [["cdiv", m, consts["BM"]], ["cdiv", ["const", n], consts["BN"]], 1]
     spec = _spec(name, src, params, consts, grid, tiles)
     spec["requires"] = requires
+    if w8:
+        spec["fp_fusion"] = False  # acc + dot * d rounds twice, as the reference's (no fma)
     return [spec]
 
 
@@ -173,11 +185,8 @@ def emit_fused_moe(node: Node, name: str, arch: str) -> list[dict]:
 
 
 def emit_sample(node: Node, name: str, arch: str) -> list[dict]:
-    """Greedy rows only: the runner uses this kernel when no row samples (temperature 0)."""
-    v = node.inputs[0].type.shape[1]
-    tiles = tiles_for(arch, "row", node)
-    params = [("logits_ptr", "*fp32", ["in", 0]), ("y_ptr", "*i64", ["out", 0])]
-    return [_spec(name, _source(name, T.ARGMAX, V=v), params, {"BV": 1024}, [["shape", 0, 0], 1, 1], tiles)]
+    """Greedy and sampled rows alike (sample.py)."""
+    return sample.emit_sample(node, name, arch, _spec, _source)
 
 
 def emit_spec_verify(node: Node, name: str, arch: str) -> list[dict]:
@@ -192,7 +201,9 @@ EMITTERS = {
     "take_rows": emit_embedding,  # x[rows]: the same gather
     "linear": emit_gemm,
     "linear_q4": emit_gemm,
+    "linear_w8a8": emit_gemm,
     "logits": emit_gemm,
+    "logits_w8a8": emit_gemm,
     "rms_norm_linear": emit_gemm,
     "add_rms_norm_linear": emit_gemm,
     "swiglu_linear": emit_gemm,
@@ -213,8 +224,8 @@ def emittable(node: Node) -> bool:
     """Shapes the templates do not cover go to the reference."""
     if node.op not in EMITTERS:
         return False
-    if "act_group" in node.attrs:  # a prologue-fused W8A8 projection: the reference, as linear_w8a8's
-        return False
+    if "act_group" in node.attrs:  # W8A8: int8 tl.dot wants K tiles of at least 32
+        return node.attrs["act_group"] % 32 == 0
     if node.op == "qkv_attention":
         hd = node.attrs["head_dim"]
         return hd == pow2(hd) and hd >= 16

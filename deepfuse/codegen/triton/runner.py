@@ -63,12 +63,6 @@ def as_list(res) -> list:
     return list(res) if isinstance(res, (tuple, list)) else [res]
 
 
-def samples(p: dict, temperature: torch.Tensor) -> bool:
-    """Whether launch p is the sampling op with a row that samples: its kernel is greedy argmax
-    only, so such a step runs the reference sampler."""
-    return p["op"] == "sample" and bool((temperature > 0).any())
-
-
 def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -224,9 +218,8 @@ class TritonRunner:
             raise DeepfuseError(f"this {self.plan['arch']} artifact runs on an NVIDIA GPU; none is visible (to run its "
                                 "kernels in Triton's CPU interpreter, start the process with TRITON_INTERPRET=1)")
         env = list(self.base)
-        given = {}  # the step's inputs as given, by slot: the host's copy of what is read on the host
         for name, s in self.plan["inputs"].items():
-            x = given[s] = inputs[name]
+            x = inputs[name]
             if x.device != self.device:
                 if name.startswith("kv_cache."):  # written in place: a copy would drop this step's rows
                     raise DeepfuseError(f"{name} is on {x.device}, this {self.plan['arch']} artifact runs on "
@@ -235,10 +228,7 @@ class TritonRunner:
             env[s] = x
         for p, kernels, ref in self.launches:
             ins = [env[i] for i in p["in"]]
-            # whether any row samples (the kernel is greedy only), read from the host's temperatures
-            # where the step gave them: no wait on the GPU
-            # (only the sampling op has one: other ops may have a single input)
-            if kernels and not (p["op"] == "sample" and samples(p, given.get(p["in"][1], ins[1]))):
+            if kernels:
                 outs = self._run(p, kernels, ins)
             else:
                 outs = as_list(ref(*ins, **p["attrs"]))
@@ -270,7 +260,9 @@ class TritonRunner:
             if self.kernel_source == "cubin" and fn.fits(args):  # every parameter in order, constexprs last
                 fn.kernel[grid](*args, *spec["constexprs"].values())
             elif self.kernel_source == "cubin":  # a pointer the cubin assumed aligned is not
-                fn.jit()[grid](*args, **spec["constexprs"], num_warps=spec["num_warps"], num_stages=spec["num_stages"])
+                fn.jit()[grid](*args, **spec["constexprs"], num_warps=spec["num_warps"], num_stages=spec["num_stages"],
+                               enable_fp_fusion=spec.get("fp_fusion", True))
             else:
-                fn[grid](*args, **spec["constexprs"], num_warps=spec["num_warps"], num_stages=spec["num_stages"])
+                fn[grid](*args, **spec["constexprs"], num_warps=spec["num_warps"], num_stages=spec["num_stages"],
+                         enable_fp_fusion=spec.get("fp_fusion", True))
         return outs

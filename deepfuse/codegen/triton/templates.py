@@ -26,8 +26,10 @@ $ROWS$PRE    acc = tl.zeros((BM, BN), dtype=tl.float32)
     for k0 in range(0, $K, BK):
         kk = k0 + rk
         k_ok = kk < $K
-$LOAD_A$LOAD_B        acc += tl.dot(a.to(b.dtype), b)
-$STORE"""
+$LOAD_A$LOAD_B$DOT$FINISH$STORE"""
+# the accumulation of one K tile (W8A8 has its own: DOT_W8A8) and what follows the K loop
+DOT = "        acc += tl.dot(a.to(b.dtype), b)\n"
+
 # the GEMM's store of its [BM, BN] tile; a generated epilogue (epilogue.py) takes its place
 GEMM_STORE = """    tl.store(y_ptr + rm[:, None] * $N + rn[None, :], acc.to(y_ptr.dtype.element_ty),
              mask=row_ok[:, None] & (rn[None, :] < $N))
@@ -44,6 +46,26 @@ LOAD_B_Q4 = """        wmask = (rn[None, :] < $N) & k_ok[:, None]
         mn = tl.load(mins_ptr + grp, mask=wmask, other=0.0)
         b = (q * sc + mn).to(x_ptr.dtype.element_ty)
 """
+# W8A8 (ir/opdefs_quant.py): the weight offset binary (wq - 128 as int8); the K tile is one
+# activation group (BK = act_group), quantized here per row: q = rint(a * (127 / max|a|)) (a true
+# f32 division; rint by floor, ties to even), d = max|a| / 127; the group's exact int8 x int8 ->
+# int32 dot, times d, is added to the f32 accumulator in group order (compiled without fp fusion,
+# so the product and the sum round as the reference's do); the weight scale follows the loop
+LOAD_B_W8 = """        wq = tl.load(wq_ptr + rn[None, :] * $K + kk[:, None], mask=(rn[None, :] < $N) & k_ok[:, None], other=128)
+        b = (wq.to(tl.int16) - 128).to(tl.int8)
+"""
+DOT_W8A8 = """        a = a.to(x_ptr.dtype.element_ty).to(tl.float32)
+        amax = tl.max(tl.abs(a), axis=1)
+        safe = tl.where(amax > 0, amax, 1.0)
+        inv = tl.where(amax > 0, tl.math.div_rn(tl.full((BM,), 127.0, tl.float32), safe), 0.0)
+        v = a * inv[:, None]
+        fl = tl.floor(v)
+        up = ((v - fl) > 0.5) | (((v - fl) == 0.5) & ((fl.to(tl.int32) & 1) == 1))
+        q = tl.minimum(tl.maximum(fl + tl.where(up, 1.0, 0.0), -127.0), 127.0).to(tl.int8)
+        d = tl.math.div_rn(amax, tl.full((BM,), 127.0, tl.float32))
+        acc += tl.dot(q, b, out_dtype=tl.int32).to(tl.float32) * d[:, None]
+"""
+FINISH_W8A8 = "    acc = acc * tl.load(wscale_ptr + rn, mask=rn < $N, other=0.0)[None, :]\n"
 ROWS_PLAIN = "    xrow = rm\n"
 ROWS_TAKE = "    xrow = tl.load(rows_ptr + rm, mask=row_ok, other=0)\n"
 X_TILE = "tl.load(x_ptr + xrow[:, None] * $XW + kk[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)"
@@ -179,24 +201,6 @@ SOFTMAX_EMPTY = """        m_i = tl.full((BQ * GP,), -1.0e30, dtype=tl.float32)
 # the sink is one more logit whose value is zero: running max = sink, running sum = exp(0) = 1
 SOFTMAX_SINK = """        m_i = tl.load(sinks_ptr + head, mask=row_ok, other=0.0).to(tl.float32)
         l_i = tl.full((BQ * GP,), 1.0, dtype=tl.float32)
-"""
-
-# greedy sampling: the argmax of each row of logits[S,V], in chunks of BV
-ARGMAX = """
-@triton.jit
-def $NAME(logits_ptr, y_ptr, BV: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    v = tl.arange(0, BV)
-    best = tl.full((BV,), float("-inf"), dtype=tl.float32)
-    where = tl.zeros((BV,), dtype=tl.int64)
-    for v0 in range(0, $V, BV):
-        x = tl.load(logits_ptr + row * $V + v0 + v, mask=v0 + v < $V, other=float("-inf"))
-        better = x > best
-        best = tl.where(better, x, best)
-        where = tl.where(better, v0 + v, where)
-    top = tl.max(best, axis=0)
-    idx = tl.min(tl.where(best == top, where, $V), axis=0)
-    tl.store(y_ptr + row, idx)
 """
 
 # speculative verification: one program walks the sample rows in order; a sequence's rows are

@@ -9,7 +9,6 @@ from deepfuse.codegen.cpu.kernels import PREPACKED
 from deepfuse.codegen.cpu.row_kernels import add_rms_rows, rms_rows, swiglu_rows
 from deepfuse.codegen.cpu.w8a8_kernels import W8A8Weights, w8a8_linear, w8a8_norm_linear, w8a8_swiglu_linear
 from deepfuse.compiler import trace_model
-from deepfuse.errors import DeepfuseError
 from deepfuse.ir import OPS, TensorType, interpret, verify
 from deepfuse.ir.opdefs_quant import W8_ZERO, linear_w8a8, logits_w8a8, quantize_rows_i8, quantize_w8
 from deepfuse.passes import PassManager, cleanup_passes, fusion_passes, quant_passes
@@ -172,18 +171,18 @@ def test_fused_ops_over_a_w8a8_projection_type_check_and_decompose(tiny_model):
     torch.testing.assert_close(got[1], want[1])
 
 
-def test_w8a8_artifacts_for_the_device_targets_run_the_fused_forms_as_references(tiny_model):
-    """Triton and AscendC have no W8A8 kernels: the prologue-fused projections run their
-    references there (host steps): ascend950 refuses such a build unless allowed, and then lists
-    them; it decodes as the CPU interpreter does."""
+@pytest.mark.parametrize("target", ["ascend950", "sm90"])
+def test_w8a8_artifacts_for_the_device_targets_have_no_host_steps(tiny_model, target):
+    """Triton and AscendC run every W8A8 form as kernels (no host steps); greedy decoding
+    through the target's runner (Triton's interpreter, the AscendC emulator) gives the CPU
+    interpreter's tokens."""
     from deepfuse.codegen.ascendc import emittable as ascend_emittable
     from deepfuse.codegen.triton.emit import emittable as triton_emittable
-    with pytest.raises(DeepfuseError, match=r"would run on the host.*rms_norm_linear template does not take this form"):
-        deepfuse.compile(tiny_model, quant="w8a8", target="ascend950")
-    art = deepfuse.compile(tiny_model, quant="w8a8", target="ascend950", allow_host_steps=True)
-    assert {s["op"] for s in art.plan["host_steps"]} >= {"rms_norm_linear", "add_rms_norm_linear", "logits_w8a8"}
+    art = deepfuse.compile(tiny_model, quant="w8a8", target=target)
+    assert art.plan["host_steps"] == []
     fused = [n for n in art.graph.nodes if "act_group" in n.attrs]
-    assert fused and not any(ascend_emittable(n) or triton_emittable(n) for n in fused)
+    assert {n.op for n in fused} >= {"rms_norm_linear", "add_rms_norm_linear", "logits_w8a8"}
+    assert all(ascend_emittable(n) and triton_emittable(n) for n in fused)
     prompt = [5, 17, 99, 3, 42, 7]
     want = greedy_with(lambda inputs: interpret(art.graph, inputs), tiny_model.config, prompt, 4, block_size=16)
     got = greedy_with(art, tiny_model.config, prompt, 4, block_size=16)

@@ -21,6 +21,7 @@ from .emit_gemm import emit_gemm
 from .emit_generated import emit_generated, renderable
 from .emit_moe import emit_fused_moe
 from .emit_sample import emit_argmax, emit_spec_verify
+from .emit_w8a8 import emit_w8a8
 from .kernel import FLOATS
 
 DESCRIPTION = "Huawei Ascend 950 (arch 3510), AscendC kernels (checked in deepfuse's CPU emulator)"
@@ -35,7 +36,9 @@ EMITTERS = {
     "take_rows": _single(emit_gather),
     "linear": emit_gemm,
     "linear_q4": emit_gemm,
+    "linear_w8a8": emit_w8a8,
     "logits": emit_gemm,
+    "logits_w8a8": emit_w8a8,
     "rms_norm_linear": emit_gemm,
     "add_rms_norm_linear": emit_gemm,
     "swiglu_linear": emit_gemm,
@@ -75,8 +78,8 @@ def emittable(node: Node) -> bool:
     if node.op == "with_epilogue":
         inner, epi, _ = split_epilogue(node)
         return emittable(inner) and renderable(epi)
-    if "act_group" in node.attrs:  # a prologue-fused W8A8 projection: the reference, as linear_w8a8's
-        return False
+    if "act_group" in node.attrs:  # W8A8 (emit_w8a8.py): int8 K tiles in whole 32-byte fractal rows
+        return node.attrs["act_group"] % 32 == 0
     if "group_size" in node.attrs:  # int4: K in whole 64-element repeats, groups of whole 32-byte halves
         k = 2 * node.inputs[-3].type.shape[1]
         return k % 64 == 0 and node.attrs["group_size"] % 16 == 0

@@ -137,6 +137,10 @@ def emit_gemm(node: Node, name: str) -> dict:
         from .emit_q4 import emit_gemm_q4
 
         return emit_gemm_q4(node, name)
+    if "act_group" in node.attrs:  # W8A8 after a prologue
+        from .emit_w8a8 import emit_w8a8
+
+        return emit_w8a8(node, name)
     op, x = node.op, node.inputs[0].type
     dt, rows = x.dtype, ["shape", 0, 0]
     if op == "linear":

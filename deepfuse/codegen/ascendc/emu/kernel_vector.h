@@ -121,11 +121,25 @@ void ReduceMin(const LocalTensor<T>& d, const LocalTensor<T>& s, const LocalTens
     __builtin_memcpy(&d.data()[1], &best, sizeof(best));
   }
 }
+template <typename T> struct cast_to_int { static constexpr bool value = false; };
+template <> struct cast_to_int<int8_t> { static constexpr bool value = true; };
+template <> struct cast_to_int<uint8_t> { static constexpr bool value = true; };
+template <> struct cast_to_int<int16_t> { static constexpr bool value = true; };
+template <> struct cast_to_int<int32_t> { static constexpr bool value = true; };
+template <typename D, typename S> struct cast_same { static constexpr bool value = false; };
+template <typename T> struct cast_same<T, T> { static constexpr bool value = true; };
+// Cast.md (Ascend 950 table): CAST_RINT rounds to nearest, ties to even -- to an integer where the
+// destination is an integer type (half -> int8_t, float -> int32_t) or the source type itself
+// (float -> float); float -> half / bfloat16_t round to the nearest representable value
 template <typename D, typename S>
 void Cast(const LocalTensor<D>& d, const LocalTensor<S>& s, const RoundMode& mode, const uint32_t n) {
   if (sizeof(D) < sizeof(S) && mode == RoundMode::CAST_NONE) fail("Cast to a narrower type needs a rounding mode (CAST_RINT)");
   vec_src(s, "Cast"); vec_dst(d, "Cast"); check_count(d, (int32_t)n, "Cast"); check_count(s, (int32_t)n, "Cast");
-  for (uint32_t i = 0; i < n; i++) d.data()[i] = (D)(float)s.data()[i];
+  const bool rint = mode == RoundMode::CAST_RINT && (cast_to_int<D>::value || cast_same<D, S>::value);
+  for (uint32_t i = 0; i < n; i++) {
+    float v = (float)s.data()[i];
+    d.data()[i] = (D)(rint ? __builtin_rintf(v) : v);
+  }
 }
 // GatherMask with a built-in pattern: 1 keeps the even elements, 2 the odd ones, of
 // repeatTimes contiguous 256-byte repeats (the modes deepfuse emits)

@@ -22,6 +22,13 @@ namespace deepfuse_emu {
 constexpr int64_t L0A_BYTES = 64 * 1024, L0B_BYTES = 64 * 1024, L0C_BYTES = 256 * 1024;
 inline uint8_t*& sys_workspace() { static uint8_t* p = nullptr; return p; }
 inline float* l0c() { static float acc[L0C_BYTES / sizeof(float)]; return acc; }
+// int8_t A and B accumulate in int32_t in L0C, C int32_t (Matmul使用说明.md, the Ascend 950 row
+// "int8_t | int8_t | int32_t | int32_t/half" of A, B, Bias, C types); other inputs in fp32
+template <typename T> struct l0c_type { using type = float; };
+template <> struct l0c_type<int8_t> { using type = int32_t; };
+template <typename T> inline typename l0c_type<T>::type* l0c_of() {
+  return reinterpret_cast<typename l0c_type<T>::type*>(l0c());
+}
 }  // namespace deepfuse_emu
 
 namespace AscendC {
@@ -89,18 +96,19 @@ class Matmul {
     if (!hasA_ || !hasB_) fail("Matmul IterateAll before SetTensorA / SetTensorB");
     deepfuse_emu::cube_work(DEEPFUSE_EMU_MATMUL);
     const TCubeTiling& t = t_;
-    float* acc = deepfuse_emu::l0c();
+    using Acc = typename deepfuse_emu::l0c_type<TA>::type;
+    Acc* acc = deepfuse_emu::l0c_of<TA>();
     for (int m0 = 0; m0 < tailM_; m0 += t.baseM)
       for (int n0 = 0; n0 < tailN_; n0 += t.baseN) {
         int bm = t.baseM < tailM_ - m0 ? t.baseM : tailM_ - m0, bn = t.baseN < tailN_ - n0 ? t.baseN : tailN_ - n0;
-        for (int i = 0; i < t.baseM * t.baseN; i++) acc[i] = 0.0f;
+        for (int i = 0; i < t.baseM * t.baseN; i++) acc[i] = 0;
         for (int k0 = 0; k0 < tailK_; k0 += t.baseK) {
           int bk = t.baseK < tailK_ - k0 ? t.baseK : tailK_ - k0;
           for (int i = 0; i < bm; i++)
             for (int j = 0; j < bn; j++) {
-              float s = 0.0f;
+              Acc s = 0;
               for (int k = 0; k < bk; k++)
-                s += (float)a_.GetValue((uint64_t)(m0 + i) * t.Ka + k0 + k) * (float)b_.GetValue((uint64_t)(n0 + j) * t.Kb + k0 + k);
+                s += (Acc)a_.GetValue((uint64_t)(m0 + i) * t.Ka + k0 + k) * (Acc)b_.GetValue((uint64_t)(n0 + j) * t.Kb + k0 + k);
               acc[(size_t)i * t.baseN + j] += s;
             }
         }

@@ -25,6 +25,24 @@ def greedy_with(step, config, prompt: list[int], n: int, dtype=torch.float32, bl
     return out, first
 
 
+def sampled_with(step, config, prompts: list[list[int]], n: int, params: list[dict], block_size: int = 16) -> list[list[int]]:
+    """Seeded sampled decoding of several sequences in one batch: params[i] holds SeqChunk's
+    temperature/top_k/top_p/seed for prompts[i]. step as greedy_with. Returns each one's n tokens."""
+    cache = KVCache(config.num_layers, config.num_kv_heads, config.head_dim, torch.float32,
+                    CacheConfig(block_size=block_size, num_blocks=64), getattr(step, "device", "cpu"))
+    per = -(-(max(map(len, prompts)) + n) // block_size)
+    seqs, starts, out = [list(p) for p in prompts], [0] * len(prompts), [[] for _ in prompts]
+    for _ in range(n):
+        chunks = [SeqChunk(s[st:], st, list(range(i * per, (i + 1) * per)), **p)
+                  for i, (s, st, p) in enumerate(zip(seqs, starts, params))]
+        _, nxt, _ = step(build_step(chunks, cache))
+        for i, s in enumerate(seqs):
+            starts[i] = len(s)
+            s.append(int(nxt[i]))
+            out[i].append(int(nxt[i]))
+    return out
+
+
 def forced_logits(step, config, prompt: list[int], continuation: list[int], dtype=torch.float32,
                   block_size: int = 4, kv=None) -> torch.Tensor:
     """Logits f32 [len(continuation), V] of a prefill of `prompt` and then one decode step per

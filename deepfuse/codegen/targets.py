@@ -63,9 +63,6 @@ class Target:
             p["kind"] = launch_kind(self, n, p)
         plan["host_steps"] = [{"node": p.get("node", f"%{i} ({p['op']})"), "op": p["op"], "why": self.why_reference(n)}
                               for i, (n, p) in enumerate(zip(g.nodes, plan["launches"])) if p["kind"] == "reference"]
-        if self.device and any(p["op"] == "sample" and p["kind"] == "template" for p in plan["launches"]):
-            plan["host_fallbacks"] = [{"op": "sample", "when": "a row samples (temperature > 0)",
-                                       "why": f"the {self.name} sampling kernel is greedy argmax only"}]
         return plan
 
     def why_reference(self, n: Node) -> str:

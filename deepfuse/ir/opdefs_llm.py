@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from .ops import decomposition, expect, register
+from .sampling import draw
 from .types import TensorType
 
 
@@ -231,29 +232,15 @@ def _sample_type(types: list[TensorType], attrs: dict) -> list[TensorType]:
     return [TensorType("i64", (lg.shape[0],))]
 
 
-def filter_top_k_top_p(probs: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
-    """Zeroes tokens outside the top-k and outside the smallest set with mass >= top_p. probs: [V]."""
-    if 0 < top_k < probs.numel():
-        kth = torch.topk(probs, top_k).values[-1]
-        probs = torch.where(probs >= kth, probs, torch.zeros_like(probs))
-    if top_p < 1.0:
-        sorted_p, order = probs.sort(descending=True)
-        before = sorted_p.cumsum(0) - sorted_p
-        sorted_p = torch.where(before < top_p * sorted_p.sum(), sorted_p, torch.zeros_like(sorted_p))
-        probs = torch.zeros_like(probs).scatter(0, order, sorted_p)
-    return probs
-
-
 @register("sample", _sample_type)
 def sample(logits, temperature, top_k, top_p, seeds):
-    """Next token per row of logits[S,V]: argmax where temperature == 0, else a draw
-    from softmax(logits/temperature) after top-k/top-p, keyed by seeds[S] alone."""
+    """Next token per row of logits[S,V]: the first maximum where temperature == 0, else the
+    counter-based draw of ir/sampling.py (temperature, exact top-k and top-p thresholds, Gumbel-max
+    keyed by seeds[S] alone), which every target's kernel computes."""
     out = logits.argmax(-1)
-    for s in torch.nonzero(temperature > 0).flatten().tolist():
-        probs = (logits[s] / temperature[s]).softmax(-1)
-        probs = filter_top_k_top_p(probs, int(top_k[s]), float(top_p[s]))
-        gen = torch.Generator().manual_seed(int(seeds[s]))
-        out[s] = torch.multinomial(probs, 1, generator=gen)[0]
+    rows = torch.nonzero(temperature > 0).flatten()
+    if rows.numel():
+        out[rows] = draw(logits[rows], temperature[rows], top_k[rows], top_p[rows], seeds[rows])
     return out
 
 

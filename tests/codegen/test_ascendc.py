@@ -13,7 +13,7 @@ import deepfuse
 from deepfuse.cli import main
 from deepfuse.codegen.ascendc import build_plan
 from deepfuse.codegen.ascendc.emit import emit_swiglu
-from deepfuse.codegen.ascendc.emit_sample import emit_argmax
+from deepfuse.codegen.ascendc.emit_sample import emit_sample
 from deepfuse.codegen.ascendc.emulate import launch
 from deepfuse.codegen.ascendc.kernel import pack
 from deepfuse.codegen.ascendc.runner import EmulatorRunner
@@ -339,21 +339,22 @@ def test_emulator_reports_a_missing_pipe_synchronisation():
 
 
 def test_emulator_reports_overwriting_a_buffer_still_being_copied_out():
-    """argmax writes each row's index into one TBuf and copies it out; the next row's SetValue
+    """sample writes each row's index into one TBuf and copies it out; the next row's SetValue
     must wait for that copy (MTE3_S)."""
     g = trace(lambda x, t, k, p, s: ops.sample(x, t, k, p, s), Spec("x", "f32", ("R", 100)), Spec("t", "f32", ("R",)),
               Spec("k", "i64", ("R",)), Spec("p", "f32", ("R",)), Spec("s", "i64", ("R",)))
-    k = emit_argmax(g.nodes[0], "argmax_war")
+    k = emit_sample(g.nodes[0], "argmax_war")
     k.tiling[1][2] = ["shape", 0, 0]  # one core takes every row
     logits = torch.randn(3, 100)
     y = torch.zeros(3, dtype=torch.int64)
-    launch(dataclasses.replace(k, block_dim=1), [logits, y], pack(k.tiling, [(3, 100)]))
+    greedy = [torch.zeros(3), torch.zeros(3, dtype=torch.int64), torch.ones(3), torch.zeros(3, dtype=torch.int64)]
+    launch(dataclasses.replace(k, block_dim=1), [logits, *greedy, y], pack(k.tiling, [(3, 100)]))
     assert torch.equal(y, logits.argmax(-1))
     racy = broken(k, "        WaitPipe<HardEvent::MTE3_S>();  // the previous row's copy-out of `out` is done\n", "",
                   "argmax_racy")
     with pytest.raises(DeepfuseError, match="SetValue into a TBuf still being copied out without a "
                                             "WaitFlag<HardEvent::MTE3_S>"):
-        launch(dataclasses.replace(racy, block_dim=1), [logits, y], pack(k.tiling, [(3, 100)]))
+        launch(dataclasses.replace(racy, block_dim=1), [logits, *greedy, y], pack(k.tiling, [(3, 100)]))
 
 
 def test_emulator_checks_the_matmul_tiling_against_l0(tiny_model):

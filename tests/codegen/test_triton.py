@@ -84,10 +84,9 @@ def launches_of_one_step(plan, weights, config, chunks) -> tuple[list, list[str]
     return runner(build_step(chunks, cache)), launched
 
 
-def test_a_step_that_samples_takes_the_reference_sampler_and_a_greedy_one_the_kernel(tiny_model):
-    """The greedy-only kernel runs where no row samples; a sampling row (temperature > 0, seeded)
-    sends the step's sampling to the reference. The choice is read from the step's temperatures
-    as given (on the host: no wait on a GPU)."""
+def test_the_sampling_kernel_runs_for_greedy_and_sampled_steps(tiny_model):
+    """One kernel samples greedy and seeded rows alike (no reference fallback): the tokens are
+    the interpreter's."""
     g, _ = PassManager(get_target("sm90").pipeline()).run(trace_model(tiny_model))
     plan, c = build_plan(g, "interpret"), tiny_model.config
     for temperature in (0.0, 0.9):
@@ -96,7 +95,7 @@ def test_a_step_that_samples_takes_the_reference_sampler_and_a_greedy_one_the_ke
         cache = KVCache(c.num_layers, c.num_kv_heads, c.head_dim, torch.float32, CacheConfig(16, 8))
         want = interpret(g, build_step(chunks, cache))
         assert torch.equal(got[1], want[1]), (temperature, got[1], want[1])
-        assert ("sample" in launched) == (temperature == 0.0), launched
+        assert "sample" in launched, launched
 
 
 def test_grid_and_arguments_are_bound_from_the_step(model):

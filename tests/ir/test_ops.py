@@ -85,14 +85,3 @@ def test_sample_greedy_and_seeded():
     # the row's draw depends on its own seed only, not on its neighbours
     solo = ref(logits[1:2], t1[:1], args[0][:1], args[1][:1], args[2][1:2])
     assert solo[0] == a[1]
-
-
-def test_top_k_top_p_filter():
-    from deepfuse.ir.opdefs_llm import filter_top_k_top_p
-
-    p = torch.tensor([0.5, 0.2, 0.15, 0.1, 0.05])
-    assert torch.count_nonzero(filter_top_k_top_p(p, 2, 1.0)) == 2
-    kept = filter_top_k_top_p(p, 0, 0.7)
-    assert torch.equal(kept > 0, torch.tensor([True, True, False, False, False]))
-    kept = filter_top_k_top_p(p, 0, 0.71)
-    assert torch.equal(kept > 0, torch.tensor([True, True, True, False, False]))

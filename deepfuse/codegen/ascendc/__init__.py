@@ -20,7 +20,7 @@ from .emit_attention import emit_qkv_attention
 from .emit_gemm import emit_gemm
 from .emit_generated import emit_generated, renderable
 from .emit_moe import emit_fused_moe
-from .emit_sample import emit_argmax, emit_spec_verify
+from .emit_sample import emit_sample, emit_spec_verify
 from .emit_w8a8 import emit_w8a8
 from .kernel import FLOATS
 
@@ -44,7 +44,7 @@ EMITTERS = {
     "swiglu_linear": emit_gemm,
     "qkv_attention": emit_qkv_attention,
     "fused_moe": emit_fused_moe,
-    "sample": _single(emit_argmax),
+    "sample": _single(emit_sample),
     "spec_verify": _single(emit_spec_verify),
     "kernel": emit_generated,  # generated kernels (deepfuse/kernel IR), rendered by emit_generated.py
 }

@@ -32,7 +32,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from device_check import step  # noqa: E402
 from gpu_throughput import refuse_wrong_machine, smollm2_shaped  # noqa: E402
 
-from deepfuse.codegen.triton.runner import TritonRunner, as_list, samples  # noqa: E402
+from deepfuse.codegen.triton.runner import TritonRunner, as_list  # noqa: E402
 
 
 def timed_step(runner, plan, inputs, dry: bool) -> tuple[dict, list]:
@@ -45,7 +45,7 @@ def timed_step(runner, plan, inputs, dry: bool) -> tuple[dict, list]:
     for p, kernels, ref in runner.launches:
         ins = [env[i] for i in p["in"]]
         key = p["op"] + " " + "+".join(spec["name"].rsplit("_", 1)[-1] for spec, _ in kernels)
-        if kernels and not samples(p, ins[1]):
+        if kernels:
             start, end = (None, None) if dry else (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
             if start:
                 start.record()

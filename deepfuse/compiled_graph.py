@@ -5,7 +5,8 @@ interpreter when the process started with TRITON_INTERPRET=1), ascend950 in the 
     g = deepfuse.trace(fn, Spec("x", "f32", ("T", 64)), ...)
     f = deepfuse.compile(g, target="ascend950")
     y = f(x=...)            # or f(x): the graph's inputs, by name or in order
-    f.launches              # [{"op", "kind": "generated" | "template" | "view" | "reference", ...}]
+    f.launches              # [{"op", "kind": "generated" | "template" | "template+generated" | "view"
+                            #   | "reference", "ops": the graph ops a generated kernel fuses}]
 """
 from __future__ import annotations
 
@@ -50,6 +51,12 @@ class CompiledGraph:
         if missing or set(inputs) - set(names):
             raise DeepfuseError(f"{self.graph.name} takes inputs {', '.join(names)}; "
                                 f"missing {missing or 'none'}, unknown {sorted(set(inputs) - set(names)) or 'none'}")
+        from .ir.interpret import check_inputs
+
+        try:
+            check_inputs(self.graph, inputs)
+        except ValueError as e:
+            raise DeepfuseError(str(e)) from None
         outs = self.runner(inputs)
         return outs[0] if len(outs) == 1 else outs
 

@@ -57,7 +57,8 @@ class Target:
 
     def lower(self, g: Graph) -> dict:
         """The launch plan of a final graph, each launch marked with its kind ("generated",
-        "template", "view" or "reference") and the plan's host_steps listed."""
+        "template", "template+generated" (a GEMM with its generated epilogue), "view" or
+        "reference") and the plan's host_steps listed."""
         plan = self.build(g)
         for n, p in zip(g.nodes, plan["launches"]):
             p["kind"] = launch_kind(self, n, p)
@@ -66,6 +67,9 @@ class Target:
         return plan
 
     def why_reference(self, n: Node) -> str:
+        if n.op in ("kernel", "with_epilogue"):
+            return (f"the {self.name} renderer does not take this generated kernel ({'+'.join(n.attrs['ops'])}); "
+                    "see docs/kernels.md for its limits")
         quant = {k: n.attrs[k] for k in ("act_group", "group_size") if k in n.attrs}
         if n.op in self.templates:
             return f"the {self.name} {n.op} template does not take this form{f' ({quant})' if quant else ''}"

@@ -64,7 +64,12 @@ class TraceContext:
         if isinstance(arg, Tracer):
             return arg.value
         if isinstance(arg, torch.Tensor):
-            name = self.weight_names.get(id(arg)) or f"const{len(self.graph.params)}"
+            name = self.weight_names.get(id(arg))
+            if name is None:  # a new constant: a name no param has (not even a dropped one's successor)
+                taken, i = {p.name for p in self.graph.params} | set(self.graph.weights), len(self.graph.params)
+                while f"const{i}" in taken:
+                    i += 1
+                name = f"const{i}"
             return self.graph.add_param(name, arg)
         raise TypeError(f"cannot trace argument of type {type(arg).__name__}")
 

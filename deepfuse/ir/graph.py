@@ -62,9 +62,14 @@ class Graph:
         return vals
 
     def add_param(self, name: str, tensor: torch.Tensor) -> Value:
-        """Register a constant; returns its Value (reuses an existing name's Value)."""
+        """Register a constant; returns its Value (an existing name's Value for the same tensor;
+        another tensor under a taken name is an error, never a silent reuse)."""
         for p in self.params:
             if p.name == name:
+                if self.weights.get(name) is not None and self.weights[name] is not tensor and not (
+                        self.weights[name].shape == tensor.shape and self.weights[name].dtype == tensor.dtype
+                        and torch.equal(self.weights[name], tensor)):
+                    raise ValueError(f"param %{name} already holds another tensor")
                 return p
         v = Value(name, TensorType.of(tensor))
         self.params.append(v)

@@ -200,7 +200,8 @@ def _softmax_decomp(x):
 
 @register("softcap", _unary)
 def softcap(x: torch.Tensor, *, cap: float) -> torch.Tensor:
-    """cap * tanh(x / cap): logit soft-capping (Gemma 2, Grok), rounded per op as written."""
+    """cap * tanh(x / cap): logit soft-capping (Gemma 2, Grok); each of the three ops computes in
+    f32 (cap too) and rounds to x's dtype, as torch does for `torch.tanh(x / cap) * cap`."""
     return torch.tanh(x / cap) * cap
 
 
@@ -208,7 +209,14 @@ def softcap(x: torch.Tensor, *, cap: float) -> torch.Tensor:
 def _softcap_decomp(x, *, cap):
     from ..frontend import ops
 
-    return ops.mul(ops.tanh(ops.div(x, cap)), cap)
+    def f32(v):
+        return ops.cast(v, dtype="f32") if x.dtype != "f32" else v
+
+    def back(v):
+        return ops.cast(v, dtype=x.dtype) if x.dtype != "f32" else v
+
+    scaled = back(ops.div(f32(x), cap))
+    return back(ops.mul(f32(back(ops.tanh(f32(scaled)))), cap))
 
 
 @decomposition("add_bias")

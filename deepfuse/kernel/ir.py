@@ -191,8 +191,16 @@ def verify(k: Kernel) -> None:
         elif ins.op == "round":
             if args[0].dtype != "f32" or ins.dtype != "f32" or ins.attrs["to"] not in ("bf16", "f16"):
                 raise KernelError(f"{where}: round takes f32 to bf16 or f16 precision")
-        elif ins.op not in ("const", "col", "cast"):
+        elif ins.op == "cast":
+            src, to = args[0].dtype, ins.attrs.get("to")
+            ok = to == ins.dtype and (to == "f32" and src in ("f32", "bf16", "f16", "bool", "i32")
+                                      or to in ("bf16", "f16") and src == "f32")
+            if not ok:
+                raise KernelError(f"{where}: a cast widens bf16/f16/bool/i32 to f32 or narrows f32 to bf16/f16")
+        elif ins.op not in ("const", "col"):
             raise KernelError(f"{where}: unknown op {ins.op!r}")
+        if ins.out in seen:
+            raise KernelError(f"{where}: %{ins.out} is defined twice")
         if ins.op not in ("load", "const", "col", "reduce") and ins.kind != ("elem" if elem else "row"):
             raise KernelError(f"{where}: kind should be {'elem' if elem else 'row'}")
         seen[ins.out] = ins

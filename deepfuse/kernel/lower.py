@@ -60,6 +60,13 @@ def space_of(n: Node) -> tuple[Space, bool] | None:
     ok_dtypes = FLOATS + ("bool",)
     if any(v.type.dtype not in ok_dtypes for v in n.inputs + n.outputs):
         return None
+    operands_bool = any(v.type.dtype == "bool" for v in n.inputs)
+    if operands_bool and n.op not in ("where", "cast"):  # arithmetic and compares take floats
+        return None
+    if n.op == "where" and (n.inputs[0].type.dtype != "bool" or n.outputs[0].type.dtype == "bool"):
+        return None
+    if n.op == "cast" and n.outputs[0].type.dtype == "bool":
+        return None
     if n.op in REDUCE_OPS:
         x = n.inputs[0].type
         if n.attrs.get("axis", -1) % max(x.rank, 1) != x.rank - 1 or not n.attrs.get("keepdim", True) or x.rank < 2:
@@ -76,7 +83,7 @@ def space_of(n: Node) -> tuple[Space, bool] | None:
 
 
 def _pow_ok(e: float) -> bool:
-    return e in (0.5, -0.5) or float(e).is_integer() and -4 <= e <= 4
+    return e in (0.5, -0.5) or float(e).is_integer() and -4 <= e <= 4 and e != 0
 
 
 @dataclass
@@ -90,16 +97,19 @@ class View:
     row_stride: int | None = None  # split: the source's row; None: contiguous
 
 
-def view_of(v: Value, producers: dict[Value, Node]) -> View:
-    """Follows split (last axis, rank 2) and reshape (of contiguous values) back to a buffer."""
+def view_of(v: Value, producers: dict[Value, Node], grouped: frozenset = frozenset()) -> View:
+    """Follows split (last axis, rank 2) and reshape (of contiguous values) back to a buffer; not
+    through a node of a generated kernel (`grouped`), whose result that kernel stores."""
     p = producers.get(v)
+    if p in grouped:
+        return View(v, v.type.shape)
     if p is not None and p.op == "reshape":
-        inner = view_of(p.inputs[0], producers)
+        inner = view_of(p.inputs[0], producers, grouped)
         if inner.row_stride is None and inner.offset == 0:
             return View(inner.source, v.type.shape)
     if p is not None and p.op == "split" and p.inputs[0].type.rank == 2 and \
             p.attrs.get("axis", -1) in (-1, 1) and isinstance(p.inputs[0].type.shape[1], int):
-        inner = view_of(p.inputs[0], producers)
+        inner = view_of(p.inputs[0], producers, grouped)
         if inner.row_stride is None and inner.offset == 0:
             i = p.outputs.index(v)
             return View(inner.source, v.type.shape, sum(p.attrs["sizes"][:i]), p.inputs[0].type.shape[1])
@@ -119,8 +129,9 @@ def index_for(shape: tuple[Dim, ...], out_rank: int, space: Space, offset: int =
     strides = [0] * (out_rank - len(shape)) + list(reversed(strides))
     if row_stride is not None:
         strides[0] = row_stride
-    by_axis = {3: (0, 1, 2), 2: (0, None, 1), 1: (0, None, None) if isinstance(full[0], str) else (None, None, 0),
-               0: (None, None, None)}[out_rank]
+    if out_rank == 0:
+        return Index(0, 0, 0, offset)
+    by_axis = {3: (0, 1, 2), 2: (0, None, 1), 1: (0, None, None) if isinstance(full[0], str) else (None, None, 0)}[out_rank]
     coef = []
     for axis, pos in enumerate(by_axis):
         size = c[axis]
@@ -131,8 +142,9 @@ def index_for(shape: tuple[Dim, ...], out_rank: int, space: Space, offset: int =
 class Lowering:
     """Builds one Kernel from a group's nodes (in graph order)."""
 
-    def __init__(self, g: Graph, nodes: list[Node], space: Space, name: str, outputs: list[Value]):
-        self.g, self.nodes, self.space, self.name = g, nodes, space, name
+    def __init__(self, g: Graph, nodes: list[Node], space: Space, name: str, outputs: list[Value],
+                 grouped: frozenset = frozenset()):
+        self.g, self.nodes, self.space, self.name, self.grouped = g, nodes, space, name, grouped
         self.producers = g.producers()
         self.body: list[Instr] = []
         self.env: dict[Value, tuple[int, tuple[Dim, ...]]] = {}  # value -> (kernel value, layout shape)
@@ -161,7 +173,7 @@ class Lowering:
             value = self.g.weights[v.name].item()
             return self.emit("const", (), "bool" if v.type.dtype == "bool" else "f32",
                              value=bool(value) if v.type.dtype == "bool" else float(value))
-        view = view_of(v, self.producers)
+        view = view_of(v, self.producers, self.grouped)
         ix = index_for(view.shape, out_rank, self.space, view.offset, view.row_stride)
         key = (view.source, ix)
         if key not in self.loads:
@@ -219,11 +231,10 @@ class Lowering:
             r = self.rounded(self.emit("mul", (a[0], self.emit("sigmoid", (a[0],), "f32")), "f32"), dt)
         elif op == "cast":
             src = n.inputs[0].type.dtype
-            if dt == src or dt == "f32":
-                r = a[0]
-            elif src == "bool":
+            if src == "bool":  # 0.0 / 1.0: exact in every float dtype
                 r = self.emit("cast", (a[0],), "f32", to="f32")
-                r = self.rounded(r, dt)
+            elif dt == src or dt == "f32":
+                r = a[0]
             else:
                 r = self.rounded(a[0], dt)
         elif op == "pow_scalar":
@@ -253,7 +264,9 @@ class Lowering:
         return self.emit("recip", (r,), "f32") if e < 0 else r
 
 
-def lower_group(g: Graph, nodes: list[Node], space: Space, name: str, outputs: list[Value]) -> tuple[Kernel, list[Value]]:
+def lower_group(g: Graph, nodes: list[Node], space: Space, name: str, outputs: list[Value],
+                grouped: frozenset = frozenset()) -> tuple[Kernel, list[Value]]:
     """The Kernel of a group (nodes in graph order) whose results `outputs` are read outside it;
-    returns it with the graph values its input buffers bind to, in order."""
-    return Lowering(g, nodes, space, name, outputs).lower()
+    returns it with the graph values its input buffers bind to, in order. `grouped`: every node
+    of every generated kernel (loads do not see through their views)."""
+    return Lowering(g, nodes, space, name, outputs, grouped).lower()

@@ -38,6 +38,12 @@ def fits(a: Group, space: Space, row: bool) -> Space | None:
     return a.space if a.space == space else None
 
 
+def _keeps_rows(n: Node, space: Space) -> bool:
+    """A reshape whose result can be the group's output buffer: the rows first, ints after."""
+    shape = n.outputs[0].type.shape
+    return len(shape) >= 1 and shape[0] == space[0] and all(isinstance(d, int) for d in shape[1:])
+
+
 def _label(n: Node, names: dict[Value, str]) -> str:
     return f"%{names.get(n.outputs[0], n.outputs[0].name)} ({n.op})"
 
@@ -60,20 +66,34 @@ def schedule(g: Graph, lowerable: set[Node]) -> list[Group]:
     names = {v: str(i) for i, v in enumerate(v for n in g.nodes for v in n.outputs)}
 
     def cycle_through(members: list[Node]) -> Node | None:
-        """A node outside `members` that depends on one of them and that one of them depends on."""
-        inside = 0
-        for m in members:
-            inside |= 1 << order[m]
-        lo, hi = min(order[m] for m in members), max(order[m] for m in members)
-        for x in g.nodes[lo + 1:hi]:
-            if inside >> order[x] & 1:
+        """A node outside `members` that would run between two of them once they are one kernel
+        (every other group counted as the one kernel it will be), or None."""
+        inside = set(members)
+
+        def unit(n: Node):
+            return "merged" if n in inside else group_of.get(n, n)
+
+        succ: dict = {}
+        for n in g.nodes:
+            for v in n.inputs:
+                p = producers.get(v)
+                if p is not None and unit(p) != unit(n):
+                    succ.setdefault(unit(p), set()).add(unit(n))
+        seen, todo = set(), list(succ.get("merged", ()))
+        while todo:
+            u = todo.pop()
+            if u in seen:
                 continue
-            if deps[x] & inside and any(deps[m] >> order[x] & 1 for m in members):
-                return x
+            seen.add(u)
+            nxt = succ.get(u, ())
+            if "merged" in nxt:
+                return u if isinstance(u, Node) else u.nodes[0]
+            todo.extend(nxt)
         return None
 
     for n in g.nodes:
-        if n.op == "reshape" and producers.get(n.inputs[0]) in group_of:  # a member's result, viewed
+        if n.op == "reshape" and producers.get(n.inputs[0]) in group_of and \
+                _keeps_rows(n, group_of[producers[n.inputs[0]]].space):  # a member's result, viewed
             grp = group_of[producers[n.inputs[0]]]
             grp.nodes.append(n)
             group_of[n] = grp

@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from ..ir import OPS, Graph, Node, Value
-from ..kernel.lower import VIEWS, space_of
+from ..kernel.lower import space_of
 
 Keep = Callable[[Node], bool]
 
@@ -23,7 +23,7 @@ def decompose_for(keep: Keep, runs_anything: bool = False) -> Callable[[Graph], 
     all run as kernels (kept, lowerable, or views); runs_anything: expand regardless."""
 
     def runs(n: Node) -> bool:
-        return runs_anything or keep(n) or space_of(n) is not None or n.op in VIEWS
+        return runs_anything or keep(n) or space_of(n) is not None or is_view(n)
 
     def decompose(g: Graph) -> Graph:
         from ..frontend import trace_into
@@ -59,6 +59,15 @@ def decompose_for(keep: Keep, runs_anything: bool = False) -> Callable[[Graph], 
         return flat, results
 
     return decompose
+
+
+def is_view(n: Node) -> bool:
+    """A split or reshape that generated kernels read in place (lower.view_of), no launch of its own."""
+    if n.op == "reshape":
+        return True
+    x = n.inputs[0].type if n.inputs else None
+    return n.op == "split" and x is not None and x.rank == 2 and n.attrs.get("axis", -1) in (-1, 1) \
+        and isinstance(x.shape[1], int)
 
 
 def _rewire(g: Graph, old: list[Value], new: list[Value], added: list[Node]) -> None:

@@ -18,6 +18,7 @@ def stable_topo(g: Graph) -> None:
     producers = g.producers()
     order = {n: i for i, n in enumerate(g.nodes)}
     placed: set[Node] = set()
+    visiting: set[Node] = set()
     out: list[Node] = []
 
     def place(n: Node) -> None:
@@ -28,8 +29,12 @@ def stable_topo(g: Graph) -> None:
                 continue
             if ready:
                 placed.add(m)
+                visiting.discard(m)
                 out.append(m)
                 continue
+            if m in visiting:
+                raise ValueError(f"the graph has a cycle through {m.op}")
+            visiting.add(m)
             stack.append((m, True))
             deps = sorted({producers[v] for v in m.inputs if v in producers} - placed, key=order.__getitem__,
                           reverse=True)
@@ -47,13 +52,14 @@ def generate_kernels(keeps: Callable[[Node], bool] = lambda n: False) -> Callabl
         users = g.users()
         graph_outputs = set(g.outputs)
         replaced: dict[Node, Node | None] = {}
+        grouped = frozenset(n for grp in groups for n in grp.nodes if not all(m.op == "reshape" for m in grp.nodes))
         for i, grp in enumerate(groups):
             if all(n.op == "reshape" for n in grp.nodes):
                 continue
             members = set(grp.nodes)
             outputs = [v for n in grp.nodes for v in n.outputs
                        if v in graph_outputs or any(u not in members for u in users.get(v, []))]
-            kernel, inputs = lower_group(g, grp.nodes, grp.space, f"gen{i}", outputs)
+            kernel, inputs = lower_group(g, grp.nodes, grp.space, f"gen{i}", outputs, grouped)
             kernel.notes = list(grp.reasons)
             node = Node("kernel", inputs, outputs, {"kernel": kernel.to_json(), "ops": [n.op for n in grp.nodes]})
             for n in grp.nodes:

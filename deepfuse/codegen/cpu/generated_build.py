@@ -119,6 +119,18 @@ class NativeKernel:
             out.append(x if x.is_contiguous() else x.contiguous())
         return out
 
+    def check_shapes(self, xs, outs=()) -> None:
+        """DeepfuseError unless the tensors have the buffers' shapes (each symbol one size): the
+        entry indexes by those shapes, so any other tensor would be read or written out of bounds."""
+        sizes: dict[str, int] = {}
+        for x, b in zip((*xs, *outs), (*self.kernel.inputs, *self.kernel.outputs)):
+            ok = x.dim() == len(b.shape)
+            for d, n in zip(b.shape, x.shape):
+                ok = ok and (d == n if isinstance(d, int) else sizes.setdefault(d, n) == n)
+            if not ok:
+                raise DeepfuseError(f"kernel {self.kernel.name}: {b.name} wants shape {list(b.shape)} "
+                                    f"(symbols so far {sizes}), got {list(x.shape)}")
+
     def ready(self, xs, dtypes) -> bool:
         """Whether xs are CPU tensors of these dtypes, contiguous (what the entry reads as is)."""
         return len(xs) == len(dtypes) and all(x.dtype == dt and x.is_cpu and x.is_contiguous() for x, dt in zip(xs, dtypes))
@@ -137,6 +149,7 @@ class NativeKernel:
     def __call__(self, *xs: torch.Tensor):
         if not self.ready(xs, self.in_dtypes):
             xs = self.inputs(xs)
+        self.check_shapes(xs)
         outs = [torch.empty_like(xs[like]) if like is not None else
                 torch.empty([d if isinstance(d, int) else xs[d[0]].shape[d[1]] for d in dims], dtype=dt)
                 for like, dims, dt in zip(self.like, self.out_dims, self.out_dtypes)]
@@ -147,6 +160,7 @@ class NativeKernel:
         """Writes the outputs into `out` (planned buffers; a non-contiguous one gets a copy)."""
         if not self.ready(xs, self.in_dtypes):
             xs = self.inputs(xs)
+        self.check_shapes(xs, out)
         if self.ready(out, self.out_dtypes):
             self.fn(self.pack(xs, out, self.row_count(xs)))
             return
@@ -162,6 +176,7 @@ class NativeKernel:
         thread count refreshed per call where the rows run on OpenMP), else a repeat of into()."""
         if not (self.ready(xs, self.in_dtypes) and self.ready(out, self.out_dtypes)):
             return Bound([functools.partial(self.into, *xs, out=out)])
+        self.check_shapes(xs, out)  # once: a bound call runs on these very tensors
         rows = self.row_count(xs)
         args = self.pack(xs, out, rows)
         args.keep = (xs, out)  # the tensors live as long as the call

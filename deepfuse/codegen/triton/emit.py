@@ -20,7 +20,9 @@ from ..device_epilogue import split_epilogue
 from . import sample
 from . import templates as T
 from .epilogue import emit_with_epilogue
-from .generated import emit_kernel, renderable
+from .generated import emit_kernel, renderable, with_helpers
+from .prologue import PROLOGUES
+from .prologue import render as render_prologue
 from .tiles import tiles_for
 
 PTR = {"f32": "*fp32", "bf16": "*bf16", "f16": "*fp16", "i32": "*i32", "i64": "*i64", "u8": "*u8"}
@@ -85,26 +87,18 @@ def emit_gemm(node: Node, name: str, arch: str) -> list[dict]:
         r = 1 + len(weight)  # the sample rows follow the weight's operands
         params += weight + [("rows_ptr", _ptr(node, "in", r), ["in", r])]
         rows, m = T.ROWS_TAKE, ["shape", r, 0]
-    elif op in ("rms_norm_linear", "add_rms_norm_linear"):
-        add = op == "add_rms_norm_linear"
-        if add:
-            params.append(("res_ptr", PTR[x.dtype], ["in", 1]))
-        params += [("nw_ptr", _ptr(node, "in", 1 + add), ["in", 1 + add])] + weight
-        if add:
-            params.append(("s_ptr", PTR[x.dtype], ["out", 0]))
-        total = T.X_TILE + (" + " + T.R_TILE if add else "")
-        pre = Template(T.NORM_PRE).safe_substitute(SUM=total, STORE_SUM=T.STORE_SUM if add else "",
-                                                   EPS=repr(float(node.attrs["eps"])))
-        load = Template(T.LOAD_NORM).safe_substitute(SUM=total)
+    elif op in PROLOGUES:  # the A operand is a generated prologue (prologue.py)
+        pre, load, reads, writes = render_prologue(node)
+        params = [(p, PTR[ins[i].type.dtype], ["in", i]) for i, p in reads] + weight
+        params += [(p, PTR[node.outputs[j].type.dtype], ["out", j]) for j, p in writes]
     else:
         params += weight
-        if op == "swiglu_linear":
-            load = T.LOAD_SWIGLU
     sig = ", ".join(p for p, _, _ in params)
     src = _source(name, T.GEMM, STORE=T.GEMM_STORE, PARAMS=sig, ROWS=rows, PRE=pre, LOAD_A=load,
                   LOAD_B=T.LOAD_B_Q4 if q4 else T.LOAD_B_W8 if w8 else T.LOAD_B_DENSE,
                   DOT=T.DOT_W8A8 if w8 else T.DOT, FINISH=T.FINISH_W8A8 if w8 else "",
                   K=k, N=n, XW=xw, G=node.attrs.get("group_size", 1), EXTRA=", SMAX: tl.constexpr" if "SMAX" in consts else "")
+    src = with_helpers(src)
     out = len(node.outputs) - 1
     params.append(("y_ptr", _ptr(node, "out", out), ["out", out]))
     params.append(("M", "i32", m))

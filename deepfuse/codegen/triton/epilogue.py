@@ -15,7 +15,7 @@ from ...ir import Node
 from ...kernel.ir import Kernel
 from ..device_epilogue import split_epilogue
 from . import templates as T
-from .generated import HELPERS, PTR, _Body
+from .generated import PTR, _Body, with_helpers
 
 TILE = """    rb = rm[:, None].to(tl.int64)
     rm = row_ok[:, None]
@@ -50,8 +50,7 @@ def emit_with_epilogue(node: Node, name: str, arch: str) -> list[dict]:
         raise ValueError(f"{inner.op}'s template has no store slot for an epilogue")
     src = src.replace(store, code)
     src = src.replace("y_ptr, M,", "y_ptr, " + "".join(f"{p}, " for p in params.values()) + "M,", 1)
-    helpers = "".join(h + "\n\n" for hn, h in HELPERS.items() if hn + "(" in src and f"def {hn}(" not in src)
-    src = src.replace("@triton.jit\ndef ", helpers + "@triton.jit\ndef ", 1)
+    src = with_helpers(src)
     ins_of = {b.name: i for i, b in enumerate(k.inputs)}
     outs_of = {b.name: j for j, b in enumerate(k.outputs)}
 

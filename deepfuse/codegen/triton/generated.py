@@ -61,6 +61,12 @@ def _rne_bf16(x):
 }
 
 
+def with_helpers(src: str) -> str:
+    """src with the definitions of the HELPERS it calls, before its kernel (once each)."""
+    helpers = "".join(h + "\n\n" for n, h in HELPERS.items() if n + "(" in src and f"def {n}(" not in src)
+    return src.replace("@triton.jit\ndef ", helpers + "@triton.jit\ndef ", 1) if helpers else src
+
+
 def row_binding(k: Kernel) -> list | None:
     """The row count's argument form: ["shape", input, axis] of the first input naming the row
     symbol, ["const", R] for a fixed R, None when no input binds it."""

@@ -11,8 +11,8 @@ HEADER = "import triton\nimport triton.language as tl\n\n\n"
 
 # GEMM y[M,N] = A[M,K] @ W[N,K]^T with A produced by a prologue:
 #   plain: A = x rows;  take: A = x[rows] (logits: the sampled rows);
-#   norm: A = rms_norm(x) (or of s = x + res, with s stored by the pid_n == 0 programs);
-#   swiglu: A = silu(x[:, :K]) * x[:, K:]
+#   generated (prologue.py): A = the kernel IR of rms_norm(x), add_rms_norm(x, res) (its sum s
+#   stored by the pid_n == 0 programs) or swiglu(x), rendered into $PRE and $LOAD_A
 GEMM = """
 @triton.jit
 def $NAME($PARAMS, y_ptr, M, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr$EXTRA):
@@ -69,29 +69,7 @@ FINISH_W8A8 = "    acc = acc * tl.load(wscale_ptr + rn, mask=rn < $N, other=0.0)
 ROWS_PLAIN = "    xrow = rm\n"
 ROWS_TAKE = "    xrow = tl.load(rows_ptr + rm, mask=row_ok, other=0)\n"
 X_TILE = "tl.load(x_ptr + xrow[:, None] * $XW + kk[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)"
-R_TILE = "tl.load(res_ptr + xrow[:, None] * $XW + kk[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)"
 LOAD_PLAIN = f"        a = {X_TILE}\n"
-NORM_PRE = """    ss = tl.zeros((BM,), dtype=tl.float32)
-    for k0 in range(0, $K, BK):
-        kk = k0 + rk
-        k_ok = kk < $K
-        xv = $SUM
-$STORE_SUM        xv = xv.to(tl.float32)
-        ss += tl.sum(xv * xv, axis=1)
-    rstd = 1.0 / tl.sqrt(ss / $K + $EPS)
-"""
-STORE_SUM = """        if pid_n == 0:
-            tl.store(s_ptr + xrow[:, None] * $XW + kk[None, :], xv, mask=row_ok[:, None] & k_ok[None, :])
-"""
-LOAD_NORM = """        xv = $SUM
-        nw = tl.load(nw_ptr + kk, mask=k_ok, other=0.0).to(tl.float32)
-        a = (xv.to(tl.float32) * rstd[:, None]).to(x_ptr.dtype.element_ty).to(tl.float32) * nw[None, :]
-"""
-LOAD_SWIGLU = """        g = tl.load(x_ptr + xrow[:, None] * $XW + kk[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        u = tl.load(x_ptr + xrow[:, None] * $XW + $K + kk[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        g = g.to(tl.float32)
-        a = (g * tl.sigmoid(g)).to(x_ptr.dtype.element_ty).to(tl.float32) * u.to(tl.float32)
-"""
 
 EMBEDDING = """
 @triton.jit

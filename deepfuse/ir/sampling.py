@@ -50,11 +50,6 @@ def uniforms(seeds: torch.Tensor, v: int) -> torch.Tensor:
     return (((h >> 9) << 1) | 1).float() * 2.0 ** -24
 
 
-def gumbel(seeds: torch.Tensor, v: int) -> torch.Tensor:
-    """g f32[S, V] = -log(-log(u))."""
-    return -torch.log(-torch.log(uniforms(seeds, v)))
-
-
 def order_key(z: torch.Tensor) -> torch.Tensor:
     """The order-preserving u32 image of f32 z's bits, as i64 (same shape)."""
     b = z.contiguous().view(torch.int32).long() & M32
@@ -62,28 +57,49 @@ def order_key(z: torch.Tensor) -> torch.Tensor:
 
 
 def top_k_mask(z: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
-    """z f32[S,V], top_k i64[S] -> bool[S,V]: z >= the row's k-th largest (bisection on key)."""
-    key, v = order_key(z), z.shape[1]
-    k = top_k.clamp(min=0)[:, None]
-    t = torch.zeros_like(k)
-    for bit in range(31, -1, -1):
-        c = t | (1 << bit)
-        t = torch.where((key >= c).sum(-1, keepdim=True) >= k, c, t)
-    return (key >= t) | (k <= 0) | (k >= v)
+    """z f32[S,V], top_k i64[S] -> bool[S,V]: key(z) >= the key of the row's k-th largest z. The
+    kernels bisect for that key (32 steps of a count); here topk over the keys finds the same
+    one, for the rows that filter (0 < k < V) only."""
+    v = z.shape[1]
+    mask = torch.ones_like(z, dtype=torch.bool)
+    rows = torch.nonzero((top_k > 0) & (top_k < v)).flatten()
+    if rows.numel():
+        key = order_key(z[rows])
+        k = top_k[rows]
+        kth = key.topk(int(k.max()), -1).values.gather(1, (k - 1)[:, None])
+        mask[rows] = key >= kth
+    return mask
 
 
 def top_p_mask(z: torch.Tensor, kept: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """kept after top-p (see the module docstring); rows with top_p >= 1 unchanged."""
-    m = z.masked_fill(~kept, float("-inf")).amax(-1, keepdim=True)
-    p = torch.where(kept, torch.exp(z - m), torch.zeros_like(z))
-    bits = p.view(torch.int32).long()
-    target = top_p[:, None] * p.sum(-1, keepdim=True)
-    t = torch.zeros_like(target, dtype=torch.int64)
-    for bit in range(30, -1, -1):
-        c = t | (1 << bit)
-        mass = torch.where(bits >= c, p, torch.zeros_like(p)).sum(-1, keepdim=True)
-        t = torch.where((mass > 0) & (mass >= target), c, t)
-    return kept & ((bits >= t) | (top_p[:, None] >= 1))
+    """kept after top-p (see the module docstring); rows with top_p >= 1 unchanged (and not
+    computed). The masses here are prefix sums of p in descending order (the kernels' are masked
+    sums over tiles: the same sets but for float rounding at a boundary)."""
+    rows = torch.nonzero(top_p < 1).flatten()
+    if rows.numel() == 0:
+        return kept
+    zr, kr = z[rows], kept[rows]
+    m = zr.masked_fill(~kr, float("-inf")).amax(-1, keepdim=True)
+    p = torch.where(kr, torch.exp(zr - m), torch.zeros_like(zr))
+    bits = p.view(torch.int32)
+    target = top_p[rows, None] * p.sum(-1, keepdim=True)
+    sorted_p, order = p.sort(dim=-1, descending=True, stable=True)
+    mass = sorted_p.cumsum(-1)
+    first = ((mass >= target) & (mass > 0)).int().argmax(-1, keepdim=True)  # the first token that reaches it
+    t = bits.gather(1, order.gather(1, first))
+    out = kept.clone()
+    out[rows] = kr & (bits >= t)
+    return out
+
+
+G_MAX = 17.0  # above every g = -log(-log(u)) for u <= 1 - 2^-24 (16.64), with room for f32 rounding
+
+
+def gumbel_at(keys: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """g f32 of token v under row key `keys` (both i64 [n]): -log(-log(u_v))."""
+    h = fmix32(keys ^ ((v * GOLDEN) & M32))
+    u = (((h >> 9) << 1) | 1).float() * 2.0 ** -24
+    return -torch.log(-torch.log(u))
 
 
 def draw(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
@@ -91,5 +107,12 @@ def draw(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, t
     """Tokens i64[S] of sampled rows (all temperature > 0): the module docstring's draw."""
     z = logits.float() / temperature.float()[:, None]
     kept = top_p_mask(z, top_k_mask(z, top_k), top_p.float())
-    score = torch.where(kept, z + gumbel(seeds, z.shape[1]), torch.full_like(z, float("-inf")))
+    zk = z.masked_fill(~kept, float("-inf"))
+    # only tokens that could beat the best-z token's own score need their noise: z_v + G_MAX
+    # must reach it (exact: every other score is below it)
+    keys, best = row_key(seeds), zk.argmax(-1)
+    floor = zk.gather(1, best[:, None]).squeeze(1) + gumbel_at(keys, best) - G_MAX - 1.0
+    r, c = torch.nonzero(zk >= floor[:, None], as_tuple=True)
+    score = torch.full_like(z, float("-inf"))
+    score[r, c] = zk[r, c] + gumbel_at(keys[r], c)
     return score.argmax(-1)

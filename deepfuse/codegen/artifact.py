@@ -107,9 +107,8 @@ class CompiledModel:
             "batch_invariant": self.batch_invariant,
             "model": {"family": self.config.family, "config": self.config.to_dict()},
             "passes": [{"name": p["name"], "id": p["id"]} for p in self.passes],
-            # ops that run their reference, not a kernel of the target (and, on a device, rows that fall back)
+            # ops that run their reference, not a kernel of the target
             "host_steps": self.plan.get("host_steps", []),
-            "host_fallbacks": self.plan.get("host_fallbacks", []),
             "files": {name: sha256_file(os.path.join(directory, name)) for name in files},
         }
         with open(os.path.join(directory, "manifest.json"), "w") as f:

@@ -7,6 +7,7 @@ from .fuse_moe import fuse_moe, fuse_shared_experts
 from .fuse_norm_linear import fuse_norm_linear
 from .fuse_qkv_attention import fuse_qkv_attention
 from .fuse_qkv_rope import fuse_qkv_rope
+from .fuse_split_biases import fuse_split_biases
 from .fuse_swiglu import fuse_swiglu
 from .fuse_swiglu_linear import fuse_swiglu_linear
 from .manager import Pass, PassManager, PassReport
@@ -34,7 +35,8 @@ def unregister_fusion(name: str) -> None:
 def fusion_passes() -> list[Pass]:
     # fuse_moe first: it owns the router linear, which fuse_sibling_linears would otherwise
     # merge with a shared expert's gate/up projections (they read the same activation)
-    return [fuse_moe, Pass("fuse_sibling_linears", fuse_sibling_linears), Pass("fold_constants", fold_constants),
+    return [fuse_moe, Pass("fuse_sibling_linears", fuse_sibling_linears), Pass("fuse_split_biases", fuse_split_biases),
+            Pass("fold_constants", fold_constants),
             fuse_swiglu, fuse_shared_experts, Pass("fold_constants", fold_constants), fuse_add_rms_norm,
             *_REGISTERED.values(), Pass("dce", dce)]
 
@@ -75,6 +77,7 @@ __all__ = [
     "fuse_swiglu_linear",
     "prologue_passes",
     "fuse_sibling_linears",
+    "fuse_split_biases",
     "fuse_swiglu",
     "fusion_passes",
     "quant_passes",

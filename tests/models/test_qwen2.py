@@ -35,10 +35,12 @@ def test_qwen2_parity_with_transformers(tmp_path, windows, layout):
     assert model.config.qkv_bias and not model.config.o_bias
     assert (model.config.sliding_window, model.config.full_attention_layers) == layout
     art = deepfuse.compile(model)
-    # q, k and v's biases: add_bias decomposes into a generated add, each reading its slice of the
-    # merged q/k/v projection in place (the split is a view)
-    biases = [n for n in art.graph.nodes if n.op == "kernel" and n.attrs["ops"] == ["add"]]
-    assert len(biases) == 3 * 2 and "add_bias" not in art.graph.op_counts() and "split" not in art.graph.op_counts()
+    # q, k and v's biases: one concatenated bias on the merged q/k/v projection (fuse_split_biases),
+    # a generated add, which is the projection's epilogue where the GEMM has one output (layer 0's
+    # rms_norm_linear; add_rms_norm_linear also returns its residual sum)
+    biases = [n.attrs["ops"] for n in art.graph.nodes if n.op in ("kernel", "with_epilogue") and "add" in n.attrs["ops"]]
+    assert biases == [["rms_norm_linear", "add"], ["add"]] and "add_bias" not in art.graph.op_counts()
+    assert art.graph.op_counts()["qkv_attention"] == 2  # the split is free for the attention fusion
     prompt = [5, 17, 99, 3, 42, 7]
     want, want_logits = hf_greedy(hf, prompt, 16)
     got, logits = greedy_with(art, model.config, prompt, 16)

@@ -92,3 +92,38 @@ def test_configs_whose_arithmetic_the_model_lacks_are_refused_by_name():
                           ({"mlp_bias": True}, "mlp_bias"), ({"partial_rotary_factor": 0.5}, "partial_rotary_factor")]:
         with pytest.raises(DeepfuseError, match=field):
             config_from_hf({**qwen2_dict(), **change})
+
+
+@pytest.mark.parametrize("target", ["sm90", "ascend950"])
+def test_qwen2_on_the_device_targets_has_no_host_steps(tmp_path, target):
+    """The biased q/k/v projection is one launch there: the GEMM template with its generated
+    RMSNorm prologue and bias epilogue (one Triton kernel; prologue, cube GEMM and epilogue kernels
+    of one AscendC launch). Greedy tokens as the interpreter's."""
+    import os
+
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from deepfuse.ir import interpret
+
+    if target == "sm90" and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("needs Triton's interpreter")
+    if target == "ascend950" and __import__("shutil").which("g++") is None:
+        pytest.skip("the AscendC emulator needs g++")
+    torch.manual_seed(0)
+    hf = Qwen2ForCausalLM(Qwen2Config(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                                      tie_word_embeddings=False)).eval()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if name.endswith(".bias"):
+                p.normal_(0, 0.5)
+    hf.save_pretrained(tmp_path)
+    model, _ = load_model(str(tmp_path), with_tokenizer=False)
+    art = deepfuse.compile(model, target=target)
+    assert art.plan["host_steps"] == []
+    assert [p["attrs"]["ops"] for p in art.plan["launches"] if p["kind"] == "template+generated"] == \
+        [["rms_norm_linear", "add"]]
+    prompt = [5, 17, 99, 3, 42, 7]
+    want = greedy_with(lambda inputs: interpret(art.graph, inputs), model.config, prompt, 4, block_size=16)
+    got = greedy_with(art, model.config, prompt, 4, block_size=16)
+    assert got[0] == want[0]

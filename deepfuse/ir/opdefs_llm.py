@@ -236,7 +236,8 @@ def _sample_type(types: list[TensorType], attrs: dict) -> list[TensorType]:
 def sample(logits, temperature, top_k, top_p, seeds):
     """Next token per row of logits[S,V]: the first maximum where temperature == 0, else the
     counter-based draw of ir/sampling.py (temperature, exact top-k and top-p thresholds, Gumbel-max
-    keyed by seeds[S] alone), which every target's kernel computes."""
+    keyed by seeds[S] alone), which every target's kernel computes. A NaN logit counts as -inf."""
+    logits = torch.nan_to_num(logits, nan=float("-inf"), posinf=float("inf"), neginf=float("-inf"))
     out = logits.argmax(-1)
     rows = torch.nonzero(temperature > 0).flatten()
     if rows.numel():

@@ -16,7 +16,8 @@ A sampled row (temperature T > 0) of logits x[V] f32:
         h_v = fmix32(key ^ (v * 0x9E3779B1)), key = fmix32(fmix32(lo) ^ hi),
         lo/hi: the low/high 32 bits of the row's seed, fmix32: murmur3's finalizer;
         all arithmetic mod 2^32 (u32 multiply, xor, logical shift).
-A greedy row (T == 0) is the first maximum of x.
+A greedy row (T == 0) is the first maximum of x. A NaN logit counts as -inf everywhere (the
+`sample` op replaces it before either rule), so it is never chosen unless its whole row is NaN.
 Targets agree exactly up to float rounding of log/exp and of the top-p sums (a token's choice
 can differ only where two scores, or the top-p mass and its target, are within a few ulps).
 """

@@ -26,3 +26,33 @@ def test_w8a8_kernels_match_the_interpreter(form, via_host):
     for a, b in zip(got, want):
         assert a.shape == b.shape and a.dtype == b.dtype
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6 * float(b.abs().max()))
+
+
+def test_a_vocabulary_wide_w8a8_head_runs_in_column_chunks():
+    """logits_w8a8 over N = 9000 + a tail: the combine kernel walks N in chunks that fit the UB
+    (whole rows of N would not), and matches the reference."""
+    import deepfuse
+    from deepfuse.frontend import Spec, trace
+    from deepfuse.frontend.tracer import apply
+    from deepfuse.ir import interpret
+    from deepfuse.ir.opdefs_quant import quantize_w8
+
+    gen = torch.Generator().manual_seed(3)
+    wq, scale = quantize_w8(torch.randn(9000 + 37, 64, generator=gen))
+    g = trace(lambda x, rows: apply("logits_w8a8", x, wq, scale, rows, act_group=64),
+              Spec("x", "f32", ("T", 64)), Spec("rows", "i64", ("R",)))
+    f = deepfuse.compile(g, target="ascend950", fuse=False)
+    assert f.host_steps == []
+    ins = {"x": torch.randn(5, 64, generator=gen), "rows": torch.tensor([1, 4])}
+    torch.testing.assert_close(f(**ins), interpret(g, ins)[0], rtol=1e-6, atol=1e-6)
+
+
+def test_an_activation_row_too_wide_for_the_quantize_kernel_is_a_host_step():
+    from deepfuse.codegen.ascendc import emittable
+    from deepfuse.frontend import Spec, trace
+    from deepfuse.frontend.tracer import apply
+    from deepfuse.ir.opdefs_quant import quantize_w8
+
+    wq, scale = quantize_w8(torch.randn(8, 14336))
+    g = trace(lambda x: apply("linear_w8a8", x, wq, scale, act_group=64), Spec("x", "f32", ("T", 14336)))
+    assert not emittable(g.nodes[0])

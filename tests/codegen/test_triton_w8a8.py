@@ -48,3 +48,17 @@ def test_w8a8_kernels_compile_to_int8_tensor_core_mmas(arch, mma):
     for ptx in ptxs:
         assert mma in ptx and "div.rn.f32" in ptx
         assert not re.search(r"\bfma\.rn\.f32", ptx)
+
+
+def test_groups_the_template_cannot_tile_are_left_to_the_reference():
+    """The K tile is one activation group: 96 is no power of two for tl.arange, 512 would not fit
+    shared memory as int8 tiles."""
+    from deepfuse.codegen.triton.emit import emittable
+    from deepfuse.frontend import Spec, trace
+    from deepfuse.frontend.tracer import apply
+    from deepfuse.ir.opdefs_quant import quantize_w8
+
+    for group, ok in ((96, False), (512, False), (64, True)):
+        wq, scale = quantize_w8(torch.randn(8, 1536))
+        g = trace(lambda x: apply("linear_w8a8", x, wq, scale, act_group=group), Spec("x", "f32", ("T", 1536)))
+        assert emittable(g.nodes[0]) == ok, group

@@ -94,3 +94,15 @@ def test_greedy_rows_are_the_first_maximum_and_rows_are_independent():
     assert out[4] == logits[4].argmax()  # top_k 1
     for r in range(6):
         assert OPS["sample"].reference(logits[r:r + 1], t[r:r + 1], k[r:r + 1], p[r:r + 1], seeds[r:r + 1])[0] == out[r]
+
+
+def test_a_nan_logit_is_never_chosen():
+    from deepfuse.ir import OPS
+
+    logits = torch.randn(4, 37)
+    logits[:, 5] = float("nan")
+    logits[:, 9] = 50.0
+    temp = torch.tensor([0.0, 1.0, 0.5, 1.0])
+    out = OPS["sample"].reference(logits, temp, torch.zeros(4, dtype=torch.int64), torch.ones(4),
+                                  torch.arange(4, dtype=torch.int64))
+    assert out.tolist() == [9, 9, 9, 9]

@@ -21,8 +21,8 @@ from .emit_gemm import emit_gemm
 from .emit_generated import emit_generated, renderable
 from .emit_moe import emit_fused_moe
 from .emit_sample import emit_sample, emit_spec_verify
-from .emit_w8a8 import emit_w8a8
-from .kernel import FLOATS
+from .emit_w8a8 import QUANT_UB, emit_w8a8, quantize_ub_bytes
+from .kernel import FLOATS, SIZE
 
 DESCRIPTION = "Huawei Ascend 950 (arch 3510), AscendC kernels (checked in deepfuse's CPU emulator)"
 
@@ -78,8 +78,10 @@ def emittable(node: Node) -> bool:
     if node.op == "with_epilogue":
         inner, epi, _ = split_epilogue(node)
         return emittable(inner) and renderable(epi)
-    if "act_group" in node.attrs:  # W8A8 (emit_w8a8.py): int8 K tiles in whole 32-byte fractal rows
-        return node.attrs["act_group"] % 32 == 0
+    if "act_group" in node.attrs:  # W8A8 (emit_w8a8.py): int8 K tiles in whole 32-byte fractal rows, and
+        g = node.attrs["act_group"]  # an activation row the quantize kernel holds in UB whole
+        k = node.inputs[1 if node.op in ("linear_w8a8", "logits_w8a8") else -2].type.shape[1]  # wq [N, K]
+        return g % 32 == 0 and quantize_ub_bytes(k, SIZE[node.inputs[0].type.dtype], k // g) <= QUANT_UB
     if "group_size" in node.attrs:  # int4: K in whole 64-element repeats, groups of whole 32-byte halves
         k = 2 * node.inputs[-3].type.shape[1]
         return k % 64 == 0 and node.attrs["group_size"] % 16 == 0

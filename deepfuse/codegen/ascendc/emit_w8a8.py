@@ -157,48 +157,23 @@ $ROWS_INIT        rows = t.rows;
         dGm.SetGlobalBuffer((__gm__ float*)d, (uint64_t)t.rows * $GROUPS);
         scaleGm.SetGlobalBuffer((__gm__ float*)scale, $N);
         yGm.SetGlobalBuffer((__gm__ $TY*)y, (uint64_t)t.rows * $N);
-        pipe.InitBuffer(dotQueue, BUFFER_NUM, $N * 4);
-        pipe.InitBuffer(scaleQueue, 1, $N * 4);
+        pipe.InitBuffer(dotQueue, BUFFER_NUM, $NC * 4);
+        pipe.InitBuffer(scaleQueue, 1, $NC * 4);
         pipe.InitBuffer(yQueue, BUFFER_NUM, $Y_BYTES);
-        pipe.InitBuffer(accBuf, $N * 4);
-        pipe.InitBuffer(termBuf, $N * 4);
+        pipe.InitBuffer(accBuf, $NC * 4);
+        pipe.InitBuffer(termBuf, $NC * 4);
     }
     __aicore__ inline void Process()
     {
-        if (first >= last) {
-            return;
-        }
-        LocalTensor<float> sc = scaleQueue.AllocTensor<float>();
-        $COPY_SCALE
-        scaleQueue.EnQue(sc);
-        sc = scaleQueue.DeQue<float>();
         for (uint32_t row = first; row < last; row++) {
-            LocalTensor<float> acc = accBuf.Get<float>();
-            LocalTensor<float> term = termBuf.Get<float>();
-            Duplicate(acc, 0.0f, $N);
-            for (uint32_t g = 0; g < $GROUPS; g++) {
-                LocalTensor<int32_t> dot = dotQueue.AllocTensor<int32_t>();
-                $COPY_DOT
-                dotQueue.EnQue(dot);
-                dot = dotQueue.DeQue<int32_t>();
-                Cast(term, dot, RoundMode::CAST_RINT, $N);  // exact: |dot| < 2^24
-                dotQueue.FreeTensor(dot);
-                float dg = dGm.GetValue((uint64_t)row * $GROUPS + g);
-                Muls(term, term, dg, $N);
-                Add(acc, acc, term, $N);
+            for (uint32_t n0 = 0; n0 + $NC <= $N; n0 += $NC) {
+                Full(row, n0);
             }
-            Mul(acc, acc, sc, $N);
-            LocalTensor<$TY> yLocal = yQueue.AllocTensor<$TY>();
-            $TO_Y
-            yQueue.EnQue(yLocal);
-            yLocal = yQueue.DeQue<$TY>();
-            $COPY_Y
-            yQueue.FreeTensor(yLocal);
-        }
-        scaleQueue.FreeTensor(sc);
+$TAIL_CALL        }
     }
 
 private:
+$CHUNKS
     TPipe pipe;
     TQue<QuePosition::VECIN, BUFFER_NUM> dotQueue;
     TQue<QuePosition::VECIN, 1> scaleQueue;
@@ -210,6 +185,45 @@ private:
     uint32_t first = 0, last = 0, rows = 0;
 };
 """
+# one chunk of `count` columns from n0 of a row: the group sums in order, times the weight scale
+CHUNK = """    __aicore__ inline void $FN(uint32_t row, uint32_t n0)
+    {
+        LocalTensor<float> sc = scaleQueue.AllocTensor<float>();
+        $COPY_SCALE
+        scaleQueue.EnQue(sc);
+        sc = scaleQueue.DeQue<float>();
+        LocalTensor<float> acc = accBuf.Get<float>();
+        LocalTensor<float> term = termBuf.Get<float>();
+        Duplicate(acc, 0.0f, $COUNT);
+        for (uint32_t g = 0; g < $GROUPS; g++) {
+            LocalTensor<int32_t> dot = dotQueue.AllocTensor<int32_t>();
+            $COPY_DOT
+            dotQueue.EnQue(dot);
+            dot = dotQueue.DeQue<int32_t>();
+            Cast(term, dot, RoundMode::CAST_RINT, $COUNT);  // exact: |dot| < 2^24
+            dotQueue.FreeTensor(dot);
+            float dg = dGm.GetValue((uint64_t)row * $GROUPS + g);
+            Muls(term, term, dg, $COUNT);
+            Add(acc, acc, term, $COUNT);
+        }
+        Mul(acc, acc, sc, $COUNT);
+        scaleQueue.FreeTensor(sc);
+        LocalTensor<$TY> yLocal = yQueue.AllocTensor<$TY>();
+        $TO_Y
+        yQueue.EnQue(yLocal);
+        yLocal = yQueue.DeQue<$TY>();
+        $COPY_Y
+        yQueue.FreeTensor(yLocal);
+    }
+"""
+NC_MAX = 4096  # columns per combine chunk: 2 dot buffers, scale, acc, term (f32) and 2 outputs, ~90 KiB of UB
+QUANT_UB = 200 * 1024  # what the quantize kernel's whole-row buffers may take (module doc; emittable checks it)
+
+
+def quantize_ub_bytes(k: int, size: int, groups: int) -> int:
+    """UB bytes the quantize kernel asks for a row of k activations of `size` bytes."""
+    return 2 * align(k * size) + 2 * align(k) + 2 * k * 4 + align(k * 2) + groups * 32 + align(groups * 4)
+
 
 GROUP_MATMUL = """\
 // $NAME: per group g of $G along K, dots[g] = Q[M, g] . W8[$N, g]^T, int8 x int8 -> int32 on the cube
@@ -309,13 +323,23 @@ def emit_w8a8(node: Node, name: str) -> dict:
     out = 1 if op == "add_rms_norm_linear" else 0
     ty = node.outputs[out].type.dtype
     tyc, ysize = CTYPE[ty], SIZE[ty]
-    to_y = "Adds(yLocal, acc, 0.0f, $N);" if ty == "f32" else from_f32("yLocal", "acc", "$N")
+    nc = min(NC_MAX, align(n * 4) // 4) if n > NC_MAX else n
+    chunks, tail = "", n % nc if n > nc else 0
+
+    def chunk(fn: str, count: int) -> str:
+        to_y = f"Adds(yLocal, acc, 0.0f, {count});" if ty == "f32" else from_f32("yLocal", "acc", count)
+        return CHUNK.replace("$FN", fn).replace("$COUNT", str(count)).replace("$TO_Y", to_y) \
+            .replace("$TY", tyc).replace("$GROUPS", str(groups)) \
+            .replace("$COPY_SCALE", copy_row("sc", "scaleGm[n0]", count, 4, False, "float")) \
+            .replace("$COPY_DOT", copy_row("dot", f"dotsGm[((uint64_t)g * rows + row) * {n} + n0]", count, 4, False,
+                                           "int32_t")) \
+            .replace("$COPY_Y", copy_row(f"yGm[(uint64_t)row * {n} + n0]", "yLocal", count, ysize, True, tyc))
+
+    chunks = chunk("Full", nc) + (chunk("Tail", tail) if tail else "")
+    tail_call = f"            Tail(row, {n - tail});\n" if tail else ""
     cfields = rows_tiling(["tmp_shape", iq, 0], AIV_CORES)
     comb = source(name, f"W8A8 group sums and weight scale, {ty} out", cfields, COMBINE, ["dots", "d", "scale", "y"],
-                  TY=tyc, N=n, GROUPS=groups, Y_BYTES=align(n * ysize), TO_Y=to_y.replace("$N", str(n)),
-                  COPY_SCALE=copy_row("sc", "scaleGm", n, 4, False, "float"),
-                  COPY_DOT=copy_row("dot", f"dotsGm[((uint64_t)g * rows + row) * {n}]", n, 4, False, "int32_t"),
-                  COPY_Y=copy_row(f"yGm[(uint64_t)row * {n}]", "yLocal", n, ysize, True, tyc))
+                  TY=tyc, N=n, NC=nc, GROUPS=groups, Y_BYTES=align(nc * ysize), CHUNKS=chunks, TAIL_CALL=tail_call)
     kernels.append(AscendKernel(name, comb, [["tmp", idots], ["tmp", idd], ["in", wi + 1], ["out", out]], cfields,
                                 AIV_CORES))
     return {"kernels": kernels, "tmps": tmps}

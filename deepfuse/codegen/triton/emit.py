@@ -218,8 +218,9 @@ def emittable(node: Node) -> bool:
     """Shapes the templates do not cover go to the reference."""
     if node.op not in EMITTERS:
         return False
-    if "act_group" in node.attrs:  # W8A8: int8 tl.dot wants K tiles of at least 32
-        return node.attrs["act_group"] % 32 == 0
+    if "act_group" in node.attrs:  # W8A8: the K tile is one group: tl.arange wants a power of two, int8 tl.dot
+        g = node.attrs["act_group"]  # at least 32; at most 256 keeps the int8 tiles in shared memory
+        return g == pow2(g) and 32 <= g <= 256
     if node.op == "qkv_attention":
         hd = node.attrs["head_dim"]
         return hd == pow2(hd) and hd >= 16

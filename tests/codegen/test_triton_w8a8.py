@@ -60,5 +60,6 @@ def test_groups_the_template_cannot_tile_are_left_to_the_reference():
 
     for group, ok in ((96, False), (512, False), (64, True)):
         wq, scale = quantize_w8(torch.randn(8, 1536))
-        g = trace(lambda x: apply("linear_w8a8", x, wq, scale, act_group=group), Spec("x", "f32", ("T", 1536)))
+        g = trace(lambda x, wq=wq, scale=scale, group=group: apply("linear_w8a8", x, wq, scale, act_group=group),
+                  Spec("x", "f32", ("T", 1536)))
         assert emittable(g.nodes[0]) == ok, group

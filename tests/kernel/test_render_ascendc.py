@@ -2,7 +2,7 @@
 generated kernel, built with build_plan and run in deepfuse's CPU emulator of the AscendC API,
 against the graph interpreter of the same graph (which runs the kernel IR's interpreter); the
 host launch code; the accuracy of the tanh / erf expansions; the emulator's checks of the
-Compare / Select rules; the UB refusal."""
+Compare / Select rules; rows too long for UB in column tiles."""
 from __future__ import annotations
 
 import pytest
@@ -13,7 +13,7 @@ from deepfuse.codegen.ascendc.emit_generated import emit_generated
 from deepfuse.codegen.ascendc.runner import EmulatorRunner
 from deepfuse.errors import DeepfuseError
 from deepfuse.frontend import Spec, ops, trace
-from deepfuse.ir import interpret
+from deepfuse.ir import DTYPES, interpret
 from deepfuse.passes import dce
 from deepfuse.passes.decompose import decompose_unsupported
 from deepfuse.passes.generate_kernels import generate_kernels
@@ -96,14 +96,72 @@ def test_emulator_rejects_a_select_mask_too_small():
         EmulatorRunner(bad, g.weights)(case_inputs("where_clamp", rows=2))
 
 
-def test_a_row_too_long_for_the_unified_buffer_is_refused():
-    g = gen(ops.softmax, d=40000)
-    (node,) = g.nodes
-    with pytest.raises(ValueError, match=r"needs \d+ bytes of the unified buffer, more than its 253952"):
-        emit_generated(node, "too_long")
-    assert not emittable(node)
-    assert not build_plan(g)["launches"][0].get("kernels")  # the reference runs it (a host step)
+def wide_softmax(cols: int, dtype: str):
+    g = trace(ops.softmax, Spec("x", dtype, ("T", cols)))
+    return dce(generate_kernels()(decompose_unsupported(set())(g)))
 
+
+@pytest.mark.parametrize("rows", [1, 3])
+@pytest.mark.parametrize("cols", [40000, 49155])
+@pytest.mark.parametrize("dtype", ["f32", "bf16"])
+def test_a_row_too_long_for_the_unified_buffer_goes_in_column_tiles(dtype, cols, rows):
+    """Softmax over a vocabulary: the row does not fit UB, so it is rendered in column tiles
+    (renderable, so no host step), and matches the interpreter (f32 1e-5: the tile sums are added
+    in another order; bf16 1e-2). 49155 leaves a tail tile that is not whole repeats."""
+    g = wide_softmax(cols, dtype)
+    (node,) = g.nodes
+    assert emittable(node)
+    (k,) = emit_generated(node, "wide")["kernels"]
+    assert 64 <= k.notes["tile_cols"] < cols and k.notes["tile_cols"] % 64 == 0
+    assert k.notes["ub_bytes"] <= 248 * 1024
+    x = torch.randn(rows, cols, generator=torch.Generator().manual_seed(cols + rows)) * 4
+    got, ref = run(g, {"x": x.to(DTYPES[dtype])})
+    tol = 1e-5 if dtype == "f32" else 1e-2
+    torch.testing.assert_close(got[0].float(), ref[0].float(), rtol=tol, atol=tol)
+
+
+def test_reductions_across_column_tiles_keep_the_first_extreme():
+    """A hand-written kernel over 40000 columns (tiled): argmax / max / min with ties in different
+    tiles (the first maximum is in an earlier tile than an equal one; a row whose only maximum is
+    in the tail tile), sum, and an elem store of level 1 (x - max)."""
+    from types import SimpleNamespace
+
+    from deepfuse.codegen.ascendc.emulate import launch
+    from deepfuse.codegen.ascendc.kernel import AscendKernel, pack
+    from deepfuse.kernel import interpret as kinterp
+    from deepfuse.kernel.ir import Buffer, Index, Instr, Kernel
+
+    c = 40000
+    e, rw, f = Index(row=c, col=1), Index(row=1), "f32"
+    body = [Instr(0, "load", (), f, "elem", {"buf": "x", "index": e}),
+            Instr(1, "reduce", (0,), "i32", "row", {"kind": "argmax"}),
+            Instr(2, "reduce", (0,), f, "row", {"kind": "max"}), Instr(3, "reduce", (0,), f, "row", {"kind": "min"}),
+            Instr(4, "reduce", (0,), f, "row", {"kind": "sum"}), Instr(5, "sub", (0, 2), f, "elem"),
+            Instr(-1, "store", (5,), f, "elem", {"buf": "y", "index": e}),
+            Instr(-1, "store", (1,), "i32", "elem", {"buf": "a", "index": rw}),
+            Instr(-1, "store", (2,), f, "elem", {"buf": "mx", "index": rw}),
+            Instr(-1, "store", (3,), f, "elem", {"buf": "mn", "index": rw}),
+            Instr(-1, "store", (4,), f, "elem", {"buf": "s", "index": rw})]
+    bufs = [Buffer("x", f, ("T", c), "in"), Buffer("y", f, ("T", c), "out"), Buffer("a", "i32", ("T",), "out"),
+            Buffer("mx", f, ("T",), "out"), Buffer("mn", f, ("T",), "out"), Buffer("s", f, ("T",), "out")]
+    k = Kernel("tiles", bufs, ("T", 1, c), body)
+    (ak,) = emit_generated(SimpleNamespace(attrs={"kernel": k.to_json()}), "gen_tiles")["kernels"]
+    tc = ak.notes["tile_cols"]
+    assert c // tc >= 2, tc
+    x = torch.randn(4, c, generator=torch.Generator().manual_seed(5))
+    x[0, [tc + 5, 2 * tc + 3]] = 9.0  # tie in tiles 1 and 2: the first is tc + 5
+    x[0, [tc - 1, 2 * tc]] = -9.0  # min tie across a tile boundary
+    x[1, [3, tc, c - 1]] = 7.5  # tie in tile 0, tile 1 and the tail tile
+    x[2, c - 2] = 11.0  # the only maximum, in the tail tile
+    x[3] = 0.25  # all equal: argmax 0
+    ref = kinterp.run(k, {"x": x})
+    assert ref["a"].tolist() == [tc + 5, 3, c - 2, 0]
+    outs = {n: torch.zeros_like(t) for n, t in ref.items()}
+    launch(AscendKernel(**ak.to_json()), [x] + [outs[b.name] for b in bufs[1:]], pack(ak.tiling, [(4, c)]))
+    assert torch.equal(outs["a"], ref["a"])
+    for n in ("y", "mx", "mn"):
+        assert torch.equal(outs[n], ref[n]), n
+    torch.testing.assert_close(outs["s"], ref["s"], rtol=1e-5, atol=1e-4)
 
 
 def test_row_values_reductions_and_row_stores():

@@ -12,8 +12,9 @@ each runs CopyIn -> Compute -> CopyOut with its C columns in UB:
     with elem values through Adds / Muls / Maxs / Mins (or Duplicate, then the vector op);
   - stores go out through a double-buffered TQue each (narrowing Casts round to nearest even);
     a row store goes through a small TBuf.
-A row that does not fit the unified buffer is refused (ValueError with the bytes): there is no
-column tiling. Unsupported IR (col, i32 elem values, strided loads) is refused the same way.
+A row that does not fit the unified buffer goes in column tiles instead (generated_tiled.py: the
+largest of 16384, 8192, ... 64 columns whose tensors fit; passes by reduction level).
+Unsupported IR (col, i32 elem values, strided loads) is refused with a ValueError.
 """
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from ...ir import Node
 from ...kernel.ir import Kernel, verify
 from .emit import source
 from .generated_render import Render
+from .generated_tiled import TiledRender
 from .kernel import AIV_CORES, BLOCK, CTYPE, UB_BYTES, AscendKernel, reduce_tmp_bytes, rows_tiling
 
 BODY = """\
@@ -47,6 +49,24 @@ $MEMBERS    uint32_t first = 0, last = 0;
 };
 """
 STAGES = "            CopyIn(row);\n            Compute(row);\n            CopyOut(row);\n"
+TILED_BODY = """\
+class Kernel_$NAME {
+public:
+    __aicore__ inline Kernel_$NAME() {}
+    __aicore__ inline void Init($INIT_PARAMS, const ${NAME}_tiling& t)
+    {
+$ROWS_INIT$INIT    }
+$PROCESS_ROWS
+private:
+    __aicore__ inline void Row(uint32_t row)
+    {
+$ROW_RG$COMPUTE    }
+
+    TPipe pipe;
+$MEMBERS    uint32_t first = 0, last = 0;
+};
+"""
+TILES = [64 * 2 ** i for i in range(8, -1, -1)]  # column tile candidates, largest first (16384 .. 64)
 
 
 def _lines(lines: list[str]) -> str:
@@ -78,23 +98,34 @@ def _gm_size(k: Kernel, shape) -> str:
     return f"{rows}{n}"
 
 
-def emit_generated(node: Node, name: str) -> dict:
-    """The `kernel` node's kernel IR as one AscendC vector kernel (see the module docstring)."""
-    k = Kernel.from_json(node.attrs["kernel"])
-    verify(k)
-    rd = Render(k, name)
+def _render(k: Kernel, name: str, tc: int = 0) -> Render:
+    """The body rendered whole-row (tc = 0) or in column tiles of tc, with its UB pools."""
+    rd = TiledRender(k, name, tc) if tc else Render(k, name)
     rd.walk()
     pools = [("workBuf", rd.count["w"] * rd.cp * 4), ("maskBuf", rd.count["m"] * rd.mask_bytes),
-             ("rowBuf", rd.count["r"] * BLOCK), ("reduceBuf", reduce_tmp_bytes(rd.c) if rd.reduce else 0),
+             ("rowBuf", rd.count["r"] * BLOCK), ("reduceBuf", reduce_tmp_bytes(min(rd.c, rd.cp)) if rd.reduce else 0),
              ("halfBuf", getattr(rd, "half", 0))]
     for buf, nbytes in pools:
         if nbytes:
             rd.buf(buf, nbytes)
-    if rd.ub > UB_BYTES:
-        raise ValueError(f"{name} ({k.name}): a row of {rd.c} columns needs {rd.ub} bytes of the unified buffer, "
-                         f"more than its {UB_BYTES} (the AscendC renderer has no column tiling)")
     views = [("w", "float", "workBuf"), ("m", "uint8_t", "maskBuf"), ("rw", "float", "rowBuf")]
-    compute = [f"LocalTensor<{t}> {v} = {b}.Get<{t}>();" for (v, t, b), (_, n) in zip(views, pools) if n] + rd.compute
+    rd.views = [f"LocalTensor<{t}> {v} = {b}.Get<{t}>();" for (v, t, b), (_, n) in zip(views, pools) if n]
+    return rd
+
+
+def emit_generated(node: Node, name: str) -> dict:
+    """The `kernel` node's kernel IR as one AscendC vector kernel (see the module docstring)."""
+    k = Kernel.from_json(node.attrs["kernel"])
+    verify(k)
+    rd = _render(k, name)
+    for tc in TILES if rd.ub > UB_BYTES else []:
+        if tc < rd.cp and (rd := _render(k, name, tc)).ub <= UB_BYTES:
+            break
+    if rd.ub > UB_BYTES:
+        raise ValueError(f"{name} ({k.name}): a tile of {rd.cp} columns needs {rd.ub} bytes of the unified buffer, "
+                         f"more than its {UB_BYTES}")
+    tiled = isinstance(rd, TiledRender)
+    compute = rd.views + (rd.row if tiled else rd.compute)
     params = [f"p{i}" for i in range(len(k.buffers))]
     gm_init, members = [], []
     for i, b in enumerate(k.buffers):
@@ -105,12 +136,13 @@ def emit_generated(node: Node, name: str) -> dict:
     row_rg = f"        uint32_t r = row / {g}, g = row % {g};\n        (void)r; (void)g;\n"
     fields = rows_tiling(_rows_expr(k), AIV_CORES)
     dtypes = sorted({b.dtype for b in k.buffers})
-    src = source(name, f"generated from kernel IR {k.name} ({', '.join(dtypes)})", fields, BODY, params,
-                 STAGES=STAGES, INIT_PARAMS=", ".join(f"GM_ADDR {p}" for p in params),
+    body, stages = (TILED_BODY, "            Row(row);\n") if tiled else (BODY, STAGES)
+    src = source(name, f"generated from kernel IR {k.name} ({', '.join(dtypes)})", fields, body, params,
+                 STAGES=stages, INIT_PARAMS=", ".join(f"GM_ADDR {p}" for p in params),
                  INIT=_lines(gm_init + rd.init), ROW_RG=row_rg, COPY_IN=_lines(rd.copy_in),
                  COMPUTE=_lines(compute), COPY_OUT=_lines(rd.copy_out), MEMBERS="".join(members + rd.members))
     args = [["in", i] for i in range(len(k.inputs))] + [["out", j] for j in range(len(k.outputs))]
-    notes = {"ub_bytes": rd.ub, "pool_tensors": rd.count["w"], "kernel_ir": k.name}
+    notes = {"ub_bytes": rd.ub, "pool_tensors": rd.count["w"], "kernel_ir": k.name} | ({"tile_cols": rd.cp} if tiled else {})
     return {"kernels": [AscendKernel(name, src, args, fields, AIV_CORES, notes=notes)], "tmps": []}
 
 

@@ -26,6 +26,9 @@ class Render:
         self.queued_in: list[str] = []
         self.pending_free: list[str] = []
         self.reduce = False
+        # the counts vector instructions run over (Compare: whole repeats) and the column offset of
+        # elem loads / stores: the whole row here; C++ names over one column tile in TiledRender
+        self.n, self.np, self.c0 = self.c, self.cp, ""
 
     # ---- storage ---------------------------------------------------------------------
     def buf(self, name: str, nbytes: int, tbuf: bool = True, queue: str = "") -> None:
@@ -62,8 +65,19 @@ class Render:
 
     def index(self, ix) -> str:
         terms = [f"(uint64_t)r * {ix.row}" if ix.row else "", f"g * {ix.group}" if ix.group else "",
-                 str(ix.offset) if ix.offset else ""]
+                 str(ix.offset) if ix.offset else "", self.c0 if ix.col else ""]
         return " + ".join(t for t in terms if t) or "0"
+
+    def copy(self, dst: str, src: str, size: int, to_gm: bool, ct: str = "float") -> str:
+        """DataCopy / DataCopyPad of the row's (or tile's) n elements."""
+        return copy_row(dst, src, self.c, size, to_gm, ct)
+
+    def in_queue(self, size: int) -> str:
+        """A new double-buffered VECIN queue for one elem load."""
+        q = f"inQ{len(self.queued_in)}"
+        self.queued_in.append(q)
+        self.buf(q, self.cp * size, tbuf=False, queue="VECIN")
+        return q
 
     # ---- values -------------------------------------------------------------------------
     def scalar(self, v: int) -> str:
@@ -135,7 +149,7 @@ class Render:
             self.val[ins.out] = ("scalar", f"s{ins.out}")
         elif ix.col != 1:
             self.fail(f"does not load with a column stride of {ix.col} ({b.name})")
-        elif ix.row == 0 and ix.group == 0:  # a [C] weight: once, in Init, as f32
+        elif ix.row == 0 and ix.group == 0 and not self.c0:  # a [C] weight: once, in Init, as f32
             n = len(self.members)
             self.buf(f"wt{n}", self.cp * 4)
             src = f"{gm}[{ix.offset}]"
@@ -145,14 +159,12 @@ class Render:
                 self.buf(f"wraw{n}", self.cp * size)
                 self.init += [copy_row(f"wraw{n}.Get<{ct}>()", src, self.c, size, False, ct),
                               "WaitPipe<HardEvent::MTE2_V>();",
-                              f"Cast(wt{n}.Get<float>(), wraw{n}.Get<{ct}>(), RoundMode::CAST_NONE, {self.c});"]
+                              f"Cast(wt{n}.Get<float>(), wraw{n}.Get<{ct}>(), RoundMode::CAST_NONE, {self.n});"]
             self.val[ins.out] = ("elem", f"wt{n}.Get<float>()", "weight")
         else:
-            q = f"inQ{len(self.queued_in)}"
-            self.queued_in.append(q)
-            self.buf(q, self.cp * size, tbuf=False, queue="VECIN")
+            q = self.in_queue(size)
             self.copy_in += [f"LocalTensor<{ct}> x = {q}.AllocTensor<{ct}>();".replace(" x ", f" {q}x "),
-                             copy_row(f"{q}x", f"{gm}[{self.index(ix)}]", self.c, size, False, ct),
+                             self.copy(f"{q}x", f"{gm}[{self.index(ix)}]", size, False, ct),
                              f"{q}.EnQue({q}x);"]
             self.emit(f"LocalTensor<{ct}> {q}x = {q}.DeQue<{ct}>();")
             self.pending_free.append((q, f"{q}x"))
@@ -176,13 +188,13 @@ class Render:
             self.val[ins.out] = self.val[a]
         else:
             d = self.alloc("w")
-            self.emit(f"Cast({d}, {self.tensor(a)}, RoundMode::CAST_NONE, {self.c});")
+            self.emit(f"Cast({d}, {self.tensor(a)}, RoundMode::CAST_NONE, {self.n});")
             self.val[ins.out] = ("elem", d, "w")
 
     def op_round(self, ins) -> None:
         ct, a = CTYPE[ins.attrs["to"]], ins.args[0]
         self.half = max(getattr(self, "half", 0), self.cp * 2)
-        d, src, n = (self.alloc("w"), self.tensor(a), self.c) if ins.kind == "elem" else (self.row_slot(), self.slot(a), 1)
+        d, src, n = (self.alloc("w"), self.tensor(a), self.n) if ins.kind == "elem" else (self.row_slot(), self.slot(a), 1)
         self.emit(f"Cast(halfBuf.Get<{ct}>(), {src}, RoundMode::CAST_RINT, {n});",
                   f"Cast({d}, halfBuf.Get<{ct}>(), RoundMode::CAST_NONE, {n});")
         self.val[ins.out] = ("elem", d, "w") if ins.kind == "elem" else ("slot", d)
@@ -191,7 +203,7 @@ class Render:
         kind, a = ins.attrs["kind"], self.tensor(ins.args[0])
         self.reduce, d = True, self.row_slot()
         fn = {"sum": "ReduceSum", "min": "ReduceMin"}.get(kind, "ReduceMax")
-        self.emit(f"{fn}({d}, {a}, reduceBuf.Get<float>(), {self.c}{', true' if kind == 'argmax' else ''});")
+        self.emit(f"{fn}({d}, {a}, reduceBuf.Get<float>(), {self.n}{', true' if kind == 'argmax' else ''});")
         if kind == "argmax":  # the index's bits in the second lane
             self.emit("WaitPipe<HardEvent::V_S>();",
                       f"int32_t s{ins.out} = rw.ReinterpretCast<int32_t>().GetValue({8 * (self.count['r'] - 1) + 1});")
@@ -217,9 +229,9 @@ class Render:
                     ts.append(self.tensor(x))
                 else:
                     ts.append(get())
-                    self.emit(f"Duplicate({ts[-1]}, {self.scalar(x)}, {self.cp});")
+                    self.emit(f"Duplicate({ts[-1]}, {self.scalar(x)}, {self.np});")
             d = self.alloc("m")
-            self.emit(f"Compare({d}, {ts[0]}, {ts[1]}, CMPMODE::{CMPMODE[ins.op]}, {self.cp});")
+            self.emit(f"Compare({d}, {ts[0]}, {ts[1]}, CMPMODE::{CMPMODE[ins.op]}, {self.np});")
             self.val[ins.out] = ("mask", d)
         elif not elem:
             d = self.row_slot()
@@ -231,13 +243,13 @@ class Render:
         else:
             d = self.alloc("w")
             if len(ins.args) == 1:
-                self.emit(*unary(ins.op, d, self.tensor(ins.args[0]), self.c, get))
+                self.emit(*unary(ins.op, d, self.tensor(ins.args[0]), self.n, get))
             elif kinds == ["elem", "elem"]:
-                self.emit(f"{BINARY[ins.op]}({d}, {self.tensor(ins.args[0])}, {self.tensor(ins.args[1])}, {self.c});")
+                self.emit(f"{BINARY[ins.op]}({d}, {self.tensor(ins.args[0])}, {self.tensor(ins.args[1])}, {self.n});")
             else:
                 first = kinds[0] == "elem"
                 t, s = (ins.args[0], ins.args[1]) if first else (ins.args[1], ins.args[0])
-                self.emit(*with_scalar(ins.op, d, self.tensor(t), self.scalar(s), first, self.c, get))
+                self.emit(*with_scalar(ins.op, d, self.tensor(t), self.scalar(s), first, self.n, get))
             self.val[ins.out] = ("elem", d, "w")
         self.release(taken)
 
@@ -255,12 +267,12 @@ class Render:
             x = self.tensor(a)
         else:
             x = get()
-            self.emit(f"Duplicate({x}, {self.scalar(a)}, {self.c});")
+            self.emit(f"Duplicate({x}, {self.scalar(a)}, {self.n});")
         d, mask = self.alloc("w"), self.tensor(m)
         if kinds[2] == "elem":
-            self.emit(f"Select({d}, {mask}, {x}, {self.tensor(b)}, SELMODE::VSEL_TENSOR_TENSOR_MODE, {self.c});")
+            self.emit(f"Select({d}, {mask}, {x}, {self.tensor(b)}, SELMODE::VSEL_TENSOR_TENSOR_MODE, {self.n});")
         else:
-            self.emit(f"Select({d}, {mask}, {x}, {self.scalar(b)}, SELMODE::VSEL_TENSOR_SCALAR_MODE, {self.c});")
+            self.emit(f"Select({d}, {mask}, {x}, {self.scalar(b)}, SELMODE::VSEL_TENSOR_SCALAR_MODE, {self.n});")
         self.val[ins.out] = ("elem", d, "w")
         self.release(taken)
 
@@ -286,13 +298,13 @@ class Render:
         self.buf(q, self.cp * size, tbuf=False, queue="VECOUT")
         self.emit(f"LocalTensor<{ct}> {q}y = {q}.AllocTensor<{ct}>();")
         if form[0] == "cast":
-            self.emit(f"Cast({q}y, {self.tensor(form[1])}, RoundMode::CAST_RINT, {self.c});")
+            self.emit(f"Cast({q}y, {self.tensor(form[1])}, RoundMode::CAST_RINT, {self.n});")
         elif b.dtype != "f32":
             self.fail(f"stores {b.dtype} only through a cast")
         elif form[0] == "elem":
-            self.emit(f"Muls({q}y, {form[1]}, 1.0f, {self.c});")  # an exact vector copy
+            self.emit(f"Muls({q}y, {form[1]}, 1.0f, {self.n});")  # an exact vector copy
         else:
-            self.emit(f"Duplicate({q}y, {self.scalar(v)}, {self.c});")
+            self.emit(f"Duplicate({q}y, {self.scalar(v)}, {self.n});")
         self.emit(f"{q}.EnQue({q}y);")
         self.copy_out += [f"LocalTensor<{ct}> {q}y = {q}.DeQue<{ct}>();",
-                          copy_row(f"{gm}[{self.index(ix)}]", f"{q}y", self.c, size, True), f"{q}.FreeTensor({q}y);"]
+                          self.copy(f"{gm}[{self.index(ix)}]", f"{q}y", size, True), f"{q}.FreeTensor({q}y);"]

@@ -19,7 +19,7 @@ def _path():
     try:
         return gemma3_gguf_path()
     except DeepfuseError as e:
-        if os.environ.get("CI") == "true":  # `make test` installs it: missing there is a failure
+        if os.environ.get("CI", "").lower() in ("1", "true", "yes"):  # `make test` installs it: a failure there
             raise
         pytest.skip(str(e))
 

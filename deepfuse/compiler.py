@@ -9,17 +9,17 @@ from .codegen.artifact import CompiledModel
 from .errors import DeepfuseError
 from .frontend import trace
 from .ir import DTYPES, Graph
-from .models import Llama, load_model, step_specs
+from .models import Llama, build_model, load_model, step_specs
 from .passes import PassManager, cleanup_passes, fusion_passes
 from .runtime.tokenizer import Tokenizer
 
 
-def trace_model(model: Llama, dtype: str = "f32", kv_cache_dtype: str | None = None):
+def trace_model(model, dtype: str = "f32", kv_cache_dtype: str | None = None):
     """The model's step graph with weights cast to `dtype` (and caches of kv_cache_dtype, see step_specs)."""
     if dtype not in ("f32", "bf16", "f16"):
         raise DeepfuseError(f"unsupported dtype {dtype!r} (use f32, bf16 or f16)")
     weights = {k: v.to(DTYPES[dtype]) for k, v in model.weights.items()}
-    cast = Llama(model.config, weights)
+    cast = build_model(model.config, weights)
     return trace(cast.step, *step_specs(model.config, dtype, kv_cache_dtype), weights=weights, name=model.config.family)
 
 
@@ -52,7 +52,7 @@ def compile_graph(graph: Graph, target: str = "cpu", fuse: bool = True, dump_dir
 def compile(model: str | Llama | Graph, target: str = "cpu", dtype: str = "f32", fuse: bool = True,
             dump_dir: str | None = None, tokenizer: Tokenizer | None = None, quant: str | None = None,
             batch_invariant: bool = False, kv_cache_dtype: str | None = None, allow_host_steps: bool = False):
-    """Compiles `model` (a name/path that load_model accepts, or a Llama) for `target`; a traced
+    """Compiles `model` (a name/path that load_model accepts, or a model: Llama, Gemma3) for `target`; a traced
     ir.Graph instead gives a CompiledGraph (compile_graph).
     allow_host_steps (ascend950): build even where an op would run its reference on the host
         (the plan's and manifest's host_steps list them); without it such a build is refused.

@@ -23,6 +23,7 @@ from safetensors.torch import save_file
 
 from .. import __version__
 from ..ir import Graph, TensorType, print_graph
+from ..models.gemma3 import Gemma3Config
 from ..models.llama import LlamaConfig
 from ..runtime.tokenizer import Tokenizer
 from .targets import Runner
@@ -49,7 +50,7 @@ class CompiledModel:
     plan: dict
     target: str
     dtype: str
-    config: LlamaConfig
+    config: LlamaConfig | Gemma3Config
     tokenizer: Tokenizer | None
     runner: Runner
     passes: list[dict] = field(default_factory=list)  # [{name, id, seconds, nodes_before, nodes_after}]

@@ -20,7 +20,7 @@ from ..codegen import get_target
 from ..codegen.artifact import FORMAT_VERSION, CompiledModel, sha256_file
 from ..errors import DeepfuseError
 from ..ir import parse_graph, verify
-from ..models.llama import LlamaConfig
+from ..models import config_from_dict
 from .tokenizer import Tokenizer
 
 REQUIRED = ("graph.ir", "plan.json", "weights.safetensors")  # read by every load
@@ -125,5 +125,5 @@ def load(directory: str, target: str | None = None, digest: str | None = None) -
         if name.startswith("kernels/"):
             with open(os.path.join(directory, name), "rb") as f:
                 files[name] = f.read()
-    return CompiledModel(graph, plan, m["target"], m["dtype"], LlamaConfig.from_dict(m["model"]["config"]),
+    return CompiledModel(graph, plan, m["target"], m["dtype"], config_from_dict(m["model"]["config"]),
                          tok, tgt.make_runner(plan, graph.weights, files), m["passes"], m.get("quant"), files)

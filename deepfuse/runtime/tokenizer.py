@@ -1,12 +1,16 @@
 """Tokenizer: a `tokenizers.Tokenizer` plus special ids and the chat template.
 
 Built once from GGUF metadata or a HF directory (through transformers' converter),
-then stored in artifacts as tokenizer.json + tokenizer_config.json, which load fast.
+then stored in artifacts as tokenizer.json + tokenizer_config.json, which load fast. A GGUF's
+tokenizer is also cached under ~/.cache/deepfuse/tokenizers/<the file's sha256>/ (Gemma's
+262k-entry vocabulary takes ~30 s to convert).
 """
 from __future__ import annotations
 
 import json
 import os
+import shutil
+import tempfile
 from dataclasses import dataclass, field
 
 from tokenizers import Tokenizer as HFTokenizer
@@ -66,14 +70,40 @@ class Tokenizer:
                          chat_template=chat_template, special=special)
 
 
-def tokenizer_from_gguf(path: str, reader) -> Tokenizer:
+def tokenizer_from_gguf(path: str, reader, cache_dir: str | None = None) -> Tokenizer:
+    """The GGUF's tokenizer, from cache_dir (default ~/.cache/deepfuse/tokenizers) when built before."""
+    from ..models.packaged import CACHE_DIR, sha256_file
+
+    cache_dir = cache_dir or os.path.join(CACHE_DIR, "tokenizers")
+    cached = os.path.join(cache_dir, sha256_file(path))
+    if os.path.isfile(os.path.join(cached, "tokenizer_config.json")):
+        return Tokenizer.load(cached)
+    out = build_tokenizer_from_gguf(path, reader)
+    os.makedirs(cache_dir, exist_ok=True)
+    tmp = tempfile.mkdtemp(dir=cache_dir)
+    out.save(tmp)
+    try:
+        os.rename(tmp, cached)  # atomic; fails harmlessly where a concurrent build got there first
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def build_tokenizer_from_gguf(path: str, reader) -> Tokenizer:
     from transformers import AutoTokenizer
+
+    from ..models import gemma3
 
     tok = AutoTokenizer.from_pretrained(os.path.dirname(os.path.abspath(path)), gguf_file=os.path.basename(path))
     f = reader.fields.get("tokenizer.chat_template")
     out = Tokenizer.from_transformers(tok, f.contents() if f is not None else None)
     add_bos = reader.fields.get("tokenizer.ggml.add_bos_token")
     out.add_bos = bool(add_bos.contents()) if add_bos is not None else out.add_bos
+    arch = reader.fields.get("general.architecture")
+    if arch is not None and arch.contents() == "gemma3":  # chat turns end with <end_of_turn>, not <eos>
+        out.chat_template = out.chat_template or gemma3.CHAT_TEMPLATE
+        end = tok.convert_tokens_to_ids(gemma3.END_OF_TURN)
+        out.eos_ids += [end] if isinstance(end, int) and end not in out.eos_ids else []
     return out
 
 

@@ -67,12 +67,13 @@ def test_greedy_32_and_first_logits_match_transformers(which, gemma, hf_model, c
 
 
 def test_ignoring_the_window_breaks_parity(gemma, hf_model, long_ids):
-    """Every layer attending to everything: the long prompt's logits leave transformers'."""
+    """The sliding layers' window widened past the prompt (their RoPE base kept): the long
+    prompt's logits leave transformers', so the parity above depends on the window."""
     model = gemma[0]
-    full = Gemma3(dataclasses.replace(model.config, full_attention_layers=tuple(range(model.config.num_layers))),
-                  model.weights)
-    _, logits = greedy_with(deepfuse.compile(full, target="cpu"), full.config, long_ids, 1, block_size=16)
+    wide = Gemma3(dataclasses.replace(model.config, sliding_window=model.config.max_position), model.weights)
+    _, logits = greedy_with(deepfuse.compile(wide, target="cpu"), wide.config, long_ids, 1, block_size=16)
     _, want_logits = hf_greedy(hf_model, long_ids, 1)
+    assert len(long_ids) > model.config.sliding_window
     assert (logits[0] - want_logits).abs().max().item() > 0.05
 
 

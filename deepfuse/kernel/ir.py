@@ -148,6 +148,29 @@ def _attrs_parse(attrs: dict) -> dict:
     return {k: (Index(*v) if k == "index" else v) for k, v in attrs.items()}
 
 
+def levels(k: Kernel) -> dict[int, int]:
+    """Each value's level: the most reductions on a path into it (a reduction's result is one
+    more than its argument's). A renderer that walks a row in column tiles makes one pass per level."""
+    lv: dict[int, int] = {}
+    for ins in k.body:
+        base = max((lv[a] for a in ins.args), default=0)
+        lv[ins.out] = base + 1 if ins.op == "reduce" else base
+    return lv
+
+
+def elem_closure(k: Kernel, roots: list[int]) -> set[int]:
+    """The elem values (no stores) among `roots` and everything they are computed from: what a
+    tile pass recomputes for the reductions and stores that consume `roots`."""
+    elem = {i.out: i for i in k.body if i.kind == "elem" and i.op != "store"}
+    need, todo = set(), list(roots)
+    while todo:
+        v = todo.pop()
+        if v in elem and v not in need:
+            need.add(v)
+            todo += elem[v].args
+    return need
+
+
 class KernelError(ValueError):
     """A kernel that breaks the IR's rules (verify)."""
 

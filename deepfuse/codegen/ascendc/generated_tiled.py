@@ -11,20 +11,12 @@ the first maximum (a later tile replaces it only when strictly greater). Inside 
 runs in one function, tile after tile: CopyIn, Compute, CopyOut of the tile."""
 from __future__ import annotations
 
-from ...kernel.ir import Kernel
+from ...kernel.ir import Kernel, elem_closure, levels
 from .generated_render import REPEAT, Render
 from .kernel import LOWEST
 
 INIT = {"sum": "0.0f", "max": LOWEST, "argmax": LOWEST, "min": "3.402823466e+38f"}
 
-
-def levels(k: Kernel) -> dict[int, int]:
-    """Each value's level: the most reductions on a path into it."""
-    lv: dict[int, int] = {}
-    for ins in k.body:
-        base = max((lv[a] for a in ins.args), default=0)
-        lv[ins.out] = base + 1 if ins.op == "reduce" else base
-    return lv
 
 
 class TiledRender(Render):
@@ -73,7 +65,6 @@ class TiledRender(Render):
 
     def walk(self) -> None:
         k, lv = self.k, levels(self.k)
-        elem = {i.out: i for i in k.body if i.kind == "elem" and i.op != "store"}
         in_tile = [i for i in k.body if i.op == "reduce" or (i.op == "store" and i.attrs["index"].kind == "elem")]
         at = lambda i: lv[i.args[0]]  # noqa: E731 (the pass a tile consumer runs in)
         passes = max((at(i) for i in in_tile), default=-1) + 1
@@ -87,12 +78,7 @@ class TiledRender(Render):
             if p == passes:
                 break
             users = [i for i in in_tile if at(i) == p]
-            need, todo = set(), [i.args[0] for i in users]
-            while todo:
-                v = todo.pop()
-                if v in elem and v not in need:
-                    need.add(v)
-                    todo += elem[v].args
+            need = elem_closure(k, [i.args[0] for i in users])
             self.tile_pass([i for i in k.body if i.out in need or any(i is u for u in users)])
         self.compute = []
         for ins in k.body:

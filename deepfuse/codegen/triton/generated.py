@@ -28,7 +28,7 @@ The helpers are decorated `@triton.jit(noinline=False)`: runner.load_kernel stri
 from __future__ import annotations
 
 from ...ir import Node
-from ...kernel.ir import Index, Instr, Kernel
+from ...kernel.ir import Index, Instr, Kernel, elem_closure, levels
 from . import templates as T
 from .tiles import tiles_for
 
@@ -184,15 +184,6 @@ class _Body:
             self.put(f"{o} = tl.{kind}(a{o}, 1, keep_dims=True)", depth)
 
 
-def levels(k: Kernel) -> dict[int, int]:
-    """Each value's level: the most reductions on a path into it (a reduction's result is one
-    more than its argument's)."""
-    lv: dict[int, int] = {}
-    for ins in k.body:
-        base = max((lv[a] for a in ins.args), default=0)
-        lv[ins.out] = base + 1 if ins.op == "reduce" else base
-    return lv
-
 
 def _tiled(b: _Body) -> None:
     """The whole row in one tile: the body in order."""
@@ -205,7 +196,6 @@ def _tiled(b: _Body) -> None:
 def _looped(b: _Body) -> None:
     """Column tiles in passes, one per level (module docstring)."""
     k, lv = b.k, levels(b.k)
-    elem = {i.out: i for i in k.body if i.kind == "elem" and i.op != "store"}
     in_tile = [i for i in k.body if i.op == "reduce" or (i.op == "store" and i.attrs["index"].kind == "elem")]
     at = lambda i: lv[i.args[0]]  # the pass a tile consumer runs in
     passes = max((at(i) for i in in_tile), default=-1) + 1
@@ -217,12 +207,7 @@ def _looped(b: _Body) -> None:
         if p == passes:
             break
         users = [i for i in in_tile if at(i) == p]
-        need, todo = set(), [i.args[0] for i in users]
-        while todo:
-            v = todo.pop()
-            if v in elem and v not in need:
-                need.add(v)
-                todo += elem[v].args
+        need = elem_closure(k, [i.args[0] for i in users])
         for ins in users:
             if ins.op == "reduce":
                 b.reduce_init(ins, 1)

@@ -17,8 +17,8 @@ import re
 from ...frontend import ops
 from ...ir import Node
 from ...kernel.build import kernel_of
-from ...kernel.ir import Kernel
-from .generated import _Body, levels
+from ...kernel.ir import Kernel, elem_closure, levels
+from .generated import _Body
 
 PROLOGUES = {  # op -> (the prologue over its first n inputs, n)
     "rms_norm_linear": (lambda a: (lambda x, w: ops.rms_norm(x, w, eps=a["eps"])), 2),
@@ -54,7 +54,6 @@ def render(node: Node) -> tuple[str, str, list[tuple[int, str]], list[tuple[int,
     lv = levels(k)
     a_store = next(i for i in k.body if i.op == "store" and i.attrs["buf"] == a_buf)
     last = lv[a_store.args[0]]
-    elem = {i.out: i for i in k.body if i.kind == "elem" and i.op != "store"}
     pre: list[str] = []
     body.lines = []
     for i in k.body:  # row values below every reduction: the constants
@@ -66,12 +65,7 @@ def render(node: Node) -> tuple[str, str, list[tuple[int, str]], list[tuple[int,
                      or (i.op == "store" and i.attrs["buf"] != a_buf and lv[i.args[0]] == p)]
         if p == last:
             consumers.append(a_store)
-        need, todo = set(), [i.args[0] for i in consumers]
-        while todo:
-            v = todo.pop()
-            if v in elem and v not in need:
-                need.add(v)
-                todo += elem[v].args
+        need = elem_closure(k, [i.args[0] for i in consumers])
         body.lines = []
         inner = 2  # in $PRE's own loop over K, or in the template's (LOAD_A)
         if p < last:

@@ -34,6 +34,13 @@ public:
 $ROWS_INIT$INIT    }
 $PROCESS_ROWS
 private:
+$METHODS
+    TPipe pipe;
+$MEMBERS    uint32_t first = 0, last = 0;
+};
+"""
+# a whole row per iteration in three stages, or (tiled) one method walking the row's column tiles
+STAGE_METHODS = """\
     __aicore__ inline void CopyIn(uint32_t row)
     {
 $ROW_RG$COPY_IN    }
@@ -43,28 +50,12 @@ $ROW_RG$COMPUTE    }
     __aicore__ inline void CopyOut(uint32_t row)
     {
 $ROW_RG$COPY_OUT    }
-
-    TPipe pipe;
-$MEMBERS    uint32_t first = 0, last = 0;
-};
 """
 STAGES = "            CopyIn(row);\n            Compute(row);\n            CopyOut(row);\n"
-TILED_BODY = """\
-class Kernel_$NAME {
-public:
-    __aicore__ inline Kernel_$NAME() {}
-    __aicore__ inline void Init($INIT_PARAMS, const ${NAME}_tiling& t)
-    {
-$ROWS_INIT$INIT    }
-$PROCESS_ROWS
-private:
+TILED_METHODS = """\
     __aicore__ inline void Row(uint32_t row)
     {
 $ROW_RG$COMPUTE    }
-
-    TPipe pipe;
-$MEMBERS    uint32_t first = 0, last = 0;
-};
 """
 TILES = [64 * 2 ** i for i in range(8, -1, -1)]  # column tile candidates, largest first (16384 .. 64)
 
@@ -136,7 +127,8 @@ def emit_generated(node: Node, name: str) -> dict:
     row_rg = f"        uint32_t r = row / {g}, g = row % {g};\n        (void)r; (void)g;\n"
     fields = rows_tiling(_rows_expr(k), AIV_CORES)
     dtypes = sorted({b.dtype for b in k.buffers})
-    body, stages = (TILED_BODY, "            Row(row);\n") if tiled else (BODY, STAGES)
+    methods, stages = (TILED_METHODS, "            Row(row);\n") if tiled else (STAGE_METHODS, STAGES)
+    body = BODY.replace("$METHODS", methods)
     src = source(name, f"generated from kernel IR {k.name} ({', '.join(dtypes)})", fields, body, params,
                  STAGES=stages, INIT_PARAMS=", ".join(f"GM_ADDR {p}" for p in params),
                  INIT=_lines(gm_init + rd.init), ROW_RG=row_rg, COPY_IN=_lines(rd.copy_in),

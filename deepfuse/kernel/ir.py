@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ..errors import DeepfuseError
 from ..ir.types import Dim
 
 UNARY = ("neg", "abs", "exp", "log", "sqrt", "rsqrt", "tanh", "erf", "sigmoid", "recip")
@@ -171,8 +172,8 @@ def elem_closure(k: Kernel, roots: list[int]) -> set[int]:
     return need
 
 
-class KernelError(ValueError):
-    """A kernel that breaks the IR's rules (verify)."""
+class KernelError(DeepfuseError):
+    """A kernel that breaks the IR's rules (verify): from an artifact, bad input (a ValueError too)."""
 
 
 def verify(k: Kernel) -> None:

@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from ..errors import DeepfuseError
-from ..models.cache_groups import CacheGroup
+from ..models.cache_groups import CacheGroup, cache_groups
 
 
 @dataclass(frozen=True)
@@ -422,3 +422,17 @@ class KVCacheManager:
         if self.stats.replay_hits:
             out["replay_hits"], out["replayed_tokens"] = self.stats.replay_hits, self.stats.replayed_tokens
         return out
+
+
+def kv_bytes_per_sequence(config, context: int, block_size: int, row_bytes: int) -> dict[str, int]:
+    """Bytes of KV cache one sequence of `context` positions holds at decode, by cache group
+    ("full", "sliding"): every block in a full-attention group, at most ceil(W/BS) + 1 in a
+    sliding one. row_bytes: one (position, kv head) row of k or v."""
+    out = {}
+    for group in cache_groups(config):
+        blocks = -(-context // block_size)
+        if group.window:
+            blocks = min(blocks, -(-group.window // block_size) + 1)
+        key = "sliding" if group.window else "full"
+        out[key] = len(group.layers) * blocks * block_size * 2 * config.num_kv_heads * row_bytes
+    return out

@@ -266,7 +266,8 @@ class KVCacheManager:
     grows (a full-attention group keeps all). Prefix caching names full blocks by their hash
     chain in every group; a sliding group's released blocks keep their name only where an exact
     hit needs them, the window before the sequence's boundary (the tokens it arrived with), and
-    the rest are freed at once."""
+    the rest are freed at once. With bounded replay (CacheConfig.swa_replay_tokens) a hybrid
+    model's sliding blocks are never cached: a prefix hit rebuilds the window instead."""
 
     def __init__(self, cache: KVCache, exact_replay: bool = False):
         """exact_replay: the model's sliding layers do not depend on positions before a replayed
@@ -275,6 +276,10 @@ class KVCacheManager:
         self.bs = cache.block_size
         self.window = self.groups[0].window  # of group 0: a one-group model's sliding window
         self.exact_replay = exact_replay
+        # with bounded replay a sliding group's blocks are never cached: a hit rebuilds them
+        replay = cache.config.swa_replay_tokens and len(self.groups) > 1
+        self.replay_tokens = cache.config.swa_replay_tokens if replay else 0  # R; may change between admissions
+        self.cached_groups = [g for g, group in enumerate(self.groups) if not (replay and group.window)]
         self.stats = CacheStats()
 
     def new_seq(self, tokens: list[int]) -> SeqBlocks:
@@ -318,7 +323,7 @@ class KVCacheManager:
             names.append(parent)
         count = self._exact_count(names)
         full = self._replay_reach(names)
-        replay = -(-self.cache.config.swa_replay_tokens // self.bs) * self.bs
+        replay = -(-self.replay_tokens // self.bs) * self.bs
         if full and full * self.bs - replay > count * self.bs:
             start = full * self.bs - replay
             seq.tables[0] = [self.pools[0].lookup(n) for n in names[:full]]
@@ -338,7 +343,7 @@ class KVCacheManager:
 
     def _replay_reach(self, names: list[bytes]) -> int:
         """Leading blocks the full-attention group holds, where bounded replay may use them (0: off)."""
-        if not self.cache.config.swa_replay_tokens or len(self.groups) < 2:
+        if not self.replay_tokens:
             return 0
         return next((i for i in range(len(names)) if not self.pools[0].holds(names[i])), len(names))
 
@@ -362,8 +367,8 @@ class KVCacheManager:
                 i = len(seq.names)
                 name = block_hash(seq.names[-1] if seq.names else b"", tokens[i * self.bs:(i + 1) * self.bs])
                 if seq.named_limit is None or i < seq.named_limit:
-                    for g, pool in enumerate(self.pools):
-                        pool.name(seq.tables[g][i], name)
+                    for g in self.cached_groups:
+                        self.pools[g].name(seq.tables[g][i], name)
                 seq.names.append(name)
 
     def reserve(self, seq: SeqBlocks, num_tokens: int) -> None:

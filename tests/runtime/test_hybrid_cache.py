@@ -180,3 +180,23 @@ def test_replayed_chunk_inputs_start_the_sliding_group_at_the_replayed_span(gemm
     assert inputs["seq_lens"].tolist() == [28] and inputs["seq_lens.sliding"].tolist() == [8]
     assert inputs["block_tables.sliding"][0, :3].tolist() == [40, 41, 42]
     assert inputs["slot_mapping.sliding"].tolist() == [b * BS + i for b in (40, 41) for i in range(BS)]
+
+
+def test_a_hybrid_artifact_round_trips(yoco, tmp_path):
+    """Saved and loaded (the family found by the manifest's name), the artifact keeps its two
+    groups' inputs and gives the compiled model's tokens, replay included."""
+    from deepfuse.runtime.loader import load
+
+    art = deepfuse.compile(yoco)
+    art.save(str(tmp_path / "a"))
+    loaded = load(str(tmp_path / "a"))
+    assert type(loaded.config).__name__ == "YocoConfig"
+    assert {"slot_mapping.sliding", "block_tables.sliding", "seq_lens.sliding"} <= {v.name for v in loaded.graph.inputs}
+    base = prompt(6, 40)
+    prompts = [base + [1, 2], base[:28] + [3, 4, 5]]
+    outs = []
+    for model in (art, loaded):
+        eng = Engine(model, CacheConfig(block_size=BS, num_blocks=64, swa_replay_tokens=WINDOW), max_num_tokens=8)
+        outs.append([eng.generate([p], [GREEDY])[0].token_ids for p in prompts])
+        assert eng.kv.stats.replay_hits == 1
+    assert outs[0] == outs[1]

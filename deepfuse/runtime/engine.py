@@ -30,6 +30,7 @@ from .batch import SeqChunk, StepBuffers
 from .detokenize import IncrementalText, find_stop
 from .host_sampling import RowBuffer, draw_on_host, needs_host_sampling
 from .kv_cache import CacheConfig, KVCache, KVCacheManager
+from .kv_store import DiskKVStore, model_fingerprint
 from ..models.cache_groups import CacheGroup, cache_groups
 from .latency import measure_latency
 from .logprobs import RowLogprobs, logprob_rows, take_prompt_logprobs
@@ -84,7 +85,10 @@ class Engine:
         groups = cache_groups(c)
         self.cache = KVCache(c.num_layers, c.num_kv_heads, kv.shape[4], DTYPES[kv.dtype], cache, model.device, groups,
                              sliding_blocks(cache, groups, max_num_tokens, max_num_seqs))
-        self.kv = KVCacheManager(self.cache, exact_replay=getattr(c, "swa_replay_exact", False))
+        store = None
+        if cache.kv_store is not None:
+            store = DiskKVStore(cache.kv_store, int(cache.kv_store_gb * 2 ** 30), model_fingerprint(model, cache.block_size))
+        self.kv = KVCacheManager(self.cache, exact_replay=getattr(c, "swa_replay_exact", False), store=store)
         self.scheduler = Scheduler(self.kv, SchedulerConfig(max_num_tokens, max_num_seqs))
         self.max_model_len = self._max_model_len(max_num_tokens)
         self.buffers = StepBuffers(max_num_tokens, max_num_seqs, -(-self.max_model_len // self.cache.block_size))

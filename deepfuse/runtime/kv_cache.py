@@ -29,6 +29,7 @@ import torch
 
 from ..errors import DeepfuseError
 from ..models.cache_groups import CacheGroup, cache_groups
+from .kv_store import DiskKVStore
 
 
 @dataclass(frozen=True)
@@ -39,17 +40,22 @@ class CacheConfig:
     step's chunk, never more than num_blocks); swa_replay_tokens: bounded replay for hybrid
     models (0: off): a prefix hit whose sliding-window blocks are gone recomputes only the last R
     cached positions (R rounded up to whole blocks) instead of the whole prefix (kv_cache.py's
-    module docstring)."""
+    module docstring); kv_store: a directory where full blocks also go to disk (kv_store.py),
+    found again by prefix after eviction or a restart, at most kv_store_gb GiB."""
 
     block_size: int = 16
     num_blocks: int = 512
     enable_prefix_caching: bool = True
     sliding_blocks: int = 0
     swa_replay_tokens: int = 0
+    kv_store: str | None = None
+    kv_store_gb: float = 4.0
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.num_blocks < 1:
             raise DeepfuseError(f"cache block_size and num_blocks must be >= 1, got {self.block_size}, {self.num_blocks}")
+        if self.kv_store is not None and not self.kv_store_gb > 0:
+            raise DeepfuseError(f"kv_store_gb must be > 0, got {self.kv_store_gb}")
         if self.sliding_blocks < 0 or self.swa_replay_tokens < 0:
             raise DeepfuseError(f"sliding_blocks and swa_replay_tokens must be >= 0, got {self.sliding_blocks}, "
                                 f"{self.swa_replay_tokens}")
@@ -114,12 +120,21 @@ class BlockPool:
             return
         self.pending_of[block], self.pending[name] = name, block
 
-    def commit(self) -> None:
-        """The step that writes the pending blocks has completed: prefix lookups may find them."""
+    def adopt(self, block: int, name: bytes) -> None:
+        """A block just allocated whose content (the prefix `name`) is already written, from the
+        disk store: named and committed at once, its reference dropped (it waits in the LRU)."""
+        self.name_of[block], self.by_name[name] = name, block
+        self.release([block])
+
+    def commit(self) -> list[tuple[int, bytes]]:
+        """The step that writes the pending blocks has completed: prefix lookups may find them.
+        Returns the (block, name) pairs committed."""
+        done = list(self.pending_of.items())
         self.name_of.update(self.pending_of)
         self.by_name.update(self.pending)
         self.pending_of.clear()
         self.pending.clear()
+        return done
 
     def discard_pending(self) -> None:
         """The step that would have written the pending blocks failed: they stay unnamed."""
@@ -230,6 +245,7 @@ class CacheStats:
     prefix_hits: int = 0  # of which not computed: found cached (or, with replay, before the replayed span)
     replay_hits: int = 0  # prefix hits that rebuilt a sliding window by bounded replay
     replayed_tokens: int = 0  # cached positions recomputed by those
+    store_blocks: int = 0  # blocks brought back from the disk store
 
     @property
     def hit_rate(self) -> float:
@@ -269,9 +285,10 @@ class KVCacheManager:
     the rest are freed at once. With bounded replay (CacheConfig.swa_replay_tokens) a hybrid
     model's sliding blocks are never cached: a prefix hit rebuilds the window instead."""
 
-    def __init__(self, cache: KVCache, exact_replay: bool = False):
+    def __init__(self, cache: KVCache, exact_replay: bool = False, store: DiskKVStore | None = None):
         """exact_replay: the model's sliding layers do not depend on positions before a replayed
-        span of at least one window (models/yoco.py), so bounded replay gives exact KV."""
+        span of at least one window (models/yoco.py), so bounded replay gives exact KV. store: a
+        disk tier for group 0's blocks where that group attends to everything (kv_store.py)."""
         self.cache, self.pool, self.pools, self.groups = cache, cache.pool, cache.pools, cache.groups
         self.bs = cache.block_size
         self.window = self.groups[0].window  # of group 0: a one-group model's sliding window
@@ -280,6 +297,8 @@ class KVCacheManager:
         replay = cache.config.swa_replay_tokens and len(self.groups) > 1
         self.replay_tokens = cache.config.swa_replay_tokens if replay else 0  # R; may change between admissions
         self.cached_groups = [g for g, group in enumerate(self.groups) if not (replay and group.window)]
+        usable = store is not None and store.enabled and not self.groups[0].window and cache.config.enable_prefix_caching
+        self.store = store if usable else None
         self.stats = CacheStats()
 
     def new_seq(self, tokens: list[int]) -> SeqBlocks:
@@ -321,6 +340,8 @@ class KVCacheManager:
         for i in range((len(tokens) - 1) // self.bs):
             parent = block_hash(parent, tokens[i * self.bs:(i + 1) * self.bs])
             names.append(parent)
+        if self.store is not None:
+            self._load_from_store(names)
         count = self._exact_count(names)
         full = self._replay_reach(names)
         replay = -(-self.replay_tokens // self.bs) * self.bs
@@ -340,6 +361,36 @@ class KVCacheManager:
         seq.names = names[:count]
         seq.cached = count * self.bs
         return seq
+
+    def _load_from_store(self, names: list[bytes]) -> None:
+        """Brings the blocks after the memory cache's run of `names` back from the disk store while
+        it has them (and blocks are available): written into group 0's layers, named, unreferenced."""
+        pool = self.pools[0]
+        i = next((i for i in range(len(names)) if not pool.holds(names[i])), len(names))
+        layers = [self.cache.layers[j] for j in self.groups[0].layers]
+        while i < len(names) and pool.num_available() and self.store.has(names[i]):
+            payload = self.store.load(names[i])
+            if payload is None or len(payload) != sum(layer[:, 0].numel() * layer.element_size() for layer in layers):
+                break
+            block = pool.allocate(1)[0]
+            raw = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+            at = 0
+            for layer in layers:
+                view = layer[:, block]
+                n = view.numel() * view.element_size()
+                view.copy_(raw[at:at + n].view(layer.dtype).view(view.shape))
+                at += n
+            pool.adopt(block, names[i])
+            self.stats.store_blocks += 1
+            i += 1
+
+    def _store_blocks(self, committed: list[tuple[int, bytes]]) -> None:
+        """Queues the blocks a step completed for the disk store (a copy of their rows now)."""
+        layers = [self.cache.layers[j] for j in self.groups[0].layers]
+        for block, name in committed:
+            if not self.store.has(name):
+                rows = torch.cat([layer[:, block].contiguous().view(-1).view(torch.uint8) for layer in layers])
+                self.store.put(name, rows.cpu().numpy().tobytes())
 
     def _replay_reach(self, names: list[bytes]) -> int:
         """Leading blocks the full-attention group holds, where bounded replay may use them (0: off)."""
@@ -404,9 +455,11 @@ class KVCacheManager:
         del seq.names[num_names:]
 
     def commit(self) -> None:
-        """The step has completed: its blocks' names become findable by prefix lookup."""
-        for pool in self.pools:
-            pool.commit()
+        """The step has completed: its blocks' names become findable by prefix lookup (and go to
+        the disk store, if there is one)."""
+        committed = [pool.commit() for pool in self.pools]
+        if self.store is not None and committed[0]:
+            self._store_blocks(committed[0])
 
     def discard_pending(self) -> None:
         """The step failed: the names it gave are dropped (call after undoing its allocations)."""
@@ -424,6 +477,10 @@ class KVCacheManager:
             p, name = self.pools[g], self.groups[g].suffix.lstrip(".")
             out[name] = {"blocks_total": p.num_blocks, "blocks_used": p.num_used(),
                          "blocks_cached_unused": len(p.lru), "evictions": p.evictions}
+        if self.store is not None:
+            out["kv_store"] = {"blocks": len(self.store.files), "bytes": self.store.bytes,
+                               "blocks_loaded": self.stats.store_blocks, "write_errors": self.store.write_errors,
+                               "corrupt_dropped": self.store.dropped_corrupt}
         if self.stats.replay_hits:
             out["replay_hits"], out["replayed_tokens"] = self.stats.replay_hits, self.stats.replayed_tokens
         return out

@@ -288,7 +288,8 @@ class KVCacheManager:
     def __init__(self, cache: KVCache, exact_replay: bool = False, store: DiskKVStore | None = None):
         """exact_replay: the model's sliding layers do not depend on positions before a replayed
         span of at least one window (models/yoco.py), so bounded replay gives exact KV. store: a
-        disk tier for group 0's blocks where that group attends to everything (kv_store.py)."""
+        disk tier for group 0's blocks (kv_store.py), used where they make a hit on their own: one
+        full-attention group, or a hybrid model with bounded replay."""
         self.cache, self.pool, self.pools, self.groups = cache, cache.pool, cache.pools, cache.groups
         self.bs = cache.block_size
         self.window = self.groups[0].window  # of group 0: a one-group model's sliding window
@@ -297,7 +298,10 @@ class KVCacheManager:
         replay = cache.config.swa_replay_tokens and len(self.groups) > 1
         self.replay_tokens = cache.config.swa_replay_tokens if replay else 0  # R; may change between admissions
         self.cached_groups = [g for g, group in enumerate(self.groups) if not (replay and group.window)]
-        usable = store is not None and store.enabled and not self.groups[0].window and cache.config.enable_prefix_caching
+        # the store holds group 0's blocks: enough for a hit where that group attends to
+        # everything and is the only one, or where bounded replay rebuilds the sliding group
+        usable = (store is not None and store.enabled and not self.groups[0].window
+                  and cache.config.enable_prefix_caching and (len(self.groups) == 1 or self.replay_tokens))
         self.store = store if usable else None
         self.stats = CacheStats()
 

@@ -133,3 +133,25 @@ def test_the_store_keeps_within_its_size(art, tmp_path):
     eng.kv.store.flush()
     assert len(files(tmp_path)) == 4 and eng.kv.store.bytes <= 4 * block
     assert sum(os.path.getsize(tmp_path / f) for f in files(tmp_path)) == eng.kv.store.bytes
+
+
+def test_a_hybrid_model_replays_over_blocks_from_the_store(tmp_path):
+    """The YOCO-style hybrid model with bounded replay: after a restart only the full-attention
+    blocks come from disk, the sliding window is replayed, and the tokens are a cold run's."""
+    from tests.runtime.test_hybrid_cache import CONFIG, random_weights
+    from deepfuse.models import Yoco, YocoConfig
+
+    config = YocoConfig(**{f.name: getattr(CONFIG, f.name) for f in dataclasses.fields(CONFIG) if f.name != "family"})
+    art = deepfuse.compile(Yoco(config, random_weights(Yoco, config, seed=3)))
+    prefix = [t % 90 + 1 for t in PREFIX]  # the hybrid model's vocabulary is 96
+    prompts = [prefix + [7, 8], prefix + [9, 10, 11]]
+    want = cold(art, prompts)
+    make = lambda: Engine(art, CacheConfig(block_size=4, num_blocks=64, kv_store=str(tmp_path), swa_replay_tokens=8),
+                          max_num_tokens=16)
+    first = make()
+    assert first.generate(prompts[:1], [GREEDY])[0].token_ids == want[0]
+    first.kv.store.flush()
+    again = make()
+    out = again.generate(prompts[1:], [GREEDY])[0]
+    assert out.token_ids == want[1] and out.num_cached_tokens == 40 - 8
+    assert again.kv.stats.store_blocks == 10 and again.kv.stats.replay_hits == 1

@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import glob
-import math
 import os
 import statistics
 import sys
@@ -82,32 +81,32 @@ def prompts(tok, count: int) -> list[tuple[str, list[int]]]:
     return out
 
 
-class Capture:
-    """The compiled model, keeping the logits of its last step."""
+class FirstTokenLogprobs:
+    """Wraps an engine's step to keep, per request id, the log-probabilities [V] (f32) of its
+    first generated token: the row that samples it in the step that ends its prompt."""
 
-    def __init__(self, model):
-        self.model, self.logits = model, None
+    def __init__(self, eng: Engine):
+        self.by_request: dict[str, torch.Tensor] = {}
+        run_step = eng._run_step
 
-    def __call__(self, inputs):
-        logits, nxt, hidden = self.model(inputs)
-        self.logits = logits
-        return logits, nxt, hidden
+        def wrapped():
+            ran = run_step()
+            if ran is not None:
+                row = 0
+                for (req, n), chunk in zip(ran.scheduled, ran.chunks):
+                    row += chunk.samples
+                    if not req.generated and req.computed + n >= len(req.tokens):
+                        self.by_request[req.request_id] = torch.log_softmax(ran.logits[row - 1].float(), -1)
+            return ran
 
-    def __getattr__(self, name):
-        return getattr(self.model, name)
+        eng._run_step = wrapped
 
 
-def run(eng: Engine, ids: list[int], params: SamplingParams):
-    """(tokens, first generated token's log-probabilities [V], TTFT s)."""
-    first = {}
-    cap = eng.model
-
-    def on_token(i, tok):
-        if "lp" not in first:
-            first["lp"] = torch.log_softmax(cap.logits[-1].float(), -1)
-
-    out = eng.generate([ids], [params], on_token=on_token)[0]
-    return out.token_ids, first["lp"], out.ttft_s
+def run_batch(eng: Engine, firsts: FirstTokenLogprobs, prompts: list[list[int]], params: SamplingParams):
+    """Every prompt in one generate call (the build is batch-invariant: each gets the tokens it
+    would get alone): ([tokens], [first token's log-probabilities])."""
+    outs = eng.generate(prompts, [params] * len(prompts))
+    return [o.token_ids for o in outs], [firsts.by_request.pop(o.request_id) for o in outs]
 
 
 def memory(config) -> dict:
@@ -147,55 +146,62 @@ def main() -> None:
     ap.add_argument("--work-prefix", type=int, default=4096)
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--dtype", default="bf16")
+    ap.add_argument("--long-tokens", type=int, default=6000, help="0: skip the long-sequence run")
     args = ap.parse_args()
     source, tok = load_model("gemma3")
     config = source.config
     art = deepfuse.compile(source, target="cpu", dtype=args.dtype, tokenizer=tok, batch_invariant=True)
     result = {"model": "gemma-3-270m Q4_K_M (dequantized)", "dtype": args.dtype, "memory_bytes_per_sequence": memory(config)}
     print("KV bytes per sequence (bf16):", result["memory_bytes_per_sequence"])
-    result["long_sequence"] = long_sequence(art, config, 2048, 6000)
-    print("long sequence:", result["long_sequence"])
+    if args.long_tokens:
+        result["long_sequence"] = long_sequence(art, config, 2048, args.long_tokens)
+        print("long sequence:", result["long_sequence"])
 
     greedy = SamplingParams(temperature=0, max_tokens=args.gen, ignore_eos=True)
-    big = CacheConfig(num_blocks=8192, swa_replay_tokens=REPLAYS[0])
-    cold = Engine(Capture(art), CacheConfig(num_blocks=1024, enable_prefix_caching=False), max_num_tokens=512)
-    warm = Engine(Capture(art), big, max_num_tokens=512)
-    rows = {r: {"agree": [], "identical_start": [], "kl": []} for r in REPLAYS}
     chosen = prompts(tok, args.prompts)
-    for n, (src, ids) in enumerate(chosen):
-        want, want_lp, _ = run(cold, ids, greedy)
-        warm.kv.replay_tokens = REPLAYS[0]
-        warm.generate([ids[:-args.new]], [SamplingParams(temperature=0, max_tokens=1)])  # caches the prefix
-        for r in REPLAYS:
-            warm.kv.replay_tokens = r
-            got, lp, _ = run(warm, ids, greedy)
-            same = [a == b for a, b in zip(got, want)]
-            rows[r]["agree"].append(sum(same) / len(want))
-            rows[r]["identical_start"].append(same.index(False) if False in same else len(want))
-            rows[r]["kl"].append(float((want_lp.exp() * (want_lp - lp)).sum()))
-        print(f"prompt {n + 1}/{len(chosen)} ({len(ids)} tokens, {os.path.basename(src)}):",
-              {r: (round(v["agree"][-1], 3), v["identical_start"][-1], f"{v['kl'][-1]:.2e}") for r, v in rows.items()},
-              flush=True)
+    ids_all = [ids for _, ids in chosen]
+    cold = Engine(art, CacheConfig(num_blocks=8192, enable_prefix_caching=False), max_num_tokens=512)
+    cold_firsts = FirstTokenLogprobs(cold)
+    want, want_lp = run_batch(cold, cold_firsts, ids_all, greedy)
+    print("exact runs done", flush=True)
+    warm = Engine(art, CacheConfig(num_blocks=16384, swa_replay_tokens=REPLAYS[0]), max_num_tokens=512)
+    warm_firsts = FirstTokenLogprobs(warm)
+    warm.generate([ids[:-args.new] for ids in ids_all], [SamplingParams(temperature=0, max_tokens=1)] * len(ids_all))
+    rows = {}
+    for r in REPLAYS:
+        warm.kv.replay_tokens = r
+        before = warm.kv.stats.replay_hits
+        got, lp = run_batch(warm, warm_firsts, ids_all, greedy)
+        assert warm.kv.stats.replay_hits - before == len(ids_all), "every prompt replays over its cached prefix"
+        same = [[a == b for a, b in zip(g, w)] for g, w in zip(got, want)]
+        rows[r] = {"agree": [sum(x) / len(x) for x in same],
+                   "identical_start": [x.index(False) if False in x else len(x) for x in same],
+                   "kl": [float((w.exp() * (w - g)).sum()) for w, g in zip(want_lp, lp)]}
+        print(f"R={r}: agreement per prompt {[round(a, 2) for a in rows[r]['agree']]}", flush=True)
     result["validity"] = {
         "prompts": [{"source": s, "tokens": len(i)} for s, i in chosen], "new_tokens": args.new, "generated": args.gen,
         "by_replay_tokens": {r: {"top1_agreement": round(statistics.mean(v["agree"]), 4),
                                  "mean_identical_start": round(statistics.mean(v["identical_start"]), 1),
                                  "all_identical": sum(x == args.gen for x in v["identical_start"]),
                                  "kl_first_token_mean": statistics.mean(v["kl"]),
-                                 "kl_first_token_max": max(v["kl"])} for r, v in rows.items()}}
+                                 "kl_first_token_median": statistics.median(v["kl"]),
+                                 "kl_first_token_max": max(v["kl"]), "per_prompt": v} for r, v in rows.items()}}
 
     ids = chosen[-1][1][:args.work_prefix + args.new]
     one = SamplingParams(temperature=0, max_tokens=1)
+    plain = deepfuse.compile(source, target="cpu", dtype=args.dtype, tokenizer=tok)  # the default build, timed
+    full_eng = Engine(plain, CacheConfig(num_blocks=1024, enable_prefix_caching=False), max_num_tokens=512)
+    replay_eng = Engine(plain, CacheConfig(num_blocks=1024, swa_replay_tokens=512), max_num_tokens=512)
+    full_eng.generate([ids[:64]], [one]), replay_eng.generate([ids[-64:]], [one])  # warm-up
     cold_t, replay_t, computed = [], [], {}
     for _ in range(args.runs):
-        before = cold.stats.prompt_tokens_computed
-        cold_t.append(run(cold, ids, one)[2])
-        computed["full"] = cold.stats.prompt_tokens_computed - before
-        warm.kv.replay_tokens = 512
-        warm.generate([ids[:args.work_prefix]], [one])
-        before = warm.stats.prompt_tokens_computed
-        replay_t.append(run(warm, ids, one)[2])
-        computed["replay"] = warm.stats.prompt_tokens_computed - before
+        before = full_eng.stats.prompt_tokens_computed
+        cold_t.append(full_eng.generate([ids], [one])[0].ttft_s)
+        computed["full"] = full_eng.stats.prompt_tokens_computed - before
+        replay_eng.generate([ids[:args.work_prefix]], [one])
+        before = replay_eng.stats.prompt_tokens_computed
+        replay_t.append(replay_eng.generate([ids], [one])[0].ttft_s)
+        computed["replay"] = replay_eng.stats.prompt_tokens_computed - before
     layers = config.num_layers
     result["work"] = {"cached_prefix": args.work_prefix, "new_tokens": args.new, "replay_tokens": 512,
                       "full_token_layers": computed["full"] * layers, "replay_token_layers": computed["replay"] * layers,

@@ -451,11 +451,12 @@ class KVCacheManager:
             pool.release([b for b in reversed(seq.tables[g]) if b >= 0])
         seq.tables, seq.names = [[] for _ in self.groups], []
 
-    def truncate(self, seq: SeqBlocks, num_blocks: int, num_names: int) -> None:
-        """Shrinks seq back to its first num_blocks blocks and num_names names (undoing a step's growth)."""
+    def truncate(self, seq: SeqBlocks, num_blocks: list[int], num_names: int) -> None:
+        """Shrinks each of seq's tables back to num_blocks[group] blocks and its names to num_names
+        (undoing a step's growth)."""
         for g, pool in enumerate(self.pools):
-            pool.release([b for b in reversed(seq.tables[g][num_blocks:]) if b >= 0])
-            del seq.tables[g][num_blocks:]
+            pool.release([b for b in reversed(seq.tables[g][num_blocks[g]:]) if b >= 0])
+            del seq.tables[g][num_blocks[g]:]
         del seq.names[num_names:]
 
     def commit(self) -> None:

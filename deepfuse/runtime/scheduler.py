@@ -50,10 +50,10 @@ class SchedulerConfig:
 
 @dataclass
 class Checkpoint:
-    """What a step may change, taken before it: the running requests with their table sizes,
+    """What a step may change, taken before it: the running requests with their table sizes (one per cache group),
     name counts and draft positions, and the prefix-cache counters."""
 
-    running: list[tuple[Request, int, int, int]] = field(default_factory=list)
+    running: list[tuple[Request, list[int], int, int]] = field(default_factory=list)
     prefix_queries: int = 0
     prefix_hits: int = 0
     replay_hits: int = 0
@@ -121,7 +121,7 @@ class Scheduler:
     def checkpoint(self) -> Checkpoint:
         """Taken before a step; rollback(checkpoint) undoes it."""
         st = self.kv.stats
-        return Checkpoint([(r, len(r.kv.table), len(r.kv.names), r.draft_computed) for r in self.running],
+        return Checkpoint([(r, [len(t) for t in r.kv.tables], len(r.kv.names), r.draft_computed) for r in self.running],
                           st.prefix_queries, st.prefix_hits, st.replay_hits, st.replayed_tokens)
 
     def rollback(self, cp: Checkpoint) -> None:

@@ -200,3 +200,27 @@ def test_a_hybrid_artifact_round_trips(yoco, tmp_path):
         outs.append([eng.generate([p], [GREEDY])[0].token_ids for p in prompts])
         assert eng.kv.stats.replay_hits == 1
     assert outs[0] == outs[1]
+
+
+def test_a_fault_in_the_middle_of_a_chunked_replay_is_undone(yoco):
+    """Replaying 8 positions + 3 new ones in 4-token chunks: the second step fails; both groups'
+    tables and pools are as after the first, and the request then finishes with the cold tokens."""
+    base = prompt(7, 40)
+    later = base[:28] + [7, 7, 7]
+    want = engine(yoco, enable_prefix_caching=False).generate([later], [GREEDY])[0].token_ids
+    eng = Engine(deepfuse.compile(yoco), CacheConfig(block_size=BS, num_blocks=64, swa_replay_tokens=WINDOW),
+                 max_num_tokens=4)
+    eng.generate([base], [GREEDY])
+    eng.add_request(later, GREEDY)
+    eng.step()  # positions 20..23 of the replayed span
+    req = eng.scheduler.running[0]
+    before = ([list(t) for t in req.kv.tables], [(p.num_used(), len(p.lru), dict(p.by_name)) for p in eng.kv.pools])
+    real = eng.model
+    eng.model = lambda inputs: (_ for _ in ()).throw(KeyboardInterrupt())
+    with pytest.raises(KeyboardInterrupt):
+        eng.step()
+    eng.model = real
+    assert ([list(t) for t in req.kv.tables], [(p.num_used(), len(p.lru), dict(p.by_name)) for p in eng.kv.pools]) == before
+    while eng.has_unfinished():
+        done = eng.step()
+    assert done[0].token_ids == want and eng.kv.num_used() == 0

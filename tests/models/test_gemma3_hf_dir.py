@@ -70,7 +70,7 @@ def test_hf_dir_loads_as_gemma3_and_matches_transformers(checkpoint):
     assert isinstance(model, Gemma3) and c.family == "gemma3"
     assert (c.sliding_window, c.full_attention_layers, c.rope_theta, c.rope_local_theta) == (WINDOW, (2,), 1e6, 10.0)
     assert (c.query_pre_attn_scalar, c.final_logit_softcap, c.tie_embeddings) == (24.0, 3.0, True)
-    assert json.load(open(f"{path}/config.json"))["model_type"] == "gemma3_text"
+    assert json.loads(open(f"{path}/config.json").read())["model_type"] == "gemma3_text"
     want, want_logits = hf_greedy(hf, PROMPT, 12)
     got, logits = greedy_with(eager_step(model), c, PROMPT, 12)
     assert (logits[0] - want_logits).abs().max().item() <= 1e-4
@@ -102,18 +102,21 @@ def test_compiled_engine_gives_the_eager_tokens(checkpoint):
 
 def test_multimodal_checkpoint_loads_its_language_model(tmp_path):
     """A gemma3 (image-text) checkpoint: its language model, vision tower dropped, gives
-    transformers' text-only tokens."""
+    transformers' text-only tokens. (Released ones have no final logit softcapping, which
+    transformers' image-text model would not apply.)"""
     from transformers import Gemma3Config, Gemma3ForConditionalGeneration, SiglipVisionConfig
 
     vision = SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
                                 image_size=28, patch_size=14)
     torch.manual_seed(1)
-    hf = Gemma3ForConditionalGeneration(Gemma3Config(text_config=text_config(), vision_config=vision,
-                                                     mm_tokens_per_image=4, image_token_index=95)).eval()
+    hf = Gemma3ForConditionalGeneration(Gemma3Config(text_config=text_config(final_logit_softcapping=None),
+                                                     vision_config=vision,
+                                                     mm_tokens_per_image=4, image_token_index=90)).eval()
     randomize_norms(hf).save_pretrained(tmp_path)
     model, _ = load_model(str(tmp_path), with_tokenizer=False)
     assert model.config.full_attention_layers == (2,) and model.config.sliding_window == WINDOW
     prompt = PROMPT[:-2]
+    assert 90 not in prompt  # the image token: a text prompt holds none
     want, want_logits = hf_greedy(hf, prompt, 8)
     got, logits = greedy_with(eager_step(model), model.config, prompt, 8)
     assert (logits[0] - want_logits).abs().max().item() <= 1e-4

@@ -10,7 +10,7 @@ only: no model math, no file reading.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -42,6 +42,11 @@ class Model(Protocol):
     def step(self, *inputs): ...
 
 
+# (config, weights as read) -> (config, the model's weights): what a format's tensors need to become
+# the model's, and what they tell of the config (Llama: learned attention sinks where present)
+Adapt = Callable[[ModelConfig, Weights], tuple[ModelConfig, Weights]]
+
+
 @dataclass(frozen=True)
 class GGUFFormat:
     """How a family reads GGUF files of the given `general.architecture`s."""
@@ -49,7 +54,7 @@ class GGUFFormat:
     archs: tuple[str, ...]
     config: Callable[[object], ModelConfig]  # (gguf.GGUFReader) -> config
     layer_names: dict[str, str]  # llama.cpp's `blk.{i}.<key>.weight` key -> HF `model.layers.{i}.<value>.weight`
-    weights: Callable[[ModelConfig, Weights], Weights] | None = None  # layout fix-ups after renaming
+    weights: Adapt | None = None  # layout fix-ups after renaming (Llama: llama.cpp's Q/K row order)
 
 
 @dataclass(frozen=True)
@@ -58,7 +63,7 @@ class HFFormat:
 
     model_types: tuple[str, ...]
     config: Callable[[dict], ModelConfig]  # (config.json as a dict) -> config
-    weights: Callable[[ModelConfig, Weights], Weights] | None = None  # (renaming, stacking, ...) after loading
+    weights: Adapt | None = None  # after loading: renames, stacking, offsets (Gemma's norms: 1 + w)
 
 
 @dataclass(frozen=True)
@@ -71,10 +76,10 @@ class Family:
     hf: HFFormat | None = None
     chat_template: str | None = None  # used where the checkpoint's tokenizer brings none
     eos_tokens: tuple[str, ...] = ()  # tokens that also end a generation (Gemma's <end_of_turn>)
-    names: tuple[str, ...] = field(init=False, default=())
 
-    def __post_init__(self):
-        object.__setattr__(self, "names", (self.name, *self.variants))
+    @property
+    def names(self) -> tuple[str, ...]:
+        return (self.name, *self.variants)
 
 
 FAMILIES: dict[str, Family] = {}  # every name and variant -> its family

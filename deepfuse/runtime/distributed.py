@@ -175,3 +175,23 @@ class ShardedEngine:
     def __del__(self) -> None:
         if getattr(self, "_procs", None):
             self.close()
+
+
+def engine_for_llm(model, world: int, target: str, dtype: str, block_size: int, num_blocks: int,
+                   max_num_tokens: int, max_num_seqs: int, enable_prefix_caching: bool, **unsupported) -> ShardedEngine:
+    """LLM(..., tensor_parallel_size=world)'s engine. unsupported: LLM settings that the sharded engine
+    does not take (each must be left at its default: None, False or 0)."""
+    from ..codegen.artifact import CompiledModel
+
+    if isinstance(model, CompiledModel) or unsupported.get("artifact"):
+        raise DeepfuseError("tensor_parallel_size > 1 compiles the model per rank: give a model name or path, "
+                            "not a compiled model or artifact")
+    if target != "cpu":
+        raise DeepfuseError(f"tensor_parallel_size > 1 runs on the cpu target (gloo), not {target!r}")
+    given = sorted(k for k, v in unsupported.items() if v not in (None, False, 0))
+    if given:
+        raise DeepfuseError(f"tensor_parallel_size > 1 does not support {', '.join(given)} yet; leave "
+                            f"{'it' if len(given) == 1 else 'them'} unset")
+    threads = max(1, torch.get_num_threads() // world)
+    return ShardedEngine(model, world, RankOptions(dtype, True, block_size, num_blocks, max_num_tokens, max_num_seqs,
+                                                   enable_prefix_caching, threads))

@@ -96,19 +96,29 @@ def all_gather(x: torch.Tensor, *, dim: int, world: int) -> torch.Tensor:
 COMBINE["all_gather"] = lambda xs, attrs: [torch.cat(xs, attrs["dim"]) for _ in xs]
 
 
+def shard_bounds(size: int, units: int, world: int, rank: int) -> tuple[int, int]:
+    """[lo, hi) of rank's slice of a dim of `size` made of `units` equal blocks (0: `world` blocks),
+    dealt out in contiguous runs: rank r gets blocks r*units//world .. (r+1)*units//world - 1, so the
+    slices differ by at most one block (3 kv heads over 2 ranks: 2 and 1)."""
+    u = units or world
+    if size % u or u < world or not 0 <= rank < world:
+        raise ValueError(f"a dim of {size} in {u} blocks does not split over {world} ranks (rank {rank})")
+    block = size // u
+    return rank * u // world * block, (rank + 1) * u // world * block
+
+
 def _take_shard_type(types: list[TensorType], attrs: dict) -> list[TensorType]:
     (x,) = types
-    dim, world, rank = attrs["dim"], attrs["world"], attrs["rank"]
-    expect(0 <= dim < x.rank and isinstance(x.shape[dim], int) and x.shape[dim] % world == 0,
-           f"take_shard: dim {dim} of {x} does not split into {world}")
-    expect(0 <= rank < world, f"take_shard rank {rank} not in [0, {world})")
+    dim = attrs["dim"]
+    expect(0 <= dim < x.rank and isinstance(x.shape[dim], int), f"take_shard: dim {dim} of {x} is not fixed")
+    lo, hi = shard_bounds(x.shape[dim], attrs.get("units", 0), attrs["world"], attrs["rank"])
     shape = list(x.shape)
-    shape[dim] //= world
+    shape[dim] = hi - lo
     return [x.with_shape(*shape)]
 
 
 @register("take_shard", _take_shard_type)
-def take_shard(x: torch.Tensor, *, dim: int, world: int, rank: int) -> torch.Tensor:
-    """Rank `rank`'s slice of x along dim: x.shape[dim] // world entries from rank * that."""
-    n = x.shape[dim] // world
-    return x.narrow(dim, rank * n, n).contiguous()
+def take_shard(x: torch.Tensor, *, dim: int, world: int, rank: int, units: int = 0) -> torch.Tensor:
+    """Rank `rank`'s slice of x along dim (shard_bounds: `units` blocks, 0 for `world` equal ones)."""
+    lo, hi = shard_bounds(x.shape[dim], units, world, rank)
+    return x.narrow(dim, lo, hi - lo).contiguous()

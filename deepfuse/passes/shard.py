@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 from ..errors import DeepfuseError
 from ..ir import OPS, Graph, Node, Value
+from ..ir.opdefs_collective import shard_bounds
 from .manager import Pass
 
 
@@ -29,16 +30,25 @@ from .manager import Pass
 class Sharding:
     kind: str  # "R", "S" or "P"
     dim: int = -1  # the split dim of "S"
+    units: int = 0  # "S": the dim is this many equal blocks (heads, say), dealt out in contiguous runs
+    #                 (ir.opdefs_collective.shard_bounds; uneven when world does not divide them); 0: world blocks
 
     def __str__(self) -> str:
-        return f"S({self.dim})" if self.kind == "S" else self.kind
+        return f"S({self.dim}{f', {self.units} blocks' if self.units else ''})" if self.kind == "S" else self.kind
+
+    def split(self, dim: int) -> bool:
+        return self.kind == "S" and self.dim == dim
+
+    def on(self, dim: int) -> Sharding:
+        """The same split of blocks along another dim (a linear's output columns from its weight's rows)."""
+        return Sharding("S", dim, self.units)
 
 
 R, P = Sharding("R"), Sharding("P")
 
 
-def S(dim: int) -> Sharding:  # noqa: N802  (reads like the notation)
-    return Sharding("S", dim)
+def S(dim: int, units: int = 0) -> Sharding:  # noqa: N802  (reads like the notation)
+    return Sharding("S", dim, units)
 
 
 @dataclass
@@ -66,16 +76,16 @@ def rule(*ops: str) -> Callable:
 @rule("linear")
 def _linear(ins, n, world, rank):
     w = ins[1]
-    if w == S(0):  # split by output features: a column slice of y
-        return [R, S(0)], [S(1)], n.op, n.attrs
-    if w == S(1):  # split by input features: y is a partial sum
-        return [S(1), S(1)], [P], n.op, n.attrs
+    if w.split(0):  # split by output features: a column slice of y
+        return [R, w], [w.on(1)], n.op, n.attrs
+    if w.split(1):  # split by input features: y is a partial sum
+        return [w, w], [P], n.op, n.attrs
     return None
 
 
 @rule("add_bias")
 def _add_bias(ins, n, world, rank):
-    return ([S(1), S(0)], [S(1)], n.op, n.attrs) if ins[1] == S(0) else None
+    return ([ins[1].on(1), ins[1]], [ins[1].on(1)], n.op, n.attrs) if ins[1].split(0) else None
 
 
 @rule("add", "mul", "silu", "cast")
@@ -89,37 +99,40 @@ def _pointwise(ins, n, world, rank):
 
 @rule("rope", "head_rms_norm")
 def _per_head(ins, n, world, rank):  # heads are whole within a column slice (the spec splits by heads)
-    return ([S(1)] + [R] * (len(ins) - 1), [S(1)], n.op, n.attrs) if ins[0] == S(1) else None
+    return ([ins[0]] + [R] * (len(ins) - 1), [ins[0]], n.op, n.attrs) if ins[0].split(1) else None
 
 
 @rule("attention")
 def _attention(ins, n, world, rank):
-    if ins[3] != S(3):  # the kv cache's heads decide
+    cache = ins[3]
+    if not cache.split(3):  # the kv cache's heads decide
         return None
-    want = [S(1), S(1), S(1), S(3), R, R, R, R] + [S(0)] * (len(ins) - 8)  # sinks: one per head
-    attrs = {**n.attrs, "num_heads": n.attrs["num_heads"] // world, "num_kv_heads": n.attrs["num_kv_heads"] // world}
-    return want, [S(1)], n.op, attrs
+    h, hkv = n.attrs["num_heads"], n.attrs["num_kv_heads"]
+    lo, hi = shard_bounds(hkv, cache.units, world, rank)
+    heads = cache.on(1)
+    want = [heads, heads, heads, cache, R, R, R, R] + [cache.on(0)] * (len(ins) - 8)  # sinks: one per head
+    return want, [heads], n.op, {**n.attrs, "num_heads": (hi - lo) * (h // hkv), "num_kv_heads": hi - lo}
 
 
 @rule("embedding")
 def _embedding(ins, n, world, rank):
-    if ins[0] != S(0):
+    if not ins[0].split(0):
         return None
-    rows = n.inputs[0].type.shape[0] // world
-    return [S(0), R], [P], "vocab_embedding", {"start": rank * rows}
+    start, _ = shard_bounds(n.inputs[0].type.shape[0], ins[0].units, world, rank)
+    return [ins[0], R], [P], "vocab_embedding", {"start": start}
 
 
 @rule("logits")
 def _logits(ins, n, world, rank):
-    return ([R, S(0), R], [S(1)], n.op, n.attrs) if ins[1] == S(0) else None
+    return ([R, ins[1], R], [ins[1].on(1)], n.op, n.attrs) if ins[1].split(0) else None
 
 
 @rule("moe")
 def _moe(ins, n, world, rank):
-    if ins[2] != S(0) or n.attrs.get("num_shared", 0):
+    if not ins[2].split(0) or ins[3] != ins[2] or n.attrs.get("num_shared", 0):
         return None
-    local = n.inputs[2].type.shape[0] // world
-    return [R, R, S(0), S(0)] + [R] * (len(ins) - 4), [P], "moe_experts", {**n.attrs, "first_expert": rank * local}
+    first, _ = shard_bounds(n.inputs[2].type.shape[0], ins[2].units, world, rank)
+    return [R, R, ins[2], ins[2]] + [R] * (len(ins) - 4), [P], "moe_experts", {**n.attrs, "first_expert": first}
 
 
 class _Partitioner:
@@ -139,21 +152,28 @@ class _Partitioner:
             s = self.spec.params.get(p.name, R)
             w = self.g.weights[p.name]
             if s.kind == "S":
-                self._local_shape(p, s)
-                n = w.shape[s.dim] // self.world
-                w = w.narrow(s.dim, self.rank * n, n).contiguous()
+                lo, hi = self._bounds(p, s)
+                w = w.narrow(s.dim, lo, hi - lo).contiguous()
             self.env[p] = (self.out.add_param(p.name, w), s)
         for n in self.g.nodes:
             self._node(n)
         self.out.outputs = [self._reshard(v, R) for v in self.g.outputs]
         return self.out
 
+    def _bounds(self, v: Value, s: Sharding) -> tuple[int, int]:
+        size = v.type.shape[s.dim] if 0 <= s.dim < v.type.rank else None
+        try:
+            if not isinstance(size, int):
+                raise ValueError(f"dim {s.dim} is not a fixed dim")
+            return shard_bounds(size, s.units, self.world, self.rank)
+        except ValueError as e:
+            raise DeepfuseError(f"%{v.name} {v.type} cannot be split as {s} over {self.world} ranks: {e}") from None
+
     def _local_shape(self, v: Value, s: Sharding) -> tuple:
         shape = list(v.type.shape)
         if s.kind == "S":
-            if not isinstance(shape[s.dim], int) or shape[s.dim] % self.world:
-                raise DeepfuseError(f"%{v.name} {v.type}: dim {s.dim} does not split over {self.world} ranks")
-            shape[s.dim] //= self.world
+            lo, hi = self._bounds(v, s)
+            shape[s.dim] = hi - lo
         return tuple(shape)
 
     def _node(self, n: Node) -> None:
@@ -184,9 +204,11 @@ class _Partitioner:
             if have == P:
                 full = self._emit("all_reduce", [local], {"world": self.world})[0]
             elif have.kind == "S":
+                if have.units % self.world:
+                    raise DeepfuseError(f"%{v.name} {v.type} is split unevenly ({have}); all_gather needs equal slices")
                 full = self._emit("all_gather", [local], {"dim": have.dim, "world": self.world})[0]
-            self.resharded[key] = full if want == R else \
-                self._emit("take_shard", [full], {"dim": want.dim, "world": self.world, "rank": self.rank})[0]
+            self.resharded[key] = full if want == R else self._emit(
+                "take_shard", [full], {"dim": want.dim, "world": self.world, "rank": self.rank, "units": want.units})[0]
         return self.resharded[key]
 
 

@@ -103,5 +103,5 @@ def test_reshard_slices_a_replicated_value_and_gathers_a_split_one():
 
 
 def test_a_model_whose_heads_do_not_split_is_refused(tiny_model):
-    with pytest.raises(DeepfuseError, match="num_kv_heads = 2 does not split over 4 ranks"):
+    with pytest.raises(DeepfuseError, match="num_kv_heads = 2 cannot be split over 4 ranks"):
         llama_sharding(tiny_model.config, 4)

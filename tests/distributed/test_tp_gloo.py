@@ -50,5 +50,5 @@ def test_ep2_tiny_moe_same_tokens_as_one_process(tmp_path):
 
 
 def test_a_model_that_does_not_split_is_refused_before_starting_ranks(tiny_model):
-    with pytest.raises(deepfuse.errors.DeepfuseError, match="num_kv_heads = 2 does not split over 4 ranks"):
+    with pytest.raises(deepfuse.errors.DeepfuseError, match="num_kv_heads = 2 cannot be split over 4 ranks"):
         ShardedEngine(tiny_model, 4, OPTIONS)

@@ -4,7 +4,7 @@ The step graph is partitioned first (passes/shard.py, shardings from models/shar
 runs the target's normal pipeline: the fusions see an ordinary graph of the rank's shapes with
 all_reduce / all_gather nodes in it, which run as host steps calling the process's communicator
 (runtime/distributed.py). The rank's config is its local view of the model: num_heads and
-num_kv_heads divided by the ranks (so its engine sizes a kv cache of its own kv heads).
+num_kv_heads those of this rank (so its engine sizes a kv cache of its own kv heads).
 """
 from __future__ import annotations
 
@@ -35,6 +35,7 @@ def compile_rank(model, world: int, rank: int, target: str = "cpu", dtype: str =
     plan = tgt.lower(graph)
     files = tgt.binaries(plan)
     c = model.config
-    local = dataclasses.replace(c, num_heads=c.num_heads // world, num_kv_heads=c.num_kv_heads // world)
+    kv_heads = next(v.type.shape[3] for v in graph.inputs if v.name.startswith("kv_cache."))  # uneven splits differ
+    local = dataclasses.replace(c, num_heads=kv_heads * (c.num_heads // c.num_kv_heads), num_kv_heads=kv_heads)
     return CompiledModel(graph, plan, target, dtype, local, tokenizer, tgt.make_runner(plan, graph.weights, files),
                          [vars(r) for r in reports], None, files)

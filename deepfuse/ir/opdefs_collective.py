@@ -99,7 +99,7 @@ COMBINE["all_gather"] = lambda xs, attrs: [torch.cat(xs, attrs["dim"]) for _ in 
 def shard_bounds(size: int, units: int, world: int, rank: int) -> tuple[int, int]:
     """[lo, hi) of rank's slice of a dim of `size` made of `units` equal blocks (0: `world` blocks),
     dealt out in contiguous runs: rank r gets blocks r*units//world .. (r+1)*units//world - 1, so the
-    slices differ by at most one block (3 kv heads over 2 ranks: 2 and 1)."""
+    slices differ by at most one block (3 kv heads over 2 ranks: 1 and 2)."""
     u = units or world
     if size % u or u < world or not 0 <= rank < world:
         raise ValueError(f"a dim of {size} in {u} blocks does not split over {world} ranks (rank {rank})")

@@ -5,7 +5,7 @@ partial sum, all-reduced); MoE experts split over the ranks (each computes its e
 token, the sum is all-reduced); router and norms replicated. Attention splits by kv head, each
 with its query heads (rank r: kv heads r*Hkv/W.. and the H/Hkv query heads of each), and so does
 each layer's kv cache. Where the ranks do not divide the kv heads (SmolLM2: 3 over 2 ranks) the
-split is uneven (2 and 1). The embedding and the LM head are split by vocabulary: the lookup is a
+split is uneven (1 and 2). The embedding and the LM head are split by vocabulary: the lookup is a
 partial sum (one all-reduce of [T,D]) and the head gives each rank a vocabulary slice of the
 logits (one all-gather of [R,V]), so neither table is stored whole on any rank; a vocabulary the
 ranks do not divide keeps both replicated.

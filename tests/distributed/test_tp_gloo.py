@@ -52,3 +52,22 @@ def test_ep2_tiny_moe_same_tokens_as_one_process(tmp_path):
 def test_a_model_that_does_not_split_is_refused_before_starting_ranks(tiny_model):
     with pytest.raises(deepfuse.errors.DeepfuseError, match="num_kv_heads = 2 cannot be split over 4 ranks"):
         ShardedEngine(tiny_model, 4, OPTIONS)
+
+
+def test_tp2_smollm2_through_llm_same_tokens_as_one_process(smollm2_compiled):
+    """SmolLM2's 3 kv heads split unevenly (1 and 2); its logits reach ~25, so the summation order of
+    the partial sums moves them by a few 1e-5: log-probabilities are compared relative to that scale."""
+    from deepfuse import LLM
+
+    prompts = ["The capital of France is", "def fibonacci(n):"]
+    params = SamplingParams(temperature=0, max_tokens=12, logprobs=3)
+    want = LLM(smollm2_compiled, max_num_tokens=64, num_blocks=64).generate(prompts, params)
+    llm = LLM("smollm2", tensor_parallel_size=2, max_num_tokens=64, num_blocks=64)
+    try:
+        got = llm.generate(prompts, params)
+    finally:
+        llm.engine.close()
+    for w, g in zip(want, got):
+        assert g.token_ids == w.token_ids and g.text == w.text
+        for lw, lg in zip(w.logprobs, g.logprobs):
+            assert lw.keys() == lg.keys() and max(abs(lw[t] - lg[t]) for t in lw) <= 1e-4

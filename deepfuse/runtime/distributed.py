@@ -137,7 +137,8 @@ class ShardedEngine:
                 dead = [p.name for p in self._procs if not p.is_alive()]
                 if dead or waited >= timeout_s:
                     self.close()
-                    raise DeepfuseError(f"tensor-parallel ranks {'exited: ' + ', '.join(dead) if dead else 'timed out'}") from None
+                    why = "exited: " + ", ".join(dead) if dead else "timed out"
+                    raise DeepfuseError(f"tensor-parallel ranks {why}") from None
                 continue
             if msg[0] == "error":
                 self.close()

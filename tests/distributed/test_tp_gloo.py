@@ -54,6 +54,7 @@ def test_a_model_that_does_not_split_is_refused_before_starting_ranks(tiny_model
         ShardedEngine(tiny_model, 4, OPTIONS)
 
 
+@pytest.mark.slow
 def test_tp2_smollm2_through_llm_same_tokens_as_one_process(smollm2_compiled):
     """SmolLM2's 3 kv heads split unevenly (1 and 2); its logits reach ~25, so the summation order of
     the partial sums moves them by a few 1e-5: log-probabilities are compared relative to that scale."""

@@ -72,3 +72,10 @@ def test_tp2_smollm2_through_llm_same_tokens_as_one_process(smollm2_compiled):
         assert g.token_ids == w.token_ids and g.text == w.text
         for lw, lg in zip(w.logprobs, g.logprobs):
             assert lw.keys() == lg.keys() and max(abs(lw[t] - lg[t]) for t in lw) <= 1e-4
+
+
+def test_llm_refuses_settings_the_sharded_engine_does_not_take():
+    from deepfuse import LLM
+
+    with pytest.raises(deepfuse.errors.DeepfuseError, match="does not support kv_cache_dtype, quant yet"):
+        LLM("smollm2", tensor_parallel_size=2, quant="int4", kv_cache_dtype="int8")

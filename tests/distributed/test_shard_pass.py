@@ -45,6 +45,10 @@ def test_golden_tiny_llama_tp2(tiny_model):
     assert "vocab_embedding(%model.embed_tokens.weight, %tokens) {start=64}" in text[1]
     assert torch.equal(ranks[1].weights["model.layers.0.self_attn.k_proj.weight"],
                        g.weights["model.layers.0.self_attn.k_proj.weight"][16:])
+    # every weight but the norms is split: the ranks together hold the model once, plus the norms twice
+    norms = sum(w.numel() for k, w in g.weights.items() if k.endswith("norm.weight"))
+    held = sum(w.numel() for r in ranks for w in r.weights.values())
+    assert held == sum(w.numel() for w in g.weights.values()) + norms
 
 
 def test_fusions_run_after_partitioning_and_dumps_show_collectives(tiny_model, tmp_path):

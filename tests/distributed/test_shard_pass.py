@@ -6,7 +6,7 @@ import torch
 from deepfuse.codegen import get_target
 from deepfuse.compiler import trace_model
 from deepfuse.errors import DeepfuseError
-from deepfuse.ir import interpret, print_graph, verify
+from deepfuse.ir import interpret, parse_graph, print_graph, verify
 from deepfuse.ir.spmd import SimulatedRanks
 from deepfuse.models import load_model
 from deepfuse.models.sharding import llama_sharding
@@ -43,6 +43,7 @@ def test_golden_tiny_llama_tp2(tiny_model):
                  "%40: f32[R,128] = all_gather(%39) {dim=1, world=2}", "return %40, %42, %43"):
         assert line in text[0], line
     assert "vocab_embedding(%model.embed_tokens.weight, %tokens) {start=64}" in text[1]
+    assert print_graph(parse_graph(text[1])) == text[1]  # the collectives round-trip like any op
     assert torch.equal(ranks[1].weights["model.layers.0.self_attn.k_proj.weight"],
                        g.weights["model.layers.0.self_attn.k_proj.weight"][16:])
     # every weight but the norms is split: the ranks together hold the model once, plus the norms twice

@@ -1,5 +1,15 @@
 """The typed IR: types, graphs, op registry, text format, verifier, interpreter."""
-from . import opdefs_basic, opdefs_fused, opdefs_kernel, opdefs_llm, opdefs_moe, opdefs_prim, opdefs_quant  # noqa: F401  (registers the ops)  # noqa: F401,E402  (primitives and decompositions; after the ops they decompose)
+from . import (  # noqa: F401  (registers the ops; opdefs_prim: primitives and decompositions)
+    opdefs_basic,
+    opdefs_collective,
+    opdefs_fused,
+    opdefs_kernel,
+    opdefs_llm,
+    opdefs_moe,
+    opdefs_prim,
+    opdefs_quant,
+    opdefs_shard,
+)
 from .graph import Graph, Node, Value
 from .interpret import interpret
 from .ops import OPS, OpDef, get_op

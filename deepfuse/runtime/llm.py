@@ -26,17 +26,29 @@ class LLM:
     compile` prints it, pins the artifact loaded (any other or modified one is refused);
     swa_replay_tokens: bounded replay for models that mix sliding-window and full-attention
     layers (CacheConfig; 0: off); kv_store, kv_store_gb: a directory that keeps prefix-cache
-    blocks on disk across evictions and restarts, and its size (runtime/kv_store.py)."""
+    blocks on disk across evictions and restarts, and its size (runtime/kv_store.py);
+    tensor_parallel_size: ranks (processes on this machine, gloo collectives) that each hold a shard
+    of every layer (MoE experts: expert parallel), with the 1-process tokens (docs/distributed.md)."""
 
     def __init__(self, model: str | CompiledModel = "smollm2", target: str = "cpu", dtype: str = "f32",
                  block_size: int = 16, num_blocks: int = 1024, max_num_tokens: int = 512, max_num_seqs: int = 64,
                  enable_prefix_caching: bool = True, artifact: str | None = None, quant: str | None = None,
                  spec: SpecConfig | None = None, batch_invariant: bool = False, kv_cache_dtype: str | None = None,
                  artifact_digest: str | None = None, swa_replay_tokens: int = 0, kv_store: str | None = None,
-                 kv_store_gb: float = 4.0):
+                 kv_store_gb: float = 4.0, tensor_parallel_size: int = 1):
         from ..compiler import compile
         from .loader import load
 
+        if tensor_parallel_size != 1:
+            from .distributed import engine_for_llm
+
+            self.model, self.engine = None, engine_for_llm(
+                model, tensor_parallel_size, target, dtype, block_size, num_blocks, max_num_tokens, max_num_seqs,
+                enable_prefix_caching, artifact=artifact, quant=quant, spec=spec, batch_invariant=batch_invariant,
+                kv_cache_dtype=kv_cache_dtype, artifact_digest=artifact_digest, swa_replay_tokens=swa_replay_tokens,
+                kv_store=kv_store)
+            self.tokenizer = self.engine.tokenizer
+            return
         draft = None
         compiled = isinstance(model, CompiledModel)
         from_dir = not compiled and (artifact is not None or os.path.isfile(os.path.join(model, "manifest.json")))

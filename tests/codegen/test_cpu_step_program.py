@@ -86,3 +86,16 @@ def test_a_failed_guard_runs_nothing(native):
     pos[1] = 10
     assert not prog.run() and not out.any()
     assert not NativeGuard(pos, 10)() and NativeGuard(pos, 11)()
+
+
+def test_the_spec_verify_kernel_equals_its_reference():
+    from deepfuse.codegen.cpu.kernels import make_kernel
+    from deepfuse.ir import OPS
+
+    kernel, ref = make_kernel("spec_verify", {}), OPS["spec_verify"].reference
+    g = torch.Generator().manual_seed(0)
+    for r in range(0, 12):
+        tokens = torch.randint(0, 3, (r,), generator=g)
+        for drafts in (torch.full((r,), -1), torch.where(torch.rand(r, generator=g) < 0.3, -1,
+                                                         torch.randint(0, 3, (r,), generator=g))):
+            assert torch.equal(kernel(tokens, drafts), ref(tokens, drafts))

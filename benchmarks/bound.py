@@ -11,6 +11,14 @@ the first goes through the model once; each prompt token once (no prefix is shar
 
     python benchmarks/throughput.py --engines deepfuse-int4,deepfuse-w8a8-kv8,hf   # first
     python benchmarks/bound.py
+
+With --decode, the bandwidth bound of batch-1 decode instead (benchmarks/decode.py's run): the
+bytes one token reads (decode_bytes: the bf16 + int4 build's projections and LM head, its KV
+rows) against this machine's read bandwidth (read_bw.cpp), set against decode.json's engines.
+Generous too: every byte at the best measured bandwidth, no arithmetic or dispatch costing time.
+
+    python benchmarks/decode.py --engines "deepfuse bf16+int4,llama.cpp Q4_1"   # first
+    python benchmarks/bound.py --decode
 """
 from __future__ import annotations
 
@@ -51,6 +59,53 @@ def instruction_peaks(threads: int, iterations: int = 100_000_000) -> dict[str, 
     return {kind: float(rate) for kind, rate in (line.split() for line in out.splitlines())}
 
 
+def decode_bytes(config, context: float) -> dict[str, float]:
+    """Bytes one batch-1 decode token of the bf16 + int4 build reads: 'projections' (int4 groups
+    of 32, each 16 bytes of nibbles and a 4-byte scale and offset: Q4_1's 20 bytes), 'lm_head'
+    (bf16), 'kv' (bf16 keys and values of `context` positions, every layer)."""
+    d, f, layers = config.hidden_size, config.intermediate_size, config.num_layers
+    q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+    weights = layers * (d * q + 2 * d * kv + q * d + 3 * d * f)
+    return {"projections": weights * 20 / 32, "lm_head": config.vocab_size * d * 2,
+            "kv": layers * 2 * kv * 2 * context}
+
+
+def read_bandwidth(threads: int, mib: int = 1024) -> float:
+    """GB/s read over `threads` threads (read_bw.cpp, best of 7 passes over `mib` MiB)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        exe = os.path.join(tmp, "read_bw")
+        subprocess.run(["g++", "-O2", "-march=native", "-fopenmp", os.path.join(HERE, "read_bw.cpp"), "-o", exe],
+                       check=True)
+        out = subprocess.run([exe, str(mib)], check=True, capture_output=True, text=True,
+                             env={**os.environ, "OMP_NUM_THREADS": str(threads)}).stdout
+    return float(out.split()[1])
+
+
+def decode_bound(path: str) -> None:
+    """The batch-1 decode bandwidth bound against decode.json's engines; writes decode_bound.json."""
+    with open(path) as f:
+        run = json.load(f)
+    meta, results = run["meta"], run["results"]
+    from deepfuse.models import resolve_model_path
+    from deepfuse.models.gguf_loader import load_gguf
+
+    config, _ = load_gguf(resolve_model_path("smollm2"))
+    per_token = decode_bytes(config, meta["prompt_tokens"] + meta["new_tokens"] / 2)
+    total = sum(per_token.values())
+    bw = read_bandwidth(meta["threads"])
+    most = bw * 1e9 / total
+    print("bytes a decode token reads (bf16 + int4): " + ", ".join(f"{k} {v / 1e6:.1f} MB" for k, v in per_token.items())
+          + f", total {total / 1e6:.1f} MB")
+    print(f"read bandwidth, {meta['threads']} threads: {bw:.1f} GB/s -> at most {most:.0f} tok/s")
+    print(f"\n{'engine':22s} {'decode tok/s':>12s} {'of the bound':>12s}")
+    engines = {}
+    for name, r in results.items():
+        engines[name] = {"decode_tps": r["decode_tps"], "share_of_bound": r["decode_tps"] / most}
+        print(f"{name:22s} {r['decode_tps']:12.1f} {r['decode_tps'] / most:11.0%}")
+    write_result("decode_bound.json", {"decode_run": run.get("provenance"), "bytes_per_token": per_token,
+                                       "read_gb_per_s": bw, "most_tok_per_s": most, "engines": engines})
+
+
 def arithmetic_of(engine: str) -> str | None:
     """The dot-product instruction an engine's projections run on, from throughput.py's names."""
     if not engine.startswith("deepfuse"):
@@ -62,8 +117,13 @@ def arithmetic_of(engine: str) -> str | None:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--results", default=os.path.join(HERE, "results", "throughput.json"))
+    ap.add_argument("--results", default=None, help="the run to bound (default: throughput.json, or decode.json)")
+    ap.add_argument("--decode", action="store_true", help="the batch-1 decode bandwidth bound (decode.json)")
     args = ap.parse_args()
+    if args.decode:
+        decode_bound(args.results or os.path.join(HERE, "results", "decode.json"))
+        return
+    args.results = args.results or os.path.join(HERE, "results", "throughput.json")
     with open(args.results) as f:
         run = json.load(f)
     meta, results = run["meta"], run["results"]

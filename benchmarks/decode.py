@@ -1,11 +1,13 @@
-"""Batch-1 prefill and decode tokens/s: deepfuse vs HF transformers eager, same weights, one run.
+"""Batch-1 prefill and decode tokens/s: deepfuse vs llama.cpp and HF transformers eager, same
+weights, one run.
 
-Both load SmolLM2-135M-Instruct from the same Q4_1 GGUF (dequantized; "bf16+int4" keeps
+All load SmolLM2-135M-Instruct from the same Q4_1 GGUF: HF dequantized; "bf16+int4" keeps
 the projections in 4-bit groups, which reproduce Q4_1 up to bf16 rounding; "int4 inv." is that
-build compiled batch-invariant). Each config runs
-`--runs` times; the table shows medians. Writes benchmarks/results/decode.json.
+build compiled batch-invariant; llama.cpp (llama-cpp-python, the `bench` extra; skipped without
+it) runs the GGUF as it is. The engines run in `--runs` interleaved rounds (each round one run of
+each); the table shows medians and the per-round ratios go to benchmarks/results/decode.json.
 
-    python benchmarks/decode.py [--runs 3] [--new-tokens 64]
+    python benchmarks/decode.py [--runs 3] [--new-tokens 64] [--engines "deepfuse bf16+int4,llama.cpp Q4_1"]
 """
 from __future__ import annotations
 
@@ -22,8 +24,9 @@ PROMPT = ("Write a short story about a lighthouse keeper who finds a message in 
           "The story should be warm, a little mysterious, and end with a surprise. ") * 3
 
 
-def bench_deepfuse(dtype: str, ids: list[int], n: int, runs: int, model, quant: str | None = None,
-                   batch_invariant: bool = False) -> list[dict]:
+def deepfuse_runner(dtype: str, ids: list[int], n: int, model, quant: str | None = None,
+                    batch_invariant: bool = False):
+    """One run of a deepfuse build (compiled and warmed up here): {"prefill_tps", "decode_tps"}."""
     import deepfuse
     from deepfuse.runtime.engine import Engine, SamplingParams
     from deepfuse.runtime.kv_cache import CacheConfig
@@ -32,14 +35,15 @@ def bench_deepfuse(dtype: str, ids: list[int], n: int, runs: int, model, quant: 
     eng = Engine(art, CacheConfig(enable_prefix_caching=False))  # every run prefills the whole prompt
     p = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
     eng.generate([ids], [SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)])  # warm-up
-    out = []
-    for _ in range(runs):
+
+    def run() -> dict:
         r = eng.generate([ids], [p])[0]
-        out.append({"prefill_tps": len(ids) / r.ttft_s, "decode_tps": (n - 1) / (r.total_s - r.ttft_s)})
-    return out
+        return {"prefill_tps": len(ids) / r.ttft_s, "decode_tps": (n - 1) / (r.total_s - r.ttft_s)}
+
+    return run
 
 
-def bench_hf(dtype: torch.dtype, ids: list[int], n: int, runs: int) -> list[dict]:
+def hf_runner(dtype: torch.dtype, ids: list[int], n: int):
     from transformers import AutoModelForCausalLM
 
     from deepfuse.models import smollm2_gguf_path
@@ -58,40 +62,86 @@ def bench_hf(dtype: torch.dtype, ids: list[int], n: int, runs: int) -> list[dict
         return time.perf_counter() - t
 
     gen(4)  # warm-up
-    out = []
-    for _ in range(runs):
+
+    def run() -> dict:
         prefill = statistics.median(gen(1) for _ in range(3))
         total = gen(n)
-        out.append({"prefill_tps": len(ids) / prefill, "decode_tps": (n - 1) / (total - prefill)})
-    return out
+        return {"prefill_tps": len(ids) / prefill, "decode_tps": (n - 1) / (total - prefill)}
+
+    return run
+
+
+def llama_cpp_runner(ids: list[int], n: int):
+    """llama.cpp (llama-cpp-python) on the same Q4_1 GGUF, greedy, token by token (its generate()
+    never stops on its own, so EOS is ignored as for the others); None without the bench extra."""
+    try:
+        from llama_cpp import Llama
+    except ImportError:
+        return None
+    from deepfuse.models import smollm2_gguf_path
+
+    llm = Llama(model_path=smollm2_gguf_path(), n_ctx=1024, n_threads=torch.get_num_threads(), n_batch=512,
+                verbose=False)
+
+    def gen(k: int) -> list[float]:
+        llm.reset()  # no prefix kept from the run before: every run prefills the whole prompt
+        times = [time.perf_counter()]
+        for _ in llm.generate(ids, temp=0.0):
+            times.append(time.perf_counter())
+            if len(times) == k + 1:
+                break
+        return times
+
+    gen(4)  # warm-up
+
+    def run() -> dict:
+        times = gen(n)
+        return {"prefill_tps": len(ids) / (times[1] - times[0]), "decode_tps": (n - 1) / (times[-1] - times[1])}
+
+    return run
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--engines", default="", help="comma-separated names from the table (default: all)")
     args = ap.parse_args()
     from deepfuse.codegen.cpu.executor import ALLOCATOR_TUNED
     from deepfuse.models import load_model
 
     model, tok = load_model("smollm2")
     ids = tok.encode(PROMPT)
-    results = {}
-    for name, fn in [("deepfuse f32", lambda: bench_deepfuse("f32", ids, args.new_tokens, args.runs, model)),
-                     ("deepfuse bf16", lambda: bench_deepfuse("bf16", ids, args.new_tokens, args.runs, model)),
-                     ("deepfuse bf16+int4", lambda: bench_deepfuse("bf16", ids, args.new_tokens, args.runs, model, "int4")),
-                     ("deepfuse int4 inv.", lambda: bench_deepfuse("bf16", ids, args.new_tokens, args.runs, model, "int4",
-                                                                    batch_invariant=True)),
-                     ("HF eager f32", lambda: bench_hf(torch.float32, ids, args.new_tokens, args.runs)),
-                     ("HF eager bf16", lambda: bench_hf(torch.bfloat16, ids, args.new_tokens, args.runs))]:
-        runs = fn()
-        results[name] = {"runs": runs, **{k: statistics.median(r[k] for r in runs) for k in runs[0]}}
-    base = results["HF eager bf16"]["decode_tps"]
+    n = args.new_tokens
+    makers = {"deepfuse f32": lambda: deepfuse_runner("f32", ids, n, model),
+              "deepfuse bf16": lambda: deepfuse_runner("bf16", ids, n, model),
+              "deepfuse bf16+int4": lambda: deepfuse_runner("bf16", ids, n, model, "int4"),
+              "deepfuse int4 inv.": lambda: deepfuse_runner("bf16", ids, n, model, "int4", batch_invariant=True),
+              "llama.cpp Q4_1": lambda: llama_cpp_runner(ids, n),
+              "HF eager f32": lambda: hf_runner(torch.float32, ids, n),
+              "HF eager bf16": lambda: hf_runner(torch.bfloat16, ids, n)}
+    wanted = [e.strip() for e in args.engines.split(",")] if args.engines else list(makers)
+    runners = {}
+    for name in wanted:
+        run = makers[name]()
+        if run is None:
+            print(f"{name}: skipped (pip install -e .[bench] for llama-cpp-python)")
+            continue
+        runners[name] = run
+    runs: dict[str, list[dict]] = {name: [] for name in runners}
+    for _ in range(args.runs):  # interleaved rounds: every engine sees the same machine noise
+        for name, run in runners.items():
+            runs[name].append(run())
+    results = {name: {"runs": r, **{k: statistics.median(x[k] for x in r) for k in r[0]}} for name, r in runs.items()}
+    peers = [p for p in ("llama.cpp Q4_1", "HF eager bf16") if p in results]
     print(f"\nSmolLM2-135M, batch 1, prompt {len(ids)} tokens, {args.new_tokens} new tokens, "
-          f"median of {args.runs} runs, {torch.get_num_threads()} threads")
-    print(f"{'engine':20s} {'prefill tok/s':>14s} {'decode tok/s':>13s} {'decode vs HF bf16':>18s}")
+          f"median of {args.runs} interleaved runs, {torch.get_num_threads()} threads")
+    print(f"{'engine':20s} {'prefill tok/s':>14s} {'decode tok/s':>13s}" + "".join(f" {'vs ' + p:>18s}" for p in peers))
     for name, r in results.items():
-        print(f"{name:20s} {r['prefill_tps']:14.1f} {r['decode_tps']:13.1f} {r['decode_tps'] / base:17.2f}x")
+        vs = "".join(f" {r['decode_tps'] / results[p]['decode_tps']:17.2f}x" for p in peers)
+        print(f"{name:20s} {r['prefill_tps']:14.1f} {r['decode_tps']:13.1f}{vs}")
+        for p in peers:  # per-round ratios: the rounds ran side by side
+            r[f"decode_vs_{p}_per_run"] = [a["decode_tps"] / b["decode_tps"] for a, b in zip(r["runs"], results[p]["runs"])]
     meta = {"prompt_tokens": len(ids), "new_tokens": args.new_tokens, "runs": args.runs,
             "threads": torch.get_num_threads(), "torch": torch.__version__, "machine": platform.machine(),
             "allocator": "glibc mallopt(M_MMAP_THRESHOLD=1GiB, M_TRIM_THRESHOLD=2GiB) in-process, for both engines"

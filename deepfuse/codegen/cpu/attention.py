@@ -34,6 +34,7 @@ from ...ir.opdefs_llm import causal_mask, dequantize_kv_rows, write_kv
 from .bound import Bound
 from .kernels import Kernel, factory
 from .native import kernels as native_kernels
+from .program import native_op
 
 NATIVE_DTYPES = (torch.float32, torch.bfloat16)  # paged_decode.cpp's
 
@@ -279,8 +280,8 @@ def _attention(attrs: dict) -> Kernel:
                 or seq_lens.dtype != torch.long or tables.dtype != torch.long:
             return None
         calls = [functools.partial(write_kv, cache, k, v, slots)] if writes else []
-        return Bound(calls + [functools.partial(native.paged_decode, q, cache, tables, seq_lens, h, window, scale, out,
-                                                amx_rows)])
+        return Bound(calls + [native_op(native, "paged_decode", q, cache, tables, seq_lens, h, window, scale, out,
+                                        amx_rows)])
 
     attention.bind = bind
     return attention

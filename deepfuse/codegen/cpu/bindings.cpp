@@ -37,6 +37,7 @@ void rope_cache(const torch::Tensor& qkv, const torch::Tensor& pos, const torch:
                 torch::Tensor cache, const torch::Tensor& slots, int64_t num_heads, torch::Tensor q_out,
                 torch::Tensor k_out);
 torch::Tensor argmax(const torch::Tensor& x);
+void bind_program(py::module& m);  // program.cpp: StepProgram
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("paged_decode", &paged_decode, "decode attention over the paged cache (paged_decode.cpp)", py::arg("q"),
@@ -80,4 +81,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           py::arg("out") = py::none());
     m.def("rope_cache", &rope_cache, "rotary q and k of qkv rows, k and v into the paged cache (rows.cpp)");
     m.def("argmax", &argmax, "first index of each f32 row's largest value (rows.cpp)");
+    bind_program(m);
 }

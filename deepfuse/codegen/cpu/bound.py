@@ -24,6 +24,8 @@ from functools import partial
 
 import torch
 
+from .program import Segments
+
 
 @dataclass
 class Bound:
@@ -61,13 +63,22 @@ def layout_key(tensors: list[torch.Tensor]) -> tuple:
 @dataclass
 class BoundPrefix:
     """The first `count` of `launches`, bound. env: the executor's slots after them (the
-    outputs are planned buffer views)."""
+    outputs are planned buffer views). segments: the calls as native programs with any Python
+    calls between them (program.py); run() runs them, or returns False, having run nothing,
+    when a guard fails."""
 
     launches: list
     count: int
     calls: list[Callable[[], object]]
     guards: list[Callable[[], bool]]
     env: list
+    programs: bool = True  # the calls as native programs where they are NativeOps (else each from Python)
+
+    def __post_init__(self):
+        self.segments = Segments(self.calls, self.guards, self.programs)
+
+    def run(self) -> bool:
+        return self.segments.run()
 
 
 class StepBinder:
@@ -77,18 +88,20 @@ class StepBinder:
 
     KEEP = 4
 
-    def __init__(self):
+    def __init__(self, programs: bool = True):
+        """programs: run bound calls as native step programs (program.py); False: each from Python."""
         self.cache: dict[tuple, BoundPrefix] = {}
+        self.programs = programs
 
-    def get(self, key: tuple, launches: list, env: list, views: list) -> BoundPrefix:
+    def get(self, key: tuple, launches: list, env: list, views: list, fresh: bool = False) -> BoundPrefix:
         """The prefix of launches ((kernel, input slots, output slots, frees) each) for this
-        layout: the one bound before if its guards hold, else bound now from env (the slots with
-        this step's inputs) and views (the launches' planned outputs, the same memory for the
-        same key). Its count is 0 where the first launch does not bind."""
+        layout: the one bound before (unless fresh: its guards failed), else bound now from env
+        (the slots with this step's inputs) and views (the launches' planned outputs, the same
+        memory for the same key). Its count is 0 where the first launch does not bind."""
         prefix = self.cache.get(key)
-        if prefix is not None and prefix.launches is launches and all(check() for check in prefix.guards):
+        if prefix is not None and prefix.launches is launches and not fresh:
             return prefix
-        prefix = self.bind(launches, env, views)
+        prefix = self.bind(launches, env, views, self.programs)
         self.cache.pop(key, None)
         if len(self.cache) >= self.KEEP:
             self.cache.pop(next(iter(self.cache)))
@@ -96,7 +109,7 @@ class StepBinder:
         return prefix
 
     @staticmethod
-    def bind(launches: list, env: list, views: list) -> BoundPrefix:
+    def bind(launches: list, env: list, views: list, programs: bool = True) -> BoundPrefix:
         env = list(env)
         calls: list[Callable[[], object]] = []
         guards: dict[object, Callable[[], bool]] = {}
@@ -111,4 +124,4 @@ class StepBinder:
             for s, t in zip(outs, out):
                 env[s] = t
             count += 1
-        return BoundPrefix(launches, count, calls, list(guards.values()), env)
+        return BoundPrefix(launches, count, calls, list(guards.values()), env, programs)

@@ -31,6 +31,7 @@ from .bound import Bound
 from .generated import PARALLEL_ELEMS, render_cpp
 from .generated_phases import entry_name
 from .native import build_tag, compiler_errors
+from .program import NativeOp
 
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-fno-math-errno", "-shared", "-fPIC")
 
@@ -180,14 +181,15 @@ class NativeKernel:
         rows = self.row_count(xs)
         args = self.pack(xs, out, rows)
         args.keep = (xs, out)  # the tensors live as long as the call
-        if rows * self.per_row < PARALLEL_ELEMS:
-            return Bound([functools.partial(self.fn, args)])  # runs in this thread whatever the thread count
+        entry = ctypes.cast(self.fn, ctypes.c_void_p).value
+        if rows * self.per_row < PARALLEL_ELEMS:  # runs in this thread whatever the thread count
+            return Bound([NativeOp(functools.partial(self.fn, args), "generated", entry, ctypes.addressof(args), -1)])
         fn, at = self.fn, self.threads_at
 
         def call() -> None:
             args[at] = torch.get_num_threads()
             fn(args)
-        return Bound([call])
+        return Bound([NativeOp(call, "generated", entry, ctypes.addressof(args), at)])
 
 
 def _same_as(k: Kernel, out, dims: dict[str, tuple[int, int]]) -> int | None:

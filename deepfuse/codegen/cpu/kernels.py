@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from functools import partial
 from typing import Any
 
 import torch
@@ -23,6 +22,7 @@ from ...ir.opdefs_quant import dequantize_q4, unpack_q4
 from .bound import Bound
 from .generated_build import make_generated
 from .native import kernels as native_kernels
+from .program import NativeGuard, native_op
 from .row_kernels import NORM_DTYPES, add_rms_rows, native_rows, rms_rows, swiglu_rows, take_rows
 from .w8a8_kernels import W8A8Weights, w8a8_linear, w8a8_logits, w8a8_norm_linear, w8a8_swiglu_linear
 
@@ -387,7 +387,7 @@ def _qkv_rope_cache(attrs: dict) -> Kernel:
         cos, sin, pos64 = tables.native(pos)
         q = torch.empty(qkv.shape[0], sizes[0], dtype=qkv.dtype)
         k = torch.empty(qkv.shape[0], sizes[1], dtype=qkv.dtype)
-        call = partial(native.rope_cache, qkv, pos64, cos, sin, cache, slots.long(), sizes[0] // hd, q, k)
+        call = native_op(native, "rope_cache", qkv, pos64, cos, sin, cache, slots.long(), sizes[0] // hd, q, k)
         return call, q, k, qkv[:, sizes[0] + sizes[1]:], cos
 
     def bind(qkv, pos, cache, slots, *norms):
@@ -400,7 +400,8 @@ def _qkv_rope_cache(attrs: dict) -> Kernel:
             return None
         call, q, k, v, cos = planned
         rows = cos.shape[0]
-        return Bound([call], {("rope", id(cos), pos.data_ptr()): lambda: int(pos.max()) < rows}), q, k, v
+        guard = NativeGuard(pos, rows) if pos.is_contiguous() else lambda: int(pos.max()) < rows
+        return Bound([call], {("rope", id(cos), pos.data_ptr()): guard}), q, k, v
 
     def qkv_rope_cache(qkv, pos, cache, slots, *norms):
         if not norms:
@@ -463,6 +464,20 @@ def _sample(attrs: dict) -> Kernel:
         return ref(logits, temperature, top_k, top_p, seeds)
 
     return sample
+
+
+@factory("spec_verify")
+def _spec_verify(attrs: dict) -> Kernel:
+    ref = OPS["spec_verify"].reference
+
+    def spec_verify(tokens: torch.Tensor, draft_tokens: torch.Tensor) -> torch.Tensor:
+        """The reference, except that a step without drafts (every row its sequence's last, as in
+        plain decoding) keeps every token in one check instead of the reference's ten ops."""
+        if not bool((draft_tokens >= 0).any()):
+            return tokens.clone()
+        return ref(tokens, draft_tokens)
+
+    return spec_verify
 
 
 from . import attention  # noqa: E402,F401  (registers the attention kernel)

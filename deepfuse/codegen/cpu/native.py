@@ -33,7 +33,7 @@ def build_tag() -> str:
 
 
 SOURCES = ("paged_decode.cpp", "decode_amx.cpp", "prefill_attention.cpp", "panel_gemm.cpp", "bf16_gemm.cpp",
-           "vec_gemm.cpp", "i8_gemm.cpp", "norms.cpp", "rows.cpp", "bindings.cpp")
+           "vec_gemm.cpp", "i8_gemm.cpp", "norms.cpp", "rows.cpp", "program.cpp", "bindings.cpp")
 HEADERS = ("vec.h", "amx.h", "q4.h", "row_ops.h", "balanced.h")
 
 
@@ -94,7 +94,9 @@ def build():
     from torch.utils.cpp_extension import load
 
     here = os.path.dirname(__file__)
-    name = f"deepfuse_native_{build_tag()}"
+    # one directory per machine kind, torch install and source version: checkouts of different
+    # versions sharing a home directory never rebuild over one another
+    name = f"deepfuse_native_{build_tag()}_{source_hash()}"
     where = os.path.join(os.path.expanduser("~"), ".cache", "deepfuse", "native", name)
     os.makedirs(where, exist_ok=True)
     stamp = os.path.join(where, "sources.hash")  # the sources the library there was built from

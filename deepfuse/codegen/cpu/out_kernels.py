@@ -12,12 +12,15 @@ attention binds where the step is all decode rows.
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 
 import torch
 
+from . import native_binds
 from .bound import Bound, bind_as_is
 from .generated_build import make_generated
 from .kernels import FACTORIES, Kernel, PanelWeight, Q4Weights, factory, q4_linear
+from .program import aten_op
 from .row_kernels import add_rms_rows, rms_rows, swiglu_rows
 from .w8a8_kernels import (
     native_linear,
@@ -48,6 +51,13 @@ def with_bind(kernel: Callable, bind: Callable[..., Bound | None]) -> Callable:
     return kernel
 
 
+def with_native_bind(kernel: Callable, ops: Callable[..., list | None]) -> Callable:
+    """kernel, bound to ops(*ins, out=out) (native_binds.py: its call as native ops), or to its
+    own call where those are None."""
+    kernel.bind = lambda *ins, out: Bound(ops(*ins, out=out) or [partial(kernel, *ins, out=out)])
+    return kernel
+
+
 def native_bind(native: Callable[..., Callable[[], object] | None], *tail) -> Callable[..., Bound | None]:
     """A bind to native(*ins, *tail, out=out[0]) (one of the native_* W8A8 calls), else None."""
     return lambda *ins, out: Bound.of(native(*ins, *tail, out=out[0]))
@@ -66,12 +76,14 @@ def mm_into(x: torch.Tensor, w: torch.Tensor | PanelWeight | Q4Weights, out: tor
 
 @out_factory("embedding")
 def _embedding(attrs: dict) -> Kernel:
-    return lambda table, ids, out: torch.index_select(table, 0, ids, out=out[0])
+    return with_native_bind(lambda table, ids, out: torch.index_select(table, 0, ids, out=out[0]),
+                            lambda table, ids, out: [aten_op("index_select", table, ids, out[0])])
 
 
 @out_factory("add")
 def _add(attrs: dict) -> Kernel:
-    return lambda a, b, out: torch.add(a, b, out=out[0])
+    return with_native_bind(lambda a, b, out: torch.add(a, b, out=out[0]),
+                            lambda a, b, out: [aten_op("add", a, b, out[0])])
 
 
 @out_factory("kernel")
@@ -81,12 +93,14 @@ def _kernel(attrs: dict) -> Kernel:
 
 @out_factory("linear")
 def _linear(attrs: dict) -> Kernel:
-    return lambda x, w, out: mm_into(x, w, out[0])
+    return with_native_bind(lambda x, w, out: mm_into(x, w, out[0]),
+                            lambda x, w, out: native_binds.project(x, w, out[0]))
 
 
 @out_factory("linear_q4")
 def _linear_q4(attrs: dict) -> Kernel:
-    return lambda x, w, out: q4_linear(x, w, out[0])
+    return with_native_bind(lambda x, w, out: q4_linear(x, w, out[0]),
+                            lambda x, w, out: native_binds.project(x, w, out[0]))
 
 
 @out_factory("linear_w8a8")
@@ -103,7 +117,9 @@ def _rms_norm_linear(attrs: dict) -> Kernel:
         return with_bind(lambda x, w, proj, out: w8a8_norm_linear(x, None, w, eps, proj, group, out=out[0]),
                          lambda x, w, proj, out: Bound.of(native_norm_linear(x, None, w, eps, proj, group, None,
                                                                              out[0])))
-    return lambda x, w, proj, out: mm_into(rms_rows(x, w, eps), proj, out[0])
+    return with_native_bind(lambda x, w, proj, out: mm_into(rms_rows(x, w, eps), proj, out[0]),
+                            lambda x, w, proj, out: native_binds.then_project(native_binds.rms_norm(x, w, eps), proj,
+                                                                              out[0]))
 
 
 @out_factory("add_rms_norm_linear")
@@ -119,7 +135,8 @@ def _add_rms_norm_linear(attrs: dict) -> Kernel:
         _, normed = add_rms_rows(x, res, w, eps, out[0])
         mm_into(normed, proj, out[1])
 
-    return run
+    return with_native_bind(run, lambda x, res, w, proj, out: native_binds.then_project(
+        native_binds.add_rms_norm(x, res, w, eps, out[0]), proj, out[1]))
 
 
 @out_factory("swiglu_linear")
@@ -128,7 +145,8 @@ def _swiglu_linear(attrs: dict) -> Kernel:
         group = attrs["act_group"]
         return with_bind(lambda x, proj, out: w8a8_swiglu_linear(x, proj, group, out[0]),
                          native_bind(native_swiglu_linear, group))
-    return lambda x, proj, out: mm_into(swiglu_rows(x), proj, out[0])
+    return with_native_bind(lambda x, proj, out: mm_into(swiglu_rows(x), proj, out[0]),
+                            lambda x, proj, out: native_binds.then_project(native_binds.swiglu(x), proj, out[0]))
 
 
 def _attending(op: str) -> Callable[[dict], Kernel]:

@@ -4,13 +4,13 @@ where that cannot run."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from functools import partial
 
 import torch
 import torch.nn.functional as F
 
 from ...ir.opdefs_quant import linear_w8a8, w8a8_product
 from .native import kernels as native_kernels
+from .program import native_op
 from .row_kernels import add_rms_rows, rms_rows, swiglu_rows, take_rows
 
 
@@ -36,7 +36,7 @@ def native_linear(x: torch.Tensor, w: W8A8Weights, act_group: int,
     """w8a8_linear's native GEMM bound to these tensors, or None where it cannot run."""
     if w.native is None or x.dtype not in NATIVE_W8A8:
         return None
-    return partial(w.native.i8_gemm, x, w.panels, w.padded_scale, w.n, act_group, out)
+    return native_op(w.native, "i8_gemm", x, w.panels, w.padded_scale, w.n, act_group, out)
 
 
 def w8a8_linear(x: torch.Tensor, w: W8A8Weights, act_group: int, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -62,7 +62,7 @@ def native_swiglu_linear(x: torch.Tensor, w: W8A8Weights, act_group: int,
     """w8a8_swiglu_linear's native GEMM bound to these tensors, or None where it cannot run."""
     if w.native is None or x.dtype not in NATIVE_W8A8:
         return None
-    return partial(w.native.i8_gemm_swiglu, x, w.panels, w.padded_scale, w.n, act_group, out)
+    return native_op(w.native, "i8_gemm_swiglu", x, w.panels, w.padded_scale, w.n, act_group, out)
 
 
 def w8a8_swiglu_linear(x: torch.Tensor, w: W8A8Weights, act_group: int,
@@ -84,7 +84,7 @@ def native_norm_linear(x: torch.Tensor, res: torch.Tensor | None, nw: torch.Tens
     if w.native is None or x.dtype not in NATIVE_W8A8 or nw.dtype != x.dtype or x.dim() != 2 \
             or any(t is None or t.stride(1) != 1 or t.shape != x.shape or t.dtype != x.dtype for t in rows):
         return None
-    return partial(w.native.i8_gemm_norm, x, res, nw.contiguous(), eps, sum_out, w.panels, w.padded_scale, w.n,
+    return native_op(w.native, "i8_gemm_norm", x, res, nw.contiguous(), eps, sum_out, w.panels, w.padded_scale, w.n,
                    act_group, out)
 
 

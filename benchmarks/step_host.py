@@ -1,0 +1,113 @@
+"""Host time of a decode step: how much of an engine step is not kernel time, with the bound
+step run as one native program (the default) and with its bound calls made one by one from
+Python (`StepBinder(programs=False)`, as before step programs), in one process, interleaved.
+
+For batch 1 and batch 64 (SmolLM2-135M, bf16 + int4 by default), each mode decodes `--tokens`
+tokens a request, `--runs` times; per decode step (every sequence one token) it records the
+engine's whole `step()`, the compiled model's call inside it, and the native program's run
+(kernels plus their C++ dispatch). Host time = step - program time (the program time of the
+same batch measured in native mode is used for the Python mode, whose kernels are the same).
+Medians over all decode steps of all runs. Writes benchmarks/results/step_host.json.
+
+    python benchmarks/step_host.py [--runs 3] [--tokens 32] [--quant int4]
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+from results_file import write_result
+
+PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
+
+
+class Timer:
+    """Records the wall time of each call of obj.name (patched on its class) into self.times."""
+
+    def __init__(self, cls, name: str):
+        self.times: list[float] = []
+        real = getattr(cls, name)
+
+        def timed(*args, **kw):
+            t = time.perf_counter()
+            try:
+                return real(*args, **kw)
+            finally:
+                self.times.append(time.perf_counter() - t)
+
+        setattr(cls, name, timed)
+
+
+def decode_steps(eng, prompts, params, model_timer: Timer, program_timer: Timer, batch: int) -> list[tuple]:
+    """(step, model call, program run) seconds of each step in which `batch` sequences decode."""
+    for ids in prompts:
+        eng.add_request(ids, params)
+    out = []
+    while eng.has_unfinished():
+        running = [r for r in eng.scheduler.running]
+        decoding = len(running) == batch and all(r.remaining == 1 for r in running)
+        m, p = len(model_timer.times), len(program_timer.times)
+        t = time.perf_counter()
+        eng.step()
+        dt = time.perf_counter() - t
+        if decoding and len(model_timer.times) == m + 1:
+            prog = sum(program_timer.times[p:])
+            out.append((dt, model_timer.times[m], prog))
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--tokens", type=int, default=32)
+    ap.add_argument("--quant", default="int4")
+    ap.add_argument("--batches", default="1,64")
+    args = ap.parse_args()
+    import deepfuse
+    from deepfuse.codegen.cpu.bound import StepBinder
+    from deepfuse.codegen.cpu.executor import CpuExecutor
+    from deepfuse.codegen.cpu.program import Segments
+    from deepfuse.models import load_model
+    from deepfuse.runtime.engine import Engine, SamplingParams
+    from deepfuse.runtime.kv_cache import CacheConfig
+
+    model, tok = load_model("smollm2")
+    art = deepfuse.compile(model, dtype="bf16", quant=args.quant or None)
+    model_timer, program_timer = Timer(CpuExecutor, "__call__"), Timer(Segments, "run")
+    ids = tok.encode(PROMPT)
+    params = SamplingParams(temperature=0, max_tokens=args.tokens, ignore_eos=True)
+    results = {}
+    for batch in (int(b) for b in args.batches.split(",")):
+        prompts = [ids[: len(ids) - i % 7] for i in range(batch)]
+        eng = Engine(art, CacheConfig(enable_prefix_caching=False), max_num_seqs=max(batch, 1))
+        eng.generate(prompts[:1], [SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)])  # warm-up
+        steps = {"native program": [], "python calls": []}
+        for _ in range(args.runs):
+            for mode, programs in (("native program", True), ("python calls", False)):
+                art.runner.binder = StepBinder(programs=programs)
+                steps[mode] += decode_steps(eng, prompts, params, model_timer, program_timer, batch)
+        kernels = statistics.median(p for _, _, p in steps["native program"])
+        row = {}
+        for mode, got in steps.items():
+            step = statistics.median(s for s, _, _ in got)
+            call = statistics.median(c for _, c, _ in got)
+            row[mode] = {"steps": len(got), "step_ms": step * 1e3, "model_call_ms": call * 1e3,
+                         "program_ms": kernels * 1e3, "host_us": (step - kernels) * 1e6,
+                         "host_in_model_call_us": (call - kernels) * 1e6}
+        results[f"batch {batch}"] = row
+    print(f"\nSmolLM2-135M bf16{'+' + args.quant if args.quant else ''}, decode steps, medians of all steps "
+          f"of {args.runs} runs, {torch.get_num_threads()} threads")
+    print(f"{'batch':8s} {'mode':16s} {'steps':>5s} {'step ms':>8s} {'model ms':>9s} {'kernels ms':>10s} "
+          f"{'host us':>8s} {'host in model us':>16s}")
+    for batch, row in results.items():
+        for mode, r in row.items():
+            print(f"{batch:8s} {mode:16s} {r['steps']:5d} {r['step_ms']:8.3f} {r['model_call_ms']:9.3f} "
+                  f"{r['program_ms']:10.3f} {r['host_us']:8.0f} {r['host_in_model_call_us']:16.0f}")
+    write_result("step_host.json", {"meta": {"runs": args.runs, "tokens": args.tokens, "quant": args.quant,
+                                             "threads": torch.get_num_threads()}, "results": results})
+
+
+if __name__ == "__main__":
+    main()

@@ -35,7 +35,8 @@ def bench_deepfuse(dtype: str, ids: list[int], n: int, runs: int, model, quant: 
     out = []
     for _ in range(runs):
         r = eng.generate([ids], [p])[0]
-        out.append({"prefill_tps": len(ids) / r.ttft_s, "decode_tps": (n - 1) / (r.total_s - r.ttft_s)})
+        out.append({"prefill_tps": len(ids) / r.metrics.ttft_s,
+                    "decode_tps": (n - 1) / (r.metrics.total_s - r.metrics.ttft_s)})
     return out
 
 

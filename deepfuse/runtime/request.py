@@ -1,5 +1,5 @@
-"""Requests: what a user asks for (SamplingParams), what the engine tracks (Request),
-and what comes back (RequestOutput)."""
+"""Requests: what a user asks for (SamplingParams) and what the engine tracks (Request).
+What comes back is outputs.py's RequestOutput."""
 from __future__ import annotations
 
 import hashlib
@@ -16,6 +16,7 @@ from .spec import SpecStats
 
 if TYPE_CHECKING:
     from .host_sampling import TokenCounts
+    from .outputs import Logprob
 
 
 @dataclass
@@ -128,40 +129,6 @@ def _is_id(t: object) -> bool:
 
 
 @dataclass
-class RequestOutput:
-    """One finished request. finish_reason: "stop" (EOS, stop token or stop string),
-    "length" (max_tokens), "abort", or "error" (then `error` says why and nothing ran).
-    Times are seconds from the request's arrival; token_times[i] is when token i came."""
-
-    request_id: str
-    prompt_token_ids: list[int]
-    token_ids: list[int]
-    text: str
-    finish_reason: str
-    error: Exception | None = None
-    ttft_s: float = 0.0
-    total_s: float = 0.0
-    token_times: list[float] = field(default_factory=list)
-    logprobs: list[dict[int, float]] | None = None  # per token: {token id: logprob}, sampled token included
-    prompt_logprobs: list[dict[int, float] | None] | None = None  # per prompt token, None for the first
-    num_cached_tokens: int = 0  # prompt tokens served by the prefix cache
-    num_preemptions: int = 0
-    spec: SpecStats | None = None  # speculative decoding: drafts verified and accepted
-    siblings: list[RequestOutput] = field(default_factory=list, repr=False)  # completions 1..n-1 (SamplingParams.n)
-
-    @property
-    def samples(self) -> list[RequestOutput]:
-        """All n completions of the prompt, this one first."""
-        return [self, *self.siblings]
-
-    @property
-    def tpot_s(self) -> float:
-        """Mean time per output token after the first."""
-        n = len(self.token_times)
-        return (self.token_times[-1] - self.token_times[0]) / (n - 1) if n > 1 else 0.0
-
-
-@dataclass
 class Request:
     """Engine-side state of one request. tokens = prompt + generated; `computed` of them
     have their KV in the cache."""
@@ -176,8 +143,8 @@ class Request:
     kv: SeqBlocks = field(default_factory=SeqBlocks)
     generated: list[int] = field(default_factory=list)
     token_times: list[float] = field(default_factory=list)
-    logprobs: list[dict[int, float]] = field(default_factory=list)
-    prompt_logprobs: list[dict[int, float] | None] = field(default_factory=list)  # [None, then one per prompt token]
+    logprobs: list[dict[int, Logprob]] = field(default_factory=list)
+    prompt_logprobs: list[dict[int, Logprob] | None] = field(default_factory=list)  # [None, then one per prompt token]
 
     @property
     def needs_prompt_rows(self) -> bool:
@@ -186,6 +153,7 @@ class Request:
     detok: IncrementalText | None = None  # the text so far, where the request has stop strings
     counts: TokenCounts | None = None  # output counts for penalties (host_sampling.py), made when first needed
     stop_text: str | None = None  # the text up to the stop string that ended the request
+    stop_reason: int | str | None = None  # the stop token id or stop string that ended it (not EOS)
     finish: str | None = None
     num_cached_tokens: int = 0
     num_preemptions: int = 0

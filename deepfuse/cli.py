@@ -299,8 +299,12 @@ def stats_table(graph, reports) -> str:
 
 def _serve(args: argparse.Namespace) -> None:
     from .errors import DeepfuseError
-    from .serve import serve
 
+    try:
+        from .serve import serve
+    except ImportError as e:
+        raise DeepfuseError(f"`deepfuse serve` needs the server packages ({e.name} is missing): "
+                            "pip install -e '.[serve]'") from None
     for name in ("port", "num_blocks", "max_num_seqs", "max_num_tokens", "max_request_bytes"):
         if getattr(args, name) < 1:
             raise DeepfuseError(f"--{name.replace('_', '-')} must be >= 1")

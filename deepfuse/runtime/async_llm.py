@@ -19,6 +19,8 @@ import asyncio
 import queue
 import random
 import threading
+import time
+from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field, replace
 
@@ -30,6 +32,8 @@ from .outputs import RequestOutput, merge_completions, request_output
 from .request import SamplingParams, completion_seed
 
 _TAKEN = "taken"  # the first item of a stream: the engine has taken the request
+RATE_WINDOW_S = 10.0  # EngineStats.tokens_per_s is measured over this many seconds
+IDLE_PUBLISH_S = 1.0  # an idle engine thread still publishes its stats this often
 
 
 @dataclass
@@ -47,6 +51,7 @@ class EngineStats:
     steps: int = 0
     spec_drafted: int = 0
     spec_accepted: int = 0
+    tokens_per_s: float = 0.0  # output tokens/s over the last RATE_WINDOW_S
 
     @property
     def kv_usage(self) -> float:
@@ -83,6 +88,7 @@ class AsyncLLM:
         self._streams: dict[str, _Stream] = {}  # engine thread only
         self._owner: dict[str, _Stream] = {}  # engine request id -> its stream (engine thread only)
         self._stats = EngineStats()
+        self._history: deque[tuple[float, int]] = deque()  # (time, tokens generated) at each publish
         self._errored: BaseException | None = None
         self._thread = threading.Thread(target=self._loop, name="deepfuse-engine", daemon=True)
         self._thread.start()
@@ -164,8 +170,13 @@ class AsyncLLM:
 
     def _serve(self) -> None:
         while True:
-            # idle: wait for a command; busy: take what has come and step
-            commands = [] if self.engine.has_unfinished() else [self._commands.get()]
+            # idle: wait for a command (publishing now and then); busy: take what has come and step
+            commands = []
+            if not self.engine.has_unfinished():
+                try:
+                    commands.append(self._commands.get(timeout=IDLE_PUBLISH_S))
+                except queue.Empty:
+                    pass
             while True:
                 try:
                     commands.append(self._commands.get_nowait())
@@ -264,10 +275,16 @@ class AsyncLLM:
 
     def _publish(self) -> None:
         e = self.engine
+        now, generated = time.monotonic(), e.stats.tokens_generated
+        self._history.append((now, generated))
+        while len(self._history) > 2 and now - self._history[1][0] >= RATE_WINDOW_S:
+            self._history.popleft()
+        t0, g0 = self._history[0]
         u = e.kv.usage()
         self._stats = EngineStats(len(e.scheduler.running), len(e.scheduler.waiting), u["blocks_total"], u["blocks_used"],
-                                  u["prefix_hit_rate"], e.stats.prompt_tokens_computed, e.stats.tokens_generated,
-                                  e.stats.steps, e.spec_stats.drafted, e.spec_stats.accepted)
+                                  u["prefix_hit_rate"], e.stats.prompt_tokens_computed, generated, e.stats.steps,
+                                  e.spec_stats.drafted, e.spec_stats.accepted,
+                                  (generated - g0) / (now - t0) if now > t0 else 0.0)
 
 
 def _shown(text: str, p: SamplingParams) -> str:

@@ -9,10 +9,8 @@ from __future__ import annotations
 
 import bisect
 import threading
-import time
-from collections import deque
 
-from ..runtime.async_llm import EngineStats
+from ..runtime.async_llm import RATE_WINDOW_S, EngineStats
 from ..runtime.outputs import RequestOutput
 
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -40,9 +38,7 @@ class Histogram:
 
 
 class ServerMetrics:
-    """window_s: the span tokens/s is measured over."""
-
-    def __init__(self, window_s: float = 10.0):
+    def __init__(self):
         self.lock = threading.Lock()
         self.ttft = Histogram("deepfuse_time_to_first_token_seconds", "Seconds from arrival to the first token.",
                               TTFT_BUCKETS)
@@ -50,8 +46,6 @@ class ServerMetrics:
                               "Mean seconds per output token after the first, per request.", TPOT_BUCKETS)
         self.e2e = Histogram("deepfuse_e2e_request_latency_seconds", "Seconds from arrival to the end.", E2E_BUCKETS)
         self.finished: dict[str, int] = {}
-        self.window_s = window_s
-        self.samples: deque[tuple[float, int]] = deque()  # (time, tokens generated so far)
 
     def on_finish(self, out: RequestOutput) -> None:
         """Records a finished request (engine thread)."""
@@ -65,16 +59,6 @@ class ServerMetrics:
             for c in out.outputs:
                 self.finished[c.finish_reason] = self.finished.get(c.finish_reason, 0) + 1
 
-    def tokens_per_s(self, generated: int) -> float:
-        """Output tokens/s over the last window_s, from the counts seen at each call."""
-        now = time.monotonic()
-        with self.lock:
-            self.samples.append((now, generated))
-            while len(self.samples) > 2 and now - self.samples[1][0] >= self.window_s:
-                self.samples.popleft()
-            (t0, g0), (t1, g1) = self.samples[0], self.samples[-1]
-        return (g1 - g0) / (t1 - t0) if t1 > t0 else 0.0
-
     def render(self, s: EngineStats) -> str:
         rate = s.spec_accepted / s.spec_drafted if s.spec_drafted else 0.0
         gauges = [
@@ -83,8 +67,8 @@ class ServerMetrics:
             ("deepfuse_kv_cache_usage_perc", "Fraction of KV blocks held by requests (0-1).", s.kv_usage),
             ("deepfuse_prefix_cache_hit_rate", "Prompt blocks found in the prefix cache, of those looked up (0-1).",
              s.prefix_hit_rate),
-            ("deepfuse_generation_tokens_per_second", f"Output tokens/s over the last {self.window_s:g} s.",
-             self.tokens_per_s(s.generated_tokens)),
+            ("deepfuse_generation_tokens_per_second", f"Output tokens/s over the last {RATE_WINDOW_S:g} s.",
+             s.tokens_per_s),
             ("deepfuse_spec_decode_acceptance_rate", "Accepted draft tokens of those verified (0-1).", rate),
         ]
         counters = [

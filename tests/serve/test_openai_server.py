@@ -196,3 +196,4 @@ def test_health_and_prometheus_metrics(server, client):
     assert "deepfuse_time_per_output_token_seconds" in families and "deepfuse_e2e_request_latency_seconds" in families
     generated = families["deepfuse_generation_tokens"].samples[0].value
     assert generated >= 3 and families["deepfuse_kv_cache_usage_perc"].samples[0].value == 0.0
+    assert families["deepfuse_generation_tokens_per_second"].samples[0].value > 0  # tokens came in the last 10 s

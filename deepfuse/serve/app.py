@@ -66,7 +66,7 @@ def build_app(llm: AsyncLLM, model_name: str, api_key: str | None = None, max_bo
             except ApiError as e:
                 return e.response()
             except DeepfuseError as e:
-                return ApiError(400, str(e)).response()
+                return ApiError(400, str(e), param=_field_named(str(e))).response()
             except Exception as e:  # a bug: the client gets its name, stderr the traceback
                 traceback.print_exc(file=sys.stderr)
                 return ApiError(500, f"internal error: {type(e).__name__}", "internal_server_error").response()
@@ -151,6 +151,15 @@ def build_app(llm: AsyncLLM, model_name: str, api_key: str | None = None, max_bo
               Route("/health", health, methods=["GET"]),
               Route("/metrics", prometheus, methods=["GET"])]
     return Starlette(routes=routes, exception_handlers={404: not_found, 405: wrong_method})
+
+
+FIELDS = set(CompletionRequest.model_fields) | set(ChatRequest.model_fields)
+
+
+def _field_named(message: str) -> str | None:
+    """The request field a SamplingParams error names first ("temperature must be ..."), if any."""
+    first = message.split(" ", 1)[0]
+    return first if first in FIELDS else None
 
 
 async def start(llm: AsyncLLM, requests: list[tuple[object, SamplingParams, str]]) -> list[AsyncIterator[RequestOutput]]:

@@ -159,8 +159,9 @@ def test_bad_requests_get_openai_error_bodies(client, server):
         bad.completions.create(model=NAME, prompt="Hi", max_tokens=2)
     assert e.value.status_code == 401 and e.value.body["type"] == "authentication_error"
     assert post(url + "/v1/completions", b'{"prompt": "Hi"}', key=None)[0] == 401
-    with pytest.raises(openai.BadRequestError, match="temperature must be"):
+    with pytest.raises(openai.BadRequestError, match="temperature must be") as e:
         client.completions.create(model=NAME, prompt="Hi", temperature=-1)
+    assert e.value.param == "temperature" and e.value.type == "invalid_request_error"
     with pytest.raises(openai.BadRequestError, match="exceeds the context"):
         client.completions.create(model=NAME, prompt="x " * 4000, max_tokens=200)
     with pytest.raises(openai.NotFoundError):

@@ -15,6 +15,7 @@ from .runtime.llm import LLM
 from .runtime.loader import load
 from .runtime.outputs import CompletionOutput, RequestOutput
 from .runtime.spec import SpecConfig
+from .runtime.structured import StructuredOutputsParams
 
-__all__ = ["LLM", "CompletionOutput", "DeepfuseError", "RequestOutput", "SamplingParams", "Spec", "SpecConfig", "compile",
-           "load", "trace"]
+__all__ = ["LLM", "CompletionOutput", "DeepfuseError", "RequestOutput", "SamplingParams", "Spec", "SpecConfig",
+           "StructuredOutputsParams", "compile", "load", "trace"]

@@ -39,6 +39,7 @@ from .outputs import RequestOutput, error_output, merge_completions, request_out
 from .request import Request, SamplingParams, completion_seed
 from .scheduler import Scheduler, SchedulerConfig
 from .spec import ModelDrafter, NgramDrafter, SpecConfig, SpecStats, choose_drafts
+from .structured import Grammars
 
 __all__ = ["Engine", "EngineStats", "RequestOutput", "SamplingParams"]
 
@@ -129,6 +130,8 @@ class Engine:
         if params.allowed_token_ids is not None and params.min_tokens and set(params.allowed_token_ids) <= self._stop_ids(params):
             raise DeepfuseError("allowed_token_ids holds only stop ids (EOS or stop_token_ids), so min_tokens "
                                 "cannot be met")
+        if params.structured_outputs is not None:
+            self.grammars().compile(params.structured_outputs)  # cached: _add takes it from there
 
     def add_request(self, prompt: list[int], params: SamplingParams, request_id: str | None = None) -> str:
         """Queues a request; returns its id. Invalid requests raise and change nothing."""
@@ -151,6 +154,8 @@ class Engine:
         if seed is None:
             seed = params.seed if params.seed is not None else random.getrandbits(62)
         req = Request(request_id, prompt, params, seed, time.perf_counter(), list(prompt))
+        if params.structured_outputs is not None:
+            req.matcher = self.grammars().matcher(params.structured_outputs)
         self.requests[request_id] = req
         self.scheduler.add(req)
         return request_id
@@ -267,6 +272,14 @@ class Engine:
     def _stop_ids(self, p: SamplingParams) -> set[int]:
         return set(p.stop_token_ids) | (set() if p.ignore_eos else self.eos)
 
+    def grammars(self) -> Grammars:
+        """The compiled grammars of structured outputs (made on first use)."""
+        if getattr(self, "_grammars", None) is None:
+            if self.tokenizer is None:
+                raise DeepfuseError("structured outputs need a model with a tokenizer")
+            self._grammars = Grammars(self.tokenizer, self.model.config.vocab_size)
+        return self._grammars
+
     def _host_sampled(self, req: Request) -> bool:
         """Whether req's next token is drawn by host_sampling.py."""
         return needs_host_sampling(req.params, len(req.generated), self._stop_ids(req.params))
@@ -324,6 +337,13 @@ class Engine:
             req.counts.add(tok)
         if p.logprobs is not None:
             req.logprobs.append(logprobs)
+        if req.matcher is not None:  # structured outputs: the drawn token is one the grammar allowed
+            if not req.matcher.accept(tok):
+                req.finish = "abort"
+                return
+            if req.matcher.done:  # complete, its stop token taken
+                req.finish = "stop"
+                return
         stoppable = len(req.generated) >= p.min_tokens
         if stoppable and (tok in p.stop_token_ids or (not p.ignore_eos and tok in self.eos)):
             req.finish = "stop"

@@ -13,10 +13,12 @@ from ..errors import DeepfuseError
 from .detokenize import IncrementalText
 from .kv_cache import SeqBlocks
 from .spec import SpecStats
+from .structured import StructuredOutputsParams
 
 if TYPE_CHECKING:
     from .host_sampling import TokenCounts
     from .outputs import Logprob
+    from .structured import Matcher
 
 
 @dataclass
@@ -34,7 +36,9 @@ class SamplingParams:
     equals the n = 1 run; the prompt's full blocks are computed once, in the prefix cache); min_p (0 = off): a
     token less likely than min_p times the most likely one is not drawn; logit_bias {token id: added
     to its logit}; allowed_token_ids: only these may be drawn. These are applied on the host:
-    host_sampling.py. Invalid values raise DeepfuseError (a ValueError) naming the field."""
+    host_sampling.py. structured_outputs: a StructuredOutputsParams (or its fields as a dict)
+    that the output must follow (structured.py; also drawn on the host). Invalid values raise
+    DeepfuseError (a ValueError) naming the field."""
 
     n: int = 1
     temperature: float = 1.0
@@ -55,6 +59,7 @@ class SamplingParams:
     min_p: float = 0.0
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | None = None
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         self.validate()
@@ -72,6 +77,8 @@ class SamplingParams:
                 setattr(self, name, list(getattr(self, name)))
         if self.top_k == -1 and not isinstance(self.top_k, bool):
             self.top_k = 0
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
         if not (isinstance(self.n, int) and not isinstance(self.n, bool) and self.n >= 1):
             raise DeepfuseError(f"n must be an int >= 1, got {self.n!r}")
         if not (isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature) and self.temperature >= 0):
@@ -114,6 +121,12 @@ class SamplingParams:
         a = self.allowed_token_ids
         if a is not None and not (isinstance(a, list) and a and all(_is_id(t) for t in a)):
             raise DeepfuseError(f"allowed_token_ids must be a non-empty list of token ids (ints >= 0), got {a!r}")
+        s = self.structured_outputs
+        if s is not None and not isinstance(s, StructuredOutputsParams):
+            raise DeepfuseError(f"structured_outputs must be a StructuredOutputsParams or None, got {type(s).__name__}")
+        if s is not None and self.min_tokens:
+            raise DeepfuseError("min_tokens cannot be combined with structured_outputs (the grammar decides where "
+                                "the output may end)")
 
 
 def completion_seed(seed: int, j: int) -> int:
@@ -161,6 +174,7 @@ class Request:
     draft_computed: int = 0  # tokens whose KV a draft model (spec.ModelDrafter) has in its cache
     drafter_state: object = None  # the drafter's own record of this request (spec.NgramDrafter)
     spec: SpecStats = field(default_factory=SpecStats)
+    matcher: Matcher | None = None  # its place in its grammar (structured outputs)
     hidden: torch.Tensor | None = None  # [D] f32, the target's hidden state that sampled tokens[-1] (MTP drafting)
 
     @property

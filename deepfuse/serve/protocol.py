@@ -13,6 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from ..errors import DeepfuseError
 from ..runtime.request import SamplingParams
+from ..runtime.structured import StructuredOutputsParams
 
 NonNegInt = Annotated[int, Field(ge=0)]
 
@@ -21,6 +22,32 @@ class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
     include_usage: bool = False
     continuous_usage_stats: bool = False
+
+
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    name: str = "response"
+    description: str | None = None
+    json_schema: dict = Field(alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's response_format: text (no constraint), json_object (any JSON object) or
+    json_schema (its schema)."""
+
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    def structured(self) -> StructuredOutputsParams | None:
+        if self.type == "text":
+            return None
+        if self.type == "json_object":
+            return StructuredOutputsParams(json_object=True)
+        if self.json_schema is None:
+            raise DeepfuseError("response_format of type json_schema needs its json_schema")
+        return StructuredOutputsParams(json=self.json_schema.json_schema)
 
 
 class SamplingFields(BaseModel):
@@ -52,6 +79,8 @@ class SamplingFields(BaseModel):
     allowed_token_ids: list[NonNegInt] | None = None
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
+    response_format: ResponseFormat | None = None
+    structured_outputs: dict | None = None  # vLLM's: {"json" | "regex" | "choice" | "grammar" | "json_object": ...}
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         """The SamplingParams these fields ask for (DeepfuseError naming a bad value). OpenAI's
@@ -64,8 +93,16 @@ class SamplingFields(BaseModel):
                 bias = {int(k): v for k, v in self.logit_bias.items()}
             except ValueError:
                 raise DeepfuseError(f"logit_bias keys must be token ids, got {sorted(self.logit_bias)[:5]}") from None
+        structured = self.response_format.structured() if self.response_format is not None else None
+        if self.structured_outputs is not None:
+            if structured is not None:
+                raise DeepfuseError("give response_format or structured_outputs, not both")
+            fields = set(StructuredOutputsParams.__dataclass_fields__)
+            if not set(self.structured_outputs) <= fields:
+                raise DeepfuseError(f"structured_outputs takes {sorted(fields)}, got {sorted(self.structured_outputs)}")
+            structured = StructuredOutputsParams(**self.structured_outputs)
         return SamplingParams(
-            n=self.n, temperature=1.0 if self.temperature is None else self.temperature,
+            structured_outputs=structured, n=self.n, temperature=1.0 if self.temperature is None else self.temperature,
             top_p=1.0 if self.top_p is None else self.top_p, top_k=0 if self.top_k is None else self.top_k,
             max_tokens=max_tokens, seed=self.seed, ignore_eos=self.ignore_eos, stop=self.stop or [],
             include_stop_str_in_output=self.include_stop_str_in_output, stop_token_ids=self.stop_token_ids or [],

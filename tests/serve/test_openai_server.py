@@ -7,6 +7,7 @@ import time
 import urllib.error
 import urllib.request
 
+import jsonschema
 import openai
 import pytest
 import uvicorn
@@ -178,6 +179,33 @@ def test_bad_requests_get_openai_error_bodies(client, server):
         assert set(err["error"]) == {"message", "type", "param", "code"}
     assert post(url + "/v1/nowhere", b"{}")[0] == 404
     assert settle(server[1]).blocks_used == 0  # nothing was left running
+
+
+def test_structured_outputs_through_response_format_and_vllms_field(client):
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
+                                               "population": {"type": "integer", "minimum": 0}},
+              "required": ["city", "population"], "additionalProperties": False}
+    talk = [{"role": "user", "content": "Name a large city and its population, as JSON."}]
+    fmt = {"type": "json_schema", "json_schema": {"name": "city", "schema": schema}}
+    got = client.chat.completions.create(model=NAME, messages=talk, max_tokens=60, temperature=0.7, seed=1,
+                                         response_format=fmt)
+    assert got.choices[0].finish_reason == "stop"
+    jsonschema.validate(json.loads(got.choices[0].message.content), schema)
+    streamed = client.chat.completions.create(model=NAME, messages=talk, max_tokens=60, temperature=0.7, seed=1,
+                                              response_format=fmt, stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == got.choices[0].message.content
+    obj = client.chat.completions.create(model=NAME, messages=talk, max_tokens=60, temperature=0.7, seed=2,
+                                         response_format={"type": "json_object"})
+    assert isinstance(json.loads(obj.choices[0].message.content), dict)
+    picked = client.completions.create(model=NAME, prompt="Is the sky green? Answer:", max_tokens=5, n=2, seed=3,
+                                       extra_body={"structured_outputs": {"choice": ["yes", "no"]}})
+    assert all(c.text in ("yes", "no") for c in picked.choices)
+    with pytest.raises(openai.BadRequestError, match="cannot be compiled") as e:
+        client.completions.create(model=NAME, prompt="Hi", extra_body={"structured_outputs": {"regex": "([a-z"}})
+    assert e.value.param == "structured_outputs"
+    with pytest.raises(openai.BadRequestError, match="not both"):
+        client.chat.completions.create(model=NAME, messages=talk, response_format={"type": "json_object"},
+                                       extra_body={"structured_outputs": {"choice": ["a"]}})
 
 
 def test_health_and_prometheus_metrics(server, client):

@@ -120,3 +120,29 @@ def test_bad_requests_raise_alone(llms):
     assert "exceeds the context" in too_long and "prompt is empty" in empty and "already in use" in dup
     assert first[-1].finished and fine[-1].outputs[0].finish_reason in ("stop", "length")
     assert settle(served).blocks_used == 0
+
+
+def test_a_step_that_raises_fails_the_requests_in_flight_and_the_engine_goes_on(llms):
+    served, ref = llms
+    engine, real = served.engine, served.engine._run_step
+    calls = []
+
+    def faulty():
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("injected fault")
+        return real()
+
+    async def main():
+        with pytest.raises(DeepfuseError, match="the engine failed in a step: injected fault"):
+            await collect(served, "The capital of France is", GREEDY, "doomed")
+        engine._run_step = real
+        return await collect(served, "The sky is", GREEDY, "after")
+
+    engine._run_step = faulty
+    try:
+        after = asyncio.run(main())
+    finally:
+        engine._run_step = real
+    assert after[-1].outputs[0].token_ids == ref.generate(["The sky is"], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+    assert settle(served).blocks_used == 0

@@ -5,6 +5,7 @@ import torch
 
 from deepfuse.ir import DTYPES
 from deepfuse.models import step_specs
+from deepfuse.models.cache_groups import cache_groups
 from deepfuse.runtime.batch import SeqChunk, build_step
 from deepfuse.runtime.kv_cache import CacheConfig, KVCache
 
@@ -14,7 +15,7 @@ def greedy_with(step, config, prompt: list[int], n: int, dtype=torch.float32, bl
     kv: the cache inputs' TensorType where it is not [.., head_dim] of `dtype` (an int8 cache)."""
     row, dtype = (kv.shape[4], DTYPES[kv.dtype]) if kv is not None else (config.head_dim, dtype)
     cache = KVCache(config.num_layers, config.num_kv_heads, row, dtype, CacheConfig(block_size=block_size, num_blocks=256),
-                    getattr(step, "device", "cpu"))
+                    getattr(step, "device", "cpu"), cache_groups(config))
     seq, blocks, start, out, first = list(prompt), [], 0, [], None
     for _ in range(n):
         logits, nxt, _ = step(build_step([SeqChunk(seq[start:], start, blocks)], cache))
@@ -29,7 +30,8 @@ def sampled_with(step, config, prompts: list[list[int]], n: int, params: list[di
     """Seeded sampled decoding of several sequences in one batch: params[i] holds SeqChunk's
     temperature/top_k/top_p/seed for prompts[i]. step as greedy_with. Returns each one's n tokens."""
     cache = KVCache(config.num_layers, config.num_kv_heads, config.head_dim, torch.float32,
-                    CacheConfig(block_size=block_size, num_blocks=64), getattr(step, "device", "cpu"))
+                    CacheConfig(block_size=block_size, num_blocks=64), getattr(step, "device", "cpu"),
+                    cache_groups(config))
     per = -(-(max(map(len, prompts)) + n) // block_size)
     seqs, starts, out = [list(p) for p in prompts], [0] * len(prompts), [[] for _ in prompts]
     for _ in range(n):
@@ -50,7 +52,7 @@ def forced_logits(step, config, prompt: list[int], continuation: list[int], dtyp
     (teacher forcing, so runs of different precisions see the same tokens). kv: as greedy_with."""
     row, dtype = (kv.shape[4], DTYPES[kv.dtype]) if kv is not None else (config.head_dim, dtype)
     cache = KVCache(config.num_layers, config.num_kv_heads, row, dtype, CacheConfig(block_size=block_size, num_blocks=256),
-                    getattr(step, "device", "cpu"))
+                    getattr(step, "device", "cpu"), cache_groups(config))
     seq, blocks, start, out = list(prompt), [], 0, []
     for tok in continuation:
         logits, _, _ = step(build_step([SeqChunk(seq[start:], start, blocks)], cache))

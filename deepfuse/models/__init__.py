@@ -11,10 +11,11 @@ import os
 from ..errors import DeepfuseError
 from .gemma3 import Gemma3, Gemma3Config
 from .llama import Llama, LlamaConfig, step_specs
+from .yoco import Yoco, YocoConfig
 from .packaged import NAMED, gemma3_gguf_path, smollm2_gguf_path
 
 DEFAULT_MODEL = "smollm2"
-FAMILIES = {"gemma3": (Gemma3Config, Gemma3)}
+FAMILIES = {"gemma3": (Gemma3Config, Gemma3), "yoco_swa": (YocoConfig, Yoco)}
 
 
 def family_of(name: str) -> tuple[type, type]:

@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from ..frontend import ops
+from .cache_groups import layer_inputs
 
 # Gemma's turn format (the GGUF we ship lacks a chat template): a BOS, then one turn per message
 CHAT_TEMPLATE = (
@@ -48,18 +49,13 @@ class Gemma3Config:
     def to_dict(self) -> dict:
         return asdict(self)
 
-    @staticmethod
-    def from_dict(d: dict) -> Gemma3Config:
-        return Gemma3Config(**{**d, "full_attention_layers": tuple(d["full_attention_layers"])})
+    @classmethod
+    def from_dict(cls, d: dict) -> Gemma3Config:
+        return cls(**{**d, "full_attention_layers": tuple(d["full_attention_layers"])})
 
     def window_of(self, i: int) -> int:
         """Layer i's attention window (0: full causal attention)."""
         return 0 if i in self.full_attention_layers else self.sliding_window
-
-    @property
-    def cache_window(self) -> int:
-        """0: the full-attention layers need every position, and all layers share one block table."""
-        return 0 if self.full_attention_layers else self.sliding_window
 
 
 NORMS = ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm")
@@ -69,6 +65,8 @@ PROJS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.
 
 class Gemma3:
     """weights: HF-named tensors of one float dtype, norm weights as multipliers (1 + w)."""
+
+    sliding_kv_from_embeddings = False  # models/yoco.py's variant sets it
 
     def __init__(self, config: Gemma3Config, weights: dict[str, torch.Tensor]):
         self.config, self.weights = config, weights
@@ -95,25 +93,29 @@ class Gemma3:
         cfg = dataclasses.replace(self.config, num_layers=n,
                                   full_attention_layers=tuple(i for i in self.config.full_attention_layers if i < n))
         keep = set(self.weight_names(cfg))
-        return Gemma3(cfg, {k: v for k, v in self.weights.items() if k in keep})
+        return type(self)(cfg, {k: v for k, v in self.weights.items() if k in keep})
 
     def step(self, tokens, positions, slot_mapping, block_tables, seq_lens, query_lens,
-             sample_rows, temperature, top_k, top_p, seeds, draft_tokens, *kv_caches):
+             sample_rows, temperature, top_k, top_p, seeds, draft_tokens, *rest):
         """Same inputs and outputs as Llama.step (see models.llama.step_specs)."""
         c, w = self.config, self.weights
+        paged, kv_caches = layer_inputs(c, slot_mapping, block_tables, seq_lens, rest)
         norm = lambda x, name: ops.rms_norm(x, w[name + ".weight"], eps=c.rms_norm_eps)
         linear = lambda x, name: ops.linear(x, w[name + ".weight"])
-        h = ops.mul(ops.embedding(w["model.embed_tokens.weight"], tokens), c.hidden_size ** 0.5)
+        h = embedded = ops.mul(ops.embedding(w["model.embed_tokens.weight"], tokens), c.hidden_size ** 0.5)
         for i in range(c.num_layers):
             p = f"model.layers.{i}."
             window = c.window_of(i)
             rope = dict(head_dim=c.head_dim, theta=c.rope_local_theta if window else c.rope_theta)
             x = norm(h, p + "input_layernorm")
-            q, k, v = (linear(x, p + f"self_attn.{n}_proj") for n in "qkv")
+            q = linear(x, p + "self_attn.q_proj")
+            source = norm(embedded, p + "input_layernorm") if window and self.sliding_kv_from_embeddings else x
+            k, v = linear(source, p + "self_attn.k_proj"), linear(source, p + "self_attn.v_proj")
             q = ops.head_rms_norm(q, w[p + "self_attn.q_norm.weight"], eps=c.rms_norm_eps, head_dim=c.head_dim)
             k = ops.head_rms_norm(k, w[p + "self_attn.k_norm.weight"], eps=c.rms_norm_eps, head_dim=c.head_dim)
             q, k = ops.rope(q, positions, **rope), ops.rope(k, positions, **rope)
-            a = ops.attention(q, k, v, kv_caches[i], slot_mapping, block_tables, seq_lens, query_lens,
+            slots, tables, lens = paged[i]
+            a = ops.attention(q, k, v, kv_caches[i], slots, tables, lens, query_lens,
                               num_heads=c.num_heads, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim,
                               scale=c.query_pre_attn_scalar ** -0.5, window=window)
             h = ops.add(h, norm(linear(a, p + "self_attn.o_proj"), p + "post_attention_layernorm"))

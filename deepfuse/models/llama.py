@@ -14,6 +14,7 @@ import torch
 from ..errors import DeepfuseError
 from ..frontend import Spec, ops
 from ..ir.opdefs_llm import kv_row_size
+from .cache_groups import cache_groups, layer_inputs
 
 
 @dataclass(frozen=True)
@@ -57,18 +58,15 @@ class LlamaConfig:
         """Layer i's attention window (0: full causal attention)."""
         return 0 if i in self.full_attention_layers else self.sliding_window
 
-    @property
-    def cache_window(self) -> int:
-        """The window the KV cache may keep per sequence: 0 (every position) when any layer
-        attends to everything, since today every layer shares one block table."""
-        return 0 if self.full_attention_layers else self.sliding_window
 
 
 KV_CACHE_DTYPES = ("int8",)  # besides the model's own float dtype (None)
 
 
 def step_specs(config: LlamaConfig, dtype: str, kv_cache_dtype: str | None = None) -> list[Spec]:
-    """Inputs of one engine step. T tokens, S sequences, B blocks per table, N blocks of BS slots,
+    """Inputs of one engine step. T tokens, S sequences, B blocks per table, N blocks of BS slots
+    (NW in a hybrid model's sliding layers, whose group has its own slot_mapping, block_tables and
+    seq_lens: models/cache_groups.py),
     R sampled rows (sample_rows: indices into the T tokens, strictly increasing) with their
     sampling parameters and the draft each row verifies (draft_tokens; -1: none).
     kv_cache_dtype None: the caches hold `dtype`; "int8": int8 rows with a scale each
@@ -79,11 +77,16 @@ def step_specs(config: LlamaConfig, dtype: str, kv_cache_dtype: str | None = Non
     seq = [Spec(n, "i64", ("S",)) for n in ("seq_lens", "query_lens")]
     sampling = [Spec("sample_rows", "i64", ("R",)), Spec("temperature", "f32", ("R",)), Spec("top_k", "i64", ("R",)),
                 Spec("top_p", "f32", ("R",)), Spec("seeds", "i64", ("R",)), Spec("draft_tokens", "i64", ("R",))]
-    caches = [Spec(f"kv_cache.{i}", cache_dtype, (2, "N", "BS", config.num_kv_heads, kv_row_size(config.head_dim, cache_dtype)))
+    groups = cache_groups(config)
+    blocks_dim = {i: g.blocks_dim for g in groups for i in g.layers}
+    row = kv_row_size(config.head_dim, cache_dtype)
+    caches = [Spec(f"kv_cache.{i}", cache_dtype, (2, blocks_dim[i], "BS", config.num_kv_heads, row))
               for i in range(config.num_layers)]
+    more = [Spec(name + g.suffix, "i64", shape) for g in groups[1:]
+            for name, shape in (("slot_mapping", ("T",)), ("block_tables", ("S", "B")), ("seq_lens", ("S",)))]
     return [Spec("tokens", "i64", ("T",)), Spec("positions", "i64", ("T",)),
             Spec("slot_mapping", "i64", ("T",)), Spec("block_tables", "i64", ("S", "B")),
-            *seq, *sampling, *caches]
+            *seq, *sampling, *more, *caches]
 
 
 # checkpoint tensors the model may ignore: RoPE's inverse frequencies (recomputed), and a tied
@@ -148,13 +151,14 @@ class Llama:
         return ops.add_bias(y, self.weights[name + ".bias"]) if bias else y
 
     def step(self, tokens, positions, slot_mapping, block_tables, seq_lens, query_lens,
-             sample_rows, temperature, top_k, top_p, seeds, draft_tokens, *kv_caches):
-        """tokens[T] -> (logits[R,V] f32, next_tokens[R] i64, hidden[R,D]) at sample_rows:
+             sample_rows, temperature, top_k, top_p, seeds, draft_tokens, *rest):
+        """rest: a hybrid model's sliding-group inputs, then one cache per layer (step_specs). tokens[T] -> (logits[R,V] f32, next_tokens[R] i64, hidden[R,D]) at sample_rows:
         next_tokens is -1 after a sequence's first rejected draft (spec_verify); hidden is the
         final-normed hidden state the logits come from (an MTP draft head's input). Writes k/v
         into kv_caches."""
         c, w = self.config, self.weights
         rope = dict(head_dim=c.head_dim, theta=c.rope_theta)
+        paged, kv_caches = layer_inputs(c, slot_mapping, block_tables, seq_lens, rest)
         h = ops.embedding(w["model.embed_tokens.weight"], tokens)
         for i in range(c.num_layers):
             p = f"model.layers.{i}."
@@ -166,7 +170,8 @@ class Llama:
                 k = ops.head_rms_norm(k, w[p + "self_attn.k_norm.weight"], eps=c.rms_norm_eps, head_dim=c.head_dim)
             q, k = ops.rope(q, positions, **rope), ops.rope(k, positions, **rope)
             v = self.proj(x, p + "self_attn.v_proj", c.qkv_bias)
-            a = ops.attention(q, k, v, kv_caches[i], slot_mapping, block_tables, seq_lens, query_lens,
+            slots, tables, lens = paged[i]
+            a = ops.attention(q, k, v, kv_caches[i], slots, tables, lens, query_lens,
                               num_heads=c.num_heads, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim,
                               scale=1.0 / math.sqrt(c.head_dim), window=c.window_of(i),
                               sinks=w[p + "self_attn.sinks"] if c.attention_sinks else None)

@@ -280,9 +280,10 @@ class AsyncLLM:
         while len(self._history) > 2 and now - self._history[1][0] >= RATE_WINDOW_S:
             self._history.popleft()
         t0, g0 = self._history[0]
-        u = e.kv.usage()
-        self._stats = EngineStats(len(e.scheduler.running), len(e.scheduler.waiting), u["blocks_total"], u["blocks_used"],
-                                  u["prefix_hit_rate"], e.stats.prompt_tokens_computed, generated, e.stats.steps,
+        # blocks of every cache group (a hybrid model has a pool per group)
+        self._stats = EngineStats(len(e.scheduler.running), len(e.scheduler.waiting),
+                                  sum(p.num_blocks for p in e.kv.pools), e.kv.num_used(), e.kv.usage()["prefix_hit_rate"],
+                                  e.stats.prompt_tokens_computed, generated, e.stats.steps,
                                   e.spec_stats.drafted, e.spec_stats.accepted,
                                   (generated - g0) / (now - t0) if now > t0 else 0.0)
 

@@ -16,7 +16,7 @@ from itertools import chain
 import numpy as np
 import torch
 
-from .kv_cache import KVCache
+from .kv_cache import KVCache, SeqBlocks
 
 
 @dataclass
@@ -33,6 +33,15 @@ class SeqChunk:
     seed: int = 0
     samples: int = 1  # how many of its last tokens get a sampled next token
     verify: bool = True  # with samples > 1: each sampled row but the last verifies the next row's token as a draft
+    sliding_blocks: list[int] | None = None  # a hybrid model's sliding-group table (kv_cache.SeqBlocks)
+    sliding_start: int = 0  # the first position the sliding group holds (a multiple of the block size)
+    replay_end: int = 0  # positions below it write their full-attention k/v to the scratch block
+
+    @staticmethod
+    def of(kv: SeqBlocks, tokens: list[int], start: int, **sampling) -> SeqChunk:
+        """A chunk over a sequence's blocks in every cache group."""
+        more = dict(sliding_blocks=kv.tables[1], sliding_start=kv.sliding_start) if len(kv.tables) > 1 else {}
+        return SeqChunk(tokens, start, kv.tables[0], replay_end=kv.replay_end, **more, **sampling)
 
 
 def sample_keys(seeds: np.ndarray, positions: np.ndarray) -> np.ndarray:
@@ -57,7 +66,8 @@ class StepBuffers:
                    "query_lens": i64(max_seqs), "sample_rows": i64(max_tokens),
                    "temperature": np.zeros(max_tokens, dtype=np.float32), "top_k": i64(max_tokens),
                    "top_p": np.zeros(max_tokens, dtype=np.float32), "seeds": i64(max_tokens),
-                   "draft_tokens": i64(max_tokens)}
+                   "draft_tokens": i64(max_tokens), "slot_mapping.sliding": i64(max_tokens),
+                   "block_tables.sliding": i64(max_seqs, max_blocks), "seq_lens.sliding": i64(max_seqs)}
         self.torch = {k: torch.from_numpy(v) for k, v in self.np.items()}
 
     def fill(self, chunks: list[SeqChunk], cache: KVCache) -> dict[str, torch.Tensor]:
@@ -90,7 +100,15 @@ class StepBuffers:
         tokens = np.fromiter(chain.from_iterable(c.tokens for c in chunks), dtype=np.int64, count=t)
         b["tokens"][:t] = tokens
         b["positions"][:t] = pos
-        b["slot_mapping"][:t] = tables[seq, block] * bs + pos % bs
+        slots = tables[seq, block] * bs + pos % bs
+        replay_end = np.array([c.replay_end for c in chunks], dtype=np.int64)
+        if replay_end.any():  # replayed positions: their full-attention k/v are cached already
+            if cache.scratch_block is None:
+                raise ValueError("a replayed chunk needs a cache with a scratch block (swa_replay_tokens > 0)")
+            slots = np.where(pos < replay_end[seq], cache.scratch_block * bs + pos % bs, slots)
+        b["slot_mapping"][:t] = slots
+        if len(cache.groups) > 1:
+            self._fill_sliding(chunks, pos, seq, starts + lens, width, bs)
         b["seq_lens"][:s], b["query_lens"][:s] = starts + lens, lens
         # sampled rows: a chunk's last k tokens; the row at position p samples position p + 1's token
         sseq = np.repeat(np.arange(s), ks)
@@ -109,14 +127,48 @@ class StepBuffers:
         inputs["block_tables"] = v["block_tables"][:s, :width]
         inputs.update({k: v[k][:s] for k in ("seq_lens", "query_lens")})
         inputs.update({k: v[k][:r] for k in ("sample_rows", "temperature", "top_k", "top_p", "seeds", "draft_tokens")})
+        if len(cache.groups) > 1:
+            inputs.update({"slot_mapping.sliding": v["slot_mapping.sliding"][:t],
+                           "block_tables.sliding": v["block_tables.sliding"][:s, :width],
+                           "seq_lens.sliding": v["seq_lens.sliding"][:s]})
         for i, layer in enumerate(cache.layers):
             inputs[f"kv_cache.{i}"] = layer
         return inputs
 
+    def _fill_sliding(self, chunks: list[SeqChunk], pos: np.ndarray, seq: np.ndarray, ends: np.ndarray, width: int,
+                      bs: int) -> None:
+        """The sliding group's inputs: its table from the chunk's sliding_start on, so its positions
+        (and seq_lens.sliding) count from there."""
+        if any(c.sliding_blocks is None for c in chunks):
+            raise ValueError("a hybrid model's step needs every chunk's sliding_blocks")
+        b, s = self.np, len(chunks)
+        first = np.array([c.sliding_start // bs for c in chunks], dtype=np.int64)
+        widths = np.array([len(c.sliding_blocks) for c in chunks], dtype=np.int64) - first
+        tables = b["block_tables.sliding"][:s, :width]
+        tables[...] = 0
+        tables[np.arange(width) < widths[:, None]] = np.fromiter(
+            chain.from_iterable(c.sliding_blocks[f:] for c, f in zip(chunks, first.tolist())), dtype=np.int64,
+            count=int(widths.sum()))
+        np.maximum(tables, 0, out=tables)
+        local = pos - first[seq] * bs
+        block = local // bs
+        if (local < 0).any() or (block >= widths[seq]).any():
+            i = int(seq[np.argmax((local < 0) | (block >= widths[seq]))])
+            raise ValueError(f"a chunk's sliding table ({widths[i]} blocks from position {first[i] * bs}) does not "
+                             "cover its positions")
+        b["slot_mapping.sliding"][:len(pos)] = tables[seq, block] * bs + local % bs
+        b["seq_lens.sliding"][:s] = ends - first * bs
+
 
 def build_step(chunks: list[SeqChunk], cache: KVCache) -> dict[str, torch.Tensor]:
-    """One step's inputs in fresh buffers, growing each chunk's block table as needed."""
+    """One step's inputs in fresh buffers, growing each chunk's block table as needed. A hybrid
+    model's chunk without sliding_blocks uses its table's ids in the sliding group too (a cache
+    whose sliding group has as many blocks as group 0, used by no one else)."""
     for c in chunks:
         cache.ensure_capacity(c.blocks, c.start + len(c.tokens))
+        if len(cache.groups) > 1 and c.sliding_blocks is None:
+            if cache.pools[1].num_blocks < cache.pool.num_blocks:
+                raise ValueError("build_step shares a chunk's block ids with the sliding group: it needs as many blocks")
+            c.sliding_blocks = c.blocks
     bufs = StepBuffers(sum(len(c.tokens) for c in chunks), len(chunks), max(len(c.blocks) for c in chunks))
     return bufs.fill(chunks, cache)

@@ -32,6 +32,8 @@ from .batch import SeqChunk, StepBuffers
 from .detokenize import IncrementalText, find_stop
 from .host_sampling import RowBuffer, draw_on_host, needs_host_sampling
 from .kv_cache import CacheConfig, KVCache, KVCacheManager
+from .kv_store import DiskKVStore, model_fingerprint
+from ..models.cache_groups import CacheGroup, cache_groups
 from .latency import measure_latency
 from .logprobs import RowLogprobs, logprob_rows, take_prompt_logprobs
 from .mtp import MtpDrafter
@@ -50,6 +52,18 @@ class EngineStats:
     prompt_tokens_computed: int = 0  # prompt positions whose KV was computed (not served by the prefix cache)
     tokens_computed: int = 0
     tokens_generated: int = 0
+
+
+def sliding_blocks(cache: CacheConfig, groups: list[CacheGroup], max_num_tokens: int, max_num_seqs: int) -> int:
+    """A hybrid model's sliding-group block count: cache.sliding_blocks, or enough for max_num_seqs
+    windows of ceil(W/BS) + 1 blocks plus one step's chunk, and never more than num_blocks (0: one group)."""
+    if len(groups) < 2:
+        return 0
+    if cache.sliding_blocks:
+        return cache.sliding_blocks
+    bs = cache.block_size
+    window = max_num_seqs * (-(-groups[1].window // bs) + 2) + -(-max_num_tokens // bs)
+    return min(cache.num_blocks, window)
 
 
 class StepRun(NamedTuple):
@@ -71,9 +85,14 @@ class Engine:
         self.model = model
         c = model.config
         kv = model.kv_cache_type
-        self.cache = KVCache(c.num_layers, c.num_kv_heads, kv.shape[4], DTYPES[kv.dtype], cache or CacheConfig(),
-                             model.device)
-        self.kv = KVCacheManager(self.cache, window=c.cache_window)
+        cache = cache or CacheConfig()
+        groups = cache_groups(c)
+        self.cache = KVCache(c.num_layers, c.num_kv_heads, kv.shape[4], DTYPES[kv.dtype], cache, model.device, groups,
+                             sliding_blocks(cache, groups, max_num_tokens, max_num_seqs))
+        store = None
+        if cache.kv_store is not None:
+            store = DiskKVStore(cache.kv_store, int(cache.kv_store_gb * 2 ** 30), model_fingerprint(model, cache.block_size))
+        self.kv = KVCacheManager(self.cache, exact_replay=getattr(c, "swa_replay_exact", False), store=store)
         self.scheduler = Scheduler(self.kv, SchedulerConfig(max_num_tokens, max_num_seqs))
         self.max_model_len = self._max_model_len(max_num_tokens)
         self.buffers = StepBuffers(max_num_tokens, max_num_seqs, -(-self.max_model_len // self.cache.block_size))
@@ -255,8 +274,9 @@ class Engine:
             toks = [req.tokens[req.computed], *req.draft[:n - 1]] if verify else req.tokens[req.computed:req.computed + n]
             host.append(self._host_sampled(req))  # host_sampling.py draws its token: the step only takes the argmax
             every_row = not verify and req.needs_prompt_rows  # prompt logprobs: logits of every row
-            chunks.append(SeqChunk(toks, req.computed, req.kv.table, 0.0 if host[-1] else float(p.temperature),
-                                   p.top_k, p.top_p, req.seed, samples=n if verify or every_row else 1, verify=verify))
+            chunks.append(SeqChunk.of(req.kv, toks, req.computed, temperature=0.0 if host[-1] else float(p.temperature),
+                                      top_k=p.top_k, top_p=p.top_p, seed=req.seed,
+                                      samples=n if verify or every_row else 1, verify=verify))
         t0 = time.perf_counter()
         inputs = self.buffers.fill(chunks, self.cache)
         logits, next_tokens, hidden = self.model(inputs)
@@ -317,6 +337,9 @@ class Engine:
             return NgramDrafter(spec)
         if spec.method == "mtp":
             return MtpDrafter(spec.draft_head, self.model)
+        if len(self.cache.groups) > 1:
+            raise DeepfuseError('speculative method "draft" is not supported for models that mix sliding-window and '
+                                'full-attention layers; use "ngram" or "mtp"')
         if draft_model is None:
             raise DeepfuseError('speculative method "draft" needs a draft_model (LLM builds one from '
                                 'SpecConfig.draft_layers)')

@@ -28,17 +28,37 @@ import numpy as np
 import torch
 
 from ..errors import DeepfuseError
+from ..models.cache_groups import CacheGroup, cache_groups
+from .kv_store import DiskKVStore
 
 
 @dataclass(frozen=True)
 class CacheConfig:
+    """block_size: positions per block; num_blocks: blocks of the full-attention layers (the
+    context the cache holds is num_blocks * block_size tokens); sliding_blocks: blocks of a hybrid
+    model's sliding-window layers (0: the engine sizes them to hold max_num_seqs windows and one
+    step's chunk, never more than num_blocks); swa_replay_tokens: bounded replay for hybrid
+    models (0: off): a prefix hit whose sliding-window blocks are gone recomputes only the last R
+    cached positions (R rounded up to whole blocks) instead of the whole prefix (kv_cache.py's
+    module docstring); kv_store: a directory where full blocks also go to disk (kv_store.py),
+    found again by prefix after eviction or a restart, at most kv_store_gb GiB."""
+
     block_size: int = 16
-    num_blocks: int = 512  # total tokens cached = num_blocks * block_size
+    num_blocks: int = 512
     enable_prefix_caching: bool = True
+    sliding_blocks: int = 0
+    swa_replay_tokens: int = 0
+    kv_store: str | None = None
+    kv_store_gb: float = 4.0
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.num_blocks < 1:
             raise DeepfuseError(f"cache block_size and num_blocks must be >= 1, got {self.block_size}, {self.num_blocks}")
+        if self.kv_store is not None and not self.kv_store_gb > 0:
+            raise DeepfuseError(f"kv_store_gb must be > 0, got {self.kv_store_gb}")
+        if self.sliding_blocks < 0 or self.swa_replay_tokens < 0:
+            raise DeepfuseError(f"sliding_blocks and swa_replay_tokens must be >= 0, got {self.sliding_blocks}, "
+                                f"{self.swa_replay_tokens}")
 
 
 def block_hash(parent: bytes, tokens: list[int]) -> bytes:
@@ -100,25 +120,38 @@ class BlockPool:
             return
         self.pending_of[block], self.pending[name] = name, block
 
-    def commit(self) -> None:
-        """The step that writes the pending blocks has completed: prefix lookups may find them."""
+    def adopt(self, block: int, name: bytes) -> None:
+        """A block just allocated whose content (the prefix `name`) is already written, from the
+        disk store: named and committed at once, its reference dropped (it waits in the LRU)."""
+        self.name_of[block], self.by_name[name] = name, block
+        self.release([block])
+
+    def commit(self) -> list[tuple[int, bytes]]:
+        """The step that writes the pending blocks has completed: prefix lookups may find them.
+        Returns the (block, name) pairs committed."""
+        done = list(self.pending_of.items())
         self.name_of.update(self.pending_of)
         self.by_name.update(self.pending)
         self.pending_of.clear()
         self.pending.clear()
+        return done
 
     def discard_pending(self) -> None:
         """The step that would have written the pending blocks failed: they stay unnamed."""
         self.pending_of.clear()
         self.pending.clear()
 
-    def release(self, blocks: list[int]) -> None:
-        """Drops one reference from each; pass a table tail-first so tails are evicted first."""
+    def release(self, blocks: list[int], forget: bool = False) -> None:
+        """Drops one reference from each; pass a table tail-first so tails are evicted first.
+        forget: a block whose last reference this was loses its name and is free at once
+        (a sliding window's block no cached boundary needs)."""
         for b in blocks:
             self.refs[b] -= 1
             if self.refs[b] < 0:
                 raise RuntimeError(f"block {b} released more often than taken")
             if self.refs[b] == 0:
+                if forget and b in self.name_of:
+                    del self.by_name[self.name_of.pop(b)]
                 if b in self.name_of:
                     self.lru[b] = None
                 else:
@@ -157,27 +190,42 @@ def zeros_on_huge_pages(count: int, shape: tuple[int, ...], dtype: torch.dtype) 
 
 
 class KVCache:
-    """The cache tensors of every layer plus their block pool."""
+    """The cache tensors of every layer plus one block pool per cache group (models/cache_groups.py).
+    Group 0 has config.num_blocks blocks, plus one scratch block when bounded replay is on: a
+    replayed position's full-attention k/v go there, so the cached prefix's own stay as they are;
+    a hybrid model's sliding group has `sliding_blocks` (its layers' caches are [2,NW,BS,...])."""
 
     def __init__(self, num_layers: int, num_kv_heads: int, row: int, dtype: torch.dtype, config: CacheConfig,
-                 device: torch.device | str = "cpu"):
+                 device: torch.device | str = "cpu", groups: list[CacheGroup] | None = None, sliding_blocks: int = 0):
         """row: elements of one (position, kv head) row: head_dim, or head_dim + 4 for int8 rows
         that end in their scale (ir.opdefs_llm.kv_row_size). device: where the step's kernels
-        run (CompiledModel.device); the step writes the cache in place, so it lives there."""
+        run (CompiledModel.device); the step writes the cache in place, so it lives there.
+        groups: the model's cache groups (default: one group of every layer); sliding_blocks:
+        the second group's block count (when 0: config.sliding_blocks, or else num_blocks)."""
         self.config = config
-        shape = (2, config.num_blocks, config.block_size, num_kv_heads, row)
-        if torch.device(device).type == "cpu":
-            self.layers = zeros_on_huge_pages(num_layers, shape, dtype)
-        else:
-            self.layers = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.pool = BlockPool(config.num_blocks)
+        self.groups = groups or [CacheGroup(0, tuple(range(num_layers)), "", "N")]
+        counts = [config.num_blocks] + [sliding_blocks or config.sliding_blocks or config.num_blocks] * (len(self.groups) - 1)
+        replay = config.swa_replay_tokens > 0 and len(self.groups) > 1
+        self.scratch_block = config.num_blocks if replay else None  # past the pool's ids: never handed out
+        self.pools = [BlockPool(n) for n in counts]
+        self.pool = self.pools[0]
+        self.layers: list[torch.Tensor] = [None] * num_layers
+        for group, n in zip(self.groups, counts):
+            n += 1 if group is self.groups[0] and replay else 0
+            shape = (2, n, config.block_size, num_kv_heads, row)
+            if torch.device(device).type == "cpu":
+                tensors = zeros_on_huge_pages(len(group.layers), shape, dtype)
+            else:
+                tensors = [torch.zeros(shape, dtype=dtype, device=device) for _ in group.layers]
+            for i, t in zip(group.layers, tensors):
+                self.layers[i] = t
 
     @property
     def block_size(self) -> int:
         return self.config.block_size
 
     def ensure_capacity(self, blocks: list[int], num_tokens: int) -> None:
-        """Grows `blocks` in place so it covers num_tokens positions."""
+        """Grows `blocks` (a group-0 table) in place so it covers num_tokens positions."""
         need = -(-num_tokens // self.block_size) - len(blocks)
         if need > 0:
             blocks.extend(self.pool.allocate(need))
@@ -185,11 +233,19 @@ class KVCache:
     def slot(self, blocks: list[int], position: int) -> int:
         return blocks[position // self.block_size] * self.block_size + position % self.block_size
 
+    def bytes_per_block(self, group: int) -> int:
+        """Bytes one block of `group` takes over all its layers."""
+        layer = self.layers[self.groups[group].layers[0]]
+        return layer[:, 0].numel() * layer.element_size() * len(self.groups[group].layers)
+
 
 @dataclass
 class CacheStats:
     prefix_queries: int = 0  # prompt tokens looked up
-    prefix_hits: int = 0  # of which found cached
+    prefix_hits: int = 0  # of which not computed: found cached (or, with replay, before the replayed span)
+    replay_hits: int = 0  # prefix hits that rebuilt a sliding window by bounded replay
+    replayed_tokens: int = 0  # cached positions recomputed by those
+    store_blocks: int = 0  # blocks brought back from the disk store
 
     @property
     def hit_rate(self) -> float:
@@ -198,61 +254,162 @@ class CacheStats:
 
 @dataclass
 class SeqBlocks:
-    """One sequence's share of the cache: its block table and the names of its full blocks."""
+    """One sequence's share of the cache: a block table per cache group (entry j holds positions
+    [j*BS, (j+1)*BS); -1: a block released by the window policy or never held) and the names of
+    its full blocks. boundary: the tokens it arrived with, whose last window of sliding blocks
+    stays cached after use; sliding_start (a multiple of BS): the first position the sliding
+    group holds (> 0 after bounded replay); replay_end: positions below it are replayed, their
+    full-attention k/v already cached; named_limit: blocks from this one on are not offered to
+    prefix caching (their KV follows an inexact replay)."""
 
-    table: list[int] = field(default_factory=list)
+    tables: list[list[int]] = field(default_factory=lambda: [[]])
     names: list[bytes] = field(default_factory=list)
+    boundary: int = 0
+    sliding_start: int = 0
+    replay_end: int = 0
+    named_limit: int | None = None
+    cached: int = 0  # positions it did not compute at admission (a prefix hit's)
+
+    @property
+    def table(self) -> list[int]:
+        return self.tables[0]
+
 
 
 class KVCacheManager:
-    """Gives sequences blocks. `window` > 0 is the sliding-window policy: blocks wholly
-    before the window of every future query are handed back early (a layer group with
-    full attention uses window 0). Today one group covers all layers."""
+    """Gives sequences blocks in every cache group. A group with a window keeps only the blocks
+    its future queries can see: blocks wholly before the window are handed back as the sequence
+    grows (a full-attention group keeps all). Prefix caching names full blocks by their hash
+    chain in every group; a sliding group's released blocks keep their name only where an exact
+    hit needs them, the window before the sequence's boundary (the tokens it arrived with), and
+    the rest are freed at once. With bounded replay (CacheConfig.swa_replay_tokens) a hybrid
+    model's sliding blocks are never cached: a prefix hit rebuilds the window instead."""
 
-    def __init__(self, cache: KVCache, window: int = 0):
-        self.cache, self.pool, self.window = cache, cache.pool, window
+    def __init__(self, cache: KVCache, exact_replay: bool = False, store: DiskKVStore | None = None):
+        """exact_replay: the model's sliding layers do not depend on positions before a replayed
+        span of at least one window (models/yoco.py), so bounded replay gives exact KV. store: a
+        disk tier for group 0's blocks (kv_store.py), used where they make a hit on their own: one
+        full-attention group, or a hybrid model with bounded replay."""
+        self.cache, self.pool, self.pools, self.groups = cache, cache.pool, cache.pools, cache.groups
         self.bs = cache.block_size
+        self.window = self.groups[0].window  # of group 0: a one-group model's sliding window
+        self.exact_replay = exact_replay
+        # with bounded replay a sliding group's blocks are never cached: a hit rebuilds them
+        replay = cache.config.swa_replay_tokens and len(self.groups) > 1
+        self.replay_tokens = cache.config.swa_replay_tokens if replay else 0  # R; may change between admissions
+        self.cached_groups = [g for g, group in enumerate(self.groups) if not (replay and group.window)]
+        # the store holds group 0's blocks: enough for a hit where that group attends to
+        # everything and is the only one, or where bounded replay rebuilds the sliding group
+        usable = (store is not None and store.enabled and not self.groups[0].window
+                  and cache.config.enable_prefix_caching and (len(self.groups) == 1 or self.replay_tokens))
+        self.store = store if usable else None
         self.stats = CacheStats()
 
+    def new_seq(self, tokens: list[int]) -> SeqBlocks:
+        return SeqBlocks([[] for _ in self.groups], boundary=len(tokens))
+
+    def first_needed(self, computed: int, group: int = 0, start: int = 0) -> int:
+        """The first block of `group` a sequence with `computed` positions cached still reads: its
+        next query, at position `computed`, sees the positions after computed - window (all
+        from `start` on without a window)."""
+        w = self.groups[group].window
+        return max(start, computed + 1 - w) // self.bs if w else start // self.bs
+
+    def _exact_count(self, names: list[bytes]) -> int:
+        """The most leading blocks every group holds as an exact hit needs them."""
+        count = len(names)
+        for g, group in enumerate(self.groups):
+            if not group.window:
+                count = next((i for i in range(count) if not self.pools[g].holds(names[i])), count)
+        while count:  # a missing block j of a sliding group rules out every longer prefix whose window reaches it
+            missing = [i for g, group in enumerate(self.groups) if group.window
+                       for i in range(self.first_needed(count * self.bs, g), count) if not self.pools[g].holds(names[i])]
+            if not missing:
+                break
+            count = max(missing)
+        return count
+
     def match_prefix(self, tokens: list[int]) -> SeqBlocks:
-        """Cached full blocks of `tokens`' prefix, references taken. At least the last token
-        is always left to compute (its logits are needed), so a match never covers it.
-        Under a sliding window the match is the longest prefix of whole blocks whose last
-        `window` positions before its end are all cached: the blocks before those are never
-        read again, and the table holds -1 in their place (as `computed` leaves it)."""
-        seq = SeqBlocks()
+        """Cached full blocks of `tokens`' prefix, references taken; seq.cached positions need
+        no computing. At least the last token is always left to compute (its logits are needed).
+        A sliding group's table holds -1 before the window its first query sees. With bounded
+        replay (hybrid models), where the full-attention blocks reach further than an exact hit,
+        the match keeps them all and starts computing R positions before their end: the sliding
+        group holds positions from there on (sliding_start), and the replayed positions' own
+        full-attention k/v stay as cached."""
+        seq = self.new_seq(tokens)
         if not self.cache.config.enable_prefix_caching:
             return seq
         names, parent = [], b""
         for i in range((len(tokens) - 1) // self.bs):
             parent = block_hash(parent, tokens[i * self.bs:(i + 1) * self.bs])
-            if not self.window and not self.pool.holds(parent):
-                break
             names.append(parent)
-        count = len(names)
-        while count:  # a missing block j rules out every longer prefix whose window reaches it
-            missing = [i for i in range(self.first_needed(count * self.bs), count) if not self.pool.holds(names[i])]
-            if not missing:
-                break
-            count = missing[-1]
-        first = self.first_needed(count * self.bs)
-        seq.table = [-1] * first + [self.pool.lookup(name) for name in names[first:count]]
+        if self.store is not None:
+            self._load_from_store(names)
+        count = self._exact_count(names)
+        full = self._replay_reach(names)
+        replay = -(-self.replay_tokens // self.bs) * self.bs
+        if full and full * self.bs - replay > count * self.bs:
+            start = full * self.bs - replay
+            seq.tables[0] = [self.pools[0].lookup(n) for n in names[:full]]
+            for g in range(1, len(self.groups)):
+                seq.tables[g] = [-1] * (start // self.bs)
+            seq.names, seq.sliding_start, seq.replay_end = names[:full], start, full * self.bs
+            exact = self.exact_replay and replay >= self.groups[1].window
+            seq.named_limit = None if exact else full
+            seq.cached = start
+            return seq
+        for g, group in enumerate(self.groups):
+            first = self.first_needed(count * self.bs, g)
+            seq.tables[g] = [-1] * first + [self.pools[g].lookup(n) for n in names[first:count]]
         seq.names = names[:count]
+        seq.cached = count * self.bs
         return seq
 
-    def first_needed(self, computed: int) -> int:
-        """The first block a sequence with `computed` positions cached still reads: its next
-        query, at position `computed`, sees the positions after computed - window (0 without a window)."""
-        return max(0, computed + 1 - self.window) // self.bs if self.window else 0
+    def _load_from_store(self, names: list[bytes]) -> None:
+        """Brings the blocks after the memory cache's run of `names` back from the disk store while
+        it has them (and blocks are available): written into group 0's layers, named, unreferenced."""
+        pool = self.pools[0]
+        i = next((i for i in range(len(names)) if not pool.holds(names[i])), len(names))
+        layers = [self.cache.layers[j] for j in self.groups[0].layers]
+        while i < len(names) and pool.num_available() and self.store.has(names[i]):
+            payload = self.store.load(names[i])
+            if payload is None or len(payload) != sum(layer[:, 0].numel() * layer.element_size() for layer in layers):
+                break
+            block = pool.allocate(1)[0]
+            raw = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+            at = 0
+            for layer in layers:
+                view = layer[:, block]
+                n = view.numel() * view.element_size()
+                view.copy_(raw[at:at + n].view(layer.dtype).view(view.shape))
+                at += n
+            pool.adopt(block, names[i])
+            self.stats.store_blocks += 1
+            i += 1
 
-    def blocks_needed(self, seq: SeqBlocks, num_tokens: int) -> int:
-        return max(0, -(-num_tokens // self.bs) - len(seq.table))
+    def _store_blocks(self, committed: list[tuple[int, bytes]]) -> None:
+        """Queues the blocks a step completed for the disk store (a copy of their rows now)."""
+        layers = [self.cache.layers[j] for j in self.groups[0].layers]
+        for block, name in committed:
+            if not self.store.has(name):
+                rows = torch.cat([layer[:, block].contiguous().view(-1).view(torch.uint8) for layer in layers])
+                self.store.put(name, rows.cpu().numpy().tobytes())
+
+    def _replay_reach(self, names: list[bytes]) -> int:
+        """Leading blocks the full-attention group holds, where bounded replay may use them (0: off)."""
+        if not self.replay_tokens:
+            return 0
+        return next((i for i in range(len(names)) if not self.pools[0].holds(names[i])), len(names))
+
+    def blocks_needed(self, seq: SeqBlocks, num_tokens: int, group: int = 0) -> int:
+        return max(0, -(-num_tokens // self.bs) - len(seq.tables[group]))
 
     def can_allocate(self, seq: SeqBlocks, num_tokens: int) -> bool:
-        return self.blocks_needed(seq, num_tokens) <= self.pool.num_available()
+        return all(self.blocks_needed(seq, num_tokens, g) <= p.num_available() for g, p in enumerate(self.pools))
 
     def allocate(self, seq: SeqBlocks, tokens: list[int], num_tokens: int) -> None:
-        """Grows seq's table to cover positions [0, num_tokens) of `tokens`, which the step being
+        """Grows seq's tables to cover positions [0, num_tokens) of `tokens`, which the step being
         scheduled writes (check can_allocate first), and gives the blocks that become full
         pending names: a request admitted in the same step may already share them (a step writes
         all its new KV before any attention reads it); other steps see them once commit() says
@@ -264,41 +421,85 @@ class KVCacheManager:
             while len(seq.names) < min(num_tokens, len(tokens)) // self.bs:
                 i = len(seq.names)
                 name = block_hash(seq.names[-1] if seq.names else b"", tokens[i * self.bs:(i + 1) * self.bs])
-                self.pool.name(seq.table[i], name)
+                if seq.named_limit is None or i < seq.named_limit:
+                    for g in self.cached_groups:
+                        self.pools[g].name(seq.tables[g][i], name)
                 seq.names.append(name)
 
     def reserve(self, seq: SeqBlocks, num_tokens: int) -> None:
-        """Grows seq's table to cover positions [0, num_tokens) without naming any block (for
+        """Grows seq's tables to cover positions [0, num_tokens) without naming any block (for
         writes the target's step does not make, such as a draft model's)."""
-        seq.table.extend(self.pool.allocate(self.blocks_needed(seq, num_tokens)))
+        for g, pool in enumerate(self.pools):
+            seq.tables[g].extend(pool.allocate(self.blocks_needed(seq, num_tokens, g)))
 
     def computed(self, seq: SeqBlocks, num_computed: int) -> None:
         """Applies the window policy once `num_computed` tokens have their KV: blocks no future
-        query can see go back to the pool (the table keeps -1 in their place)."""
-        if self.window:
-            for i in range(self.first_needed(num_computed)):
-                if seq.table[i] >= 0:
-                    self.pool.release([seq.table[i]])
-                    seq.table[i] = -1
+        query can see go back to their pool (the table keeps -1 in their place); those outside
+        the window before seq.boundary lose their name."""
+        boundary = seq.boundary // self.bs
+        for g, group in enumerate(self.groups):
+            if not group.window:
+                continue
+            table, keep_from = seq.tables[g], self.first_needed(boundary * self.bs, g)
+            for i in range(self.first_needed(num_computed, g)):
+                if table[i] >= 0:
+                    self.pools[g].release([table[i]], forget=not keep_from <= i < boundary)
+                    table[i] = -1
 
     def free(self, seq: SeqBlocks) -> None:
-        self.pool.release([b for b in reversed(seq.table) if b >= 0])
-        seq.table, seq.names = [], []
+        for g, pool in enumerate(self.pools):
+            pool.release([b for b in reversed(seq.tables[g]) if b >= 0])
+        seq.tables, seq.names = [[] for _ in self.groups], []
 
-    def truncate(self, seq: SeqBlocks, num_blocks: int, num_names: int) -> None:
-        """Shrinks seq back to its first num_blocks blocks and num_names names (undoing a step's growth)."""
-        self.pool.release([b for b in reversed(seq.table[num_blocks:]) if b >= 0])
-        del seq.table[num_blocks:], seq.names[num_names:]
+    def truncate(self, seq: SeqBlocks, num_blocks: list[int], num_names: int) -> None:
+        """Shrinks each of seq's tables back to num_blocks[group] blocks and its names to num_names
+        (undoing a step's growth)."""
+        for g, pool in enumerate(self.pools):
+            pool.release([b for b in reversed(seq.tables[g][num_blocks[g]:]) if b >= 0])
+            del seq.tables[g][num_blocks[g]:]
+        del seq.names[num_names:]
 
     def commit(self) -> None:
-        """The step has completed: its blocks' names become findable by prefix lookup."""
-        self.pool.commit()
+        """The step has completed: its blocks' names become findable by prefix lookup (and go to
+        the disk store, if there is one)."""
+        committed = [pool.commit() for pool in self.pools]
+        if self.store is not None and committed[0]:
+            self._store_blocks(committed[0])
 
     def discard_pending(self) -> None:
         """The step failed: the names it gave are dropped (call after undoing its allocations)."""
-        self.pool.discard_pending()
+        for pool in self.pools:
+            pool.discard_pending()
+
+    def num_used(self) -> int:
+        return sum(p.num_used() for p in self.pools)
 
     def usage(self) -> dict:
-        return {"blocks_total": self.pool.num_blocks, "blocks_used": self.pool.num_used(),
-                "blocks_cached_unused": len(self.pool.lru), "blocks_free": len(self.pool.free),
-                "prefix_hit_rate": round(self.stats.hit_rate, 4), "evictions": self.pool.evictions}
+        out = {"blocks_total": self.pool.num_blocks, "blocks_used": self.pool.num_used(),
+               "blocks_cached_unused": len(self.pool.lru), "blocks_free": len(self.pool.free),
+               "prefix_hit_rate": round(self.stats.hit_rate, 4), "evictions": self.pool.evictions}
+        for g in range(1, len(self.groups)):
+            p, name = self.pools[g], self.groups[g].suffix.lstrip(".")
+            out[name] = {"blocks_total": p.num_blocks, "blocks_used": p.num_used(),
+                         "blocks_cached_unused": len(p.lru), "evictions": p.evictions}
+        if self.store is not None:
+            out["kv_store"] = {"blocks": len(self.store.files), "bytes": self.store.bytes,
+                               "blocks_loaded": self.stats.store_blocks, "write_errors": self.store.write_errors,
+                               "corrupt_dropped": self.store.dropped_corrupt}
+        if self.stats.replay_hits:
+            out["replay_hits"], out["replayed_tokens"] = self.stats.replay_hits, self.stats.replayed_tokens
+        return out
+
+
+def kv_bytes_per_sequence(config, context: int, block_size: int, row_bytes: int) -> dict[str, int]:
+    """Bytes of KV cache one sequence of `context` positions holds at decode, by cache group
+    ("full", "sliding"): every block in a full-attention group, at most ceil(W/BS) + 1 in a
+    sliding one. row_bytes: one (position, kv head) row of k or v."""
+    out = {}
+    for group in cache_groups(config):
+        blocks = -(-context // block_size)
+        if group.window:
+            blocks = min(blocks, -(-group.window // block_size) + 1)
+        key = "sliding" if group.window else "full"
+        out[key] = len(group.layers) * blocks * block_size * 2 * config.num_kv_heads * row_bytes
+    return out

@@ -97,7 +97,7 @@ def measure_latency(engine) -> LatencyModel:
     if cached is not None:
         return cached
     budget, bs = engine.scheduler.config.max_num_tokens, engine.cache.block_size
-    free = engine.cache.pool.num_available()
+    free = min(pool.num_available() for pool in engine.cache.pools)
 
     def start_of(s: int, n: int) -> int:
         """Where each of s measured chunks of n tokens starts: a verify chunk continues a
@@ -114,9 +114,11 @@ def measure_latency(engine) -> LatencyModel:
     for s, t in sorted(set(shapes)):
         n = t // s
         start = max(start_of(s, n), 0)
-        tables = [engine.cache.pool.allocate(-(-(start + n) // bs)) for _ in range(s)]
+        seqs = [engine.kv.new_seq([]) for _ in range(s)]
         try:
-            chunks = [SeqChunk([0] * n, start, b, samples=n if n <= 8 else 1) for b in tables]
+            for q in seqs:
+                engine.kv.reserve(q, start + n)
+            chunks = [SeqChunk.of(q, [0] * n, start, samples=n if n <= 8 else 1) for q in seqs]
             times = []
             for _ in range(3):
                 t0 = time.perf_counter()
@@ -124,8 +126,8 @@ def measure_latency(engine) -> LatencyModel:
                 times.append((time.perf_counter() - t0) * 1000)
             points[s, t] = sorted(times)[1]
         finally:
-            for b in tables:
-                engine.cache.pool.release(b)
+            for q in seqs:
+                engine.kv.free(q)
     model = LatencyModel(points)
     model.save(path)
     return model

@@ -24,13 +24,17 @@ class LLM:
     speculative decoding (same outputs, fewer steps when drafts are accepted);
     batch_invariant: compile so that each request's tokens are the same whatever shares its
     steps (an artifact must have been compiled so); artifact_digest: "sha256:<hex>" as `deepfuse
-    compile` prints it, pins the artifact loaded (any other or modified one is refused)."""
+    compile` prints it, pins the artifact loaded (any other or modified one is refused);
+    swa_replay_tokens: bounded replay for models that mix sliding-window and full-attention
+    layers (CacheConfig; 0: off); kv_store, kv_store_gb: a directory that keeps prefix-cache
+    blocks on disk across evictions and restarts, and its size (runtime/kv_store.py)."""
 
     def __init__(self, model: str | CompiledModel = "smollm2", target: str = "cpu", dtype: str = "f32",
                  block_size: int = 16, num_blocks: int = 1024, max_num_tokens: int = 512, max_num_seqs: int = 64,
                  enable_prefix_caching: bool = True, artifact: str | None = None, quant: str | None = None,
                  spec: SpecConfig | None = None, batch_invariant: bool = False, kv_cache_dtype: str | None = None,
-                 artifact_digest: str | None = None):
+                 artifact_digest: str | None = None, swa_replay_tokens: int = 0, kv_store: str | None = None,
+                 kv_store_gb: float = 4.0):
         from ..compiler import compile
         from .loader import load
 
@@ -67,7 +71,9 @@ class LLM:
         if self.model.tokenizer is None:
             raise DeepfuseError("this model has no tokenizer; pass token ids to Engine.generate instead")
         self.tokenizer = self.model.tokenizer
-        self.engine = Engine(self.model, CacheConfig(block_size, num_blocks, enable_prefix_caching),
+        self.engine = Engine(self.model, CacheConfig(block_size, num_blocks, enable_prefix_caching,
+                                                 swa_replay_tokens=swa_replay_tokens, kv_store=kv_store,
+                                                 kv_store_gb=kv_store_gb),
                              max_num_tokens, max_num_seqs, spec, draft)
 
     def generate(self, prompts: str | dict | list[str | dict | list[int]],

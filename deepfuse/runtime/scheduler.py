@@ -33,7 +33,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from ..errors import DeepfuseError
-from .kv_cache import KVCacheManager, SeqBlocks
+from .kv_cache import KVCacheManager
 from .request import Request
 
 
@@ -50,12 +50,14 @@ class SchedulerConfig:
 
 @dataclass
 class Checkpoint:
-    """What a step may change, taken before it: the running requests with their table sizes,
+    """What a step may change, taken before it: the running requests with their table sizes (one per cache group),
     name counts and draft positions, and the prefix-cache counters."""
 
-    running: list[tuple[Request, int, int, int]] = field(default_factory=list)
+    running: list[tuple[Request, list[int], int, int]] = field(default_factory=list)
     prefix_queries: int = 0
     prefix_hits: int = 0
+    replay_hits: int = 0
+    replayed_tokens: int = 0
 
 
 class Scheduler:
@@ -92,8 +94,8 @@ class Scheduler:
         while (not preempted and self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs):
             req = self.waiting[0]
             # prompt logprobs need every prompt row computed: no prefix from the cache for them
-            req.kv = blocks = SeqBlocks() if req.needs_prompt_rows else self.kv.match_prefix(req.tokens)
-            cached = len(blocks.table) * self.kv.bs
+            req.kv = blocks = self.kv.new_seq(req.tokens) if req.needs_prompt_rows else self.kv.match_prefix(req.tokens)
+            cached = blocks.cached
             n = min(len(req.tokens) - cached, budget)
             if not self.kv.can_allocate(blocks, cached + n):
                 self.kv.free(blocks)
@@ -102,6 +104,9 @@ class Scheduler:
             if not req.num_preemptions:  # a readmission recomputes; count first admissions only
                 self.kv.stats.prefix_queries += len(req.tokens)
                 self.kv.stats.prefix_hits += cached
+                if blocks.replay_end:
+                    self.kv.stats.replay_hits += 1
+                    self.kv.stats.replayed_tokens += blocks.replay_end - cached
                 req.num_cached_tokens = cached
             req.computed = cached
             self.running.append(self.waiting.popleft())
@@ -115,8 +120,9 @@ class Scheduler:
 
     def checkpoint(self) -> Checkpoint:
         """Taken before a step; rollback(checkpoint) undoes it."""
-        return Checkpoint([(r, len(r.kv.table), len(r.kv.names), r.draft_computed) for r in self.running],
-                          self.kv.stats.prefix_queries, self.kv.stats.prefix_hits)
+        st = self.kv.stats
+        return Checkpoint([(r, [len(t) for t in r.kv.tables], len(r.kv.names), r.draft_computed) for r in self.running],
+                          st.prefix_queries, st.prefix_hits, st.replay_hits, st.replayed_tokens)
 
     def rollback(self, cp: Checkpoint) -> None:
         """Undoes what scheduling (and drafting for) a step that then failed did (module docstring)."""
@@ -135,7 +141,9 @@ class Scheduler:
                 self.kv.truncate(req.kv, num_blocks, num_names)
                 req.draft_computed = draft_computed
         self.kv.discard_pending()
-        self.kv.stats.prefix_queries, self.kv.stats.prefix_hits = cp.prefix_queries, cp.prefix_hits
+        st = self.kv.stats
+        st.prefix_queries, st.prefix_hits, st.replay_hits, st.replayed_tokens = (
+            cp.prefix_queries, cp.prefix_hits, cp.replay_hits, cp.replayed_tokens)
 
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)

@@ -62,16 +62,19 @@ def qwen2_dict(**kw) -> dict:
 def test_qwen2_windows_follow_max_window_layers():
     """Qwen2 slides only in layers from max_window_layers on: none, all, or some of them (the
     rest attend to everything), whether the config lists layer_types or not (older ones)."""
+    from deepfuse.models.cache_groups import cache_groups
     from deepfuse.models.hf_loader import config_from_hf
 
     def windows(**kw):
         c = config_from_hf(qwen2_dict(**kw))
-        return c.sliding_window, c.full_attention_layers, c.cache_window
+        return c.sliding_window, c.full_attention_layers, [(g.window, g.layers) for g in cache_groups(c)]
 
-    assert windows() == (0, (), 0)
-    assert windows(use_sliding_window=True, sliding_window=64, max_window_layers=4) == (0, (), 0)
-    assert windows(use_sliding_window=True, sliding_window=64, max_window_layers=0) == (64, (), 64)
-    assert windows(use_sliding_window=True, sliding_window=64, max_window_layers=2) == (64, (0, 1), 0)
+    every = (0, 1, 2, 3)
+    assert windows() == (0, (), [(0, every)])
+    assert windows(use_sliding_window=True, sliding_window=64, max_window_layers=4) == (0, (), [(0, every)])
+    assert windows(use_sliding_window=True, sliding_window=64, max_window_layers=0) == (64, (), [(64, every)])
+    assert windows(use_sliding_window=True, sliding_window=64, max_window_layers=2) == (64, (0, 1),
+                                                                                          [(0, (0, 1)), (64, (2, 3))])
     cfg = qwen2_dict(use_sliding_window=True, sliding_window=64, max_window_layers=3)
     cfg.pop("layer_types")  # as an older transformers wrote it: derived from max_window_layers
     c = config_from_hf(cfg)

@@ -463,8 +463,9 @@ def test_sliding_window_policy_releases_blocks_and_keeps_outputs(swa_model):
 
 def test_sliding_window_prefix_cache_needs_only_the_windows_blocks(swa_model):
     """Window 8, blocks of 4: a request continuing a cached 40-token prefix reads only the
-    prefix's last blocks, so it is served from the cache even after the blocks before the
-    window were evicted; outputs equal the cache-off run."""
+    prefix's last blocks, so it is served from the cache although the blocks before the window
+    were freed as soon as the window passed them (no boundary needs them); outputs equal the
+    cache-off run."""
     art = deepfuse.compile(swa_model)
     prefix = [(7 * i) % 120 for i in range(40)]
     prompts = [prefix + [100 + i, 3, 4] for i in range(4)]
@@ -472,11 +473,12 @@ def test_sliding_window_prefix_cache_needs_only_the_windows_blocks(swa_model):
     eng = engine(art, num_blocks=32)
     first = eng.generate(prompts[:1], [GREEDY])[0]
     assert first.outputs[0].token_ids == want[0] and first.num_cached_tokens == 0
-    # the window policy released the prefix's early blocks while the request ran (least recently
-    # used now); an unrelated request of 80 tokens takes the free blocks and evicts the oldest
-    other = eng.generate([[1 + i % 50 for i in range(80)]], [SamplingParams(temperature=0, max_tokens=1)])[0]
-    assert other.outputs[0].finish_reason == "length" and eng.kv.pool.evictions > 0
+    # the window policy released the prefix's early blocks while the request ran, unnamed: only
+    # the windows before its prompt's boundary (43 tokens: blocks 8 and 9) and its end stay cached
     assert not eng.kv.pool.holds(block_hash(b"", prefix[:4]))  # the prefix's block 0 is gone
+    assert eng.kv.usage()["blocks_cached_unused"] == 2 + 2 and eng.kv.pool.evictions == 0
+    other = eng.generate([[1 + i % 50 for i in range(80)]], [SamplingParams(temperature=0, max_tokens=1)])[0]
+    assert other.outputs[0].finish_reason == "length"
     computed = eng.stats.prompt_tokens_computed
     got = eng.generate(prompts[1:], [GREEDY] * 3)
     assert tokens(got) == want[1:]

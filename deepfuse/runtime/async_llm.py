@@ -31,6 +31,11 @@ from .llm import LLM, prompt_text
 from .outputs import RequestOutput, merge_completions, request_output
 from .request import SamplingParams, completion_seed
 
+
+class EngineFailure(RuntimeError):
+    """The engine failed (a step raised, or its thread stopped): not the request's fault."""
+
+
 _TAKEN = "taken"  # the first item of a stream: the engine has taken the request
 RATE_WINDOW_S = 10.0  # EngineStats.tokens_per_s is measured over this many seconds
 IDLE_PUBLISH_S = 1.0  # an idle engine thread still publishes its stats this often
@@ -110,7 +115,7 @@ class AsyncLLM:
         """Queues a request and waits until the engine has taken it (DeepfuseError if it cannot
         run); returns its outputs as generate() yields them."""
         if self._errored is not None:
-            raise DeepfuseError(f"the engine stopped: {self._errored}")
+            raise EngineFailure(f"the engine stopped: {self._errored}")
         params = sampling_params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise DeepfuseError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
@@ -165,7 +170,7 @@ class AsyncLLM:
         except BaseException as e:  # a bug: fail every stream rather than leave it waiting
             self._errored = e
             for s in list(self._streams.values()):
-                s.put(DeepfuseError(f"the engine stopped: {e}"))
+                s.put(EngineFailure(f"the engine stopped: {e}"))
             raise
 
     def _serve(self) -> None:
@@ -240,7 +245,7 @@ class AsyncLLM:
                 for eid in s.ids:
                     self.engine.abort(eid)
                 self._close(s)
-                s.put(DeepfuseError(f"the engine failed in a step: {e}"))
+                s.put(EngineFailure(f"the engine failed in a step: {e}"))
             return
         for out in finished:
             s = self._owner.get(out.request_id)

@@ -27,7 +27,7 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response, Strea
 from starlette.routing import Route
 
 from ..errors import DeepfuseError
-from ..runtime.async_llm import AsyncLLM
+from ..runtime.async_llm import AsyncLLM, EngineFailure
 from ..runtime.outputs import RequestOutput
 from ..runtime.request import SamplingParams
 from .metrics import ServerMetrics
@@ -67,6 +67,8 @@ def build_app(llm: AsyncLLM, model_name: str, api_key: str | None = None, max_bo
                 return e.response()
             except DeepfuseError as e:
                 return ApiError(400, str(e), param=_field_named(str(e))).response()
+            except EngineFailure as e:
+                return ApiError(500, str(e), "internal_server_error").response()
             except Exception as e:  # a bug: the client gets its name, stderr the traceback
                 traceback.print_exc(file=sys.stderr)
                 return ApiError(500, f"internal error: {type(e).__name__}", "internal_server_error").response()
@@ -227,7 +229,7 @@ def sse(llm: AsyncLLM, outputs: list[AsyncIterator[RequestOutput]], chunks: Call
             last = closing(finals)
             if last is not None:
                 yield f"data: {json.dumps(last)}\n\n"
-        except DeepfuseError as e:
+        except EngineFailure as e:
             body = {"error": {"message": str(e), "type": "internal_server_error", "param": None, "code": None}}
             yield f"data: {json.dumps(body)}\n\n"
         yield "data: [DONE]\n\n"

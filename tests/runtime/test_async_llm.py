@@ -7,7 +7,7 @@ import pytest
 
 from deepfuse import LLM, SamplingParams
 from deepfuse.errors import DeepfuseError
-from deepfuse.runtime.async_llm import AsyncLLM
+from deepfuse.runtime.async_llm import AsyncLLM, EngineFailure
 
 GREEDY = SamplingParams(temperature=0, max_tokens=10)
 
@@ -134,7 +134,7 @@ def test_a_step_that_raises_fails_the_requests_in_flight_and_the_engine_goes_on(
         return real()
 
     async def main():
-        with pytest.raises(DeepfuseError, match="the engine failed in a step: injected fault"):
+        with pytest.raises(EngineFailure, match="the engine failed in a step: injected fault"):
             await collect(served, "The capital of France is", GREEDY, "doomed")
         engine._run_step = real
         return await collect(served, "The sky is", GREEDY, "after")

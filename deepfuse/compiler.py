@@ -9,7 +9,8 @@ from .codegen.artifact import CompiledModel
 from .errors import DeepfuseError
 from .frontend import trace
 from .ir import DTYPES, Graph
-from .models import Llama, build_model, load_model, step_specs
+from .models import build_model, load_model, step_specs
+from .models.family import Model
 from .passes import PassManager, cleanup_passes, fusion_passes
 from .runtime.tokenizer import Tokenizer
 
@@ -49,11 +50,11 @@ def compile_graph(graph: Graph, target: str = "cpu", fuse: bool = True, dump_dir
     return CompiledGraph(graph, plan, target, tgt.make_runner(plan, graph.weights, files), [vars(r) for r in reports])
 
 
-def compile(model: str | Llama | Graph, target: str = "cpu", dtype: str = "f32", fuse: bool = True,
+def compile(model: str | Model | Graph, target: str = "cpu", dtype: str = "f32", fuse: bool = True,
             dump_dir: str | None = None, tokenizer: Tokenizer | None = None, quant: str | None = None,
             batch_invariant: bool = False, kv_cache_dtype: str | None = None, allow_host_steps: bool = False):
-    """Compiles `model` (a name/path that load_model accepts, or a model: Llama, Gemma3) for `target`; a traced
-    ir.Graph instead gives a CompiledGraph (compile_graph).
+    """Compiles `model` (a name/path that load_model accepts, or a model of a registered family) for
+    `target`; a traced ir.Graph instead gives a CompiledGraph (compile_graph).
     allow_host_steps (ascend950): build even where an op would run its reference on the host
         (the plan's and manifest's host_steps list them); without it such a build is refused.
     quant: None, "int4" (weight-only, 4-bit groups of 32) or "w8a8" (int8 weights, int8

@@ -107,3 +107,9 @@ def test_a_symbolic_link_or_a_malformed_manifest_is_refused(artifact, tmp_path):
         d = clone(artifact, tmp_path / f"no-{key}")
         edit_manifest(d, lambda m, key=key: m.pop(key))
         refused(d, f"manifest.json has no valid '{key}'")
+
+
+def test_an_unknown_model_family_is_refused(artifact, tmp_path):
+    d = clone(artifact, tmp_path / "family")
+    edit_manifest(d, lambda m: m["model"].update(family="nosuch"))
+    refused(d, r"model family 'nosuch' is unknown \(known: .*gemma3.*llama")

@@ -23,8 +23,7 @@ from safetensors.torch import save_file
 
 from .. import __version__
 from ..ir import Graph, TensorType, print_graph
-from ..models.gemma3 import Gemma3Config
-from ..models.llama import LlamaConfig
+from ..models.family import ModelConfig
 from ..runtime.tokenizer import Tokenizer
 from .targets import Runner
 
@@ -50,7 +49,7 @@ class CompiledModel:
     plan: dict
     target: str
     dtype: str
-    config: LlamaConfig | Gemma3Config
+    config: ModelConfig  # the family's config (models/family.py)
     tokenizer: Tokenizer | None
     runner: Runner
     passes: list[dict] = field(default_factory=list)  # [{name, id, seconds, nodes_before, nodes_after}]

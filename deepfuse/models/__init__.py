@@ -1,36 +1,34 @@
 """Model families and loaders. `load_model(spec)` -> (model, Tokenizer).
 
 spec: a packaged model's name ("smollm2", the default, or "gemma3"; see packaged.py), a .gguf
-file, or a Hugging Face checkpoint directory. FAMILIES maps a config's `family` to its config
-class and model class; every family not listed there is Llama's (Llama, Qwen, Mixtral, ...).
+file, or a Hugging Face checkpoint directory. Each family registers itself (models/family.py);
+the imports below load every built-in family. Everything else finds a family by name through
+the registry: `config_from_dict` and `build_model` here, the loaders by GGUF architecture or
+config.json model_type.
 """
 from __future__ import annotations
 
 import os
 
 from ..errors import DeepfuseError
+from . import gemma3_family, llama_family, yoco  # noqa: F401  (each registers its family)
+from .family import Family, families, family_by_name, family_for_gguf_arch, family_for_hf_model_type, register
 from .gemma3 import Gemma3, Gemma3Config
 from .llama import Llama, LlamaConfig, step_specs
-from .yoco import Yoco, YocoConfig
 from .packaged import NAMED, gemma3_gguf_path, smollm2_gguf_path
+from .yoco import Yoco, YocoConfig
 
 DEFAULT_MODEL = "smollm2"
-FAMILIES = {"gemma3": (Gemma3Config, Gemma3), "yoco_swa": (YocoConfig, Yoco)}
-
-
-def family_of(name: str) -> tuple[type, type]:
-    """(config class, model class) of a config's `family`."""
-    return FAMILIES.get(name, (LlamaConfig, Llama))
 
 
 def config_from_dict(d: dict):
-    """A model config from its to_dict() (as artifacts store it)."""
-    return family_of(d.get("family", "llama"))[0].from_dict(d)
+    """A model config from its to_dict() (as artifacts store it); its `family` picks the class."""
+    return family_by_name(d.get("family", "llama")).config.from_dict(d)
 
 
 def build_model(config, weights):
     """The family's model class over `weights`."""
-    return family_of(config.family)[1](config, weights)
+    return family_by_name(config.family).model(config, weights)
 
 
 def resolve_model_path(spec: str) -> str:
@@ -43,7 +41,7 @@ def resolve_model_path(spec: str) -> str:
 
 
 def load_model(spec: str, with_tokenizer: bool = True):
-    """Returns (Llama or Gemma3 with fp32 weights, Tokenizer or None)."""
+    """Returns (the family's model with fp32 weights, Tokenizer or None)."""
     from ..runtime.tokenizer import tokenizer_from_gguf, tokenizer_from_hf_dir
 
     path = resolve_model_path(spec)
@@ -57,12 +55,16 @@ def load_model(spec: str, with_tokenizer: bool = True):
 
         config, weights = load_hf_dir(path)
         tok = tokenizer_from_hf_dir(path) if with_tokenizer else None
+    family = family_by_name(config.family)
+    if tok is not None:
+        tok.add_defaults(family.chat_template, family.eos_tokens)
     try:
-        return build_model(config, weights), tok
+        return family.model(config, weights), tok
     except ValueError as e:
         raise DeepfuseError(f"{path}: {e}") from None
 
 
-__all__ = ["DEFAULT_MODEL", "FAMILIES", "Gemma3", "Gemma3Config", "Llama", "LlamaConfig", "build_model",
-           "config_from_dict", "family_of", "gemma3_gguf_path", "load_model", "resolve_model_path",
+__all__ = ["DEFAULT_MODEL", "Family", "Gemma3", "Gemma3Config", "Llama", "LlamaConfig", "Yoco", "YocoConfig",
+           "build_model", "config_from_dict", "families", "family_by_name", "family_for_gguf_arch",
+           "family_for_hf_model_type", "gemma3_gguf_path", "load_model", "register", "resolve_model_path",
            "smollm2_gguf_path", "step_specs"]

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .family import Family, register
 from .gemma3 import Gemma3, Gemma3Config
 
 
@@ -28,3 +29,6 @@ class YocoConfig(Gemma3Config):
 
 class Yoco(Gemma3):
     sliding_kv_from_embeddings = True
+
+
+register(Family("yoco_swa", YocoConfig, Yoco))  # random-weight tests only: no checkpoint formats

@@ -20,7 +20,7 @@ from ..codegen import get_target
 from ..codegen.artifact import FORMAT_VERSION, CompiledModel, sha256_file
 from ..errors import DeepfuseError
 from ..ir import parse_graph, verify
-from ..models import config_from_dict
+from ..models import family_by_name
 from .tokenizer import Tokenizer
 
 REQUIRED = ("graph.ir", "plan.json", "weights.safetensors")  # read by every load
@@ -107,11 +107,20 @@ def present_files(directory: str) -> list[str]:
     return sorted(out)
 
 
+def model_config(m: dict, directory: str):
+    """The model config, read by the class of the manifest's model family (models/family.py)."""
+    try:
+        return family_by_name(m["model"].get("family", "llama")).config.from_dict(m["model"]["config"])
+    except DeepfuseError as e:
+        raise DeepfuseError(f"artifact {directory}: {e}") from None
+
+
 def load(directory: str, target: str | None = None, digest: str | None = None) -> CompiledModel:
     """Loads a verified artifact. `target` (optional) must match the artifact's; `digest`
     (optional, "sha256:<hex>" as `deepfuse compile` prints it) pins the whole artifact."""
     m = read_manifest(directory, digest)
     check_manifest(m, directory, target)
+    config = model_config(m, directory)
     tgt = get_target(m["target"])
     with open(os.path.join(directory, "graph.ir")) as f:
         graph = parse_graph(f.read())
@@ -125,5 +134,5 @@ def load(directory: str, target: str | None = None, digest: str | None = None) -
         if name.startswith("kernels/"):
             with open(os.path.join(directory, name), "rb") as f:
                 files[name] = f.read()
-    return CompiledModel(graph, plan, m["target"], m["dtype"], config_from_dict(m["model"]["config"]),
+    return CompiledModel(graph, plan, m["target"], m["dtype"], config,
                          tok, tgt.make_runner(plan, graph.weights, files), m["passes"], m.get("quant"), files)

@@ -1,9 +1,10 @@
 """Tokenizer: a `tokenizers.Tokenizer` plus special ids and the chat template.
 
-Built once from GGUF metadata or a HF directory (through transformers' converter),
-then stored in artifacts as tokenizer.json + tokenizer_config.json, which load fast. A GGUF's
-tokenizer is also cached under ~/.cache/deepfuse/tokenizers/<the file's sha256>/ (Gemma's
-262k-entry vocabulary takes ~30 s to convert).
+Built once from GGUF metadata or a HF directory (through transformers' converter), given the model
+family's fix-ups (add_defaults; models.load_model applies them), then stored in artifacts as
+tokenizer.json + tokenizer_config.json, which load fast. A GGUF's tokenizer is also cached under
+~/.cache/deepfuse/tokenizers/<the file's sha256>/ (Gemma's 262k-entry vocabulary takes ~30 s to
+convert).
 """
 from __future__ import annotations
 
@@ -45,6 +46,16 @@ class Tokenizer:
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
         return env.from_string(self.chat_template).render(
             messages=messages, add_generation_prompt=True, **self.special)
+
+    def add_defaults(self, chat_template: str | None, eos_tokens: tuple[str, ...]) -> Tokenizer:
+        """A model family's fix-ups: its chat template where the checkpoint brings none, and the
+        tokens that also end a generation (Gemma's <end_of_turn>) where the vocabulary has them."""
+        self.chat_template = self.chat_template or chat_template
+        for token in eos_tokens:
+            i = self.backend.token_to_id(token)
+            if i is not None and i not in self.eos_ids:
+                self.eos_ids.append(i)
+        return self
 
     def save(self, directory: str) -> list[str]:
         self.backend.save(os.path.join(directory, "tokenizer.json"))
@@ -92,18 +103,11 @@ def tokenizer_from_gguf(path: str, reader, cache_dir: str | None = None) -> Toke
 def build_tokenizer_from_gguf(path: str, reader) -> Tokenizer:
     from transformers import AutoTokenizer
 
-    from ..models import gemma3
-
     tok = AutoTokenizer.from_pretrained(os.path.dirname(os.path.abspath(path)), gguf_file=os.path.basename(path))
     f = reader.fields.get("tokenizer.chat_template")
     out = Tokenizer.from_transformers(tok, f.contents() if f is not None else None)
     add_bos = reader.fields.get("tokenizer.ggml.add_bos_token")
     out.add_bos = bool(add_bos.contents()) if add_bos is not None else out.add_bos
-    arch = reader.fields.get("general.architecture")
-    if arch is not None and arch.contents() == "gemma3":  # chat turns end with <end_of_turn>, not <eos>
-        out.chat_template = out.chat_template or gemma3.CHAT_TEMPLATE
-        end = tok.convert_tokens_to_ids(gemma3.END_OF_TURN)
-        out.eos_ids += [end] if isinstance(end, int) and end not in out.eos_ids else []
     return out
 
 

@@ -38,7 +38,8 @@ def deepfuse_runner(dtype: str, ids: list[int], n: int, model, quant: str | None
 
     def run() -> dict:
         r = eng.generate([ids], [p])[0]
-        return {"prefill_tps": len(ids) / r.ttft_s, "decode_tps": (n - 1) / (r.total_s - r.ttft_s)}
+        return {"prefill_tps": len(ids) / r.metrics.ttft_s,
+                "decode_tps": (n - 1) / (r.metrics.total_s - r.metrics.ttft_s)}
 
     return run
 

@@ -221,7 +221,7 @@ def engine_check(cpu, loaded, vocab: int, dry: bool) -> dict:
         t = time.perf_counter()
         res = Engine(m, CacheConfig(block_size=16, num_blocks=128), max_num_tokens=64, max_num_seqs=4).generate(
             prompts, params, use_tqdm=False)
-        outs[name] = ([r.token_ids for r in res], time.perf_counter() - t)
+        outs[name] = ([r.outputs[0].token_ids for r in res], time.perf_counter() - t)
     return {"requests": n, "equal": outs["cpu"][0] == outs["sm90"][0], "cpu_tokens": outs["cpu"][0],
             "sm90_tokens": outs["sm90"][0], "cpu_s": outs["cpu"][1], "sm90_s": outs["sm90"][1]}
 

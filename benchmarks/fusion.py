@@ -59,7 +59,7 @@ def decode_step_ms(art, tokens: int, runs: int) -> float:
     times = []
     for _ in range(runs):
         out = eng.generate([prompt], [p])[0]
-        times.append((out.token_times[-1] - out.token_times[0]) / (tokens - 1) * 1000)
+        times.append((out.outputs[0].token_times[-1] - out.outputs[0].token_times[0]) / (tokens - 1) * 1000)
     return statistics.median(times)
 
 

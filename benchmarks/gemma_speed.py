@@ -42,8 +42,8 @@ def deepfuse_single(eng, ids: list[int], n: int) -> tuple[float, float]:
     from deepfuse.runtime.engine import SamplingParams
 
     out = eng.generate([ids], [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)])[0]
-    t = out.token_times
-    return (len(t) - 1) / (t[-1] - t[0]), len(ids) / out.ttft_s
+    t = out.outputs[0].token_times
+    return (len(t) - 1) / (t[-1] - t[0]), len(ids) / out.metrics.ttft_s
 
 
 def deepfuse_batch(eng, prompts) -> dict:
@@ -53,7 +53,8 @@ def deepfuse_batch(eng, prompts) -> dict:
     t = time.perf_counter()
     outs = eng.generate(prompts, [p] * len(prompts))
     wall = time.perf_counter() - t
-    return summary(wall, [o.ttft_s for o in outs], [o.tpot_s for o in outs], sum(len(o.token_ids) for o in outs))
+    return summary(wall, [o.metrics.ttft_s for o in outs], [o.metrics.tpot_s for o in outs],
+                   sum(len(o.outputs[0].token_ids) for o in outs))
 
 
 class LlamaCpp:

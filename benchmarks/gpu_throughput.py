@@ -71,9 +71,10 @@ def run_deepfuse(art, prompts, out_tokens: int) -> dict:
     t = time.perf_counter()
     outs = engine.generate(prompts, [p] * len(prompts), use_tqdm=False)
     wall = time.perf_counter() - t
-    if not all(len(o.token_ids) == out_tokens for o in outs):
-        raise RuntimeError(f"deepfuse returned {[len(o.token_ids) for o in outs]} tokens, not {out_tokens} each")
-    return summary(wall, [o.ttft_s for o in outs], [o.tpot_s for o in outs], sum(len(o.token_ids) for o in outs))
+    if not all(len(o.outputs[0].token_ids) == out_tokens for o in outs):
+        raise RuntimeError(f"deepfuse returned {[len(o.outputs[0].token_ids) for o in outs]} tokens, not {out_tokens} each")
+    return summary(wall, [o.metrics.ttft_s for o in outs], [o.metrics.tpot_s for o in outs],
+                   sum(len(o.outputs[0].token_ids) for o in outs))
 
 
 def profile(art, prompts, path: str) -> None:

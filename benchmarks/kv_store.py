@@ -45,7 +45,7 @@ def child(args) -> None:
     out = eng.generate([ids], [SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)])[0]
     if eng.kv.store is not None:
         eng.kv.store.flush()
-    print(json.dumps({"ttft_s": out.ttft_s, "tokens": out.token_ids, "cached": out.num_cached_tokens,
+    print(json.dumps({"ttft_s": out.metrics.ttft_s, "tokens": out.outputs[0].token_ids, "cached": out.num_cached_tokens,
                       "prompt_tokens": len(ids)}))
 
 

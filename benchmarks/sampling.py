@@ -57,7 +57,7 @@ def main() -> None:
             p = SamplingParams(temperature=0.8, seed=1, max_tokens=args.tokens, ignore_eos=True, **extra)
             t = time.perf_counter()
             outs = eng.generate(prompts, [p] * len(prompts))
-            tps[name].append(sum(len(o.token_ids) for o in outs) / (time.perf_counter() - t))
+            tps[name].append(sum(len(o.outputs[0].token_ids) for o in outs) / (time.perf_counter() - t))
             print(f"round {round_ + 1}, {name}: {tps[name][-1]:.1f} tok/s", flush=True)
     print(f"\n64 requests x {args.tokens} tokens, {args.dtype}{'+' + args.quant if args.quant else ''}, "
           f"medians of {args.runs} round(s)")

@@ -84,13 +84,13 @@ def run(art, batch: list[list[int]], tokens: int, spec, draft=None, max_num_seqs
     t = time.perf_counter()
     outs = eng.generate(batch, params)
     dt = time.perf_counter() - t
-    gen = sum(len(o.token_ids) for o in outs)
+    gen = sum(len(o.outputs[0].token_ids) for o in outs)
     s = eng.spec_stats
     stats = {"acceptance_rate": s.acceptance_rate, "mean_accepted_length": s.mean_accepted_length,
              "verified_per_step": s.verified_per_step, "steps": eng.stats.steps}
     if grid is not None:
         stats["modelled_tok_s"] = gen / (sum(grid.predict(*shape) for shape in steps.shapes) / 1000)
-    return gen / dt, [o.token_ids for o in outs], stats
+    return gen / dt, [o.outputs[0].token_ids for o in outs], stats
 
 
 def mtp_head(art, dtype: str) -> str:

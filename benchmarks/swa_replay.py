@@ -106,7 +106,7 @@ def run_batch(eng: Engine, firsts: FirstTokenLogprobs, prompts: list[list[int]],
     """Every prompt in one generate call (the build is batch-invariant: each gets the tokens it
     would get alone): ([tokens], [first token's log-probabilities])."""
     outs = eng.generate(prompts, [params] * len(prompts))
-    return [o.token_ids for o in outs], [firsts.by_request.pop(o.request_id) for o in outs]
+    return [o.outputs[0].token_ids for o in outs], [firsts.by_request.pop(o.request_id) for o in outs]
 
 
 def memory(config) -> dict:
@@ -134,7 +134,7 @@ def long_sequence(art, config, budget_tokens: int, length: int) -> dict:
     t0 = time.perf_counter()
     out = eng.generate([ids], [SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)])[0]
     return {"all_full_cache_tokens": budget_tokens, "hybrid_full_group_blocks": num_blocks,
-            "hybrid_sliding_group_blocks": sliding, "sequence_tokens": length + 8, "finish_reason": out.finish_reason,
+            "hybrid_sliding_group_blocks": sliding, "sequence_tokens": length + 8, "finish_reason": out.outputs[0].finish_reason,
             "seconds": round(time.perf_counter() - t0, 1)}
 
 
@@ -196,11 +196,11 @@ def main() -> None:
     cold_t, replay_t, computed = [], [], {}
     for _ in range(args.runs):
         before = full_eng.stats.prompt_tokens_computed
-        cold_t.append(full_eng.generate([ids], [one])[0].ttft_s)
+        cold_t.append(full_eng.generate([ids], [one])[0].metrics.ttft_s)
         computed["full"] = full_eng.stats.prompt_tokens_computed - before
         replay_eng.generate([ids[:args.work_prefix]], [one])
         before = replay_eng.stats.prompt_tokens_computed
-        replay_t.append(replay_eng.generate([ids], [one])[0].ttft_s)
+        replay_t.append(replay_eng.generate([ids], [one])[0].metrics.ttft_s)
         computed["replay"] = replay_eng.stats.prompt_tokens_computed - before
     layers = config.num_layers
     result["work"] = {"cached_prefix": args.work_prefix, "new_tokens": args.new, "replay_tokens": 512,

@@ -79,8 +79,9 @@ def run_deepfuse(model, prompts, warmup, dtype: str, quant: str | None, batch_in
     t = time.perf_counter()
     outs = eng.generate(prompts, [p] * len(prompts))
     wall = time.perf_counter() - t
-    assert all(len(o.token_ids) == OUT_TOKENS for o in outs)
-    result = summary(wall, [o.ttft_s for o in outs], [o.tpot_s for o in outs], sum(len(o.token_ids) for o in outs))
+    assert all(len(o.outputs[0].token_ids) == OUT_TOKENS for o in outs)
+    result = summary(wall, [o.metrics.ttft_s for o in outs], [o.metrics.tpot_s for o in outs],
+                     sum(len(o.outputs[0].token_ids) for o in outs))
     if ngram:
         result["acceptance_rate"] = eng.spec_stats.acceptance_rate
         result["mean_accepted_length"] = eng.spec_stats.mean_accepted_length

@@ -10,9 +10,12 @@ __version__ = "0.1.0"
 from .compiler import compile
 from .errors import DeepfuseError
 from .frontend import Spec, trace
-from .runtime.engine import RequestOutput, SamplingParams
+from .runtime.engine import SamplingParams
 from .runtime.llm import LLM
 from .runtime.loader import load
+from .runtime.outputs import CompletionOutput, RequestOutput
 from .runtime.spec import SpecConfig
+from .runtime.structured import StructuredOutputsParams
 
-__all__ = ["LLM", "DeepfuseError", "RequestOutput", "SamplingParams", "Spec", "SpecConfig", "compile", "load", "trace"]
+__all__ = ["LLM", "CompletionOutput", "DeepfuseError", "RequestOutput", "SamplingParams", "Spec", "SpecConfig",
+           "StructuredOutputsParams", "compile", "load", "trace"]

@@ -1,4 +1,4 @@
-"""The `deepfuse` command: generate, compile, ir, train-drafter.
+"""The `deepfuse` command: generate, serve, compile, ir, train-drafter.
 
 Only generated text goes to stdout; progress and logs go to stderr. A DeepfuseError
 (bad input) prints one line and exits 2.
@@ -24,6 +24,32 @@ def _add_invariant_arg(p: argparse.ArgumentParser) -> None:
                    help="one kernel per op for every batch shape: a request's tokens never depend on its batch")
 
 
+def _add_spec_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--speculate", type=int, default=0, metavar="K",
+                   help="speculative decoding with the n-gram drafter, up to K drafts per step (same output)")
+    p.add_argument("--draft-head", metavar="FILE",
+                   help="with --speculate: draft with this MTP head (from train-drafter) instead of n-grams")
+
+
+def _build_llm(args: argparse.Namespace, **engine):
+    """The LLM the model, artifact and speculation arguments ask for."""
+    from .errors import DeepfuseError
+    from .runtime.llm import LLM
+    from .runtime.spec import SpecConfig
+
+    if args.draft_head and not args.speculate:
+        raise DeepfuseError("--draft-head needs --speculate K (the most drafts verified per step)")
+    method = dict(method="mtp", draft_head=args.draft_head) if args.draft_head else {}
+    spec = SpecConfig(num_draft_tokens=args.speculate, **method) if args.speculate else None
+    if args.artifact_digest and not args.artifact:
+        raise DeepfuseError("--artifact-digest pins an artifact: give it with --artifact DIR")
+    if args.artifact:
+        return LLM(artifact=args.artifact, spec=spec, batch_invariant=args.batch_invariant,
+                   artifact_digest=args.artifact_digest, **engine)
+    return LLM(args.model, dtype=args.dtype, quant=args.quant, spec=spec, batch_invariant=args.batch_invariant,
+               kv_cache_dtype=args.kv_cache_dtype, **engine)
+
+
 def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="deepfuse", description="compiler-driven LLM inference")
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -45,10 +71,21 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--presence-penalty", type=float, default=0.0)
     g.add_argument("--frequency-penalty", type=float, default=0.0)
     g.add_argument("--min-tokens", type=int, default=0, help="no end of text before this many tokens")
-    g.add_argument("--speculate", type=int, default=0, metavar="K",
-                   help="speculative decoding with the n-gram drafter, up to K drafts per step (same output)")
-    g.add_argument("--draft-head", metavar="FILE",
-                   help="with --speculate: draft with this MTP head (from train-drafter) instead of n-grams")
+    _add_spec_args(g)
+    v = sub.add_parser("serve", help="serve an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions)")
+    _add_model_args(v)
+    _add_invariant_arg(v)
+    _add_spec_args(v)
+    v.add_argument("--artifact", help="a compiled artifact directory (loaded, not recompiled)")
+    v.add_argument("--artifact-digest", help="sha256:... as `deepfuse compile` printed it: refuse any other artifact")
+    v.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
+    v.add_argument("--port", type=int, default=8000)
+    v.add_argument("--api-key", help="require `Authorization: Bearer KEY` on /v1 routes")
+    v.add_argument("--served-model-name", help="the model name clients give (default: --model, or the artifact's directory)")
+    v.add_argument("--num-blocks", type=int, default=1024, help="KV cache blocks (of 16 tokens)")
+    v.add_argument("--max-num-seqs", type=int, default=64, help="most requests in one step")
+    v.add_argument("--max-num-tokens", type=int, default=512, help="token budget of one step")
+    v.add_argument("--max-request-bytes", type=int, default=1 << 20, help="larger request bodies get 413")
     t = sub.add_parser("train-drafter", help="train an MTP draft head on the model's own outputs (CPU, minutes)")
     _add_model_args(t)
     t.add_argument("-o", "--output", required=True, help="the head file to write (.safetensors)")
@@ -74,22 +111,10 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _generate(args: argparse.Namespace) -> None:
-    from .errors import DeepfuseError
     from .runtime.detokenize import IncrementalText, find_stop
     from .runtime.engine import SamplingParams
-    from .runtime.llm import LLM
-    from .runtime.spec import SpecConfig
 
-    if args.draft_head and not args.speculate:
-        raise DeepfuseError("--draft-head needs --speculate K (the most drafts verified per step)")
-    method = dict(method="mtp", draft_head=args.draft_head) if args.draft_head else {}
-    spec = SpecConfig(num_draft_tokens=args.speculate, **method) if args.speculate else None
-    if args.artifact_digest and not args.artifact:
-        raise DeepfuseError("--artifact-digest pins an artifact: give it with --artifact DIR")
-    llm = LLM(artifact=args.artifact, spec=spec, batch_invariant=args.batch_invariant,
-              artifact_digest=args.artifact_digest) if args.artifact else \
-        LLM(args.model, dtype=args.dtype, quant=args.quant, spec=spec, batch_invariant=args.batch_invariant,
-            kv_cache_dtype=args.kv_cache_dtype)
+    llm = _build_llm(args)
     tok = llm.tokenizer
     prompt = args.prompt if args.no_chat else tok.render_chat([{"role": "user", "content": args.prompt}])
     params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
@@ -118,11 +143,11 @@ def _generate(args: argparse.Namespace) -> None:
     out = llm.generate([prompt], params, on_token)[0]
     if out.error is not None:
         raise out.error
-    sys.stdout.write(out.text[printed:] + "\n")
-    n = len(out.token_ids)
-    spec_note = f", drafts accepted {out.spec.acceptance_rate:.0%}" if out.spec is not None else ""
-    print(f"[{n} tokens, {out.total_s:.2f}s, first token {out.ttft_s * 1000:.0f} ms, "
-          f"finish: {out.finish_reason}{spec_note}]", file=sys.stderr)
+    done, m = out.outputs[0], out.metrics
+    sys.stdout.write(done.text[printed:] + "\n")
+    spec_note = f", drafts accepted {m.spec.acceptance_rate:.0%}" if m.spec is not None else ""
+    print(f"[{len(done.token_ids)} tokens, {m.total_s:.2f}s, first token {m.ttft_s * 1000:.0f} ms, "
+          f"finish: {done.finish_reason}{spec_note}]", file=sys.stderr)
 
 
 def read_prompts(path: str, tokenizer, chat: bool) -> list[list[int]]:
@@ -272,12 +297,30 @@ def stats_table(graph, reports) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _serve(args: argparse.Namespace) -> None:
+    from .errors import DeepfuseError
+
+    try:
+        from .serve import serve
+    except ImportError as e:
+        raise DeepfuseError(f"`deepfuse serve` needs the server packages ({e.name} is missing): "
+                            "pip install -e '.[serve]'") from None
+    for name in ("port", "num_blocks", "max_num_seqs", "max_num_tokens", "max_request_bytes"):
+        if getattr(args, name) < 1:
+            raise DeepfuseError(f"--{name.replace('_', '-')} must be >= 1")
+    llm = _build_llm(args, num_blocks=args.num_blocks, max_num_seqs=args.max_num_seqs,
+                     max_num_tokens=args.max_num_tokens)
+    name = args.served_model_name or (os.path.basename(os.path.normpath(args.artifact)) if args.artifact else args.model)
+    serve(llm, name, host=args.host, port=args.port, api_key=args.api_key, max_body_bytes=args.max_request_bytes)
+
+
 def main(argv: list[str] | None = None) -> int:
     from .errors import DeepfuseError
 
     args = _parser().parse_args(argv)
     try:
-        {"generate": _generate, "compile": _compile, "ir": _ir, "train-drafter": _train_drafter}[args.cmd](args)
+        commands = {"generate": _generate, "serve": _serve, "compile": _compile, "ir": _ir, "train-drafter": _train_drafter}
+        commands[args.cmd](args)
     except DeepfuseError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -209,11 +209,11 @@ def check_spec_accounting(eng, outs, k: int) -> None:
     """Speculation's counts add up: the engine's are the requests' sums, some drafts were
     verified, at most k a verification, none kept that was not verified, and a request that ran to
     max_tokens gained its prefill's token plus, per verification, its kept drafts and one more."""
-    stats = [o.spec for o in outs]
+    stats = [o.metrics.spec for o in outs]
     assert eng.spec_stats.verifications == sum(s.verifications for s in stats) > 0
     assert eng.spec_stats.drafted == sum(s.drafted for s in stats)
     assert eng.spec_stats.accepted == sum(s.accepted for s in stats)
     for o, s in zip(outs, stats):
         assert s.verifications <= s.drafted <= k * s.verifications and s.accepted <= s.drafted
-        if o.finish_reason == "length":
-            assert len(o.token_ids) >= 1 + s.verifications + s.accepted
+        if o.outputs[0].finish_reason == "length":
+            assert len(o.outputs[0].token_ids) >= 1 + s.verifications + s.accepted

@@ -27,6 +27,9 @@ def last_line(err: str) -> str:
     (["generate", "--artifact", "/no/such/dir", "hi"], "error: artifact directory not found"),
     (["compile", "--target", "sm90", "--batch-invariant", "-o", "/tmp/x"],
      "error: batch_invariant is implemented for the cpu target, not 'sm90'"),
+    (["serve", "--model", "nope"], "error: unknown model 'nope'"),
+    (["serve", "--port", "0"], "error: --port must be >= 1"),
+    (["serve", "--artifact-digest", "sha256:00"], "error: --artifact-digest pins an artifact"),
 ])
 def test_bad_input_one_line_exit_2(capsys, argv, message):
     rc, out, err = run_main(capsys, *argv)

@@ -10,7 +10,9 @@ batch (prefill and decode share the compiled step); see scheduler.py for the pol
 `spec=SpecConfig(...)`, a decoding request's chunk also carries draft tokens that the same
 step verifies (see spec.py).
 `generate()` runs a list of requests to completion; a request that is invalid comes back
-with finish_reason "error" and the others still run.
+with finish_reason "error" and the others still run. Outputs are outputs.py's RequestOutput
+(vLLM's shape): step() and abort() give one per finished engine request, with its one
+completion; generate() one per prompt, with its n completions.
 """
 from __future__ import annotations
 
@@ -35,9 +37,11 @@ from ..models.cache_groups import CacheGroup, cache_groups
 from .latency import measure_latency
 from .logprobs import RowLogprobs, logprob_rows, take_prompt_logprobs
 from .mtp import MtpDrafter
-from .request import Request, RequestOutput, SamplingParams, completion_seed
+from .outputs import RequestOutput, error_output, merge_completions, request_output
+from .request import Request, SamplingParams, completion_seed
 from .scheduler import Scheduler, SchedulerConfig
 from .spec import ModelDrafter, NgramDrafter, SpecConfig, SpecStats, choose_drafts
+from .structured import Grammars
 
 __all__ = ["Engine", "EngineStats", "RequestOutput", "SamplingParams"]
 
@@ -145,6 +149,8 @@ class Engine:
         if params.allowed_token_ids is not None and params.min_tokens and set(params.allowed_token_ids) <= self._stop_ids(params):
             raise DeepfuseError("allowed_token_ids holds only stop ids (EOS or stop_token_ids), so min_tokens "
                                 "cannot be met")
+        if params.structured_outputs is not None:
+            self.grammars().compile(params.structured_outputs)  # cached: _add takes it from there
 
     def add_request(self, prompt: list[int], params: SamplingParams, request_id: str | None = None) -> str:
         """Queues a request; returns its id. Invalid requests raise and change nothing."""
@@ -167,6 +173,8 @@ class Engine:
         if seed is None:
             seed = params.seed if params.seed is not None else random.getrandbits(62)
         req = Request(request_id, prompt, params, seed, time.perf_counter(), list(prompt))
+        if params.structured_outputs is not None:
+            req.matcher = self.grammars().matcher(params.structured_outputs)
         self.requests[request_id] = req
         self.scheduler.add(req)
         return request_id
@@ -284,6 +292,14 @@ class Engine:
     def _stop_ids(self, p: SamplingParams) -> set[int]:
         return set(p.stop_token_ids) | (set() if p.ignore_eos else self.eos)
 
+    def grammars(self) -> Grammars:
+        """The compiled grammars of structured outputs (made on first use)."""
+        if getattr(self, "_grammars", None) is None:
+            if self.tokenizer is None:
+                raise DeepfuseError("structured outputs need a model with a tokenizer")
+            self._grammars = Grammars(self.tokenizer, self.model.config.vocab_size)
+        return self._grammars
+
     def _host_sampled(self, req: Request) -> bool:
         """Whether req's next token is drawn by host_sampling.py."""
         return needs_host_sampling(req.params, len(req.generated), self._stop_ids(req.params))
@@ -344,9 +360,17 @@ class Engine:
             req.counts.add(tok)
         if p.logprobs is not None:
             req.logprobs.append(logprobs)
+        if req.matcher is not None:  # structured outputs: the drawn token is one the grammar allowed
+            if not req.matcher.accept(tok):
+                req.finish = "abort"
+                return
+            if req.matcher.done:  # complete, its stop token taken
+                req.finish = "stop"
+                return
         stoppable = len(req.generated) >= p.min_tokens
         if stoppable and (tok in p.stop_token_ids or (not p.ignore_eos and tok in self.eos)):
             req.finish = "stop"
+            req.stop_reason = tok if tok in p.stop_token_ids else None
         elif p.stop and self.tokenizer is not None:  # the new tokens' text only (detokenize.py)
             if req.detok is None:
                 req.detok = IncrementalText(self.tokenizer.decode)
@@ -354,29 +378,28 @@ class Engine:
             if req.detok.add(req.generated) and stoppable:
                 at = find_stop(req.detok.text, p.stop, searched)
                 if at >= 0:
+                    stop = next(s for s in p.stop if req.detok.text.startswith(s, at))
                     if p.include_stop_str_in_output:
-                        at += len(next(s for s in p.stop if req.detok.text.startswith(s, at)))
-                    req.stop_text, req.finish = req.detok.text[:at], "stop"
+                        at += len(stop)
+                    req.stop_text, req.finish, req.stop_reason = req.detok.text[:at], "stop", stop
         if req.finish is None and len(req.generated) >= p.max_tokens:
             req.finish = "length"
 
     def _output(self, req: Request) -> RequestOutput:
         text = req.stop_text if req.stop_text is not None else \
             (self.tokenizer.decode(req.generated) if self.tokenizer else "")
-        return RequestOutput(req.request_id, req.prompt, req.generated, text, req.finish or "abort",
-                             ttft_s=req.token_times[0] if req.token_times else 0.0,
-                             total_s=time.perf_counter() - req.arrival, token_times=req.token_times,
-                             logprobs=req.logprobs if req.params.logprobs is not None else None,
-                             prompt_logprobs=req.prompt_logprobs if req.params.prompt_logprobs is not None else None,
-                             num_cached_tokens=req.num_cached_tokens, num_preemptions=req.num_preemptions,
-                             spec=req.spec if self.spec else None)
+        return request_output(req, text, self.token_text, req.finish or "abort", req.spec if self.spec else None)
+
+    def token_text(self, ids: list[int]) -> str:
+        """The text of token ids, special tokens included (logprob entries name their tokens so)."""
+        return self.tokenizer.backend.decode(ids, skip_special_tokens=False) if self.tokenizer else ""
 
     # ---- offline --------------------------------------------------------------------------
 
     def generate(self, prompts: list[list[int]], params: list[SamplingParams],
                  on_token: Callable[[int, int], None] | None = None, use_tqdm: bool = False) -> list[RequestOutput]:
-        """Runs every request to completion, outputs in input order (a prompt's n completions
-        as one output and its `siblings`). An invalid request gets finish_reason "error" with
+        """Runs every request to completion, one output per prompt in input order (a prompt's n
+        completions in its `outputs`). An invalid request gets finish_reason "error" with
         the ValueError in `error`; the others still run. on_token(request index, token id)
         streams (requests of one completion only)."""
         if len(prompts) != len(params):
@@ -393,7 +416,8 @@ class Engine:
                     rid = self._add(prompt, p, seed=seed)
                     index[rid], added[rid] = (i, j), self.requests[rid]
             except DeepfuseError as e:  # raised for the first completion, before any was added
-                done[i, 0] = RequestOutput("", list(prompt) if isinstance(prompt, list) else [], [], "", "error", e)
+                n = p.n if isinstance(p, SamplingParams) and isinstance(p.n, int) and p.n >= 1 else 1
+                done[i, 0] = error_output("", prompt, e, n)
 
         def stream(rid: str, tok: int) -> None:
             if on_token and rid in index:  # requests added elsewhere may run in these steps too
@@ -416,10 +440,5 @@ class Engine:
         for rid, key in index.items():  # aborted by on_token: what abort() returned
             if key not in done:
                 done[key] = self._output(added[rid])
-        outputs = []
-        for i, p in enumerate(params):
-            out = done[i, 0]
-            if out.finish_reason != "error":
-                out.siblings = [done[i, j] for j in range(1, p.n)]
-            outputs.append(out)
-        return outputs
+        return [done[i, 0] if done[i, 0].error is not None else merge_completions([done[i, j] for j in range(p.n)])
+                for i, p in enumerate(params)]

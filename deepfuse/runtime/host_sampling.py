@@ -1,13 +1,13 @@
 """Sampling settings the compiled step does not take, applied on the host to the sampled rows of
 the requests that ask for them: vLLM's logit_bias, allowed_token_ids, min_tokens, repetition,
-presence and frequency penalties, and min_p.
+presence and frequency penalties, and min_p; and the grammar of structured outputs.
 
 The compiled step samples every row (argmax for these rows: the engine sends them at
 temperature 0); for the requests with these settings, the engine then copies their rows'
 logits, adjusts them here, all rows at once, and draws their tokens with the step's own sampler
 (the `sample` op's reference) under each row's key (request seed, position). So a request's
 tokens still do not depend on its batch, and requests without these settings pay nothing.
-In vLLM's order:
+In vLLM's order (after structured outputs' mask: what the grammar forbids is -inf):
   1. allowed_token_ids: every other token is masked out;
   2. logit_bias: logit[t] += bias[t];
   3. min_tokens: while fewer tokens were generated, EOS (unless ignore_eos) and stop_token_ids
@@ -38,7 +38,8 @@ def needs_host_sampling(params: SamplingParams, num_generated: int, stop_ids: se
     """Whether this request's next token must be drawn here rather than by the step."""
     return (params.repetition_penalty != 1.0 or params.presence_penalty != 0.0 or params.frequency_penalty != 0.0
             or (num_generated < params.min_tokens and bool(stop_ids)) or bool(params.logit_bias)
-            or params.allowed_token_ids is not None or (params.min_p > 0 and params.temperature > 0))
+            or params.allowed_token_ids is not None or (params.min_p > 0 and params.temperature > 0)
+            or params.structured_outputs is not None)
 
 
 class TokenCounts:
@@ -184,6 +185,9 @@ def draw_on_host(scheduled: list, chunks: list, host: list[bool], logits: torch.
             req.counts = TokenCounts(req.prompt, req.generated)
     params = [req.params for _, req in picks]
     adjusted = buffer.take(logits, rows)  # a copy: logprobs stay raw
+    for i, (_, req) in enumerate(picks):
+        if req.matcher is not None:  # structured outputs: what the grammar forbids, first
+            req.matcher.mask(adjusted[i])
     adjust(adjusted, params, [req.counts for _, req in picks],
            [sorted(stop_ids(p)) if len(req.generated) < p.min_tokens else [] for p, (_, req) in zip(params, picks)])
     return dict(zip(rows, draw(adjusted, params, [int(keys[r]) for r in rows])))

@@ -5,8 +5,9 @@ import os
 
 from ..codegen.artifact import CompiledModel
 from ..errors import DeepfuseError
-from .engine import Engine, RequestOutput, SamplingParams
+from .engine import Engine, SamplingParams
 from .kv_cache import CacheConfig
+from .outputs import RequestOutput
 from .spec import SpecConfig
 
 
@@ -90,18 +91,22 @@ class LLM:
     def generate(self, prompts: str | dict | list[str | dict | list[int]],
                  sampling_params: SamplingParams | list[SamplingParams] | None = None, on_token=None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
-        """One output per prompt, in order. A prompt may be text, token ids, or vLLM's dicts
+        """One RequestOutput per prompt, in order (outputs.py: vLLM's shape, the n completions in
+        its `outputs`). A prompt may be text, token ids, or vLLM's dicts
         {"prompt": text} and {"prompt_token_ids": ids}; sampling_params: one for all, or one per
         prompt (vLLM's name). Invalid requests come back with finish_reason "error" and `error`
         set; the others still run."""
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
-        ids = [self._token_ids(p) for p in prompts]  # the engine checks the rest
+        ids = [self.prompt_token_ids(p) for p in prompts]  # the engine checks the rest
         params = sampling_params or SamplingParams()
         plist = params if isinstance(params, list) else [params] * len(ids)
-        return self.engine.generate(ids, plist, on_token, use_tqdm=use_tqdm and len(ids) > 1)
+        outs = self.engine.generate(ids, plist, on_token, use_tqdm=use_tqdm and len(ids) > 1)
+        for out, p in zip(outs, prompts):
+            out.prompt = prompt_text(p)
+        return outs
 
-    def _token_ids(self, prompt: object) -> object:
+    def prompt_token_ids(self, prompt: object) -> object:
         """A prompt's token ids: text encoded, vLLM's prompt dicts unwrapped; anything else as it
         is (the engine names what is wrong with it)."""
         if isinstance(prompt, dict) and len(prompt) == 1:
@@ -113,15 +118,21 @@ class LLM:
 
     def chat(self, messages: str | list[dict[str, str]] | list[list[dict[str, str]]],
              sampling_params: SamplingParams | list[SamplingParams] | None = None, on_token=None,
-             use_tqdm: bool = True) -> RequestOutput | list[RequestOutput]:
-        """Generates the assistant's reply through the model's chat template. messages: one user
-        message (str) or one conversation ([{"role": ..., "content": ...}, ...]) -> its output;
-        a list of conversations -> one output each, in order."""
+             use_tqdm: bool = True) -> list[RequestOutput]:
+        """Generates the assistant's reply through the model's chat template; as vLLM's, returns a
+        list: one output for one conversation ([{"role": ..., "content": ...}, ...]) or one user
+        message (str), one per conversation, in order, for a list of them."""
         batch = isinstance(messages, list) and bool(messages) and all(isinstance(c, list) for c in messages)
         conversations = messages if batch else [messages]
         prompts = [self.tokenizer.render_chat(_conversation(c)) for c in conversations]
-        outs = self.generate(prompts, sampling_params, on_token, use_tqdm)
-        return outs if batch else outs[0]
+        return self.generate(prompts, sampling_params, on_token, use_tqdm)
+
+
+def prompt_text(prompt: object) -> str | None:
+    """The text of a prompt given as text (RequestOutput.prompt), else None."""
+    if isinstance(prompt, dict) and len(prompt) == 1 and isinstance(prompt.get("prompt"), str):
+        return prompt["prompt"]
+    return prompt if isinstance(prompt, str) else None
 
 
 def _conversation(c: object) -> list[dict[str, str]]:

@@ -1,12 +1,14 @@
 """Log-probabilities: of the sampled tokens (SamplingParams.logprobs), taken for all of a
 step's kept rows at once, and of the prompt tokens (prompt_logprobs), from the rows of prompt
 chunks that return every row's logits. Both of the model's own logits, before any sampling
-setting."""
+setting. Entries are {token id: Logprob} with each token's rank (1 = the most likely); the
+engine names their tokens when it builds an output."""
 from __future__ import annotations
 
 import torch
 
 from .batch import SeqChunk
+from .outputs import Logprob
 from .request import Request
 
 
@@ -19,11 +21,13 @@ class RowLogprobs:
         top = self.lp.topk(k) if k else None
         self.ids, self.values = (top.indices.tolist(), top.values.tolist()) if top is not None else ([], [])
 
-    def entry(self, row: int, tok: int, k: int) -> dict[int, float]:
-        """{token id: logprob} of row's top k and of tok."""
+    def entry(self, row: int, tok: int, k: int) -> dict[int, Logprob]:
+        """{token id: Logprob} of row's top k and of tok."""
         i = self.at[row]
-        out = dict(zip(self.ids[i][:k], self.values[i][:k])) if k else {}
-        out[tok] = float(self.lp[i, tok])
+        out = {t: Logprob(v, r + 1) for r, (t, v) in enumerate(zip(self.ids[i][:k], self.values[i][:k]))}
+        if tok not in out:
+            v = self.lp[i, tok]
+            out[tok] = Logprob(float(v), int((self.lp[i] > v).sum()) + 1)
         return out
 
 
@@ -52,9 +56,12 @@ def take_prompt_logprobs(req: Request, start: int, logits: torch.Tensor) -> None
         return
     lp = torch.log_softmax(logits[lo:hi].float(), -1)
     targets = torch.tensor(req.prompt[start + lo + 1:start + hi + 1], device=lp.device)
-    picked = lp.gather(1, targets[:, None])[:, 0].tolist()
+    picked = lp.gather(1, targets[:, None])
+    ranks = ((lp > picked).sum(-1) + 1).tolist()
     top = lp.topk(k, -1) if k else None
-    for i, (t, v) in enumerate(zip(targets.tolist(), picked)):
-        entry = dict(zip(top.indices[i].tolist(), top.values[i].tolist())) if top is not None else {}
-        entry[t] = v
+    for i, (t, v, rank) in enumerate(zip(targets.tolist(), picked[:, 0].tolist(), ranks)):
+        entry = {} if top is None else \
+            {u: Logprob(w, r + 1) for r, (u, w) in enumerate(zip(top.indices[i].tolist(), top.values[i].tolist()))}
+        if t not in entry:
+            entry[t] = Logprob(v, rank)
         got.append(entry)

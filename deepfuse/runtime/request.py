@@ -1,5 +1,5 @@
-"""Requests: what a user asks for (SamplingParams), what the engine tracks (Request),
-and what comes back (RequestOutput)."""
+"""Requests: what a user asks for (SamplingParams) and what the engine tracks (Request).
+What comes back is outputs.py's RequestOutput."""
 from __future__ import annotations
 
 import hashlib
@@ -13,9 +13,12 @@ from ..errors import DeepfuseError
 from .detokenize import IncrementalText
 from .kv_cache import SeqBlocks
 from .spec import SpecStats
+from .structured import StructuredOutputsParams
 
 if TYPE_CHECKING:
     from .host_sampling import TokenCounts
+    from .outputs import Logprob
+    from .structured import Matcher
 
 
 @dataclass
@@ -33,7 +36,9 @@ class SamplingParams:
     equals the n = 1 run; the prompt's full blocks are computed once, in the prefix cache); min_p (0 = off): a
     token less likely than min_p times the most likely one is not drawn; logit_bias {token id: added
     to its logit}; allowed_token_ids: only these may be drawn. These are applied on the host:
-    host_sampling.py. Invalid values raise DeepfuseError (a ValueError) naming the field."""
+    host_sampling.py. structured_outputs: a StructuredOutputsParams (or its fields as a dict)
+    that the output must follow (structured.py; also drawn on the host). Invalid values raise
+    DeepfuseError (a ValueError) naming the field."""
 
     n: int = 1
     temperature: float = 1.0
@@ -54,6 +59,7 @@ class SamplingParams:
     min_p: float = 0.0
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | None = None
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         self.validate()
@@ -71,6 +77,8 @@ class SamplingParams:
                 setattr(self, name, list(getattr(self, name)))
         if self.top_k == -1 and not isinstance(self.top_k, bool):
             self.top_k = 0
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
         if not (isinstance(self.n, int) and not isinstance(self.n, bool) and self.n >= 1):
             raise DeepfuseError(f"n must be an int >= 1, got {self.n!r}")
         if not (isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature) and self.temperature >= 0):
@@ -113,6 +121,12 @@ class SamplingParams:
         a = self.allowed_token_ids
         if a is not None and not (isinstance(a, list) and a and all(_is_id(t) for t in a)):
             raise DeepfuseError(f"allowed_token_ids must be a non-empty list of token ids (ints >= 0), got {a!r}")
+        s = self.structured_outputs
+        if s is not None and not isinstance(s, StructuredOutputsParams):
+            raise DeepfuseError(f"structured_outputs must be a StructuredOutputsParams or None, got {type(s).__name__}")
+        if s is not None and self.min_tokens:
+            raise DeepfuseError("min_tokens cannot be combined with structured_outputs (the grammar decides where "
+                                "the output may end)")
 
 
 def completion_seed(seed: int, j: int) -> int:
@@ -125,40 +139,6 @@ def completion_seed(seed: int, j: int) -> int:
 
 def _is_id(t: object) -> bool:
     return isinstance(t, int) and not isinstance(t, bool) and t >= 0
-
-
-@dataclass
-class RequestOutput:
-    """One finished request. finish_reason: "stop" (EOS, stop token or stop string),
-    "length" (max_tokens), "abort", or "error" (then `error` says why and nothing ran).
-    Times are seconds from the request's arrival; token_times[i] is when token i came."""
-
-    request_id: str
-    prompt_token_ids: list[int]
-    token_ids: list[int]
-    text: str
-    finish_reason: str
-    error: Exception | None = None
-    ttft_s: float = 0.0
-    total_s: float = 0.0
-    token_times: list[float] = field(default_factory=list)
-    logprobs: list[dict[int, float]] | None = None  # per token: {token id: logprob}, sampled token included
-    prompt_logprobs: list[dict[int, float] | None] | None = None  # per prompt token, None for the first
-    num_cached_tokens: int = 0  # prompt tokens served by the prefix cache
-    num_preemptions: int = 0
-    spec: SpecStats | None = None  # speculative decoding: drafts verified and accepted
-    siblings: list[RequestOutput] = field(default_factory=list, repr=False)  # completions 1..n-1 (SamplingParams.n)
-
-    @property
-    def samples(self) -> list[RequestOutput]:
-        """All n completions of the prompt, this one first."""
-        return [self, *self.siblings]
-
-    @property
-    def tpot_s(self) -> float:
-        """Mean time per output token after the first."""
-        n = len(self.token_times)
-        return (self.token_times[-1] - self.token_times[0]) / (n - 1) if n > 1 else 0.0
 
 
 @dataclass
@@ -176,8 +156,8 @@ class Request:
     kv: SeqBlocks = field(default_factory=SeqBlocks)
     generated: list[int] = field(default_factory=list)
     token_times: list[float] = field(default_factory=list)
-    logprobs: list[dict[int, float]] = field(default_factory=list)
-    prompt_logprobs: list[dict[int, float] | None] = field(default_factory=list)  # [None, then one per prompt token]
+    logprobs: list[dict[int, Logprob]] = field(default_factory=list)
+    prompt_logprobs: list[dict[int, Logprob] | None] = field(default_factory=list)  # [None, then one per prompt token]
 
     @property
     def needs_prompt_rows(self) -> bool:
@@ -186,6 +166,7 @@ class Request:
     detok: IncrementalText | None = None  # the text so far, where the request has stop strings
     counts: TokenCounts | None = None  # output counts for penalties (host_sampling.py), made when first needed
     stop_text: str | None = None  # the text up to the stop string that ended the request
+    stop_reason: int | str | None = None  # the stop token id or stop string that ended it (not EOS)
     finish: str | None = None
     num_cached_tokens: int = 0
     num_preemptions: int = 0
@@ -193,6 +174,7 @@ class Request:
     draft_computed: int = 0  # tokens whose KV a draft model (spec.ModelDrafter) has in its cache
     drafter_state: object = None  # the drafter's own record of this request (spec.NgramDrafter)
     spec: SpecStats = field(default_factory=SpecStats)
+    matcher: Matcher | None = None  # its place in its grammar (structured outputs)
     hidden: torch.Tensor | None = None  # [D] f32, the target's hidden state that sampled tokens[-1] (MTP drafting)
 
     @property

@@ -30,7 +30,7 @@ def test_bound_steps_generate_the_tokens_of_the_executor_loop(tiny_model, native
     runs = []
     for on in (True, False):
         eng = Engine(with_binding(art, on), CacheConfig(block_size=4, num_blocks=64), max_num_tokens=8)
-        runs.append([o.token_ids for o in eng.generate(PROMPTS, params)])
+        runs.append([o.outputs[0].token_ids for o in eng.generate(PROMPTS, params)])
         if on:  # decode steps ran bound, up to the sampling tail
             counts = [p.count for p in art.runner.binder.cache.values()]
             assert max(counts) >= len(art.runner.launches) - 5

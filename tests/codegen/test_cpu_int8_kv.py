@@ -169,7 +169,7 @@ def test_smollm2_bf16_with_an_int8_cache_keeps_its_greedy_answer(smollm2):
     assert tok.decode(got).startswith(" Paris")
     out = llm.generate(["The capital of France is"], deepfuse.SamplingParams(temperature=0, max_tokens=6),
                        use_tqdm=False)[0]
-    assert out.token_ids == got
+    assert out.outputs[0].token_ids == got
 
 
 def test_int8_cache_refuses_what_it_does_not_do(tiny_model, tmp_path):
@@ -195,19 +195,19 @@ def test_engine_with_an_int8_cache_batches_preempts_and_shares_prefixes_without_
                                                                  enable_prefix_caching=prefix))
     big = engine(128)
     assert big.cache.layers[0].dtype == torch.int8
-    want = [o.token_ids for o in big.generate(prompts, [greedy] * 8)]
-    assert want == [big.generate([p], [greedy])[0].token_ids for p in prompts]
+    want = [o.outputs[0].token_ids for o in big.generate(prompts, [greedy] * 8)]
+    assert want == [big.generate([p], [greedy])[0].outputs[0].token_ids for p in prompts]
     small = engine(12, prefix=False)
     outs = small.generate(prompts, [greedy] * 8)
-    assert [o.token_ids for o in outs] == want
+    assert [o.outputs[0].token_ids for o in outs] == want
     # the scheduler's documented policy on these sizes (tests/helpers.py): 4 preemptions
     must = scheduled_preemptions([len(p) for p in prompts], 12, block_size=4, num_blocks=12)
-    assert [o.num_preemptions for o in outs] == must and small.scheduler.num_preemptions == sum(must) > 0
+    assert [o.metrics.num_preemptions for o in outs] == must and small.scheduler.num_preemptions == sum(must) > 0
     prefix = [(7 * i) % 120 for i in range(40)]
     shared = [prefix + [100 + i, 3, 4] for i in range(4)]
     off, on = engine(128, prefix=False), engine(128)
-    expect = [o.token_ids for o in off.generate(shared, [greedy] * 4)]
-    assert [o.token_ids for o in on.generate(shared, [greedy] * 4)] == expect
+    expect = [o.outputs[0].token_ids for o in off.generate(shared, [greedy] * 4)]
+    assert [o.outputs[0].token_ids for o in on.generate(shared, [greedy] * 4)] == expect
     # the first request computes its 43 tokens; the other three find the 40-token prefix (10 blocks)
     assert on.stats.prompt_tokens_computed == 43 + 3 * 3
     assert on.kv.stats.prefix_hits == 3 * 40 and on.kv.usage()["prefix_hit_rate"] == pytest.approx(3 * 40 / (4 * 43), abs=1e-4)

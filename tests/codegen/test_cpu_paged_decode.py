@@ -121,10 +121,10 @@ def test_cpu_step_is_the_same_with_and_without_the_native_kernel(native, tiny_mo
     monkeypatch.setattr(kernels, "native_kernels", lambda: None)
     monkeypatch.setattr(row_kernels, "native_kernels", lambda: None)  # the norms'
     plain = Engine(deepfuse.compile(tiny_model)).generate(prompts, params)
-    assert [o.token_ids for o in with_native] == [o.token_ids for o in plain]
+    assert [o.outputs[0].token_ids for o in with_native] == [o.outputs[0].token_ids for o in plain]
     for a, b in zip(with_native, plain):
-        for la, lb in zip(a.logprobs, b.logprobs):
-            assert la.keys() == lb.keys() and all(abs(la[t] - lb[t]) < 1e-4 for t in la)
+        for la, lb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
+            assert la.keys() == lb.keys() and all(abs(la[t].logprob - lb[t].logprob) < 1e-4 for t in la)
 
 
 @pytest.mark.parametrize("dtype,window,d", [(torch.float32, 0, 32), (torch.float32, 7, 32), (torch.bfloat16, 0, 32),

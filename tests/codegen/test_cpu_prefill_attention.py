@@ -117,6 +117,6 @@ def test_smollm2_bf16_long_prompt_in_chunks_gives_sdpas_tokens(kernel, smollm2, 
     assert len(calls) >= 6 * 30  # six chunks or more, 30 layers
     monkeypatch.setattr(attention, "native_kernels", lambda: NoPrefill())
     sdpa = run()
-    assert native.token_ids == sdpa.token_ids
-    for a, b in zip(native.logprobs, sdpa.logprobs):
-        assert a.keys() == b.keys() and all(abs(a[t] - b[t]) < 0.1 for t in a)
+    assert native.outputs[0].token_ids == sdpa.outputs[0].token_ids
+    for a, b in zip(native.outputs[0].logprobs, sdpa.outputs[0].logprobs):
+        assert a.keys() == b.keys() and all(abs(a[t].logprob - b[t].logprob) < 0.1 for t in a)

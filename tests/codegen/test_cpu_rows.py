@@ -107,10 +107,11 @@ def test_bf16_step_is_close_with_and_without_the_row_kernels(native, tiny_model,
     monkeypatch.setattr(row_kernels, "native_rows", lambda: calls.append(1))  # SwiGLU's
     plain = Engine(deepfuse.compile(tiny_model, dtype="bf16")).generate(prompts, params)
     assert calls  # the torch path ran
-    assert [o.token_ids for o in with_native] == [o.token_ids for o in plain]
+    assert [o.outputs[0].token_ids for o in with_native] == [o.outputs[0].token_ids for o in plain]
     for a, b in zip(with_native, plain):
-        assert a.logprobs[0].keys() == b.logprobs[0].keys()
-        assert all(abs(a.logprobs[0][t] - b.logprobs[0][t]) < 0.05 for t in a.logprobs[0])
+        assert a.outputs[0].logprobs[0].keys() == b.outputs[0].logprobs[0].keys()
+        first_a, first_b = a.outputs[0].logprobs[0], b.outputs[0].logprobs[0]
+        assert all(abs(first_a[t].logprob - first_b[t].logprob) < 0.05 for t in first_a)
 
 
 

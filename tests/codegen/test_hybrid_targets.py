@@ -22,6 +22,6 @@ def test_hybrid_gemma_on_device_targets_gives_the_cpu_tokens(target):
     compiled = deepfuse.compile(model, target=target)
     assert compiled.plan["host_steps"] == []
     got = run(compiled)
-    assert got.token_ids == want.token_ids
-    for a, b in zip(got.logprobs, want.logprobs):
-        assert a.keys() == b.keys() and max(abs(a[t] - b[t]) for t in a) < 1e-4
+    assert got.outputs[0].token_ids == want.outputs[0].token_ids
+    for a, b in zip(got.outputs[0].logprobs, want.outputs[0].logprobs):
+        assert a.keys() == b.keys() and max(abs(a[t].logprob - b[t].logprob) for t in a) < 1e-4

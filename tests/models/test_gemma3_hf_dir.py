@@ -96,8 +96,8 @@ def test_compiled_engine_gives_the_eager_tokens(checkpoint):
     llm = LLM(path, block_size=4, num_blocks=64, max_num_tokens=8)  # the prompt in two chunks
     out = llm.generate([PROMPT, PROMPT[:5]], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True),
                        use_tqdm=False)
-    assert out[0].token_ids == want
-    assert out[1].token_ids == greedy_with(eager_step(model), model.config, PROMPT[:5], 16)[0]
+    assert out[0].outputs[0].token_ids == want
+    assert out[1].outputs[0].token_ids == greedy_with(eager_step(model), model.config, PROMPT[:5], 16)[0]
 
 
 def test_multimodal_checkpoint_loads_its_language_model(tmp_path):

@@ -49,7 +49,7 @@ def test_qwen2_parity_with_transformers(tmp_path, windows, layout):
     eng = Engine(art, CacheConfig(block_size=4, num_blocks=32), max_num_tokens=4)  # the prompt in two chunks
     assert eng.kv.window == (0 if layout[1] else layout[0])
     out = eng.generate([prompt, prompt[:3]], [SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)] * 2)
-    assert out[0].token_ids == want
+    assert out[0].outputs[0].token_ids == want
 
 
 def qwen2_dict(**kw) -> dict:

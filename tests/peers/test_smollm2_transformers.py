@@ -75,8 +75,8 @@ def test_prompt_logprobs_match_transformers(hf_model, smollm2, smollm2_compiled)
     got = out.prompt_logprobs
     assert len(ids) > 40 and len(got) == len(ids) and got[0] is None
     for i in range(1, len(ids)):
-        assert abs(got[i][ids[i]] - want[i - 1, ids[i]].item()) < 2e-3, i
+        assert abs(got[i][ids[i]].logprob - want[i - 1, ids[i]].item()) < 2e-3, i
         top, sixth = want[i - 1].topk(5), want[i - 1].topk(6).values[5].item()
         if top.values[4].item() - sixth > 1e-3:  # no near-tie at the edge of the top 5
             assert set(top.indices.tolist()) <= set(got[i]), i
-            assert max(abs(got[i][t] - v) for t, v in zip(top.indices.tolist(), top.values.tolist())) < 2e-3
+            assert max(abs(got[i][t].logprob - v) for t, v in zip(top.indices.tolist(), top.values.tolist())) < 2e-3

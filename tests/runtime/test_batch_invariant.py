@@ -32,7 +32,7 @@ def prompts(smollm2):
 
 def tokens(art, prompts, params, **engine):
     eng = Engine(art, CacheConfig(num_blocks=1024), **engine)
-    return [o.token_ids for o in eng.generate(prompts, params, use_tqdm=False)]
+    return [o.outputs[0].token_ids for o in eng.generate(prompts, params, use_tqdm=False)]
 
 
 def test_tokens_alone_equal_tokens_in_any_batch(invariant, prompts):

@@ -92,25 +92,25 @@ def test_engine_stop_strings_cut_the_text_of_a_free_run(smollm2, smollm2_compile
     eng = Engine(smollm2_compiled)
     prompt = tok.encode("A short story about a robot who learns to paint:")
     free = eng.generate([prompt], [SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)])[0]
-    text = free.text
+    text = free.outputs[0].text
     for start in (3, 17, 40, len(text) - 9):
         stop = text[start:start + 5]
         first = text.find(stop)
         out = eng.generate([prompt], [SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, stop=[stop])])[0]
-        assert out.finish_reason == "stop" and out.text == text[:first], stop
-        n = next(n for n in range(1, 41) if stop in tok.decode(free.token_ids[:n]))
-        assert out.token_ids == free.token_ids[:n]
+        assert out.outputs[0].finish_reason == "stop" and out.outputs[0].text == text[:first], stop
+        n = next(n for n in range(1, 41) if stop in tok.decode(free.outputs[0].token_ids[:n]))
+        assert out.outputs[0].token_ids == free.outputs[0].token_ids[:n]
     # kept in the text on request: the first listed of the stops found where the match starts
     stop = text[17:22]
     out = eng.generate([prompt], [SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, stop=[stop[:3], stop],
                                                  include_stop_str_in_output=True)])[0]
-    assert out.text == text[:text.find(stop[:3]) + 3]
+    assert out.outputs[0].text == text[:text.find(stop[:3]) + 3]
     out = eng.generate([prompt], [SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, stop=["zzz", stop],
                                                  include_stop_str_in_output=True)])[0]
-    assert out.finish_reason == "stop" and out.text == text[:text.find(stop) + 5]
+    assert out.outputs[0].finish_reason == "stop" and out.outputs[0].text == text[:text.find(stop) + 5]
     unmatched = eng.generate([prompt], [SamplingParams(temperature=0, max_tokens=40, ignore_eos=True,
                                                        stop=["no such text anywhere"])])[0]
-    assert unmatched.finish_reason == "length" and unmatched.text == text
+    assert unmatched.outputs[0].finish_reason == "length" and unmatched.outputs[0].text == text
 
 
 def test_abort_from_the_streaming_callback(smollm2, smollm2_compiled):
@@ -129,6 +129,6 @@ def test_abort_from_the_streaming_callback(smollm2, smollm2_compiled):
 
     p = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     outs = eng.generate(prompts, [p] * 3, on_token)
-    assert [o.finish_reason for o in outs] == ["abort", "length", "abort"]
-    assert len(outs[0].token_ids) == 3 and len(outs[1].token_ids) == 12
+    assert [o.outputs[0].finish_reason for o in outs] == ["abort", "length", "abort"]
+    assert len(outs[0].outputs[0].token_ids) == 3 and len(outs[1].outputs[0].token_ids) == 12
     assert not eng.has_unfinished() and eng.kv.pool.num_used() == 0

@@ -21,14 +21,14 @@ def engine(art, num_blocks=64, block_size=4, **kw):
 
 
 def tokens(outs):
-    return [o.token_ids for o in outs]
+    return [o.outputs[0].token_ids for o in outs]
 
 
 def test_batched_equals_alone_greedy_and_seeded(tiny_art):
     eng = engine(tiny_art)
     for p in (GREEDY, SamplingParams(temperature=1.0, top_p=0.9, top_k=20, max_tokens=10, seed=7, ignore_eos=True)):
         together = tokens(eng.generate(PROMPTS, [p] * len(PROMPTS)))
-        alone = [eng.generate([pr], [p])[0].token_ids for pr in PROMPTS]
+        alone = [eng.generate([pr], [p])[0].outputs[0].token_ids for pr in PROMPTS]
         assert together == alone
         assert all(len(t) == 10 for t in together)
     assert eng.kv.pool.num_used() == 0 and eng.kv.pool.num_available() == 64  # every block returned
@@ -49,7 +49,7 @@ def test_preemption_when_the_cache_cannot_hold_every_request(tiny_art):
     # the documented policy (LIFO victims, recompute) on these sizes: 8 requests needing 34 blocks
     # in all, 12 at hand -> 4 preemptions, of requests 2, 3, 4 and 6
     want_preemptions = scheduled_preemptions([len(pr) for pr in PROMPTS * 2], 12, block_size=4, num_blocks=12)
-    assert [o.num_preemptions for o in got] == want_preemptions and sum(want_preemptions) > 0
+    assert [o.metrics.num_preemptions for o in got] == want_preemptions and sum(want_preemptions) > 0
     assert eng.scheduler.num_preemptions == sum(want_preemptions)
     assert eng.kv.pool.num_available() == 12
 
@@ -60,14 +60,14 @@ def test_seeded_sampling_survives_preemption(tiny_art):
     eng = engine(tiny_art, num_blocks=12)
     got = eng.generate(PROMPTS * 2, [p] * 8)
     assert tokens(got) == tokens(want)
-    assert sum(o.num_preemptions for o in got) == eng.scheduler.num_preemptions > 0
+    assert sum(o.metrics.num_preemptions for o in got) == eng.scheduler.num_preemptions > 0
 
 
 def test_request_too_big_for_the_whole_cache_is_an_error_not_a_hang(tiny_art):
     eng = engine(tiny_art, num_blocks=4)  # 16 tokens
     out = eng.generate([[1] * 10, [2, 3]], [SamplingParams(max_tokens=10), SamplingParams(temperature=0, max_tokens=3)])
-    assert out[0].finish_reason == "error" and "(max_model_len 16)" in str(out[0].error)
-    assert out[1].finish_reason == "length" and len(out[1].token_ids) == 3
+    assert out[0].outputs[0].finish_reason == "error" and "(max_model_len 16)" in str(out[0].error)
+    assert out[1].outputs[0].finish_reason == "length" and len(out[1].outputs[0].token_ids) == 3
 
 
 def test_prefix_cache_skips_shared_prompt_blocks(tiny_art):
@@ -84,7 +84,7 @@ def test_prefix_cache_skips_shared_prompt_blocks(tiny_art):
     assert on.kv.usage()["prefix_hit_rate"] == pytest.approx(7 * 40 / (8 * 43), abs=1e-4)
     # a second round is served from cached, unreferenced blocks
     again = on.generate(prompts[:1], [GREEDY])[0]
-    assert again.token_ids == want[0].token_ids and again.num_cached_tokens == 40
+    assert again.outputs[0].token_ids == want[0].outputs[0].token_ids and again.num_cached_tokens == 40
 
 
 def test_prefix_cache_evicts_least_recently_used_blocks(tiny_art):
@@ -100,20 +100,20 @@ def test_prefix_cache_evicts_least_recently_used_blocks(tiny_art):
     c = eng.generate([list(range(60, 96))], [SamplingParams(temperature=0, max_tokens=8)])[0]
     # c's 36 prompt tokens and its n generated ones need ceil((36 + n - 1) / 4) blocks (11 for 8):
     # one free, the rest evicted
-    assert eng.kv.pool.evictions == 1 + -(-(36 + len(c.token_ids) - 1) // 4) - 1
-    assert eng.generate([a], [GREEDY])[0].token_ids == engine(tiny_art).generate([a], [GREEDY])[0].token_ids
+    assert eng.kv.pool.evictions == 1 + -(-(36 + len(c.outputs[0].token_ids) - 1) // 4) - 1
+    assert eng.generate([a], [GREEDY])[0].outputs[0].token_ids == engine(tiny_art).generate([a], [GREEDY])[0].outputs[0].token_ids
 
 
 def test_requests_added_while_others_run(tiny_art):
     eng = engine(tiny_art)
-    alone = [engine(tiny_art).generate([p], [GREEDY])[0].token_ids for p in PROMPTS]
+    alone = [engine(tiny_art).generate([p], [GREEDY])[0].outputs[0].token_ids for p in PROMPTS]
     ids = [eng.add_request(PROMPTS[0], GREEDY), eng.add_request(PROMPTS[1], GREEDY)]
     done = {}
     for step in range(40):
         if step == 3:
             ids += [eng.add_request(PROMPTS[2], GREEDY), eng.add_request(PROMPTS[3], GREEDY)]
         for out in eng.step():
-            done[out.request_id] = out.token_ids
+            done[out.request_id] = out.outputs[0].token_ids
         if not eng.has_unfinished():
             break
     assert [done[i] for i in ids] == alone
@@ -124,28 +124,35 @@ def test_abort(tiny_art):
     keep, drop = eng.add_request(PROMPTS[0], GREEDY), eng.add_request(PROMPTS[1], GREEDY)
     eng.step()
     out = eng.abort(drop)
-    assert out.finish_reason == "abort" and eng.abort(drop) is None
+    assert out.outputs[0].finish_reason == "abort" and eng.abort(drop) is None
     finished = []
     while eng.has_unfinished():
         finished += eng.step()
-    assert [o.request_id for o in finished] == [keep] and len(finished[0].token_ids) == 10
+    assert [o.request_id for o in finished] == [keep] and len(finished[0].outputs[0].token_ids) == 10
     assert eng.kv.pool.num_used() == 0
 
 
 def test_stop_tokens_logprobs_and_timing(tiny_art):
     eng = engine(tiny_art)
     free = eng.generate([PROMPTS[0]], [SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=3)])[0]
-    assert free.finish_reason == "length" and len(free.logprobs) == 8
-    for tok, lp in zip(free.token_ids, free.logprobs):
-        assert len(lp) == 3 and tok in lp and max(lp.values()) == lp[tok] <= 0  # greedy takes the top one
-    assert len(free.token_times) == 8 and free.ttft_s == free.token_times[0] > 0 and free.tpot_s > 0
+    assert free.outputs[0].finish_reason == "length" and len(free.outputs[0].logprobs) == 8
+    for tok, lp in zip(free.outputs[0].token_ids, free.outputs[0].logprobs):
+        assert len(lp) == 3 and tok in lp and max(e.logprob for e in lp.values()) == lp[tok].logprob <= 0  # greedy: the top
+        assert sorted(e.rank for e in lp.values()) == [1, 2, 3] and lp[tok].rank == 1
+    times, m = free.outputs[0].token_times, free.metrics
+    assert len(times) == 8 and m.ttft_s == times[0] > 0 and m.tpot_s > 0 and free.finished
     # one token a step: strictly increasing times, tpot the mean gap after the first, all before the end
-    assert all(a < b for a, b in zip(free.token_times, free.token_times[1:]))
-    assert free.tpot_s == pytest.approx((free.token_times[-1] - free.token_times[0]) / 7)
-    assert free.total_s >= free.token_times[-1]
-    stop = free.token_ids[3]
+    assert all(a < b for a, b in zip(times, times[1:]))
+    assert m.tpot_s == pytest.approx((times[-1] - times[0]) / 7) and m.total_s >= times[-1]
+    assert m.arrival_time < m.first_token_time <= m.last_token_time <= m.finished_time
+    assert free.outputs[0].cumulative_logprob == pytest.approx(sum(lp[t].logprob for t, lp in zip(
+        free.outputs[0].token_ids, free.outputs[0].logprobs)))
+    assert free.outputs[0].stop_reason is None
+    stop = free.outputs[0].token_ids[3]
     out = eng.generate([PROMPTS[0]], [SamplingParams(temperature=0, max_tokens=8, stop_token_ids=[stop])])[0]
-    assert out.finish_reason == "stop" and out.token_ids == free.token_ids[: free.token_ids.index(stop) + 1]
+    done, ids = out.outputs[0], free.outputs[0].token_ids
+    assert done.finish_reason == "stop" and done.token_ids == ids[: ids.index(stop) + 1] and done.stop_reason == stop
+    assert done.cumulative_logprob is None and done.logprobs is None
 
 
 @pytest.mark.parametrize("kw,field", [
@@ -184,10 +191,10 @@ def test_max_tokens_none_generates_up_to_the_context(tiny_art):
     free = SamplingParams(temperature=0, max_tokens=None, ignore_eos=True)
     outs = eng.generate([PROMPTS[1], [1] * 256, PROMPTS[0]], [free, free, GREEDY])
     assert eng.max_model_len == 256
-    assert (outs[0].finish_reason, len(outs[0].token_ids)) == ("length", 256 - len(PROMPTS[1]))
-    assert outs[0].token_ids[:10] == engine(tiny_art).generate([PROMPTS[1]], [GREEDY])[0].token_ids  # greedy, 10 tokens
-    assert outs[1].finish_reason == "error" and "leaves no room to generate" in str(outs[1].error)
-    assert outs[2].finish_reason == "length" and eng.kv.pool.num_used() == 0
+    assert (outs[0].outputs[0].finish_reason, len(outs[0].outputs[0].token_ids)) == ("length", 256 - len(PROMPTS[1]))
+    assert tokens(outs[:1])[0][:10] == tokens(engine(tiny_art).generate([PROMPTS[1]], [GREEDY]))[0]  # greedy, 10 tokens
+    assert outs[1].outputs[0].finish_reason == "error" and "leaves no room to generate" in str(outs[1].error)
+    assert outs[2].outputs[0].finish_reason == "length" and eng.kv.pool.num_used() == 0
 
 
 def test_bad_requests_fail_alone_and_the_rest_complete(tiny_art):
@@ -197,12 +204,12 @@ def test_bad_requests_fail_alone_and_the_rest_complete(tiny_art):
     prompts = [PROMPTS[0], [], [1] * 250, [1, 100000], PROMPTS[1], PROMPTS[2]]
     params = [GREEDY, GREEDY, SamplingParams(max_tokens=10), GREEDY, mutated, GREEDY]
     outs = eng.generate(prompts, params)
-    assert [o.finish_reason for o in outs] == ["length", "error", "error", "error", "error", "length"]
+    assert [o.outputs[0].finish_reason for o in outs] == ["length", "error", "error", "error", "error", "length"]
     assert isinstance(outs[1].error, ValueError) and "prompt is empty" in str(outs[1].error)
     assert "(max_model_len 256)" in str(outs[2].error)
     assert "outside the vocabulary" in str(outs[3].error)
     assert str(outs[4].error).startswith("max_tokens must")
-    assert [outs[0].token_ids, outs[5].token_ids] == tokens(engine(tiny_art).generate([PROMPTS[0], PROMPTS[2]], [GREEDY] * 2))
+    assert tokens([outs[0], outs[5]]) == tokens(engine(tiny_art).generate([PROMPTS[0], PROMPTS[2]], [GREEDY] * 2))
     eng.add_request([1], GREEDY, request_id="x")
     with pytest.raises(DeepfuseError, match="already in use"):
         eng.add_request([1], GREEDY, request_id="x")
@@ -226,9 +233,9 @@ def test_penalized_requests_keep_their_tokens_in_any_batch_preempted_or_speculat
               SamplingParams(temperature=0, logit_bias={5: 30.0, 6: -1e4}, **base),
               SamplingParams(temperature=1.0, seed=4, allowed_token_ids=[9, 12, 40, 41], **base)]
     prompts = [PROMPTS[1], PROMPTS[1], PROMPTS[3], PROMPTS[1], PROMPTS[2], PROMPTS[0], PROMPTS[3]]
-    alone = [engine(tiny_art).generate([pr], [p])[0].token_ids for pr, p in zip(prompts, params)]
+    alone = [engine(tiny_art).generate([pr], [p])[0].outputs[0].token_ids for pr, p in zip(prompts, params)]
     plain = [engine(tiny_art).generate([pr], [SamplingParams(temperature=p.temperature, seed=p.seed, top_k=p.top_k,
-                                                             **base)])[0].token_ids for pr, p in zip(prompts, params)]
+                                                             **base)])[0].outputs[0].token_ids for pr, p in zip(prompts, params)]
     assert [a != b for a, b in zip(alone, plain)] == [True] * len(params), (alone, plain)
     assert 5 in alone[5] and 6 not in alone[5] and set(alone[6]) <= {9, 12, 40, 41}
     k = len(params)
@@ -239,13 +246,13 @@ def test_penalized_requests_keep_their_tokens_in_any_batch_preempted_or_speculat
     spec = engine(tiny_art, spec=SpecConfig(num_draft_tokens=3, schedule="fixed"))
     repeat = [5, 6, 7, 5, 6, 7, 5, 6, 7, 5, 6]  # n-gram drafts for the unpenalized request beside them
     outs = spec.generate(prompts + [repeat], params + [GREEDY])
-    assert tokens(outs[:k]) == alone and all(o.spec.drafted == 0 for o in outs[:k])
+    assert tokens(outs[:k]) == alone and all(o.metrics.spec.drafted == 0 for o in outs[:k])
     # what prompt lookup must draft for the repeating request, from its tokens (runtime/spec.py's rules)
-    must = ngram_spec_counts(repeat, outs[k].token_ids, 3, GREEDY.max_tokens)
+    must = ngram_spec_counts(repeat, outs[k].outputs[0].token_ids, 3, GREEDY.max_tokens)
     assert must["drafted"] > 0
-    assert (outs[k].spec.verifications, outs[k].spec.drafted, outs[k].spec.accepted) == \
+    assert (outs[k].metrics.spec.verifications, outs[k].metrics.spec.drafted, outs[k].metrics.spec.accepted) == \
         (must["verifications"], must["drafted"], must["accepted"])
-    assert outs[k].token_ids == engine(tiny_art).generate([repeat], [GREEDY])[0].token_ids
+    assert outs[k].outputs[0].token_ids == engine(tiny_art).generate([repeat], [GREEDY])[0].outputs[0].token_ids
 
 
 def test_token_ids_outside_the_vocabulary_or_unmeetable_min_tokens_fail_alone(tiny_art):
@@ -256,7 +263,7 @@ def test_token_ids_outside_the_vocabulary_or_unmeetable_min_tokens_fail_alone(ti
               SamplingParams(temperature=0, max_tokens=4, allowed_token_ids=[7], stop_token_ids=[7], min_tokens=2),
               GREEDY]
     outs = eng.generate([PROMPTS[0]] * 4, params)
-    assert [o.finish_reason for o in outs] == ["error", "error", "error", "length"]
+    assert [o.outputs[0].finish_reason for o in outs] == ["error", "error", "error", "length"]
     assert str(outs[0].error).startswith("logit_bias has token ids outside the vocabulary")
     assert str(outs[1].error).startswith("allowed_token_ids has token ids outside the vocabulary")
     assert "min_tokens cannot be met" in str(outs[2].error)
@@ -271,21 +278,21 @@ def test_n_completions_share_the_prompt_and_each_keeps_its_own_tokens(tiny_art):
     base = dict(temperature=1.0, max_tokens=8, ignore_eos=True)
     eng = engine(tiny_art, num_blocks=128)
     out = eng.generate([prompt, PROMPTS[1]], [SamplingParams(n=4, seed=7, **base), GREEDY])
-    assert [len(o.samples) for o in out] == [4, 1] and out[1].samples == [out[1]]
-    got = [s.token_ids for s in out[0].samples]
+    assert [[c.index for c in o.outputs] for o in out] == [[0, 1, 2, 3], [0]]
+    got = [s.token_ids for s in out[0].outputs]
     assert len({tuple(t) for t in got}) == 4  # four different completions
-    solo = [engine(tiny_art).generate([prompt], [SamplingParams(seed=completion_seed(7, j), **base)])[0].token_ids
+    solo = [engine(tiny_art).generate([prompt], [SamplingParams(seed=completion_seed(7, j), **base)])[0].outputs[0].token_ids
             for j in range(4)]
     assert got == solo and completion_seed(7, 0) == 7
-    assert out[1].token_ids == engine(tiny_art).generate([PROMPTS[1]], [GREEDY])[0].token_ids
+    assert out[1].outputs[0].token_ids == engine(tiny_art).generate([PROMPTS[1]], [GREEDY])[0].outputs[0].token_ids
     # the first completion computes the prompt; the others only its last, partial block (43 = 10 * 4 + 3)
     assert eng.stats.prompt_tokens_computed == 43 + 3 * 3 + len(PROMPTS[1])
-    assert [s.num_cached_tokens for s in out[0].samples] == [0, 40, 40, 40]
+    assert out[0].num_cached_tokens == 0  # completion 0's
     # without a seed the completions are drawn independently; greedy ones are all the argmax
     free = engine(tiny_art).generate([prompt], [SamplingParams(n=3, **base)])[0]
-    assert len({tuple(s.token_ids) for s in free.samples}) == 3
+    assert len({tuple(s.token_ids) for s in free.outputs}) == 3
     greedy = engine(tiny_art).generate([prompt], [SamplingParams(n=3, temperature=0, max_tokens=8)])[0]
-    assert all(s.token_ids == greedy.token_ids for s in greedy.samples)
+    assert all(s.token_ids == greedy.outputs[0].token_ids for s in greedy.outputs)
 
 
 def test_n_is_checked_and_only_generate_takes_it(tiny_art):
@@ -297,8 +304,8 @@ def test_n_is_checked_and_only_generate_takes_it(tiny_art):
     with pytest.raises(DeepfuseError, match="cannot be used with n > 1"):
         eng.generate([[1, 2]], [SamplingParams(n=2)], on_token=lambda i, t: None)
     out = eng.generate([[], [1, 2]], [SamplingParams(n=3), SamplingParams(n=2, max_tokens=3)])
-    assert out[0].finish_reason == "error" and out[0].samples == [out[0]]
-    assert [len(s.token_ids) for s in out[1].samples] == [3, 3]
+    assert [c.finish_reason for c in out[0].outputs] == ["error"] * 3 and out[0].error is not None
+    assert [len(s.token_ids) for s in out[1].outputs] == [3, 3]
     assert not eng.has_unfinished()
 
 
@@ -347,7 +354,7 @@ def test_a_callback_raising_inside_step_loses_no_output(tiny_art):
         except RuntimeError:
             raised += 1
     assert raised >= 2 and eng.spec_stats.accepted > 0 and eng.kv.pool.num_used() == 0
-    assert [outs[i].token_ids for i in ids] == want
+    assert [outs[i].outputs[0].token_ids for i in ids] == want
 
 
 def test_prompt_logprobs_in_chunks_batches_and_preemption(tiny_art):
@@ -359,14 +366,16 @@ def test_prompt_logprobs_in_chunks_batches_and_preemption(tiny_art):
     want = engine(tiny_art).generate([prompt], [sampled])[0]
     ask = SamplingParams(temperature=1.0, seed=3, max_tokens=6, ignore_eos=True, prompt_logprobs=2)
     alone = engine(tiny_art).generate([prompt], [ask])[0]
-    assert alone.token_ids == want.token_ids and want.prompt_logprobs is None
+    assert alone.outputs[0].token_ids == want.outputs[0].token_ids and want.prompt_logprobs is None
     lps = alone.prompt_logprobs
     assert len(lps) == len(prompt) and lps[0] is None
-    assert all(prompt[i] in e and len(e) in (2, 3) and max(e.values()) <= 0 for i, e in enumerate(lps) if i)
+    assert all(prompt[i] in e and len(e) in (2, 3) and max(v.logprob for v in e.values()) <= 0 for i, e in enumerate(lps) if i)
+    assert all(sorted(v.rank for v in e.values())[:2] == [1, 2] and e[prompt[i]].rank >= 1 for i, e in enumerate(lps) if i)
     chunked = engine(tiny_art, max_num_tokens=5)
     cached = chunked.generate([prompt], [sampled])[0]  # caches the prompt's blocks
     outs = chunked.generate([prompt, PROMPTS[1], prompt], [ask, GREEDY, sampled])
-    assert outs[0].num_cached_tokens == 0 and outs[2].num_cached_tokens == 20 and cached.token_ids == want.token_ids
+    assert outs[0].num_cached_tokens == 0 and outs[2].num_cached_tokens == 20
+    assert cached.outputs[0].token_ids == want.outputs[0].token_ids
     small = engine(tiny_art, num_blocks=12, max_num_tokens=4)
     cut = []  # (request id, prompt tokens computed) at each preemption
     preempt = small.scheduler._preempt
@@ -375,9 +384,10 @@ def test_prompt_logprobs_in_chunks_batches_and_preemption(tiny_art):
     many = small.generate([PROMPTS[1], PROMPTS[3], prompt], [long, long, ask])
     assert any(rid == "2" and 0 < c < len(prompt) for rid, c in cut), cut  # preempted mid-prompt
     for got in (outs[0], many[2]):
-        assert got.token_ids == want.token_ids and [None if e is None else sorted(e) for e in got.prompt_logprobs] == \
-            [None if e is None else sorted(e) for e in lps]
-        assert all(e is None or max(abs(e[t] - lps[i][t]) for t in e) < 1e-4 for i, e in enumerate(got.prompt_logprobs))
+        assert got.outputs[0].token_ids == want.outputs[0].token_ids
+        assert [None if e is None else sorted(e) for e in got.prompt_logprobs] == [None if e is None else sorted(e) for e in lps]
+        assert all(e is None or max(abs(e[t].logprob - lps[i][t].logprob) for t in e) < 1e-4
+                   for i, e in enumerate(got.prompt_logprobs))
 
 
 @pytest.mark.parametrize("dtype,quant,kv", [("bf16", "int4", None), ("bf16", "w8a8", "int8")])
@@ -388,29 +398,30 @@ def test_prompt_logprobs_of_quantized_builds(tiny_model, tiny_art, dtype, quant,
     prompt = [(7 * i) % 120 for i in range(23)]
     ask = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, prompt_logprobs=0)
     got = engine(art, max_num_tokens=8).generate([prompt], [ask])[0]
-    assert got.token_ids == engine(art).generate([prompt], [GREEDY])[0].token_ids[:6]
+    assert got.outputs[0].token_ids == engine(art).generate([prompt], [GREEDY])[0].outputs[0].token_ids[:6]
     want = engine(tiny_art).generate([prompt], [ask])[0].prompt_logprobs
     assert len(got.prompt_logprobs) == len(prompt) and all(len(e) == 1 for e in got.prompt_logprobs[1:])
-    assert max(abs(got.prompt_logprobs[i][t] - want[i][t]) for i, t in enumerate(prompt) if i) < 0.05  # spread: ~0.5
+    assert max(abs(got.prompt_logprobs[i][t].logprob - want[i][t].logprob)
+               for i, t in enumerate(prompt) if i) < 0.05  # spread: ~0.5
 
 
 def test_min_tokens_holds_back_stop_ids(tiny_art):
-    free = engine(tiny_art).generate([PROMPTS[0]], [GREEDY])[0].token_ids
+    free = engine(tiny_art).generate([PROMPTS[0]], [GREEDY])[0].outputs[0].token_ids
     stop = free[2]  # the free run would stop at its third token
     p = SamplingParams(temperature=0, max_tokens=10, stop_token_ids=[stop], min_tokens=6)
     out = engine(tiny_art).generate([PROMPTS[0]], [p])[0]
-    assert stop not in out.token_ids[:6] and out.token_ids[:2] == free[:2]
-    assert out.finish_reason == ("stop" if len(out.token_ids) < 10 else "length")
+    assert stop not in out.outputs[0].token_ids[:6] and out.outputs[0].token_ids[:2] == free[:2]
+    assert out.outputs[0].finish_reason == ("stop" if len(out.outputs[0].token_ids) < 10 else "length")
 
 
 def test_prompts_of_the_wrong_type_fail_alone(tiny_art):
     eng = engine(tiny_art)
     bad = [5, None, [1.5, 2], ["a"], [[1, 2]], [True, 3], {"x": 1}]
     outs = eng.generate([PROMPTS[0], *bad, (1, 2, 3)], [GREEDY] * (len(bad) + 2))
-    assert outs[0].finish_reason == outs[-1].finish_reason == "length"  # a tuple of ids is a prompt too
+    assert outs[0].outputs[0].finish_reason == outs[-1].outputs[0].finish_reason == "length"  # a tuple of ids is a prompt too
     for o, want in zip(outs[1:-1], ["got int", "got NoneType", "holding float", "holding str", "holding list",
                                     "holding bool", "got dict"]):
-        assert o.finish_reason == "error" and isinstance(o.error, ValueError), o
+        assert o.outputs[0].finish_reason == "error" and isinstance(o.error, ValueError), o
         assert str(o.error).startswith("prompt must be token ids") and want in str(o.error), o.error
 
 
@@ -446,7 +457,7 @@ def test_sliding_window_policy_releases_blocks_and_keeps_outputs(swa_model):
         out = fin[0] if fin else out
     assert out.request_id == rid
     want, _ = greedy_with(eager_step(swa_model), swa_model.config, prompt, 16)
-    assert out.token_ids == want
+    assert out.outputs[0].token_ids == want
     assert max(held[2:]) <= 4  # 20 + 16 tokens would need 9 blocks without the window policy
 
 
@@ -461,13 +472,13 @@ def test_sliding_window_prefix_cache_needs_only_the_windows_blocks(swa_model):
     want = tokens(engine(art, cache={"enable_prefix_caching": False}).generate(prompts, [GREEDY] * 4))
     eng = engine(art, num_blocks=32)
     first = eng.generate(prompts[:1], [GREEDY])[0]
-    assert first.token_ids == want[0] and first.num_cached_tokens == 0
+    assert first.outputs[0].token_ids == want[0] and first.num_cached_tokens == 0
     # the window policy released the prefix's early blocks while the request ran, unnamed: only
     # the windows before its prompt's boundary (43 tokens: blocks 8 and 9) and its end stay cached
     assert not eng.kv.pool.holds(block_hash(b"", prefix[:4]))  # the prefix's block 0 is gone
     assert eng.kv.usage()["blocks_cached_unused"] == 2 + 2 and eng.kv.pool.evictions == 0
     other = eng.generate([[1 + i % 50 for i in range(80)]], [SamplingParams(temperature=0, max_tokens=1)])[0]
-    assert other.finish_reason == "length"
+    assert other.outputs[0].finish_reason == "length"
     computed = eng.stats.prompt_tokens_computed
     got = eng.generate(prompts[1:], [GREEDY] * 3)
     assert tokens(got) == want[1:]
@@ -509,11 +520,11 @@ def test_sliding_window_sequences_may_outgrow_the_cache(swa_model):
     outs = eng.generate(prompts, [SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)] * 2)
     for prompt, out in zip(prompts, outs):
         want, _ = greedy_with(eager_step(swa_model), swa_model.config, prompt, 20)
-        assert out.finish_reason == "length" and out.token_ids == want
+        assert out.outputs[0].finish_reason == "length" and out.outputs[0].token_ids == want
     assert eng.scheduler.num_preemptions > 0 and eng.kv.pool.num_used() == 0
     small = engine(art, num_blocks=5, max_num_tokens=8)
     assert small.max_model_len == 20
-    assert small.generate([prompts[0]], [GREEDY])[0].finish_reason == "error"
+    assert small.generate([prompts[0]], [GREEDY])[0].outputs[0].finish_reason == "error"
 
 
 @pytest.mark.parametrize("window,spec", [(False, False), (True, False), (False, True)])
@@ -556,7 +567,7 @@ def test_random_workload_loses_nothing(tiny_art, swa_model, window, spec):
         if step % 7 == 3 and eng.requests:
             rid = rng.choice(sorted(eng.requests))
             out = eng.abort(rid)
-            assert out.finish_reason == "abort" and rid not in ended
+            assert out.outputs[0].finish_reason == "abort" and rid not in ended
             ended[rid] = out
             aborted.add(rid)
         for out in eng.step():
@@ -571,8 +582,9 @@ def test_random_workload_loses_nothing(tiny_art, swa_model, window, spec):
     order = sorted(ended, key=lambda rid: ids[rid])
     for j, rid in enumerate(order):
         prompt = specs[ids[rid]][0]
-        shared = max([next((i for i, (x, y) in enumerate(zip(prompt, specs[ids[e]][0] + ended[e].token_ids)) if x != y),
-                           min(len(prompt), len(specs[ids[e]][0]) + len(ended[e].token_ids))) for e in order[:j]],
+        seen = {e: specs[ids[e]][0] + ended[e].outputs[0].token_ids for e in order[:j]}
+        shared = max([next((i for i, (x, y) in enumerate(zip(prompt, seen[e])) if x != y), min(len(prompt), len(seen[e])))
+                      for e in order[:j]],
                      default=0)
         n = ended[rid].num_cached_tokens
         assert n % 4 == 0 and n <= min(len(prompt) - 1, shared), (n, len(prompt), shared)
@@ -585,12 +597,13 @@ def test_random_workload_loses_nothing(tiny_art, swa_model, window, spec):
             continue
         prompt, p = specs[ids[rid]]
         alone = solo.generate([prompt], [p])[0]
-        assert (out.finish_reason, out.token_ids) == (alone.finish_reason, alone.token_ids)
-        stopped += out.finish_reason == "stop"
+        got, want = out.outputs[0], alone.outputs[0]
+        assert (got.finish_reason, got.token_ids) == (want.finish_reason, want.token_ids)
+        stopped += got.finish_reason == "stop"
         if p.logprobs:
-            assert len(out.logprobs) == len(out.token_ids) and all(t in lp for t, lp in zip(out.token_ids, out.logprobs))
-            for a, b in zip(out.logprobs, alone.logprobs):
-                assert a.keys() == b.keys() and all(abs(a[k] - b[k]) < 1e-4 for k in a)
+            assert len(got.logprobs) == len(got.token_ids) and all(t in lp for t, lp in zip(got.token_ids, got.logprobs))
+            for a, b in zip(got.logprobs, want.logprobs):
+                assert a.keys() == b.keys() and all(abs(a[k].logprob - b[k].logprob) < 1e-4 for k in a)
     assert stopped > 0
 
 

@@ -24,7 +24,7 @@ def test_sixteen_prompts_together_equal_each_alone(smollm2_compiled, prompts):
     eng = Engine(smollm2_compiled)
     together = eng.generate(prompts, [greedy] * 15 + [seeded])
     alone = [eng.generate([p], [greedy])[0] for p in prompts[:15]] + [eng.generate([prompts[15]], [seeded])[0]]
-    assert [o.token_ids for o in together] == [o.token_ids for o in alone]
+    assert [o.outputs[0].token_ids for o in together] == [o.outputs[0].token_ids for o in alone]
 
 
 def test_prefix_cache_32_requests_sharing_1000_tokens(smollm2, smollm2_compiled):
@@ -42,7 +42,7 @@ def test_prefix_cache_32_requests_sharing_1000_tokens(smollm2, smollm2_compiled)
     some = [0, 13, 31]
     want = off.generate([prompts[i] for i in some], [p] * 3)
     assert off.stats.prompt_tokens_computed == sum(len(prompts[i]) for i in some)
-    assert [got[i].token_ids for i in some] == [o.token_ids for o in want]
+    assert [got[i].outputs[0].token_ids for i in some] == [o.outputs[0].token_ids for o in want]
 
 
 def test_preemption_keeps_outputs(smollm2_compiled, prompts):
@@ -53,8 +53,8 @@ def test_preemption_keeps_outputs(smollm2_compiled, prompts):
     # the scheduler's documented policy on these sizes (tests/helpers.py; the prompts share no full
     # block, so the prefix cache changes what a readmission recomputes, not the blocks it holds)
     must = scheduled_preemptions([len(x) for x in prompts[:8]], 24, block_size=16, num_blocks=12)
-    assert [o.num_preemptions for o in got] == must and small.scheduler.num_preemptions == sum(must) > 0
-    assert [o.token_ids for o in got] == [o.token_ids for o in big]
+    assert [o.metrics.num_preemptions for o in got] == must and small.scheduler.num_preemptions == sum(must) > 0
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in big]
 
 
 def test_long_prompt_does_not_stall_decoding_sequences(smollm2, smollm2_compiled, prompts):
@@ -77,10 +77,10 @@ def test_long_prompt_does_not_stall_decoding_sequences(smollm2, smollm2_compiled
     # a decoder skipped by any step of the long prefill would finish after step 40
     assert [finish_step[r] for r in decoders] == [40] * 8
     assert finish_step[long_id] > 4 + (4000 - 8) // 504  # the long prompt took several chunks
-    gaps = [b - a for r in decoders for a, b in zip(finished[r].token_times, finished[r].token_times[1:])]
+    gaps = [b - a for r in decoders for a, b in zip(finished[r].outputs[0].token_times, finished[r].outputs[0].token_times[1:])]
     print(f"largest decoder gap {max(gaps) * 1000:.0f} ms, longest step {max(step_times) * 1000:.0f} ms")
     assert max(gaps) <= max(step_times) + 0.05
-    assert len(finished[long_id].token_ids) == 2
+    assert len(finished[long_id].outputs[0].token_ids) == 2
 
 
 def test_stop_strings_with_the_real_tokenizer(smollm2, smollm2_compiled):
@@ -88,6 +88,6 @@ def test_stop_strings_with_the_real_tokenizer(smollm2, smollm2_compiled):
     eng = Engine(smollm2_compiled)
     prompt = tok.encode("The three primary colors are")
     free = eng.generate([prompt], [SamplingParams(temperature=0, max_tokens=16)])[0]
-    assert free.text.startswith(" the primary colors of the RGB color model")
+    assert free.outputs[0].text.startswith(" the primary colors of the RGB color model")
     out = eng.generate([prompt], [SamplingParams(temperature=0, max_tokens=16, stop=["color model"])])[0]
-    assert out.finish_reason == "stop" and out.text == " the primary colors of the RGB "
+    assert out.outputs[0].finish_reason == "stop" and out.outputs[0].text == " the primary colors of the RGB "

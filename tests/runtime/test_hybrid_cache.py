@@ -81,7 +81,7 @@ def test_hybrid_engine_matches_eager_and_hands_back_sliding_blocks(gemma):
     while eng.has_unfinished():
         done = eng.step()
         held.append((eng.kv.pools[0].num_used(), eng.kv.pools[1].num_used()))
-    assert done[0].token_ids == want
+    assert done[0].outputs[0].token_ids == want
     assert max(s for _, s in held) <= -(-WINDOW // BS) + 1
     assert max(f for f, _ in held[:-1]) == -(-(40 + 7) // BS)  # every full block until it finished
     assert eng.kv.num_used() == 0
@@ -93,10 +93,10 @@ def test_exact_prefix_hit_needs_the_window_before_the_boundary(gemma):
     computed from the start; every output equals the cache-off run's."""
     base = prompt(1, 40)
     prompts = [base + [5, 6], base + [5, 6], base[:28] + [9, 9, 9]]
-    want = [o.token_ids for o in engine(gemma, enable_prefix_caching=False).generate(prompts, [GREEDY] * 3)]
+    want = [o.outputs[0].token_ids for o in engine(gemma, enable_prefix_caching=False).generate(prompts, [GREEDY] * 3)]
     eng = engine(gemma)
     got = [eng.generate([p], [GREEDY])[0] for p in prompts]
-    assert [o.token_ids for o in got] == want
+    assert [o.outputs[0].token_ids for o in got] == want
     assert [o.num_cached_tokens for o in got] == [0, 40, 0]
     names = [block_hash(b"", base[:4])]
     assert eng.kv.pools[0].holds(names[0]) and not eng.kv.pools[1].holds(names[0])  # no boundary needs it
@@ -114,15 +114,15 @@ def test_exact_replay_of_the_yoco_variant_gives_the_full_prefill_tokens(yoco):
     first = eng.generate(prompts[:1], [params])[0]
     computed = eng.stats.prompt_tokens_computed
     got = eng.generate(prompts[1:], [params])[0]
-    assert first.token_ids == want[0].token_ids
-    assert got.token_ids == want[1].token_ids and got.num_cached_tokens == 28 - WINDOW
+    assert first.outputs[0].token_ids == want[0].outputs[0].token_ids
+    assert got.outputs[0].token_ids == want[1].outputs[0].token_ids and got.num_cached_tokens == 28 - WINDOW
     assert eng.stats.prompt_tokens_computed - computed == 31 - 20
     assert eng.kv.stats.replay_hits == 1 and eng.kv.stats.replayed_tokens == WINDOW
-    for a, b in zip(got.logprobs, want[1].logprobs):
-        assert a.keys() == b.keys() and max(abs(a[t] - b[t]) for t in a) < 1e-4
-    suffix = block_hash(b"", (prompts[1] + got.token_ids)[:4])
+    for a, b in zip(got.outputs[0].logprobs, want[1].outputs[0].logprobs):
+        assert a.keys() == b.keys() and max(abs(a[t].logprob - b[t].logprob) for t in a) < 1e-4
+    suffix = block_hash(b"", (prompts[1] + got.outputs[0].token_ids)[:4])
     for i in range(1, 9):
-        suffix = block_hash(suffix, (prompts[1] + got.token_ids)[4 * i:4 * i + 4])
+        suffix = block_hash(suffix, (prompts[1] + got.outputs[0].token_ids)[4 * i:4 * i + 4])
     assert eng.kv.pools[0].holds(suffix)  # block 8 (positions 32..35) follows an exact replay
 
 
@@ -134,7 +134,7 @@ def test_replay_in_gemma_is_marked_approximate(gemma):
     eng.generate([base + [5, 6]], [GREEDY])
     later = base[:28] + [9, 9, 9, 9, 9]
     out = eng.generate([later], [GREEDY])[0]
-    assert out.finish_reason == "length" and out.num_cached_tokens == 20 and eng.kv.stats.replay_hits == 1
+    assert out.outputs[0].finish_reason == "length" and out.num_cached_tokens == 20 and eng.kv.stats.replay_hits == 1
     name = b""
     for i in range(8):
         name = block_hash(name, later[4 * i:4 * i + 4])
@@ -197,7 +197,7 @@ def test_a_hybrid_artifact_round_trips(yoco, tmp_path):
     outs = []
     for model in (art, loaded):
         eng = Engine(model, CacheConfig(block_size=BS, num_blocks=64, swa_replay_tokens=WINDOW), max_num_tokens=8)
-        outs.append([eng.generate([p], [GREEDY])[0].token_ids for p in prompts])
+        outs.append([eng.generate([p], [GREEDY])[0].outputs[0].token_ids for p in prompts])
         assert eng.kv.stats.replay_hits == 1
     assert outs[0] == outs[1]
 
@@ -207,7 +207,7 @@ def test_a_fault_in_the_middle_of_a_chunked_replay_is_undone(yoco):
     tables and pools are as after the first, and the request then finishes with the cold tokens."""
     base = prompt(7, 40)
     later = base[:28] + [7, 7, 7]
-    want = engine(yoco, enable_prefix_caching=False).generate([later], [GREEDY])[0].token_ids
+    want = engine(yoco, enable_prefix_caching=False).generate([later], [GREEDY])[0].outputs[0].token_ids
     eng = Engine(deepfuse.compile(yoco), CacheConfig(block_size=BS, num_blocks=64, swa_replay_tokens=WINDOW),
                  max_num_tokens=4)
     eng.generate([base], [GREEDY])
@@ -223,4 +223,4 @@ def test_a_fault_in_the_middle_of_a_chunked_replay_is_undone(yoco):
     assert ([list(t) for t in req.kv.tables], [(p.num_used(), len(p.lru), dict(p.by_name)) for p in eng.kv.pools]) == before
     while eng.has_unfinished():
         done = eng.step()
-    assert done[0].token_ids == want and eng.kv.num_used() == 0
+    assert done[0].outputs[0].token_ids == want and eng.kv.num_used() == 0

@@ -78,7 +78,7 @@ CASES = {  # name: (fault condition, prompts, params, engine settings)
 
 
 def all_tokens(outs):
-    return [[s.token_ids for s in o.samples] for o in outs]
+    return [[s.token_ids for s in o.outputs] for o in outs]
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -115,7 +115,7 @@ def test_stepping_on_after_a_failed_step_continues_as_if_it_never_ran(tiny_art, 
             continue
         done.update((o.request_id, o) for o in outs)
     assert failures == 1
-    assert [[done[i].token_ids] for i in ids] == want
+    assert [[done[i].outputs[0].token_ids] for i in ids] == want
     no_leaks(eng)
 
 
@@ -170,7 +170,7 @@ def test_an_error_while_a_step_s_tokens_are_taken_leaves_requests_that_continue(
             done.update((o.request_id, o) for o in eng.step())
         except Interrupt:
             failures += 1
-    assert failures == 1 and [[done[i].token_ids] for i in ids] == want
+    assert failures == 1 and [[done[i].outputs[0].token_ids] for i in ids] == want
     no_leaks(eng)
 
 
@@ -195,7 +195,7 @@ def test_an_error_while_scheduling_is_undone(tiny_art, monkeypatch):
     done = {}
     while eng.has_unfinished():
         done.update((o.request_id, o) for o in eng.step())
-    assert [[done[i].token_ids] for i in ids] == want
+    assert [[done[i].outputs[0].token_ids] for i in ids] == want
     no_leaks(eng)
 
 
@@ -233,6 +233,6 @@ def test_smollm2_prompt_after_a_ctrl_c_in_its_first_step(smollm2_compiled):
     with pytest.raises(KeyboardInterrupt):
         llm.generate(prompt, params)
     out = llm.generate(prompt, params)[0]
-    assert out.token_ids == want.token_ids and out.text == want.text
+    assert out.outputs[0].token_ids == want.outputs[0].token_ids and out.outputs[0].text == want.outputs[0].text
     assert out.num_cached_tokens == 0  # nothing was written, so nothing is found
     no_leaks(llm.engine)

@@ -27,7 +27,7 @@ def engine(art, store, num_blocks=64, **kw):
 
 def cold(art, prompts):
     eng = Engine(art, CacheConfig(block_size=4, num_blocks=64, enable_prefix_caching=False), max_num_tokens=16)
-    return [o.token_ids for o in eng.generate(prompts, [GREEDY] * len(prompts))]
+    return [o.outputs[0].token_ids for o in eng.generate(prompts, [GREEDY] * len(prompts))]
 
 
 def files(store) -> list[str]:
@@ -40,12 +40,12 @@ def test_blocks_survive_a_restart(art, tmp_path):
     prompts = [PREFIX + [7, 8], PREFIX + [9, 10, 11]]
     want = cold(art, prompts)
     first = engine(art, tmp_path)
-    assert first.generate(prompts[:1], [GREEDY])[0].token_ids == want[0]
+    assert first.generate(prompts[:1], [GREEDY])[0].outputs[0].token_ids == want[0]
     first.kv.store.flush()
     assert len(files(tmp_path)) >= 10
     again = engine(art, tmp_path)
     out = again.generate(prompts[1:], [GREEDY])[0]
-    assert out.token_ids == want[1] and out.num_cached_tokens == 40
+    assert out.outputs[0].token_ids == want[1] and out.num_cached_tokens == 40
     assert again.kv.stats.store_blocks == 10 and again.stats.prompt_tokens_computed == 3
 
 
@@ -59,7 +59,7 @@ def test_evicted_blocks_come_back_from_disk(art, tmp_path):
     for p in prompts:
         got.append(eng.generate([p], [GREEDY])[0])
         eng.kv.store.flush()  # the writer thread has caught up: what a later request can find is on disk
-    assert [o.token_ids for o in got] == want
+    assert [o.outputs[0].token_ids for o in got] == want
     assert eng.kv.pool.evictions > 0 and got[2].num_cached_tokens == 40 and eng.kv.stats.store_blocks >= 1
 
 
@@ -83,12 +83,12 @@ def test_corrupt_and_truncated_blocks_are_dropped_and_recomputed(art, tmp_path):
     cut.write_bytes(cut.read_bytes()[:100])
     again = engine(art, tmp_path)
     out = again.generate(prompts[1:], [GREEDY])[0]
-    assert out.token_ids == want[1] and out.num_cached_tokens == 24  # blocks 0..5; 6 failed its checksum
+    assert out.outputs[0].token_ids == want[1] and out.num_cached_tokens == 24  # blocks 0..5; 6 failed its checksum
     assert again.kv.store.dropped_corrupt == 1
     again.kv.store.flush()  # the recomputed blocks were written again, as they were before the flip
     assert flipped.read_bytes() == original
     third = engine(art, tmp_path)  # the truncated one too, once found: dropped, then rewritten
-    assert third.generate(prompts[1:], [GREEDY])[0].token_ids == want[1]
+    assert third.generate(prompts[1:], [GREEDY])[0].outputs[0].token_ids == want[1]
 
 
 def test_a_store_of_another_model_is_refused_and_left_alone(art, tiny_model, tmp_path):
@@ -101,7 +101,8 @@ def test_a_store_of_another_model_is_refused_and_left_alone(art, tiny_model, tmp
     with pytest.warns(UserWarning, match="another model"):
         eng = engine(other, tmp_path)
     out = eng.generate([PREFIX + [9, 10, 11]], [GREEDY])[0]
-    assert out.num_cached_tokens == 0 and eng.kv.store is None and out.token_ids == cold(other, [PREFIX + [9, 10, 11]])[0]
+    assert out.num_cached_tokens == 0 and eng.kv.store is None
+    assert out.outputs[0].token_ids == cold(other, [PREFIX + [9, 10, 11]])[0]
     assert {f: (tmp_path / f).read_bytes() for f in files(tmp_path)} == before
     with pytest.warns(UserWarning, match="another model"):  # a different block size is another layout
         Engine(art, CacheConfig(block_size=8, num_blocks=64, kv_store=str(tmp_path)))
@@ -123,7 +124,7 @@ def test_a_full_disk_loses_nothing_but_the_disk_copy(art, tmp_path, monkeypatch)
         warnings.simplefilter("always")
         got = [eng.generate([p], [GREEDY])[0] for p in prompts]
         eng.kv.store.flush()
-    assert [o.token_ids for o in got] == cold(art, prompts) and got[1].num_cached_tokens == 40
+    assert [o.outputs[0].token_ids for o in got] == cold(art, prompts) and got[1].num_cached_tokens == 40
     assert eng.kv.store.write_errors >= 10 and files(tmp_path) == []
     assert not [f for f in os.listdir(tmp_path) if f.endswith(".tmp")]
 
@@ -153,9 +154,9 @@ def test_a_hybrid_model_replays_over_blocks_from_the_store(tmp_path):
     make = lambda: Engine(art, CacheConfig(block_size=4, num_blocks=64, kv_store=str(tmp_path), swa_replay_tokens=8),
                           max_num_tokens=16)
     first = make()
-    assert first.generate(prompts[:1], [GREEDY])[0].token_ids == want[0]
+    assert first.generate(prompts[:1], [GREEDY])[0].outputs[0].token_ids == want[0]
     first.kv.store.flush()
     again = make()
     out = again.generate(prompts[1:], [GREEDY])[0]
-    assert out.token_ids == want[1] and out.num_cached_tokens == 40 - 8
+    assert out.outputs[0].token_ids == want[1] and out.num_cached_tokens == 40 - 8
     assert again.kv.stats.store_blocks == 10 and again.kv.stats.replay_hits == 1

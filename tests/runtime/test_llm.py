@@ -18,22 +18,22 @@ def test_text_prompts_equal_the_engine_on_their_token_ids(llm, smollm2, smollm2_
     texts = ["The capital of France is", "Bread is made from"]
     got = llm.generate(texts, GREEDY)
     want = Engine(smollm2_compiled).generate([tok.encode(t) for t in texts], [GREEDY] * 2)
-    assert [o.token_ids for o in got] == [o.token_ids for o in want]
-    assert [o.text for o in got] == [tok.decode(o.token_ids) for o in want]
-    assert llm.generate("The capital of France is", GREEDY)[0].token_ids == got[0].token_ids
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+    assert [o.outputs[0].text for o in got] == [tok.decode(o.outputs[0].token_ids) for o in want]
+    assert llm.generate("The capital of France is", GREEDY)[0].outputs[0].token_ids == got[0].outputs[0].token_ids
 
 
 def test_chat_takes_a_message_a_conversation_or_a_list_of_them(llm, smollm2):
     tok = smollm2[1]
     question = "What is the capital of France?"
-    one = llm.chat(question, GREEDY)
+    one, = llm.chat(question, GREEDY)
     want = llm.generate([tok.render_chat([{"role": "user", "content": question}])], GREEDY)[0]
-    assert one.token_ids == want.token_ids and "Paris" in one.text
+    assert one.outputs[0].token_ids == want.outputs[0].token_ids and "Paris" in one.outputs[0].text
     talk = [{"role": "system", "content": "Answer in one word."}, {"role": "user", "content": question}]
-    alone = llm.chat(talk, GREEDY)
-    assert alone.token_ids == llm.generate([tok.render_chat(talk)], GREEDY)[0].token_ids
+    alone, = llm.chat(talk, GREEDY)
+    assert alone.outputs[0].token_ids == llm.generate([tok.render_chat(talk)], GREEDY)[0].outputs[0].token_ids
     both = llm.chat([talk, [{"role": "user", "content": question}]], GREEDY)
-    assert [o.token_ids for o in both] == [alone.token_ids, one.token_ids]
+    assert [o.outputs[0].token_ids for o in both] == [alone.outputs[0].token_ids, one.outputs[0].token_ids]
     for bad in ([{"role": "user"}], [], [{"role": "user", "content": 3}], 42):
         with pytest.raises(DeepfuseError, match="conversation must be"):
             llm.chat(bad, GREEDY)
@@ -41,18 +41,18 @@ def test_chat_takes_a_message_a_conversation_or_a_list_of_them(llm, smollm2):
 
 def test_n_completions_through_llm(llm):
     out = llm.generate(["Once upon a time"], SamplingParams(n=3, temperature=1.0, seed=4, max_tokens=10))[0]
-    assert len(out.samples) == 3 and len({tuple(s.token_ids) for s in out.samples}) == 3
+    assert len(out.outputs) == 3 and len({tuple(s.token_ids) for s in out.outputs}) == 3
     first = llm.generate(["Once upon a time"], SamplingParams(temperature=1.0, seed=4, max_tokens=10))[0]
-    assert first.token_ids == out.token_ids
+    assert first.outputs[0].token_ids == out.outputs[0].token_ids
 
 
 def test_vllm_prompt_dicts_and_keyword_equal_their_plain_forms(llm, smollm2):
     tok = smollm2[1]
     text = "The capital of France is"
-    want = llm.generate([text], GREEDY)[0].token_ids
+    want = llm.generate([text], GREEDY)[0].outputs[0].token_ids
     outs = llm.generate([{"prompt": text}, {"prompt_token_ids": tok.encode(text)}, {"prompt_ids": [1, 2]},
                          {"prompt": text, "extra": 1}], GREEDY)
-    assert [o.token_ids for o in outs[:2]] == [want, want]
-    assert [o.finish_reason for o in outs[2:]] == ["error", "error"]
+    assert [o.outputs[0].token_ids for o in outs[:2]] == [want, want]
+    assert [o.outputs[0].finish_reason for o in outs[2:]] == ["error", "error"]
     assert "{'prompt_token_ids': [int]}; got dict" in str(outs[2].error)
-    assert llm.generate({"prompt": text}, sampling_params=GREEDY)[0].token_ids == want  # vLLM's keyword
+    assert llm.generate({"prompt": text}, sampling_params=GREEDY)[0].outputs[0].token_ids == want  # vLLM's keyword

@@ -38,7 +38,7 @@ def test_greedy_states_pair_each_token_with_the_state_that_sampled_it(tiny_targe
     prompts = [[5, 17, 99, 3], [9, 2]]
     states = greedy_states(tiny_target, prompts, 6)
     plain = Engine(tiny_target).generate(prompts, [SamplingParams(temperature=0, max_tokens=6)] * 2)
-    assert [g.tolist() for g, _ in states] == [o.token_ids for o in plain]
+    assert [g.tolist() for g, _ in states] == [o.outputs[0].token_ids for o in plain]
     c = tiny_target.config
     seq = prompts[0] + states[0][0].tolist()
     cache = KVCache(c.num_layers, c.num_kv_heads, c.head_dim, torch.float32, CacheConfig(4, 16))
@@ -79,7 +79,7 @@ def test_mtp_drafts_keep_outputs_identical(tiny_target, trained):
         eng = Engine(tiny_target, spec=SpecConfig(method="mtp", draft_head=path, num_draft_tokens=3,
                                                   schedule=schedule))
         outs = eng.generate(prompts, params)
-        assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
+        assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in plain]
         if schedule == "fixed":
             check_spec_accounting(eng, outs, 3)
 

@@ -102,25 +102,25 @@ def test_smollm2_outputs_are_identical_with_speculation(smollm2, smollm2_compile
     eng = Engine(smollm2_compiled, spec=SpecConfig(num_draft_tokens=5, schedule="fixed"))
     spec = eng.generate(prompts, params)
     for a, b in zip(plain, spec):
-        assert a.token_ids == b.token_ids and a.finish_reason == b.finish_reason
-    assert spec[0].spec.acceptance_rate > 0.5 and spec[0].spec.mean_accepted_length > 2
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids and a.outputs[0].finish_reason == b.outputs[0].finish_reason
+    assert spec[0].metrics.spec.acceptance_rate > 0.5 and spec[0].metrics.spec.mean_accepted_length > 2
     # what prompt lookup must draft and keep for each request, from its tokens (runtime/spec.py's
     # rules), and the steps: one prefill for all three, then the longest request's decode steps
-    must = [ngram_spec_counts(pr, o.token_ids, 5, p.max_tokens) for pr, o, p in zip(prompts, spec, params)]
-    assert [(o.spec.verifications, o.spec.drafted, o.spec.accepted) for o in spec] == \
+    must = [ngram_spec_counts(pr, o.outputs[0].token_ids, 5, p.max_tokens) for pr, o, p in zip(prompts, spec, params)]
+    assert [(o.metrics.spec.verifications, o.metrics.spec.drafted, o.metrics.spec.accepted) for o in spec] == \
         [(m["verifications"], m["drafted"], m["accepted"]) for m in must]
     assert eng.spec_stats.drafted == sum(m["drafted"] for m in must) > 0
     assert eng.stats.steps == 1 + max(m["decode_steps"] for m in must)
     # the confidence schedule verifies what the (machine-dependent) latency table says pays; same tokens
     confident = Engine(smollm2_compiled, spec=SpecConfig(num_draft_tokens=5)).generate(prompts, params)
-    assert [o.token_ids for o in confident] == [o.token_ids for o in plain]
+    assert [o.outputs[0].token_ids for o in confident] == [o.outputs[0].token_ids for o in plain]
     # a self-drafter: SmolLM2's first 8 of 30 layers and its head
     model, _ = smollm2
     draft = deepfuse.compile(model.first_layers(8))
     eng = Engine(smollm2_compiled, spec=SpecConfig(method="draft", num_draft_tokens=3, schedule="fixed"),
                  draft_model=draft)
     outs = eng.generate(prompts, params)
-    assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in plain]
     check_spec_accounting(eng, outs, 3)  # untrained, its drafts are rarely right (see benchmarks/spec.py)
     # an MTP head after a few training steps (how good it is: benchmarks/spec.py)
     from deepfuse.runtime.train_drafter import TrainConfig, train_drafter
@@ -130,7 +130,7 @@ def test_smollm2_outputs_are_identical_with_speculation(smollm2, smollm2_compile
     eng = Engine(smollm2_compiled, spec=SpecConfig(method="mtp", draft_head=head, num_draft_tokens=3,
                                                    schedule="fixed"))
     outs = eng.generate(prompts, params)
-    assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in plain]
     check_spec_accounting(eng, outs, 3)
 
 
@@ -167,7 +167,7 @@ def test_temperature_one_keeps_the_target_distribution(tiny_model):
     eng.drafter = FixedDrafter(draft)
     outs = eng.generate([prompt] * n, params)
     assert eng.spec_stats.verifications >= n and 0 < eng.spec_stats.acceptance_rate < 1
-    seconds = torch.tensor([o.token_ids[1] for o in outs if o.token_ids[0] == t1])
+    seconds = torch.tensor([o.outputs[0].token_ids[1] for o in outs if o.outputs[0].token_ids[0] == t1])
     m = len(seconds)
     assert m > n * 0.3
     freq = torch.bincount(seconds, minlength=c.vocab_size).float() / m
@@ -175,7 +175,7 @@ def test_temperature_one_keeps_the_target_distribution(tiny_model):
     bound = 3 * 0.5 * float(torch.sqrt(probs * (1 - probs) / m).sum())
     assert tv < bound, (tv, bound)
     plain = Engine(art, **config).generate([prompt] * n, params)
-    assert [o.token_ids for o in plain] == [o.token_ids for o in outs]
+    assert [o.outputs[0].token_ids for o in plain] == [o.outputs[0].token_ids for o in outs]
 
 
 def test_confidence_schedule_verifies_drafts_only_when_they_pay():
@@ -216,7 +216,7 @@ def test_engine_with_confidence_schedule_keeps_greedy_outputs(tiny_model, tmp_pa
     plain = Engine(art).generate([prompt] * 3, p)
     eng = Engine(art, spec=SpecConfig(num_draft_tokens=4))
     assert eng.latency is not None and eng.latency.seqs[0] == 1
-    assert [o.token_ids for o in eng.generate([prompt] * 3, p)] == [o.token_ids for o in plain]
+    assert [o.outputs[0].token_ids for o in eng.generate([prompt] * 3, p)] == [o.outputs[0].token_ids for o in plain]
     cached = list((tmp_path / ".cache" / "deepfuse" / "latency").iterdir())
     again = Engine(art, spec=SpecConfig()).latency  # read from the cache: the same grid
     assert len(cached) == 1 and (again.seqs, again.tokens) == (eng.latency.seqs, eng.latency.tokens)
@@ -231,12 +231,12 @@ def test_draft_model_drafter_keeps_outputs_and_a_copy_of_the_target_is_always_ri
     half = Engine(target, spec=SpecConfig(method="draft", num_draft_tokens=3, schedule="fixed"),
                   draft_model=deepfuse.compile(tiny_model.first_layers(1)))
     outs = half.generate(prompts, params)
-    assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in plain]
     check_spec_accounting(half, outs, 3)
     same = Engine(target, spec=SpecConfig(method="draft", num_draft_tokens=4, schedule="fixed"),
                   draft_model=deepfuse.compile(tiny_model))
     outs = same.generate(prompts[:2], params[:2])  # greedy drafts of the target itself are never wrong
-    assert [o.token_ids for o in outs] == [o.token_ids for o in plain[:2]]
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in plain[:2]]
     assert same.spec_stats.acceptance_rate == 1.0 and same.spec_stats.mean_accepted_length > 3
     # every draft kept: each verification drafts all it may (min(4, max_tokens - generated - 1))
     # and gains that many tokens and one more. A drafter as costly as the target (cost 1: r + ... +
@@ -244,7 +244,7 @@ def test_draft_model_drafter_keeps_outputs_and_a_copy_of_the_target_is_always_ri
     # round (DraftGate's probe); the rounds between are plain decode steps
     for o, p in zip(outs, params):
         generated, drafted, verifications, skipped = 1, 0, 0, 0
-        while generated < len(o.token_ids):
+        while generated < len(o.outputs[0].token_ids):
             room = min(4, p.max_tokens - generated - 1)
             if room > 0 and verifications >= 2:
                 skipped = (skipped + 1) % 8
@@ -252,7 +252,7 @@ def test_draft_model_drafter_keeps_outputs_and_a_copy_of_the_target_is_always_ri
                 drafted, verifications, generated = drafted + room, verifications + 1, generated + room + 1
             else:
                 generated += 1
-        assert (o.spec.drafted, o.spec.verifications) == (drafted, verifications)
+        assert (o.metrics.spec.drafted, o.metrics.spec.verifications) == (drafted, verifications)
 
 
 def test_draft_model_with_another_vocabulary_or_none_is_refused(tiny_model, tmp_path):

@@ -1,0 +1,168 @@
+"""`deepfuse serve` under load, over loopback, against offline LLM.generate on the same workload.
+
+A server process (`deepfuse serve`, default bf16 + int4 build) and, in this process, --concurrency
+streaming clients (the official `openai` client, AsyncOpenAI) sending --requests completions of
+throughput.py's prompts (50-500 tokens, as token ids), --tokens output tokens each (EOS ignored):
+  load        a --disconnect share of the clients leave their stream after a few chunks; every
+              other stream must end whole (finish "length", usage of --tokens tokens, text in
+              every chunk); afterwards the server must hold no KV block and run nothing (/metrics)
+  throughput  fresh prompts, no client leaves: output tok/s, TTFT and TPOT p50/p99 (client side)
+  offline     the throughput phase's prompts through LLM.generate in this process, after the
+              server has stopped (the same build, cache and step budget)
+Prints a table and writes benchmarks/results/serve.json. Bounded: --requests, and --timeout
+seconds per phase.
+
+    python benchmarks/serve.py [--requests 512] [--concurrency 64] [--disconnect 0.2] [--tokens 64]
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import random
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+
+from results_file import write_result
+from throughput import make_prompts, pct, summary
+
+BUILD = ["--dtype", "bf16", "--quant", "int4"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def metrics(url: str) -> dict[str, float]:
+    with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
+        lines = r.read().decode().splitlines()
+    return {ln.split()[0]: float(ln.split()[1]) for ln in lines if ln and not ln.startswith("#")}
+
+
+async def client_run(url: str, prompts: list[list[int]], tokens: int, concurrency: int, leave: float, seed: int):
+    """Runs every prompt as a streamed completion; returns (per-request records, wall seconds)."""
+    import openai
+
+    client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=600)
+    rng = random.Random(seed)
+    plan = [rng.random() < leave for _ in prompts]
+    gate = asyncio.Semaphore(concurrency)
+
+    async def one(i: int) -> dict:
+        async with gate:
+            rec = {"left": plan[i], "ok": False, "error": None}
+            t0 = time.perf_counter()
+            times, text, finish, usage = [], "", None, None
+            try:
+                stream = await client.completions.create(
+                    model="smollm2", prompt=prompts[i], max_tokens=tokens, temperature=0.8, seed=i, stream=True,
+                    stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+                async for chunk in stream:
+                    if chunk.usage is not None:
+                        usage = chunk.usage
+                    for c in chunk.choices:
+                        times.append(time.perf_counter() - t0)
+                        text += c.text
+                        finish = c.finish_reason or finish
+                    if plan[i] and len(times) >= 3:
+                        await stream.close()
+                        return rec
+            except Exception as e:  # a lost or malformed response
+                rec["error"] = repr(e)[:200]
+                return rec
+            rec["ok"] = finish == "length" and usage is not None and usage.completion_tokens == tokens and bool(text)
+            if not rec["ok"]:
+                rec["error"] = f"finish {finish}, usage {usage}, {len(text)} characters"
+            rec["ttft"] = times[0] if times else float("nan")
+            rec["tpot"] = (times[-1] - times[0]) / (tokens - 1) if len(times) > 1 else 0.0
+            return rec
+
+    t = time.perf_counter()
+    records = await asyncio.gather(*[one(i) for i in range(len(prompts))])
+    return records, time.perf_counter() - t
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--requests", type=int, default=512)
+    ap.add_argument("--concurrency", type=int, default=64)
+    ap.add_argument("--disconnect", type=float, default=0.2)
+    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--timeout", type=float, default=1200, help="seconds per phase at most")
+    args = ap.parse_args()
+    from deepfuse.models import resolve_model_path
+    from deepfuse.models.gguf_loader import open_gguf
+    from deepfuse.runtime.tokenizer import tokenizer_from_gguf
+
+    path = resolve_model_path("smollm2")
+    tok = tokenizer_from_gguf(path, open_gguf(path))
+    load_prompts = make_prompts(tok, args.requests, seed=1)
+    tp_prompts = make_prompts(tok, args.requests, seed=2)
+    engine = ["--num-blocks", "4096", "--max-num-seqs", "64", "--max-num-tokens", "1024"]
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    server = subprocess.Popen([sys.executable, "-m", "deepfuse.cli", "serve", "--port", str(port), *BUILD, *engine],
+                              stderr=subprocess.DEVNULL)
+    try:
+        for _ in range(1200):  # compiling, and on a first run building the native kernels, take minutes
+            if server.poll() is not None:
+                raise SystemExit(f"the server exited ({server.returncode}) before it answered /health")
+            try:
+                urllib.request.urlopen(url + "/health", timeout=1)
+                break
+            except OSError:
+                time.sleep(0.5)
+        else:
+            raise SystemExit("the server did not answer /health in 10 minutes")
+        asyncio.run(client_run(url, make_prompts(tok, 4, seed=3), 4, 4, 0.0, 0))  # warm-up
+        load, _ = asyncio.run(asyncio.wait_for(client_run(url, load_prompts, args.tokens, args.concurrency,
+                                                          args.disconnect, 1), args.timeout))
+        for _ in range(50):
+            m = metrics(url)
+            if m["deepfuse_num_requests_running"] == m["deepfuse_kv_cache_usage_perc"] == 0:
+                break
+            time.sleep(0.1)
+        bad = [r for r in load if not r["left"] and not r["ok"]]
+        tp, wall = asyncio.run(asyncio.wait_for(client_run(url, tp_prompts, args.tokens, args.concurrency, 0.0, 2),
+                                                args.timeout))
+    finally:
+        server.terminate()
+        server.wait(30)
+    served = summary(wall, [r["ttft"] for r in tp], [r["tpot"] for r in tp], args.tokens * sum(r["ok"] for r in tp))
+    from deepfuse import LLM, SamplingParams
+
+    llm = LLM("smollm2", dtype="bf16", quant="int4", num_blocks=4096, max_num_seqs=64, max_num_tokens=1024)
+    llm.generate(make_prompts(tok, 4, seed=3), SamplingParams(max_tokens=4), use_tqdm=False)
+    t = time.perf_counter()
+    outs = llm.generate(tp_prompts, [SamplingParams(temperature=0.8, seed=i, max_tokens=args.tokens, ignore_eos=True)
+                                     for i in range(len(tp_prompts))], use_tqdm=False)
+    offline = summary(time.perf_counter() - t, [o.metrics.ttft_s for o in outs], [o.metrics.tpot_s for o in outs],
+                      sum(len(o.outputs[0].token_ids) for o in outs))
+    left = sum(r["left"] for r in load)
+    print(f"load: {len(load)} requests, {args.concurrency} at once, {left} left mid-stream, "
+          f"{len(bad)} lost or malformed; after it: {m['deepfuse_num_requests_running']:.0f} running, "
+          f"KV usage {m['deepfuse_kv_cache_usage_perc']:.3f}")
+    for r in bad[:5]:
+        print("  ", r["error"])
+    ttft_load = [r["ttft"] for r in load if r.get("ttft") is not None]
+    print(f"load TTFT p50 {pct(ttft_load, 0.5):.2f}s p99 {pct(ttft_load, 0.99):.2f}s")
+    print(f"\n{'run':10s} {'out tok/s':>9s} {'TTFT p50':>9s} {'TTFT p99':>9s} {'TPOT p50':>9s} {'TPOT p99':>9s}")
+    for name, r in (("served", served), ("offline", offline)):
+        print(f"{name:10s} {r['output_tps']:9.1f} {r['ttft_p50_s']:8.2f}s {r['ttft_p99_s']:8.2f}s "
+              f"{1000 * r['tpot_p50_s']:7.1f}ms {1000 * r['tpot_p99_s']:7.1f}ms")
+    print(f"served / offline tok/s: {served['output_tps'] / offline['output_tps']:.2f}x")
+    write_result("serve.json", {"requests": args.requests, "concurrency": args.concurrency, "disconnect": args.disconnect,
+                                "tokens": args.tokens, "build": BUILD, "load": {"left": left, "lost_or_malformed": len(bad),
+                                "running_after": m["deepfuse_num_requests_running"],
+                                "kv_usage_after": m["deepfuse_kv_cache_usage_perc"],
+                                "ttft_p50_s": pct(ttft_load, 0.5), "ttft_p99_s": pct(ttft_load, 0.99)},
+                                "served": served, "offline": offline,
+                                "served_vs_offline": served["output_tps"] / offline["output_tps"]})
+
+
+if __name__ == "__main__":
+    main()

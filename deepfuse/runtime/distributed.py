@@ -29,7 +29,8 @@ import torch.multiprocessing as mp
 
 from ..errors import DeepfuseError
 from ..ir.opdefs_collective import use_communicator
-from .request import RequestOutput, SamplingParams
+from .outputs import RequestOutput
+from .request import SamplingParams
 
 
 class TorchCommunicator:

@@ -30,11 +30,11 @@ def _check_same(path: str) -> None:
     finally:
         eng.close()
     for w, g in zip(want, got):
-        assert g.error is None and g.token_ids == w.token_ids
+        assert g.error is None and g.outputs[0].token_ids == w.outputs[0].token_ids
     for w, g in zip(want[:3], got[:3]):
-        for lw, lg in zip(w.logprobs, g.logprobs):
+        for lw, lg in zip(w.outputs[0].logprobs, g.outputs[0].logprobs):
             assert lw.keys() == lg.keys()
-            assert max(abs(lw[t] - lg[t]) for t in lw) <= 1e-5
+            assert max(abs(lw[t].logprob - lg[t].logprob) for t in lw) <= 1e-5
 
 
 def test_tp2_tiny_llama_same_tokens_as_one_process(tiny_dir):
@@ -69,9 +69,10 @@ def test_tp2_smollm2_through_llm_same_tokens_as_one_process(smollm2_compiled):
     finally:
         llm.engine.close()
     for w, g in zip(want, got):
+        w, g = w.outputs[0], g.outputs[0]
         assert g.token_ids == w.token_ids and g.text == w.text
         for lw, lg in zip(w.logprobs, g.logprobs):
-            assert lw.keys() == lg.keys() and max(abs(lw[t] - lg[t]) for t in lw) <= 1e-4
+            assert lw.keys() == lg.keys() and max(abs(lw[t].logprob - lg[t].logprob) for t in lw) <= 1e-4
 
 
 def test_llm_refuses_settings_the_sharded_engine_does_not_take():

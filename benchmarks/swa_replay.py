@@ -146,6 +146,7 @@ def main() -> None:
     ap.add_argument("--work-prefix", type=int, default=4096)
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--dtype", default="bf16")
+    ap.add_argument("--replays", type=lambda v: [int(x) for x in v.split(",")], default=list(REPLAYS))
     ap.add_argument("--long-tokens", type=int, default=6000, help="0: skip the long-sequence run")
     args = ap.parse_args()
     source, tok = load_model("gemma3")
@@ -157,37 +158,7 @@ def main() -> None:
         result["long_sequence"] = long_sequence(art, config, 2048, args.long_tokens)
         print("long sequence:", result["long_sequence"])
 
-    greedy = SamplingParams(temperature=0, max_tokens=args.gen, ignore_eos=True)
-    chosen = prompts(tok, args.prompts)
-    ids_all = [ids for _, ids in chosen]
-    cold = Engine(art, CacheConfig(num_blocks=8192, enable_prefix_caching=False), max_num_tokens=512)
-    cold_firsts = FirstTokenLogprobs(cold)
-    want, want_lp = run_batch(cold, cold_firsts, ids_all, greedy)
-    print("exact runs done", flush=True)
-    warm = Engine(art, CacheConfig(num_blocks=16384, swa_replay_tokens=REPLAYS[0]), max_num_tokens=512)
-    warm_firsts = FirstTokenLogprobs(warm)
-    warm.generate([ids[:-args.new] for ids in ids_all], [SamplingParams(temperature=0, max_tokens=1)] * len(ids_all))
-    rows = {}
-    for r in REPLAYS:
-        warm.kv.replay_tokens = r
-        before = warm.kv.stats.replay_hits
-        got, lp = run_batch(warm, warm_firsts, ids_all, greedy)
-        assert warm.kv.stats.replay_hits - before == len(ids_all), "every prompt replays over its cached prefix"
-        same = [[a == b for a, b in zip(g, w)] for g, w in zip(got, want)]
-        rows[r] = {"agree": [sum(x) / len(x) for x in same],
-                   "identical_start": [x.index(False) if False in x else len(x) for x in same],
-                   "kl": [float((w.exp() * (w - g)).sum()) for w, g in zip(want_lp, lp)]}
-        print(f"R={r}: agreement per prompt {[round(a, 2) for a in rows[r]['agree']]}", flush=True)
-    result["validity"] = {
-        "prompts": [{"source": s, "tokens": len(i)} for s, i in chosen], "new_tokens": args.new, "generated": args.gen,
-        "by_replay_tokens": {r: {"top1_agreement": round(statistics.mean(v["agree"]), 4),
-                                 "mean_identical_start": round(statistics.mean(v["identical_start"]), 1),
-                                 "all_identical": sum(x == args.gen for x in v["identical_start"]),
-                                 "kl_first_token_mean": statistics.mean(v["kl"]),
-                                 "kl_first_token_median": statistics.median(v["kl"]),
-                                 "kl_first_token_max": max(v["kl"]), "per_prompt": v} for r, v in rows.items()}}
-
-    ids = chosen[-1][1][:args.work_prefix + args.new]
+    ids = max(prompts(tok, args.prompts), key=lambda c: len(c[1]))[1][:args.work_prefix + args.new]
     one = SamplingParams(temperature=0, max_tokens=1)
     plain = deepfuse.compile(source, target="cpu", dtype=args.dtype, tokenizer=tok)  # the default build, timed
     full_eng = Engine(plain, CacheConfig(num_blocks=1024, enable_prefix_caching=False), max_num_tokens=512)
@@ -209,6 +180,40 @@ def main() -> None:
                       "full_ttft_s": round(statistics.median(cold_t), 3), "replay_ttft_s": round(statistics.median(replay_t), 3),
                       "time_ratio": round(statistics.median(replay_t) / statistics.median(cold_t), 3)}
     print("work:", result["work"])
+    write_result("swa_replay.json", result)
+
+    greedy = SamplingParams(temperature=0, max_tokens=args.gen, ignore_eos=True)
+    chosen = prompts(tok, args.prompts)
+    ids_all = [ids for _, ids in chosen]
+    cold = Engine(art, CacheConfig(num_blocks=8192, enable_prefix_caching=False), max_num_tokens=512)
+    cold_firsts = FirstTokenLogprobs(cold)
+    want, want_lp = run_batch(cold, cold_firsts, ids_all, greedy)
+    print("exact runs done", flush=True)
+    warm = Engine(art, CacheConfig(num_blocks=16384, swa_replay_tokens=args.replays[0]), max_num_tokens=512)
+    warm_firsts = FirstTokenLogprobs(warm)
+    warm.generate([ids[:-args.new] for ids in ids_all], [SamplingParams(temperature=0, max_tokens=1)] * len(ids_all))
+    rows = {}
+    for r in args.replays:
+        warm.kv.replay_tokens = r
+        before = warm.kv.stats.replay_hits
+        got, lp = run_batch(warm, warm_firsts, ids_all, greedy)
+        assert warm.kv.stats.replay_hits - before == len(ids_all), "every prompt replays over its cached prefix"
+        same = [[a == b for a, b in zip(g, w)] for g, w in zip(got, want)]
+        rows[r] = {"agree": [sum(x) / len(x) for x in same],
+                   "identical_start": [x.index(False) if False in x else len(x) for x in same],
+                   "kl": [float((w.exp() * (w - g)).sum()) for w, g in zip(want_lp, lp)]}
+        partial = {"replay_tokens_done": list(rows)}
+        write_result("swa_replay.json", {**result, **partial, "rows_so_far": rows})
+        print(f"R={r}: agreement per prompt {[round(a, 2) for a in rows[r]['agree']]}", flush=True)
+    result["validity"] = {
+        "prompts": [{"source": s, "tokens": len(i)} for s, i in chosen], "new_tokens": args.new, "generated": args.gen,
+        "by_replay_tokens": {r: {"top1_agreement": round(statistics.mean(v["agree"]), 4),
+                                 "mean_identical_start": round(statistics.mean(v["identical_start"]), 1),
+                                 "all_identical": sum(x == args.gen for x in v["identical_start"]),
+                                 "kl_first_token_mean": statistics.mean(v["kl"]),
+                                 "kl_first_token_median": statistics.median(v["kl"]),
+                                 "kl_first_token_max": max(v["kl"]), "per_prompt": v} for r, v in rows.items()}}
+
     for r, v in result["validity"]["by_replay_tokens"].items():
         print(f"R={r:5d}  top-1 agreement {v['top1_agreement']:.3f}  identical start {v['mean_identical_start']:6.1f}"
               f"  all identical {v['all_identical']}/{len(chosen)}  KL mean {v['kl_first_token_mean']:.2e}"

@@ -86,6 +86,11 @@ def _parser() -> argparse.ArgumentParser:
     v.add_argument("--max-num-seqs", type=int, default=64, help="most requests in one step")
     v.add_argument("--max-num-tokens", type=int, default=512, help="token budget of one step")
     v.add_argument("--max-request-bytes", type=int, default=1 << 20, help="larger request bodies get 413")
+    v.add_argument("--kv-store", metavar="DIR", help="keep prefix-cache blocks on disk in DIR too (found again "
+                   "after eviction or a restart)")
+    v.add_argument("--kv-store-gb", type=float, default=4.0, help="the disk store's size (GiB)")
+    v.add_argument("--swa-replay-tokens", type=int, default=0, help="bounded replay for models that mix sliding-window "
+                   "and full-attention layers (0: off; docs/hybrid-attention.md)")
     t = sub.add_parser("train-drafter", help="train an MTP draft head on the model's own outputs (CPU, minutes)")
     _add_model_args(t)
     t.add_argument("-o", "--output", required=True, help="the head file to write (.safetensors)")
@@ -308,8 +313,11 @@ def _serve(args: argparse.Namespace) -> None:
     for name in ("port", "num_blocks", "max_num_seqs", "max_num_tokens", "max_request_bytes"):
         if getattr(args, name) < 1:
             raise DeepfuseError(f"--{name.replace('_', '-')} must be >= 1")
+    if args.kv_store is None and args.kv_store_gb != 4.0:
+        raise DeepfuseError("--kv-store-gb sizes the disk store: give it with --kv-store DIR")
     llm = _build_llm(args, num_blocks=args.num_blocks, max_num_seqs=args.max_num_seqs,
-                     max_num_tokens=args.max_num_tokens)
+                     max_num_tokens=args.max_num_tokens, kv_store=args.kv_store, kv_store_gb=args.kv_store_gb,
+                     swa_replay_tokens=args.swa_replay_tokens)
     name = args.served_model_name or (os.path.basename(os.path.normpath(args.artifact)) if args.artifact else args.model)
     serve(llm, name, host=args.host, port=args.port, api_key=args.api_key, max_body_bytes=args.max_request_bytes)
 

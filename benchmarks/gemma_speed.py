@@ -128,7 +128,7 @@ def main() -> None:
             result[name]["throughput_runs"] = v["throughput"]
     if "llama.cpp" in result:
         base = result["llama.cpp"]
-        for name, v in result.items():
+        for v in result.values():
             v["vs_llama_cpp"] = {k: round(v[k] / base[k], 2) for k in ("decode_tps", "prefill_tps", "throughput_tps")
                                  if k in v and k in base}
     for name, v in result.items():

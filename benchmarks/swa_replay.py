@@ -69,7 +69,7 @@ def texts() -> list[tuple[str, str]]:
 def prompts(tok, count: int) -> list[tuple[str, list[int]]]:
     """count prompts of 2k-6k tokens (lengths spread evenly), one per document while they last."""
     out = []
-    for i, (source, text) in enumerate(texts()):
+    for source, text in texts():
         if len(out) == count:
             break
         ids = tok.encode(text)

@@ -152,7 +152,8 @@ class Llama:
 
     def step(self, tokens, positions, slot_mapping, block_tables, seq_lens, query_lens,
              sample_rows, temperature, top_k, top_p, seeds, draft_tokens, *rest):
-        """rest: a hybrid model's sliding-group inputs, then one cache per layer (step_specs). tokens[T] -> (logits[R,V] f32, next_tokens[R] i64, hidden[R,D]) at sample_rows:
+        """rest: a hybrid model's sliding-group inputs, then one cache per layer (step_specs).
+        tokens[T] -> (logits[R,V] f32, next_tokens[R] i64, hidden[R,D]) at sample_rows:
         next_tokens is -1 after a sequence's first rejected draft (spec_verify); hidden is the
         final-normed hidden state the logits come from (an MTP draft head's input). Writes k/v
         into kv_caches."""

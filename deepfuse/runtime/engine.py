@@ -28,12 +28,12 @@ from tqdm import tqdm
 from ..codegen.artifact import CompiledModel
 from ..errors import DeepfuseError
 from ..ir import DTYPES
+from ..models.cache_groups import CacheGroup, cache_groups
 from .batch import SeqChunk, StepBuffers
 from .detokenize import IncrementalText, find_stop
 from .host_sampling import RowBuffer, draw_on_host, needs_host_sampling
 from .kv_cache import CacheConfig, KVCache, KVCacheManager
 from .kv_store import DiskKVStore, model_fingerprint
-from ..models.cache_groups import CacheGroup, cache_groups
 from .latency import measure_latency
 from .logprobs import RowLogprobs, logprob_rows, take_prompt_logprobs
 from .mtp import MtpDrafter

@@ -359,7 +359,7 @@ class KVCacheManager:
             seq.named_limit = None if exact else full
             seq.cached = start
             return seq
-        for g, group in enumerate(self.groups):
+        for g in range(len(self.groups)):
             first = self.first_needed(count * self.bs, g)
             seq.tables[g] = [-1] * first + [self.pools[g].lookup(n) for n in names[first:count]]
         seq.names = names[:count]

@@ -5,9 +5,9 @@ sliding group's blocks handed back and reused while the full group keeps its own
 import pytest
 
 import deepfuse
+from deepfuse.models import Gemma3
 from deepfuse.runtime.engine import Engine, SamplingParams
 from deepfuse.runtime.kv_cache import CacheConfig
-from deepfuse.models import Gemma3
 from tests.runtime.test_hybrid_cache import CONFIG, random_weights
 
 

@@ -157,7 +157,6 @@ def test_replay_off_recomputes_and_interrupted_replay_leaves_nothing(yoco):
     eng.model = real
     assert [(p.num_used(), len(p.lru), dict(p.by_name)) for p in eng.kv.pools] == before
     assert eng.kv.stats.replay_hits == 0
-    out = eng.generate([], [])  # nothing new; the waiting request runs on the next steps
     while eng.has_unfinished():
         eng.step()
     assert eng.kv.stats.replay_hits == 1 and eng.kv.num_used() == 0

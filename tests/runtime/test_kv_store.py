@@ -6,7 +6,6 @@ import os
 import warnings
 
 import pytest
-import torch
 
 import deepfuse
 from deepfuse.runtime.engine import Engine, SamplingParams
@@ -143,8 +142,8 @@ def test_the_store_keeps_within_its_size(art, tmp_path):
 def test_a_hybrid_model_replays_over_blocks_from_the_store(tmp_path):
     """The YOCO-style hybrid model with bounded replay: after a restart only the full-attention
     blocks come from disk, the sliding window is replayed, and the tokens are a cold run's."""
-    from tests.runtime.test_hybrid_cache import CONFIG, random_weights
     from deepfuse.models import Yoco, YocoConfig
+    from tests.runtime.test_hybrid_cache import CONFIG, random_weights
 
     config = YocoConfig(**{f.name: getattr(CONFIG, f.name) for f in dataclasses.fields(CONFIG) if f.name != "family"})
     art = deepfuse.compile(Yoco(config, random_weights(Yoco, config, seed=3)))

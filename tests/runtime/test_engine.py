@@ -610,7 +610,8 @@ def test_random_workload_loses_nothing(tiny_art, swa_model, window, spec):
 def test_cache_layers_are_zeroed_separate_and_on_huge_page_boundaries():
     import torch
 
-    from deepfuse.runtime.kv_cache import HUGE_PAGE, KVCache, zeros_on_huge_pages
+    from deepfuse.runtime.block_pool import HUGE_PAGE, zeros_on_huge_pages
+    from deepfuse.runtime.kv_cache import KVCache
 
     layers = zeros_on_huge_pages(3, (2, 5, 16, 3, 8), torch.bfloat16)
     assert [t.shape for t in layers] == [(2, 5, 16, 3, 8)] * 3 and all(t.dtype == torch.bfloat16 for t in layers)

@@ -5,17 +5,20 @@ decoding, and what does the grammar's mask cost?
 bounded numbers), seeded sampling at temperature 0.8, plus 10 regex and 10 choice requests;
 run once in a plain engine and once in one speculating with n-gram drafts (k = 3). Every JSON
 output is checked with `jsonschema`, every regex output with re.fullmatch. The cost: the time
-spent filling and applying masks and advancing matchers (structured.py), per constrained token
-and as a share of the run; and the run's tok/s against the same requests unconstrained (EOS
-ignored, each as long as its constrained twin). Writes benchmarks/results/structured.json.
+spent filling and applying masks and advancing and rolling back matchers (structured.py), per
+constrained token and as a share of the run; and the run's tok/s against the same requests
+unconstrained (EOS ignored, each as long as its constrained twin), the two alternating for
+--runs rounds (medians). Speculating, constrained requests verify drafts the grammar allows:
+their drafted and accepted counts are reported. Writes benchmarks/results/structured.json.
 
-    python benchmarks/structured.py [--dtype bf16] [--quant int4]
+    python benchmarks/structured.py [--dtype bf16] [--quant int4] [--runs 3]
 """
 from __future__ import annotations
 
 import argparse
 import json
 import re
+import statistics
 import time
 
 from results_file import write_result
@@ -49,7 +52,7 @@ class Timed:
 
     def __init__(self, cls):
         self.seconds, self.tokens = 0.0, 0
-        for name in ("mask", "accept"):
+        for name in ("mask", "accept", "rollback", "allowed_prefix"):
             setattr(cls, name, self.wrap(getattr(cls, name), name == "accept"))
 
     def wrap(self, fn, counts: bool):
@@ -66,6 +69,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--dtype", default="bf16")
     ap.add_argument("--quant", default="int4")
+    ap.add_argument("--runs", type=int, default=3)
     args = ap.parse_args()
     import jsonschema
 
@@ -94,13 +98,24 @@ def main() -> None:
     for name, spec in (("plain", None), ("speculative", SpecConfig(num_draft_tokens=3, schedule="fixed"))):
         eng = Engine(art, CacheConfig(num_blocks=2048), max_num_tokens=1024, max_num_seqs=64, spec=spec)
         eng.grammars()  # built once per engine (the tokenizer's vocabulary, ~2 s): not part of the run
-        eng.generate(prompts[:1], [SamplingParams(max_tokens=4)])
-        timer.seconds = timer.tokens = 0
+        eng.generate(prompts, [SamplingParams(max_tokens=1)] * len(prompts))  # every round finds the prompts cached
         sampling = [SamplingParams(temperature=0.8, seed=i, max_tokens=128, structured_outputs=s)
                     for i, s in enumerate(params)]
-        t = time.perf_counter()
-        outs = eng.generate(prompts, sampling)
-        wall = time.perf_counter() - t
+        walls, free_walls, masks = [], [], []
+        for _ in range(args.runs):  # constrained and unconstrained alternate: the machine's drift hits both
+            timer.seconds = timer.tokens = 0
+            drafted, accepted = eng.spec_stats.drafted, eng.spec_stats.accepted
+            t = time.perf_counter()
+            outs = eng.generate(prompts, sampling)
+            walls.append(time.perf_counter() - t)
+            masks.append((timer.seconds, timer.tokens))
+            drafted, accepted = eng.spec_stats.drafted - drafted, eng.spec_stats.accepted - accepted
+            lengths = [len(o.outputs[0].token_ids) for o in outs]
+            # the same requests unconstrained, each as long as its constrained run (EOS ignored)
+            free = [SamplingParams(temperature=0.8, seed=i, max_tokens=n, ignore_eos=True) for i, n in enumerate(lengths)]
+            t = time.perf_counter()
+            eng.generate(prompts, free)
+            free_walls.append(time.perf_counter() - t)
         texts = [o.outputs[0].text for o in outs]
         valid = 0
         for i, (text, s) in enumerate(zip(texts, params)):
@@ -115,21 +130,20 @@ def main() -> None:
             valid += ok
             if not ok:
                 print(f"  {name} request {i} invalid ({outs[i].outputs[0].finish_reason}): {text!r}")
-        lengths = [len(o.outputs[0].token_ids) for o in outs]
-        mask_s, masked, drafted = timer.seconds, timer.tokens, eng.spec_stats.drafted
-        # the same requests unconstrained, each as long as its constrained run (EOS ignored)
-        free = [SamplingParams(temperature=0.8, seed=i, max_tokens=n, ignore_eos=True) for i, n in enumerate(lengths)]
-        t = time.perf_counter()
-        eng.generate(prompts, free)
-        free_wall = time.perf_counter() - t
         tokens = sum(lengths)
-        results[name] = {"requests": len(outs), "valid": valid, "tokens": tokens, "tok_s": tokens / wall,
-                         "unconstrained_tok_s": tokens / free_wall, "mask_us_per_token": 1e6 * mask_s / max(masked, 1),
-                         "mask_share": mask_s / wall, "drafted": drafted}
+        wall, free_wall = statistics.median(walls), statistics.median(free_walls)
+        mask_s, masked = masks[walls.index(sorted(walls)[len(walls) // 2])]
+        results[name] = {"requests": len(outs), "valid": valid, "tokens": tokens, "runs": args.runs,
+                         "tok_s": tokens / wall, "unconstrained_tok_s": tokens / free_wall,
+                         "ratio_median": statistics.median(f / w for f, w in zip(free_walls, walls)),
+                         "ratios": [f / w for f, w in zip(free_walls, walls)],
+                         "mask_us_per_token": 1e6 * mask_s / max(masked, 1), "mask_share": mask_s / wall,
+                         "drafted": drafted, "accepted": accepted}
         r = results[name]
         print(f"{name:12s} valid {valid}/{len(outs)}  {tokens} tokens  {r['tok_s']:.1f} tok/s constrained, "
-              f"{r['unconstrained_tok_s']:.1f} unconstrained ({r['tok_s'] / r['unconstrained_tok_s']:.2f}x)  "
-              f"mask + accept {r['mask_us_per_token']:.0f} us/token, {100 * r['mask_share']:.1f}% of the run", flush=True)
+              f"{r['unconstrained_tok_s']:.1f} unconstrained ({r['ratio_median']:.2f}x, rounds "
+              f"{', '.join(f'{x:.2f}' for x in r['ratios'])})  mask + accept {r['mask_us_per_token']:.0f} us/token, "
+              f"{100 * r['mask_share']:.1f}% of the run  drafts {drafted}, kept {accepted}", flush=True)
     write_result("structured.json", {"dtype": args.dtype, "quant": args.quant, "results": results})
 
 

@@ -31,7 +31,7 @@ from ..ir import DTYPES
 from ..models.cache_groups import CacheGroup, cache_groups
 from .batch import SeqChunk, StepBuffers
 from .detokenize import IncrementalText, find_stop
-from .host_sampling import RowBuffer, draw_on_host, needs_host_sampling
+from .host_sampling import RowBuffer, draw_on_host, drafts_allowed, needs_host_sampling
 from .kv_cache import CacheConfig, KVCache, KVCacheManager
 from .kv_store import DiskKVStore, model_fingerprint
 from .latency import measure_latency
@@ -221,9 +221,13 @@ class Engine:
             self.stats.tokens_computed += n
             req.draft = []
             if chunk.verify and chunk.samples > 1:
-                # the step verified the drafts (spec_verify): its tokens are -1 after the first rejection
-                new = [t for t in sampled[first:row] if t >= 0]
-                accepted = len(new) - 1
+                if first in drawn:  # drawn on the host: its rows up to the first draw that differs from its
+                    # draft, or up to a draft that completes its grammar (then every token is a kept draft)
+                    new = [drawn[r] for r in range(first, row) if r in drawn]
+                    accepted = len(new) - (new != chunk.tokens[1:1 + len(new)])
+                else:  # the step verified the drafts (spec_verify): its tokens are -1 after the first rejection
+                    new = [t for t in sampled[first:row] if t >= 0]
+                    accepted = len(new) - 1
                 req.spec.add(chunk.samples - 1, accepted)
                 self.spec_stats.add(chunk.samples - 1, accepted)
                 self.drafter.observe(req, chunk.samples - 1, accepted)
@@ -315,14 +319,18 @@ class Engine:
                 base += req.remaining
                 others += 1
                 continue
-            # no drafts past max_tokens or the context: they could never be kept; none where the
-            # host draws the token (the step verifies drafts against its own, unpenalized, samples)
+            # no drafts past max_tokens or the context: they could never be kept; none where the host
+            # draws the token with penalties that count the output (host_sampling.drafts_allowed)
             room = min(k, req.params.max_tokens - len(req.generated) - 1, self.max_model_len - len(req.tokens))
-            if self._host_sampled(req):
+            if self._host_sampled(req) and not drafts_allowed(req.params):
                 room = 0
             decoding.append(req)
             ks.append(max(room, 0))
         drafts = self.drafter.propose_batch(decoding, ks)
+        for req, d in zip(decoding, drafts):  # structured outputs: drafts the grammar forbids are not verified
+            if req.matcher is not None and d.tokens:
+                n = req.matcher.allowed_prefix(d.tokens)
+                d.tokens, d.confidence = d.tokens[:n], d.confidence[:n]
         if self.latency is None:
             counts = [len(d.tokens) for d in drafts]
         else:

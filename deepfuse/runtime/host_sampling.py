@@ -21,6 +21,14 @@ then the step's sampler: temperature, top-k, top-p, the draw.
 Only the ids a request names or has seen are touched (gathers and scatters over them, not
 [V]-wide passes per request), except by allowed_token_ids and min_p. Owns the per-request
 counts; does not schedule or stop requests.
+
+Speculative decoding: a host-sampled request may verify drafts unless it has penalties that
+count its output (repetition, presence, frequency: a draft would change the counts of the rows
+after it). Its verified rows are drawn here, in order, each adjusted as the request would be at
+that position (the grammar's state after the drafts before it, min_tokens by its count) and
+drawn with its position's key; the drafts are kept while the draws equal them, and the first
+draw that differs is the request's next token. So its tokens are those decoding without drafts
+gives, as for the rows the step verifies itself (spec.py).
 """
 from __future__ import annotations
 
@@ -32,6 +40,11 @@ import torch
 from ..codegen.cpu.row_kernels import native_rows
 from ..ir import OPS
 from .request import SamplingParams
+
+
+def drafts_allowed(params: SamplingParams) -> bool:
+    """Whether a host-sampled request may verify drafts: none of its adjustments counts its output."""
+    return params.repetition_penalty == 1.0 and params.presence_penalty == 0.0 and params.frequency_penalty == 0.0
 
 
 def needs_host_sampling(params: SamplingParams, num_generated: int, stop_ids: set[int]) -> bool:
@@ -168,26 +181,62 @@ def draw(logits: torch.Tensor, params: list[SamplingParams], keys: list[int]) ->
 
 def draw_on_host(scheduled: list, chunks: list, host: list[bool], logits: torch.Tensor, keys: torch.Tensor,
                  buffer: RowBuffer, stop_ids) -> dict[int, int]:
-    """The tokens drawn here for a step's host-sampled requests that finish their chunk.
-    scheduled: the step's (Request, tokens) pairs; chunks: their SeqChunks; host: whether each
-    is host-sampled; logits [R, V], keys [R]: the step's sampled rows; stop_ids(params): the
-    request's stop ids (for min_tokens). Returns sample row -> token."""
-    picks, row = [], 0
+    """The tokens drawn here for a step's host-sampled requests that finish their chunk or verify
+    drafts. scheduled: the step's (Request, tokens) pairs; chunks: their SeqChunks; host: whether
+    each is host-sampled; logits [R, V], keys [R]: the step's sampled rows; stop_ids(params): the
+    request's stop ids (for min_tokens). Returns sample row -> token; a verifying request's rows
+    from its first up to the first draw that differs from its draft (verify_on_host)."""
+    picks, verifies, row = [], [], 0
     for (req, n), chunk, on_host in zip(scheduled, chunks, host):
-        row += chunk.samples
-        if on_host and not chunk.verify and req.remaining == n:  # not a mid-prompt chunk
+        first, row = row, row + chunk.samples
+        if on_host and chunk.verify:
+            verifies.append((first, chunk, req))
+        elif on_host and req.remaining == n:  # not a mid-prompt chunk
             picks.append((row - 1, req))  # its last row
-    if not picks:
-        return {}
-    rows = [r for r, _ in picks]
-    for _, req in picks:
+    for _, req in picks + [(None, req) for _, _, req in verifies]:
         if req.counts is None:
             req.counts = TokenCounts(req.prompt, req.generated)
-    params = [req.params for _, req in picks]
-    adjusted = buffer.take(logits, rows)  # a copy: logprobs stay raw
-    for i, (_, req) in enumerate(picks):
-        if req.matcher is not None:  # structured outputs: what the grammar forbids, first
-            req.matcher.mask(adjusted[i])
-    adjust(adjusted, params, [req.counts for _, req in picks],
-           [sorted(stop_ids(p)) if len(req.generated) < p.min_tokens else [] for p, (_, req) in zip(params, picks)])
-    return dict(zip(rows, draw(adjusted, params, [int(keys[r]) for r in rows])))
+    drawn: dict[int, int] = {}
+    if picks:
+        rows = [r for r, _ in picks]
+        params = [req.params for _, req in picks]
+        adjusted = buffer.take(logits, rows)  # a copy: logprobs stay raw
+        for i, (_, req) in enumerate(picks):
+            if req.matcher is not None:  # structured outputs: what the grammar forbids, first
+                req.matcher.mask(adjusted[i])
+        adjust(adjusted, params, [req.counts for _, req in picks],
+               [sorted(stop_ids(p)) if len(req.generated) < p.min_tokens else [] for p, (_, req) in zip(params, picks)])
+        drawn.update(zip(rows, draw(adjusted, params, [int(keys[r]) for r in rows])))
+    for first, chunk, req in verifies:
+        drawn.update(verify_on_host(req, chunk.tokens[1:], first, logits, keys, buffer, stop_ids))
+    return drawn
+
+
+def verify_on_host(req, drafts: list[int], first: int, logits: torch.Tensor, keys: torch.Tensor, buffer: RowBuffer,
+                   stop_ids) -> dict[int, int]:
+    """Draws req's verified rows first, first + 1, ... in order, row i adjusted as at the position
+    after drafts[:i], until a draw differs from its draft or the drafts end. Returns row -> token;
+    the matcher, if any, is left as it was."""
+    p, drawn, accepted = req.params, {}, 0
+    rows = buffer.take(logits, list(range(first, first + len(drafts) + 1)))
+    try:
+        for i in range(len(drafts) + 1):
+            row = rows[i:i + 1]
+            if req.matcher is not None:
+                req.matcher.mask(row[0])
+            banned = sorted(stop_ids(p)) if len(req.generated) + i < p.min_tokens else []
+            adjust(row, [p], [req.counts], [banned])
+            tok = draw(row, [p], [int(keys[first + i])])[0]
+            drawn[first + i] = tok
+            if i == len(drafts) or tok != drafts[i]:
+                break
+            if req.matcher is not None:  # the state the next row is drawn in
+                if not req.matcher.accept(tok):
+                    break
+                accepted += 1
+                if req.matcher.done:  # the draft completed the grammar: the request ends with it
+                    break
+    finally:
+        if req.matcher is not None:
+            req.matcher.rollback(accepted)  # the engine accepts the kept tokens as it appends them
+    return drawn

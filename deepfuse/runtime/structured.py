@@ -5,10 +5,12 @@ choice of strings or an EBNF grammar, through xgrammar.
 
 A constrained request is drawn on the host (host_sampling.py): before its draw, every token the
 grammar forbids next is set to -inf in its row's logits; each token it takes advances its
-matcher (Engine._append), and once the grammar is complete the request stops. Being
-host-drawn, it gets no speculative drafts (the rest of the batch still speculates). Grammars are
-compiled once per engine and cached by their spec. Owns the matchers; does not schedule, stop
-or draw (the engine and host_sampling.py do).
+matcher (Engine._append), and once the grammar is complete the request stops. Under
+speculative decoding its drafts are cut before the first token the grammar forbids (those are
+never verified), and each verified row is masked by the matcher's state after the drafts before
+it, which the matcher reaches by accepting them and leaves by rolling them back
+(host_sampling.verify_on_host). Grammars are compiled once per engine and cached by their spec.
+Owns the matchers; does not schedule, stop or draw (the engine and host_sampling.py do).
 """
 from __future__ import annotations
 
@@ -134,6 +136,22 @@ class Matcher:
     def accept(self, token: int) -> bool:
         """Advances past token; False if the grammar does not allow it (then nothing changes)."""
         return self.matcher.accept_token(token)
+
+    def rollback(self, count: int) -> None:
+        """Undoes the last count accepted tokens."""
+        if count:
+            self.matcher.rollback(count)
+
+    def allowed_prefix(self, tokens: list[int]) -> int:
+        """How many of tokens, in order, the grammar allows from here (up to and including one that
+        completes it); the matcher is left as it was."""
+        n = 0
+        for t in tokens:
+            if self.matcher.is_terminated() or not self.matcher.accept_token(t):
+                break
+            n += 1
+        self.rollback(n)
+        return n
 
     @property
     def done(self) -> bool:

@@ -295,3 +295,25 @@ def test_spec_verify_op_keeps_each_sequence_until_its_first_rejected_draft():
         got = OPS["spec_verify"].reference(torch.tensor(tokens), torch.tensor(drafts)).tolist()
         assert got == loop(tokens, drafts)
     assert OPS["spec_verify"].reference(torch.tensor([], dtype=torch.int64), torch.tensor([], dtype=torch.int64)).numel() == 0
+
+
+def test_host_sampled_requests_verify_drafts_and_keep_their_tokens(tiny_model):
+    """Requests drawn on the host (host_sampling.py) verify drafts there, row by row, and keep the
+    tokens decoding without drafts gives them; those whose penalties count the output take none."""
+    target = deepfuse.compile(tiny_model)
+    prompts = [[5, 17, 99, 3, 42], [9, 2, 64, 1, 7, 7, 8], [100, 5, 17], [3, 3, 4], [42, 41]]
+    params = [SamplingParams(temperature=0, max_tokens=16, logit_bias={5: 1.5, 17: -2.0}),
+              SamplingParams(temperature=0.9, seed=3, max_tokens=16, min_p=0.05),
+              SamplingParams(temperature=0, max_tokens=16, allowed_token_ids=list(range(0, 128, 3))),
+              SamplingParams(temperature=0.7, seed=11, max_tokens=16, min_tokens=8, stop_token_ids=[17, 99]),
+              SamplingParams(temperature=0, max_tokens=16, repetition_penalty=1.3)]
+    plain = [o.outputs[0].token_ids for o in Engine(target).generate(prompts, params)]
+    by_model = Engine(target, spec=SpecConfig(method="draft", num_draft_tokens=3, schedule="fixed"),
+                      draft_model=deepfuse.compile(tiny_model))
+    outs = by_model.generate(prompts, params)
+    assert [o.outputs[0].token_ids for o in outs] == plain
+    assert all(o.metrics.spec.drafted > 0 for o in outs[:4]) and outs[4].metrics.spec.drafted == 0
+    check_spec_accounting(by_model, outs, 3)
+    by_ngram = Engine(target, spec=SpecConfig(num_draft_tokens=3, schedule="fixed"))
+    outs = by_ngram.generate(prompts, params)  # the first request repeats a token: its copies are kept
+    assert [o.outputs[0].token_ids for o in outs] == plain and outs[0].metrics.spec.accepted >= 6

@@ -11,7 +11,7 @@ from deepfuse import SamplingParams, StructuredOutputsParams
 from deepfuse.errors import DeepfuseError
 from deepfuse.runtime.engine import Engine
 from deepfuse.runtime.kv_cache import CacheConfig
-from deepfuse.runtime.spec import SpecConfig
+from deepfuse.runtime.spec import Draft, Drafter, SpecConfig
 
 SCHEMAS = [
     {"type": "object", "properties": {"name": {"type": "string", "maxLength": 16},
@@ -53,8 +53,9 @@ def test_params_are_checked():
         SamplingParams(structured_outputs="json")
 
 
-def test_json_schemas_hold_beside_speculating_requests(smollm2_compiled, chat):
-    """In a speculating engine (the other tests run without speculation)."""
+def test_json_schemas_hold_under_speculation_with_the_tokens_of_plain_decoding(smollm2_compiled, chat):
+    """Constrained requests verify n-gram drafts in a speculating engine (the other tests run
+    without speculation) and keep the tokens a plain engine gives them (f32)."""
     eng = Engine(smollm2_compiled, CacheConfig(num_blocks=256), spec=SpecConfig(num_draft_tokens=3, schedule="fixed"))
     prompts = [chat(f"Answer with JSON for example number {i}.") for i in range(len(SCHEMAS))]
     params = [sampled(i, json=SCHEMAS[i % len(SCHEMAS)]) for i in range(len(prompts))]
@@ -65,11 +66,44 @@ def test_json_schemas_hold_beside_speculating_requests(smollm2_compiled, chat):
         done = out.outputs[0]
         assert done.finish_reason == "stop", (i, done.text)
         jsonschema.validate(json.loads(done.text), SCHEMAS[i % len(SCHEMAS)])
-    alone = Engine(smollm2_compiled, CacheConfig(num_blocks=256)).generate([repeat], [plain])[0]
-    assert outs[-1].outputs[0].token_ids == alone.outputs[0].token_ids  # f32: speculation keeps the tokens
-    # the unconstrained request speculated; the constrained ones took no drafts
-    assert outs[-1].metrics.spec.drafted > 0 and all(o.metrics.spec.drafted == 0 for o in outs[:-1])
+    alone = Engine(smollm2_compiled, CacheConfig(num_blocks=256)).generate(prompts + [repeat], params + [plain])
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in alone]
+    spec = [o.metrics.spec for o in outs]
+    assert outs[-1].metrics.spec.drafted > 0 and sum(s.drafted for s in spec[:-1]) > 0
+    assert sum(s.accepted for s in spec[:-1]) > 0  # drafts were kept, not only tried
     assert len(eng.grammars().cache) == len(SCHEMAS)  # each schema compiled once
+
+
+class _FixedDrafts(Drafter):
+    """Proposes the next k - 1 of `ids` (a request's known output) and then a token the grammar
+    forbids; records every verification (output so far, drafts verified, accepted)."""
+
+    def __init__(self, ids: list[int], forbidden: int):
+        self.ids, self.forbidden, self.verified = ids, forbidden, []
+
+    def propose_batch(self, requests, ks):
+        drafts = []
+        for r, k in zip(requests, ks):
+            toks = (self.ids[len(r.generated):][:k - 1] + [self.forbidden])[:k]
+            drafts.append(Draft(toks, [0.9] * len(toks)))
+        return drafts
+
+    def observe(self, request, drafted, accepted):
+        self.verified.append((len(request.generated), drafted, accepted))
+
+
+def test_drafts_the_grammar_forbids_are_never_verified(smollm2_compiled, smollm2, chat):
+    prompt = chat("Give me an identifier.")
+    p = SamplingParams(temperature=0, max_tokens=16, structured_outputs=StructuredOutputsParams(regex=r"[A-Z]{3}-[0-9]{4}"))
+    plain = Engine(smollm2_compiled, CacheConfig(num_blocks=64)).generate([prompt], [p])[0].outputs[0]
+    eng = Engine(smollm2_compiled, CacheConfig(num_blocks=64), spec=SpecConfig(num_draft_tokens=4, schedule="fixed"))
+    eng.drafter = drafter = _FixedDrafts(list(plain.token_ids), smollm2[1].encode("!")[0])
+    out = eng.generate([prompt], [p])[0].outputs[0]
+    assert re.fullmatch(r"[A-Z]{3}-[0-9]{4}", out.text) and out.token_ids == plain.token_ids
+    # every draft ends in "!", which the regex never allows: only the known tokens before it are
+    # verified (all of them, and all kept); without the grammar's cut, "!" would be verified too
+    assert drafter.verified and all(n == a == min(3, len(plain.token_ids) - at)
+                                    for at, n, a in drafter.verified)
 
 
 def test_regex_choice_grammar_and_any_json_object(smollm2_compiled, chat):

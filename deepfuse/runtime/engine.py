@@ -31,7 +31,7 @@ from ..ir import DTYPES
 from ..models.cache_groups import CacheGroup, cache_groups
 from .batch import SeqChunk, StepBuffers
 from .detokenize import IncrementalText, find_stop
-from .host_sampling import RowBuffer, draw_on_host, drafts_allowed, needs_host_sampling
+from .host_sampling import RowBuffer, drafts_allowed, draw_on_host, needs_host_sampling
 from .kv_cache import CacheConfig, KVCache, KVCacheManager
 from .kv_store import DiskKVStore, model_fingerprint
 from .latency import measure_latency

@@ -7,12 +7,14 @@ throughput.py's prompts (50-500 tokens, as token ids), --tokens output tokens ea
               other stream must end whole (finish "length", usage of --tokens tokens, text in
               every chunk); afterwards the server must hold no KV block and run nothing (/metrics)
   throughput  fresh prompts, no client leaves: output tok/s, TTFT and TPOT p50/p99 (client side)
-  offline     the throughput phase's prompts through LLM.generate in this process, after the
-              server has stopped (the same build, cache and step budget)
-Prints a table and writes benchmarks/results/serve.json. Bounded: --requests, and --timeout
-seconds per phase.
+  offline     the throughput phase's prompts through LLM.generate in this process while the
+              server idles (the same build, cache and step budget)
+The throughput and offline phases alternate for --rounds rounds, each round with its own fresh
+prompts (so neither finds the other's prefixes cached); the figures are medians over rounds, and
+the served / offline ratio is the median of the rounds' ratios. Prints a table and writes
+benchmarks/results/serve.json. Bounded: --requests, and --timeout seconds per phase.
 
-    python benchmarks/serve.py [--requests 512] [--concurrency 64] [--disconnect 0.2] [--tokens 64]
+    python benchmarks/serve.py [--requests 512] [--concurrency 64] [--disconnect 0.2] [--tokens 64] [--rounds 3]
 """
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ import argparse
 import asyncio
 import random
 import socket
+import statistics
 import subprocess
 import sys
 import time
@@ -93,6 +96,7 @@ def main() -> None:
     ap.add_argument("--disconnect", type=float, default=0.2)
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--timeout", type=float, default=1200, help="seconds per phase at most")
+    ap.add_argument("--rounds", type=int, default=3)
     args = ap.parse_args()
     from deepfuse.models import resolve_model_path
     from deepfuse.models.gguf_loader import open_gguf
@@ -101,12 +105,25 @@ def main() -> None:
     path = resolve_model_path("smollm2")
     tok = tokenizer_from_gguf(path, open_gguf(path))
     load_prompts = make_prompts(tok, args.requests, seed=1)
-    tp_prompts = make_prompts(tok, args.requests, seed=2)
+    rounds = [make_prompts(tok, args.requests, seed=2 + r) for r in range(args.rounds)]
+    from deepfuse import LLM, SamplingParams
+
+    llm = LLM("smollm2", dtype="bf16", quant="int4", num_blocks=4096, max_num_seqs=64, max_num_tokens=1024)
+    llm.generate(make_prompts(tok, 4, seed=3), SamplingParams(max_tokens=4), use_tqdm=False)
+
+    def run_offline(prompts: list[list[int]]) -> dict:
+        t = time.perf_counter()
+        outs = llm.generate(prompts, [SamplingParams(temperature=0.8, seed=i, max_tokens=args.tokens, ignore_eos=True)
+                                      for i in range(len(prompts))], use_tqdm=False)
+        return summary(time.perf_counter() - t, [o.metrics.ttft_s for o in outs], [o.metrics.tpot_s for o in outs],
+                       sum(len(o.outputs[0].token_ids) for o in outs))
+
     engine = ["--num-blocks", "4096", "--max-num-seqs", "64", "--max-num-tokens", "1024"]
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     server = subprocess.Popen([sys.executable, "-m", "deepfuse.cli", "serve", "--port", str(port), *BUILD, *engine],
                               stderr=subprocess.DEVNULL)
+    served, offline = [], []
     try:
         for _ in range(1200):  # compiling, and on a first run building the native kernels, take minutes
             if server.poll() is not None:
@@ -127,41 +144,46 @@ def main() -> None:
                 break
             time.sleep(0.1)
         bad = [r for r in load if not r["left"] and not r["ok"]]
-        tp, wall = asyncio.run(asyncio.wait_for(client_run(url, tp_prompts, args.tokens, args.concurrency, 0.0, 2),
-                                                args.timeout))
+        bad_tp: list[dict] = []
+        for r, prompts in enumerate(rounds):
+            tp, wall = asyncio.run(asyncio.wait_for(client_run(url, prompts, args.tokens, args.concurrency, 0.0, 2),
+                                                    args.timeout))
+            bad_tp += [x for x in tp if not x["ok"]]
+            served.append(summary(wall, [x["ttft"] for x in tp], [x["tpot"] for x in tp],
+                                  args.tokens * sum(x["ok"] for x in tp)))
+            offline.append(run_offline(prompts))
+            print(f"round {r + 1}: served {served[-1]['output_tps']:.1f} tok/s, offline "
+                  f"{offline[-1]['output_tps']:.1f} tok/s", flush=True)
     finally:
         server.terminate()
         server.wait(30)
-    served = summary(wall, [r["ttft"] for r in tp], [r["tpot"] for r in tp], args.tokens * sum(r["ok"] for r in tp))
-    from deepfuse import LLM, SamplingParams
-
-    llm = LLM("smollm2", dtype="bf16", quant="int4", num_blocks=4096, max_num_seqs=64, max_num_tokens=1024)
-    llm.generate(make_prompts(tok, 4, seed=3), SamplingParams(max_tokens=4), use_tqdm=False)
-    t = time.perf_counter()
-    outs = llm.generate(tp_prompts, [SamplingParams(temperature=0.8, seed=i, max_tokens=args.tokens, ignore_eos=True)
-                                     for i in range(len(tp_prompts))], use_tqdm=False)
-    offline = summary(time.perf_counter() - t, [o.metrics.ttft_s for o in outs], [o.metrics.tpot_s for o in outs],
-                      sum(len(o.outputs[0].token_ids) for o in outs))
     left = sum(r["left"] for r in load)
     print(f"load: {len(load)} requests, {args.concurrency} at once, {left} left mid-stream, "
           f"{len(bad)} lost or malformed; after it: {m['deepfuse_num_requests_running']:.0f} running, "
-          f"KV usage {m['deepfuse_kv_cache_usage_perc']:.3f}")
-    for r in bad[:5]:
+          f"KV usage {m['deepfuse_kv_cache_usage_perc']:.3f}; throughput rounds: {len(bad_tp)} lost or malformed")
+    for r in (bad + bad_tp)[:5]:
         print("  ", r["error"])
     ttft_load = [r["ttft"] for r in load if r.get("ttft") is not None]
     print(f"load TTFT p50 {pct(ttft_load, 0.5):.2f}s p99 {pct(ttft_load, 0.99):.2f}s")
-    print(f"\n{'run':10s} {'out tok/s':>9s} {'TTFT p50':>9s} {'TTFT p99':>9s} {'TPOT p50':>9s} {'TPOT p99':>9s}")
-    for name, r in (("served", served), ("offline", offline)):
+    ratios = [a["output_tps"] / b["output_tps"] for a, b in zip(served, offline)]
+    med = {name: {k: statistics.median(r[k] for r in runs) for k in runs[0]} for name, runs in
+           (("served", served), ("offline", offline))}
+    print(f"\n{'run':10s} {'out tok/s':>9s} {'TTFT p50':>9s} {'TTFT p99':>9s} {'TPOT p50':>9s} {'TPOT p99':>9s}"
+          f"   (medians of {args.rounds} rounds)")
+    for name, r in med.items():
         print(f"{name:10s} {r['output_tps']:9.1f} {r['ttft_p50_s']:8.2f}s {r['ttft_p99_s']:8.2f}s "
               f"{1000 * r['tpot_p50_s']:7.1f}ms {1000 * r['tpot_p99_s']:7.1f}ms")
-    print(f"served / offline tok/s: {served['output_tps'] / offline['output_tps']:.2f}x")
+    print(f"served / offline tok/s: {statistics.median(ratios):.2f}x (rounds {', '.join(f'{x:.2f}' for x in ratios)})")
     write_result("serve.json", {"requests": args.requests, "concurrency": args.concurrency, "disconnect": args.disconnect,
-                                "tokens": args.tokens, "build": BUILD, "load": {"left": left, "lost_or_malformed": len(bad),
-                                "running_after": m["deepfuse_num_requests_running"],
-                                "kv_usage_after": m["deepfuse_kv_cache_usage_perc"],
-                                "ttft_p50_s": pct(ttft_load, 0.5), "ttft_p99_s": pct(ttft_load, 0.99)},
-                                "served": served, "offline": offline,
-                                "served_vs_offline": served["output_tps"] / offline["output_tps"]})
+                                "tokens": args.tokens, "rounds": args.rounds, "build": BUILD,
+                                "throughput_lost_or_malformed": len(bad_tp),
+                                "load": {"left": left, "lost_or_malformed": len(bad),
+                                         "running_after": m["deepfuse_num_requests_running"],
+                                         "kv_usage_after": m["deepfuse_kv_cache_usage_perc"],
+                                         "ttft_p50_s": pct(ttft_load, 0.5), "ttft_p99_s": pct(ttft_load, 0.99)},
+                                "served": med["served"], "offline": med["offline"], "served_runs": served,
+                                "offline_runs": offline, "served_vs_offline": statistics.median(ratios),
+                                "served_vs_offline_rounds": ratios})
 
 
 if __name__ == "__main__":

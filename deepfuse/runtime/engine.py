@@ -188,6 +188,52 @@ class Engine:
         self.scheduler.finish(req)
         return self._output(req)
 
+    def add_prefilled(self, prompt: list[int], params: SamplingParams, first_token: int, kv_rows: torch.Tensor,
+                      request_id: str | None = None, seed: int | None = None, logprobs: dict | None = None,
+                      prompt_logprobs: list | None = None) -> str:
+        """Takes over a request whose prompt another engine of the same model computed (prefill/decode
+        disaggregation, disaggregated.py): kv_rows [L, 2, len(prompt), kv heads, row], the prompt's
+        KV as KVCache.read_rows gives it; first_token, the token that engine sampled after the
+        prompt (with its logprobs entry, {token id: Logprob}, and the prompt logprobs, where
+        asked for). The request
+        goes on from its second token, drawn with its seed's keys as here. Check
+        can_take_prefilled first; a request that its first token ends comes back from the next
+        step(). Returns its id; an invalid request raises and changes nothing."""
+        if not self.can_take_prefilled(len(prompt)):
+            raise DeepfuseError(f"no room for a prefilled request of {len(prompt)} tokens (sequences or KV blocks)")
+        if isinstance(params, SamplingParams) and params.logprobs is not None and logprobs is None:
+            raise DeepfuseError("the request asks for logprobs: pass its first token's entry ({token id: Logprob})")
+        if tuple(kv_rows.shape[:3]) != (self.model.config.num_layers, 2, len(prompt)):
+            raise DeepfuseError(f"kv_rows has shape {tuple(kv_rows.shape)}, not [{self.model.config.num_layers}, 2, "
+                                f"{len(prompt)}, ...] for this model and prompt")
+        rid = self._add(prompt, params, request_id, seed)
+        req = self.requests[rid]
+        self.scheduler.waiting.remove(req)
+        seq = self.kv.new_seq(req.tokens)
+        self.kv.allocate(seq, req.tokens, len(prompt))
+        self.cache.write_rows(seq.table, kv_rows)
+        self.kv.commit()  # its full blocks are written: later prompts may find them
+        req.kv, req.computed, req.prompt_logprobs = seq, len(prompt), list(prompt_logprobs or [])
+        self._append(req, first_token, time.perf_counter(), logprobs)
+        if req.finish:
+            self.kv.free(seq)
+            del self.requests[rid]
+            self._unreturned.append(self._output(req))
+        else:
+            self.scheduler.running.append(req)
+        return rid
+
+    def can_take_prefilled(self, num_tokens: int) -> bool:
+        """Whether add_prefilled has room now for a prompt of num_tokens tokens (a sequence slot and
+        the blocks for it and its next token)."""
+        return (len(self.scheduler.running) < self.scheduler.config.max_num_seqs
+                and self.kv.can_allocate(self.kv.new_seq([]), num_tokens + 1))
+
+    def _retire(self, req: Request) -> None:
+        """A request that finished in a step leaves the scheduler (its blocks freed) and the engine."""
+        self.scheduler.finish(req)
+        del self.requests[req.request_id]
+
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or bool(self._unreturned)
 
@@ -255,8 +301,7 @@ class Engine:
             if mid_prompt:
                 continue
             if req.finish:
-                self.scheduler.finish(req)
-                del self.requests[req.request_id]
+                self._retire(req)
                 finished.append(self._output(req))
             # once the request's state is whole (a callback that raises leaves it consistent)
             for tok in new if on_token else ():

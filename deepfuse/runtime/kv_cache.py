@@ -103,6 +103,24 @@ class KVCache:
     def slot(self, blocks: list[int], position: int) -> int:
         return blocks[position // self.block_size] * self.block_size + position % self.block_size
 
+    def read_rows(self, table: list[int], num_tokens: int) -> torch.Tensor:
+        """The KV of positions [0, num_tokens) under a one-group sequence's block table, as
+        [L, 2, num_tokens, kv heads, row] on the host (a copy)."""
+        slots = self._slots(table, num_tokens)
+        return torch.stack([layer.flatten(1, 2)[:, slots].cpu() for layer in self.layers])
+
+    def write_rows(self, table: list[int], rows: torch.Tensor) -> None:
+        """Writes rows [L, 2, T, kv heads, row] (read_rows' layout) into positions [0, T) under table."""
+        slots = self._slots(table, rows.shape[2])
+        for layer, r in zip(self.layers, rows):
+            layer.flatten(1, 2)[:, slots] = r.to(layer.device, layer.dtype)
+
+    def _slots(self, table: list[int], num_tokens: int) -> torch.Tensor:
+        if len(self.groups) != 1:
+            raise DeepfuseError("KV rows move between caches of one cache group only (not a hybrid model's)")
+        pos = torch.arange(num_tokens)
+        return torch.tensor(table, dtype=torch.long)[pos // self.block_size] * self.block_size + pos % self.block_size
+
     def bytes_per_block(self, group: int) -> int:
         """Bytes one block of `group` takes over all its layers."""
         layer = self.layers[self.groups[group].layers[0]]

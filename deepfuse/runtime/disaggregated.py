@@ -4,6 +4,9 @@ decode worker, which generates the rest.
 
     eng = DisaggregatedEngine("smollm2")           # starts the two worker processes
     outs = eng.generate([[1, 2, 3]], [SamplingParams(temperature=0, max_tokens=8)])
+    rid = eng.add_request([4, 5], SamplingParams(max_tokens=8))   # or one at a time, any time
+    while eng.has_unfinished():
+        for out in eng.get_finished(): ...
     eng.close()
 
 The prefill worker runs each request to its first token (max_tokens 1, its other settings as
@@ -166,7 +169,10 @@ class DisaggregatedEngine:
                         name="deepfuse-decode")]
         for p in self._procs:
             p.start()
-        self.tokenizer = None
+        self.tokenizer, self._next_id = None, 0
+        self._arrival: dict[str, float] = {}  # unfinished request id -> when it was added (time.time())
+        self._first: dict[str, float] = {}  # -> when the prefill worker had its first token
+        self._prompts: dict[str, list[int]] = {}
         try:
             for _ in self._procs:
                 msg = self._receive(start_timeout_s)
@@ -177,63 +183,114 @@ class DisaggregatedEngine:
             self.close()
             raise
 
-    def _receive(self, timeout_s: float) -> tuple:
-        """The next message from a worker; DeepfuseError if one failed, exited or went silent."""
-        waited = 0.0
+    def _receive(self, timeout_s: float, quiet_ok: bool = False) -> tuple | None:
+        """The next message from a worker (None after timeout_s of silence where quiet_ok);
+        DeepfuseError if a worker failed or exited, or went silent for timeout_s otherwise."""
+        deadline = time.monotonic() + timeout_s
         while True:
             try:
-                msg = self._outbox.get(timeout=5.0)
+                msg = self._outbox.get(timeout=max(0.0, min(5.0, deadline - time.monotonic())))
             except queue.Empty:
-                waited += 5.0
                 dead = [p.name for p in self._procs if not p.is_alive()]
-                if dead or waited >= timeout_s:
+                if dead or (time.monotonic() >= deadline and not quiet_ok):
                     self.close()
                     raise DeepfuseError("disaggregated workers " + ("exited: " + ", ".join(dead) if dead
                                                                      else "timed out")) from None
+                if time.monotonic() >= deadline:
+                    return None
                 continue
             if msg[0] == "fail":
                 self.close()
                 raise DeepfuseError(f"the {msg[1]} worker failed: {msg[2]}")
             return msg
 
+    def add_request(self, prompt: list[int], params: SamplingParams, request_id: str | None = None) -> str:
+        """Sends one request (one completion: n must be 1) to the prefill worker; returns its id.
+        Its output comes from get_finished (a request the workers refuse: finish_reason "error")."""
+        if not self._procs:
+            raise DeepfuseError("this disaggregated engine is closed")
+        if not isinstance(params, SamplingParams):
+            raise DeepfuseError(f"params must be SamplingParams, got {type(params).__name__}")
+        if params.n != 1:
+            raise DeepfuseError(f"n = {params.n} completions are generate()'s; here add one request per completion")
+        if request_id is None:
+            request_id = f"r{self._next_id}"
+            self._next_id += 1
+        if request_id in self._arrival:
+            raise DeepfuseError(f"request id {request_id!r} is already in use")
+        seed = params.seed if params.seed is not None else random.getrandbits(62)  # both workers draw alike
+        self._arrival[request_id] = time.time()
+        self._prompts[request_id] = prompt
+        self._to_prefill.put((request_id, list(prompt) if isinstance(prompt, (list, tuple)) else prompt,
+                              replace(params, seed=seed)))
+        return request_id
+
+    def has_unfinished(self) -> bool:
+        return bool(self._arrival)
+
+    def get_finished(self, timeout_s: float = 3600.0) -> list[RequestOutput]:
+        """Waits for the workers' next message (at most timeout_s) and returns the requests it and
+        any others waiting finished (possibly none, also after timeout_s of silence); their metrics are the caller's view: time to
+        first token from add_request to the prefill worker's first token, TPOT over the rest."""
+        first = self._receive(timeout_s, quiet_ok=True)
+        msgs, out = [first] if first is not None else [], []
+        while msgs:
+            try:
+                msgs.append(self._outbox.get_nowait())
+            except queue.Empty:
+                break
+        for kind, rid, *rest in msgs:
+            if kind == "fail":
+                self.close()
+                raise DeepfuseError(f"the {rid} worker failed: {rest[0]}")
+            if kind == "first":
+                self._first[rid] = rest[1]
+            elif kind == "error":
+                out.append(error_output(rid, self._prompts.pop(rid), DeepfuseError(rest[0])))
+                self._arrival.pop(rid)
+            elif kind == "done":
+                out.append(self._caller_metrics(rest[0], self._arrival.pop(rid), self._first.pop(rid, None)))
+                self._prompts.pop(rid)
+        return out
+
     def generate(self, prompts: list[list[int]], params: list[SamplingParams], timeout_s: float = 3600.0,
                  use_tqdm: bool = False) -> list[RequestOutput]:
         """Every request to completion, one output per prompt in input order (n completions in its
-        outputs). metrics are the caller's view: time to first token from submission to the
-        prefill worker's first token, TPOT over the rest."""
-        if not self._procs:
-            raise DeepfuseError("this disaggregated engine is closed")
+        outputs; an invalid request's output has finish_reason "error" and its error)."""
         if len(prompts) != len(params):
             raise DeepfuseError(f"{len(params)} SamplingParams for {len(prompts)} prompts")
-        arrival, first_at, done, errors = {}, {}, {}, {}
+        ids, errors, done = {}, {}, {}
         for i, (prompt, p) in enumerate(zip(prompts, params)):
-            if not isinstance(p, SamplingParams):
-                errors[i] = DeepfuseError(f"params must be SamplingParams, got {type(p).__name__}")
-                continue
-            seed = p.seed if p.seed is not None else random.getrandbits(62)  # fixed here: both workers draw alike
-            for j in range(p.n if isinstance(p.n, int) and p.n >= 1 else 1):
-                rid = f"{i}.{j}"
-                arrival[rid] = time.time()
-                self._to_prefill.put((rid, list(prompt) if isinstance(prompt, (list, tuple)) else prompt,
-                                      replace(p, n=1, seed=seed if j == 0 else completion_seed(seed, j))))
-        left = set(arrival)
+            try:
+                if not isinstance(p, SamplingParams):
+                    raise DeepfuseError(f"params must be SamplingParams, got {type(p).__name__}")
+                p.validate()
+                seed = p.seed if p.seed is not None else random.getrandbits(62)
+                for j in range(p.n):
+                    rid = self.add_request(prompt, replace(p, n=1, seed=seed if j == 0 else completion_seed(seed, j)))
+                    ids[rid] = (i, j)
+            except DeepfuseError as e:
+                errors[i] = e
+        left, progress = set(ids), time.monotonic()
         while left:
-            kind, rid, *rest = self._receive(timeout_s)
-            if kind == "first":
-                first_at[rid] = rest[1]
-            elif kind == "error":
-                errors.setdefault(int(rid.split(".")[0]), DeepfuseError(rest[0]))
-                left.discard(rid)
-            elif kind == "done":
-                done[rid] = self._caller_metrics(rest[0], arrival[rid], first_at.get(rid))
-                left.discard(rid)
+            got = self.get_finished(timeout_s)
+            if got:
+                progress = time.monotonic()
+            elif time.monotonic() - progress >= timeout_s:
+                self.close()
+                raise DeepfuseError(f"disaggregated workers finished nothing in {timeout_s:.0f} s")
+            for out in got:
+                if out.request_id in left:
+                    left.discard(out.request_id)
+                    i, j = ids[out.request_id]
+                    if out.error is not None:
+                        errors.setdefault(i, out.error)
+                    done[i, j] = out
         outs = []
         for i, (prompt, p) in enumerate(zip(prompts, params)):
             n = p.n if isinstance(p, SamplingParams) and isinstance(p.n, int) and p.n >= 1 else 1
-            if i in errors:
-                outs.append(error_output(str(i), prompt, errors[i], n))
-            else:
-                outs.append(merge_completions([done[f"{i}.{j}"] for j in range(n)], str(i)))
+            outs.append(error_output(str(i), prompt, errors[i], n) if i in errors
+                        else merge_completions([done[i, j] for j in range(n)], str(i)))
         return outs
 
     @staticmethod

@@ -100,5 +100,19 @@ def test_two_workers_give_one_engines_tokens_and_report_bad_requests_alone(tiny_
         assert all(o.metrics.ttft_s > 0 for o in got[:-1])
         again = eng.generate(PROMPTS[:1], PARAMS[:1])  # the workers keep serving
         _same(want[0], again[0])
+        # requests added one at a time while others run
+        first = eng.add_request(PROMPTS[0], PARAMS[0])
+        outs = eng.get_finished()
+        later = eng.add_request(PROMPTS[3], PARAMS[3], "later")
+        with pytest.raises(DeepfuseError, match="already in use"):
+            eng.add_request(PROMPTS[3], PARAMS[3], "later")
+        with pytest.raises(DeepfuseError, match="n = 2"):
+            eng.add_request(PROMPTS[2], PARAMS[2])
+        while eng.has_unfinished():
+            outs += eng.get_finished()
+        by_id = {o.request_id: o for o in outs}
+        assert by_id.keys() == {first, later}
+        _same(want[0], by_id[first])
+        _same(want[3], by_id[later])
     finally:
         eng.close()

@@ -43,11 +43,14 @@ def _build_llm(args: argparse.Namespace, **engine):
     spec = SpecConfig(num_draft_tokens=args.speculate, **method) if args.speculate else None
     if args.artifact_digest and not args.artifact:
         raise DeepfuseError("--artifact-digest pins an artifact: give it with --artifact DIR")
+    tp = getattr(args, "tp", 1)
+    if tp < 1:
+        raise DeepfuseError(f"--tp must be >= 1, got {tp}")
     if args.artifact:
         return LLM(artifact=args.artifact, spec=spec, batch_invariant=args.batch_invariant,
-                   artifact_digest=args.artifact_digest, **engine)
+                   artifact_digest=args.artifact_digest, tensor_parallel_size=tp, **engine)
     return LLM(args.model, dtype=args.dtype, quant=args.quant, spec=spec, batch_invariant=args.batch_invariant,
-               kv_cache_dtype=args.kv_cache_dtype, **engine)
+               kv_cache_dtype=args.kv_cache_dtype, tensor_parallel_size=tp, **engine)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -59,6 +62,8 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("prompt")
     g.add_argument("--artifact", help="a compiled artifact directory (loaded, not recompiled)")
     g.add_argument("--artifact-digest", help="sha256:... as `deepfuse compile` printed it: refuse any other artifact")
+    g.add_argument("--tp", type=int, default=1, metavar="N", help="tensor parallel over N processes (cpu, gloo); a "
+                   "tensor-parallel artifact runs on its ranks without it")
     g.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
     g.add_argument("--max-tokens", type=int, default=128)
     g.add_argument("--temperature", type=float, default=0.0)
@@ -106,6 +111,8 @@ def _parser() -> argparse.ArgumentParser:
     _add_model_args(c)
     _add_invariant_arg(c)
     c.add_argument("--target", default="cpu")
+    c.add_argument("--tp", type=int, default=1, metavar="N",
+                   help="one artifact of N tensor-parallel ranks: per-rank plans and weight shards (cpu, f32/bf16)")
     c.add_argument("-o", "--output", required=True)
     r = sub.add_parser("ir", help="print the IR, or dump it before/after every pass")
     _add_model_args(r)
@@ -145,7 +152,8 @@ def _generate(args: argparse.Namespace) -> None:
             sys.stdout.flush()
             printed = end
 
-    out = llm.generate([prompt], params, on_token)[0]
+    sharded = llm.model is None  # ranks in other processes: the text comes at the end
+    out = llm.generate([prompt], params, None if sharded else on_token)[0]
     if out.error is not None:
         raise out.error
     done, m = out.outputs[0], out.metrics
@@ -228,13 +236,38 @@ def _compile(args: argparse.Namespace) -> None:
     from .codegen.artifact import artifact_digest
     from .compiler import compile
 
-    art = compile(args.model, target=args.target, dtype=args.dtype, quant=args.quant,
-                  batch_invariant=args.batch_invariant, kv_cache_dtype=args.kv_cache_dtype)
-    art.save(args.output)
-    print(f"wrote {args.output} ({len(art.graph.nodes)} ops, {len(art.graph.params)} weights, "
-          f"target {art.target})", file=sys.stderr)
+    if args.tp != 1:
+        _compile_sharded(args)
+    else:
+        art = compile(args.model, target=args.target, dtype=args.dtype, quant=args.quant,
+                      batch_invariant=args.batch_invariant, kv_cache_dtype=args.kv_cache_dtype)
+        art.save(args.output)
+        print(f"wrote {args.output} ({len(art.graph.nodes)} ops, {len(art.graph.params)} weights, "
+              f"target {art.target})", file=sys.stderr)
     print(f"artifact digest: {artifact_digest(args.output)}  (pin it: deepfuse generate --artifact {args.output} "
           f"--artifact-digest ...)")
+
+
+def _compile_sharded(args: argparse.Namespace) -> None:
+    from .errors import DeepfuseError
+    from .models import load_model
+    from .sharded_compile import compile_sharded
+
+    if args.tp < 2:
+        raise DeepfuseError(f"--tp must be >= 1, got {args.tp}")
+    given = [f for f, v in (("--quant", args.quant), ("--kv-cache-dtype", args.kv_cache_dtype),
+                            ("--batch-invariant", args.batch_invariant)) if v]
+    if given:
+        raise DeepfuseError(f"--tp does not take {', '.join(given)} yet")
+    try:
+        model, tok = load_model(args.model)
+    except DeepfuseError as e:  # a checkpoint without a tokenizer still runs on token ids
+        if "tokenizer" not in str(e):
+            raise
+        model, tok = load_model(args.model, with_tokenizer=False)
+        print(f"note: {args.model} has no tokenizer; the artifact takes token ids only", file=sys.stderr)
+    compile_sharded(model, args.tp, args.output, args.target, args.dtype, tok)
+    print(f"wrote {args.output} ({args.tp} ranks, target {args.target})", file=sys.stderr)
 
 
 def _ir(args: argparse.Namespace) -> None:

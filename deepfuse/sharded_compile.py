@@ -39,3 +39,36 @@ def compile_rank(model, world: int, rank: int, target: str = "cpu", dtype: str =
     local = dataclasses.replace(c, num_heads=kv_heads * (c.num_heads // c.num_kv_heads), num_kv_heads=kv_heads)
     return CompiledModel(graph, plan, target, dtype, local, tokenizer, tgt.make_runner(plan, graph.weights, files),
                          [vars(r) for r in reports], None, files)
+
+
+def save_sharded(ranks: list[CompiledModel], directory: str) -> str:
+    """Writes a tensor-parallel artifact: rank{r}/, each rank's artifact (CompiledModel.save), and a
+    manifest.json naming the world size and the sha256 of every rank's manifest, so that the
+    digest of the top manifest (artifact_digest) pins every rank's files. Returns directory."""
+    import json
+    import os
+
+    from . import __version__
+    from .codegen.artifact import FORMAT_VERSION, sha256_file
+
+    os.makedirs(directory, exist_ok=True)
+    for r, art in enumerate(ranks):
+        art.save(os.path.join(directory, f"rank{r}"))
+    first = ranks[0]
+    manifest = {"format_version": FORMAT_VERSION, "deepfuse_version": __version__, "target": first.target,
+                "dtype": first.dtype, "quant": first.quant, "tensor_parallel": len(ranks),
+                "model": {"family": first.config.family},
+                "ranks": {f"rank{r}": sha256_file(os.path.join(directory, f"rank{r}", "manifest.json"))
+                          for r in range(len(ranks))}}
+    with open(os.path.join(directory, "manifest.json"), "w") as f:
+        json.dump(manifest, f, indent=1)
+    return directory
+
+
+def compile_sharded(model, world: int, directory: str, target: str = "cpu", dtype: str = "f32",
+                    tokenizer: Tokenizer | None = None) -> str:
+    """Compiles every rank of `model` (one after another, in this process) and writes them as one
+    tensor-parallel artifact (save_sharded). The tokenizer goes with rank 0."""
+    llama_sharding(model.config, world)  # refuse a model that does not split before compiling anything
+    return save_sharded([compile_rank(model, world, r, target, dtype, tokenizer if r == 0 else None)
+                         for r in range(world)], directory)

@@ -86,6 +86,11 @@ class AsyncLLM:
     def __init__(self, llm: LLM | object = "smollm2", on_finish: Callable[[RequestOutput], None] | None = None,
                  **llm_kwargs):
         self.llm = llm if isinstance(llm, LLM) else LLM(llm, **llm_kwargs)
+        if not isinstance(self.llm.engine, Engine):
+            kind = type(self.llm.engine).__name__
+            self.llm.engine.close()
+            raise DeepfuseError(f"AsyncLLM (and `deepfuse serve`) runs one in-process engine, not a {kind} "
+                                "(tensor-parallel ranks); serve a one-process model or artifact")
         self.engine: Engine = self.llm.engine
         self.tokenizer = self.llm.tokenizer
         self.on_finish = on_finish

@@ -66,22 +66,29 @@ class RankOptions:
     timeout_s: float = 300.0  # a collective waiting longer than this fails (a rank died)
 
 
-def _rank_main(rank: int, world: int, store: str, model, options: RankOptions, inbox, outbox) -> None:
-    """One rank: build, report ready (rank 0 with the tokenizer), then run each request batch."""
+def _rank_main(rank: int, world: int, store: str, model, options: RankOptions, inbox, outbox,
+               artifact: tuple[str, str | None] | None = None) -> None:
+    """One rank: build (or load its part of a tensor-parallel artifact: (directory, digest)),
+    report ready (rank 0 with the tokenizer), then run each request batch."""
     from ..models import load_model
     from ..sharded_compile import compile_rank
     from .engine import Engine
     from .kv_cache import CacheConfig
+    from .loader import load_rank
 
     torch.set_num_threads(options.threads)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
                             timeout=timedelta(seconds=options.timeout_s))
     try:
-        tok = None
-        if isinstance(model, str):
-            model, tok = load_model(model, with_tokenizer=options.with_tokenizer)
-        compiled = compile_rank(model, world, rank, dtype=options.dtype, tokenizer=tok)
-        del model  # from here the rank holds its shards only
+        if artifact is not None:
+            compiled = load_rank(artifact[0], rank, artifact[1])
+            tok = compiled.tokenizer
+        else:
+            tok = None
+            if isinstance(model, str):
+                model, tok = load_model(model, with_tokenizer=options.with_tokenizer)
+            compiled = compile_rank(model, world, rank, dtype=options.dtype, tokenizer=tok)
+            del model  # from here the rank holds its shards only
         engine = Engine(compiled, CacheConfig(options.block_size, options.num_blocks, options.enable_prefix_caching),
                         options.max_num_tokens, options.max_num_seqs)
         outbox.put(("ready", rank, tok if rank == 0 else None))
@@ -101,12 +108,21 @@ class ShardedEngine:
     model: a name/path load_model accepts (each rank loads it) or a Llama-family model (sent to
     the ranks). generate() takes token ids and SamplingParams like Engine.generate."""
 
-    def __init__(self, model, world: int, options: RankOptions | None = None, start_timeout_s: float = 600.0):
+    def __init__(self, model, world: int, options: RankOptions | None = None, start_timeout_s: float = 600.0,
+                 artifact: str | None = None, artifact_digest: str | None = None):
+        """artifact: a tensor-parallel artifact directory (`deepfuse compile --tp N`) each rank loads
+        its part of (model is then ignored), pinned by artifact_digest where given."""
         if world < 2:
             raise DeepfuseError(f"a sharded engine needs at least 2 ranks, got {world}")
         from ..models.sharding import llama_sharding
+        from .loader import load_rank, read_manifest, tensor_parallel_size
 
-        if not isinstance(model, str):
+        if artifact is not None:
+            read_manifest(artifact, artifact_digest)  # a pinned digest is checked before any process starts
+            if tensor_parallel_size(artifact) != world:
+                load_rank(artifact, 0, artifact_digest)  # a clear error where it is no tensor-parallel artifact
+                raise DeepfuseError(f"artifact {artifact} has {tensor_parallel_size(artifact)} ranks, not {world}")
+        elif not isinstance(model, str):
             llama_sharding(model.config, world)  # refuse a model that does not split, before starting processes
         self.world, self.options = world, options or RankOptions()
         self._dir = tempfile.TemporaryDirectory(prefix="deepfuse-tp-")
@@ -114,8 +130,10 @@ class ShardedEngine:
         self._outbox = ctx.Queue()
         self._inboxes = [ctx.Queue() for _ in range(world)]
         store = os.path.join(self._dir.name, "store")
-        self._procs = [ctx.Process(target=_rank_main, args=(r, world, store, model, self.options, self._inboxes[r],
-                                                           self._outbox), daemon=True, name=f"deepfuse-rank{r}")
+        source = (artifact, artifact_digest) if artifact is not None else None
+        self._procs = [ctx.Process(target=_rank_main, args=(r, world, store, None if source else model, self.options,
+                                                           self._inboxes[r], self._outbox, source),
+                                   daemon=True, name=f"deepfuse-rank{r}")
                        for r in range(world)]
         for p in self._procs:
             p.start()
@@ -180,14 +198,20 @@ class ShardedEngine:
 
 
 def engine_for_llm(model, world: int, target: str, dtype: str, block_size: int, num_blocks: int,
-                   max_num_tokens: int, max_num_seqs: int, enable_prefix_caching: bool, **unsupported) -> ShardedEngine:
-    """LLM(..., tensor_parallel_size=world)'s engine. unsupported: LLM settings that the sharded engine
-    does not take (each must be left at its default: None, False or 0)."""
+                   max_num_tokens: int, max_num_seqs: int, enable_prefix_caching: bool, artifact: str | None = None,
+                   artifact_digest: str | None = None, **unsupported) -> ShardedEngine:
+    """LLM(..., tensor_parallel_size=world)'s engine: ranks that compile `model`, or load their part
+    of a tensor-parallel artifact (artifact, or model naming one). unsupported: LLM settings that
+    the sharded engine does not take (each must be left at its default: None, False or 0)."""
     from ..codegen.artifact import CompiledModel
 
-    if isinstance(model, CompiledModel) or unsupported.get("artifact"):
+    if isinstance(model, CompiledModel):
         raise DeepfuseError("tensor_parallel_size > 1 compiles the model per rank: give a model name or path, "
-                            "not a compiled model or artifact")
+                            "or a tensor-parallel artifact (`deepfuse compile --tp N`), not a compiled model")
+    if artifact is None and isinstance(model, str) and os.path.isfile(os.path.join(model, "manifest.json")):
+        artifact = model
+    if artifact_digest is not None and artifact is None:
+        raise DeepfuseError("artifact_digest pins an artifact directory; give one (artifact=...)")
     if target != "cpu":
         raise DeepfuseError(f"tensor_parallel_size > 1 runs on the cpu target (gloo), not {target!r}")
     given = sorted(k for k, v in unsupported.items() if v not in (None, False, 0))
@@ -195,5 +219,6 @@ def engine_for_llm(model, world: int, target: str, dtype: str, block_size: int, 
         raise DeepfuseError(f"tensor_parallel_size > 1 does not support {', '.join(given)} yet; leave "
                             f"{'it' if len(given) == 1 else 'them'} unset")
     threads = max(1, torch.get_num_threads() // world)
-    return ShardedEngine(model, world, RankOptions(dtype, True, block_size, num_blocks, max_num_tokens, max_num_seqs,
-                                                   enable_prefix_caching, threads))
+    return ShardedEngine(None if artifact else model, world,
+                         RankOptions(dtype, True, block_size, num_blocks, max_num_tokens, max_num_seqs,
+                                     enable_prefix_caching, threads), artifact=artifact, artifact_digest=artifact_digest)

@@ -29,7 +29,8 @@ class LLM:
     layers (CacheConfig; 0: off); kv_store, kv_store_gb: a directory that keeps prefix-cache
     blocks on disk across evictions and restarts, and its size (runtime/kv_store.py);
     tensor_parallel_size: ranks (processes on this machine, gloo collectives) that each hold a shard
-    of every layer (MoE experts: expert parallel), with the 1-process tokens (docs/distributed.md)."""
+    of every layer (MoE experts: expert parallel), with the 1-process tokens (docs/distributed.md);
+    a tensor-parallel artifact (`deepfuse compile --tp N`) runs on its N ranks without it."""
 
     def __init__(self, model: str | CompiledModel = "smollm2", target: str = "cpu", dtype: str = "f32",
                  block_size: int = 16, num_blocks: int = 1024, max_num_tokens: int = 512, max_num_seqs: int = 64,
@@ -39,14 +40,19 @@ class LLM:
                  kv_store_gb: float = 4.0, tensor_parallel_size: int = 1):
         from ..compiler import compile
         from .loader import load
+        from .loader import tensor_parallel_size as artifact_ranks
 
+        source = artifact or (model if isinstance(model, str) else None)
+        ranks = artifact_ranks(source) if source is not None else 1
+        if ranks > 1 and tensor_parallel_size == 1:  # a tensor-parallel artifact runs on its ranks
+            tensor_parallel_size = ranks
         if tensor_parallel_size != 1:
             from .distributed import engine_for_llm
 
             self.model, self.engine = None, engine_for_llm(
                 model, tensor_parallel_size, target, dtype, block_size, num_blocks, max_num_tokens, max_num_seqs,
-                enable_prefix_caching, artifact=artifact, quant=quant, spec=spec, batch_invariant=batch_invariant,
-                kv_cache_dtype=kv_cache_dtype, artifact_digest=artifact_digest, swa_replay_tokens=swa_replay_tokens,
+                enable_prefix_caching, artifact=artifact, artifact_digest=artifact_digest, quant=quant, spec=spec,
+                batch_invariant=batch_invariant, kv_cache_dtype=kv_cache_dtype, swa_replay_tokens=swa_replay_tokens,
                 kv_store=kv_store)
             self.tokenizer = self.engine.tokenizer
             return

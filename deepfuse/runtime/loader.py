@@ -115,10 +115,50 @@ def model_config(m: dict, directory: str):
         raise DeepfuseError(f"artifact {directory}: {e}") from None
 
 
+def tensor_parallel_size(directory: str) -> int:
+    """The ranks of a tensor-parallel artifact (`deepfuse compile --tp N`); 1 for any other."""
+    try:
+        with open(os.path.join(directory, "manifest.json")) as f:
+            m = json.load(f)
+    except (OSError, ValueError):
+        return 1
+    tp = m.get("tensor_parallel", 1) if isinstance(m, dict) else 1
+    return tp if isinstance(tp, int) and tp >= 1 else 1
+
+
+def load_rank(directory: str, rank: int, digest: str | None = None) -> CompiledModel:
+    """Rank `rank`'s CompiledModel of a tensor-parallel artifact (sharded_compile.save_sharded),
+    verified: the top manifest (against `digest` where given), the directory holding only the
+    ranks' directories, and the rank's own artifact against the sha256 the top manifest lists."""
+    m = read_manifest(directory, digest)
+    world = m.get("tensor_parallel")
+    ranks = m.get("ranks")
+    if not (isinstance(world, int) and world >= 2 and isinstance(ranks, dict)
+            and sorted(ranks) == sorted(f"rank{r}" for r in range(world))):
+        raise DeepfuseError(f"{directory} is not a tensor-parallel artifact (manifest.json names no ranks); "
+                            "create one with `deepfuse compile --tp N`")
+    for key in ("format_version", "deepfuse_version"):
+        if m.get(key) != {"format_version": FORMAT_VERSION, "deepfuse_version": __version__}[key]:
+            raise DeepfuseError(f"artifact {directory} has {key} {m.get(key)!r}; recompile it")
+    if not 0 <= rank < world:
+        raise DeepfuseError(f"artifact {directory} has {world} ranks; there is no rank {rank}")
+    extra = sorted(set(os.listdir(directory)) - set(ranks) - {"manifest.json"})
+    if extra:
+        raise DeepfuseError(f"artifact {directory} holds {extra[0]}, which manifest.json does not list; "
+                            "remove it or recompile the artifact")
+    name = f"rank{rank}"
+    if os.path.islink(os.path.join(directory, name)):
+        raise DeepfuseError(f"artifact {directory} holds {name}, a symbolic link; an artifact holds only plain files")
+    return load(os.path.join(directory, name), digest="sha256:" + ranks[name])
+
+
 def load(directory: str, target: str | None = None, digest: str | None = None) -> CompiledModel:
     """Loads a verified artifact. `target` (optional) must match the artifact's; `digest`
     (optional, "sha256:<hex>" as `deepfuse compile` prints it) pins the whole artifact."""
     m = read_manifest(directory, digest)
+    if isinstance(m.get("tensor_parallel"), int) and m["tensor_parallel"] > 1:
+        raise DeepfuseError(f"artifact {directory} is tensor-parallel ({m['tensor_parallel']} ranks): run it with "
+                            f"tensor_parallel_size={m['tensor_parallel']} (`--tp {m['tensor_parallel']}`)")
     check_manifest(m, directory, target)
     config = model_config(m, directory)
     tgt = get_target(m["target"])

@@ -1,7 +1,9 @@
 """`deepfuse serve` under load, over loopback, against offline LLM.generate on the same workload.
 
 A server process (`deepfuse serve`, default bf16 + int4 build) and, in this process, --concurrency
-streaming clients (the official `openai` client, AsyncOpenAI) sending --requests completions of
+streaming clients (--client raw: a minimal HTTP/1.1 client that parses every SSE chunk's JSON;
+openai: the official AsyncOpenAI, which takes several times the CPU on this 2-core machine, CPU
+the server then lacks) sending --requests completions of
 throughput.py's prompts (50-500 tokens, as token ids), --tokens output tokens each (EOS ignored):
   load        a --disconnect share of the clients leave their stream after a few chunks; every
               other stream must end whole (finish "length", usage of --tokens tokens, text in
@@ -14,12 +16,13 @@ prompts (so neither finds the other's prefixes cached); the figures are medians 
 the served / offline ratio is the median of the rounds' ratios. Prints a table and writes
 benchmarks/results/serve.json. Bounded: --requests, and --timeout seconds per phase.
 
-    python benchmarks/serve.py [--requests 512] [--concurrency 64] [--disconnect 0.2] [--tokens 64] [--rounds 3]
+    python benchmarks/serve.py [--requests 512] [--concurrency 64] [--disconnect 0.2] [--tokens 64] [--rounds 3] [--client raw]
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import random
 import socket
 import statistics
@@ -46,14 +49,72 @@ def metrics(url: str) -> dict[str, float]:
     return {ln.split()[0]: float(ln.split()[1]) for ln in lines if ln and not ln.startswith("#")}
 
 
-async def client_run(url: str, prompts: list[list[int]], tokens: int, concurrency: int, leave: float, seed: int):
-    """Runs every prompt as a streamed completion; returns (per-request records, wall seconds)."""
+async def raw_stream(url: str, body: dict):
+    """The JSON chunks of one streamed completion, read over a plain HTTP/1.1 connection (a client
+    far lighter than the openai package's, so that on this machine the load generator takes as
+    little of the server's CPU as it can). Raises on a status other than 200 or a malformed body;
+    closing the generator early closes the connection (the server sees the client leave)."""
+    host, port = url.rsplit("//", 1)[1].split(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    try:
+        data = json.dumps(body).encode()
+        writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\nConnection: close\r\n\r\n" % (host.encode(), len(data)) + data)
+        status = await reader.readline()
+        if status.split(b" ")[1:2] != [b"200"]:
+            raise RuntimeError(f"HTTP status line {status!r}")
+        chunked = False
+        while (line := await reader.readline()) not in (b"\r\n", b""):
+            chunked |= line.lower().startswith(b"transfer-encoding:") and b"chunked" in line.lower()
+        buf = b""
+        while True:
+            if chunked:
+                size = int((await reader.readline()).strip(), 16)
+                if size == 0:
+                    raise RuntimeError("the stream ended without data: [DONE]")
+                buf += (await reader.readexactly(size + 2))[:-2]
+            else:
+                piece = await reader.read(65536)
+                if not piece:
+                    raise RuntimeError("the stream ended without data: [DONE]")
+                buf += piece
+            while b"\n\n" in buf:
+                event, buf = buf.split(b"\n\n", 1)
+                if not event.startswith(b"data: "):
+                    raise RuntimeError(f"not an SSE data event: {event[:80]!r}")
+                if event[6:] == b"[DONE]":
+                    return
+                yield json.loads(event[6:])
+    finally:
+        writer.close()
+
+
+async def client_run(url: str, prompts: list[list[int]], tokens: int, concurrency: int, leave: float, seed: int,
+                     client: str = "raw"):
+    """Runs every prompt as a streamed completion (client "raw": raw_stream; "openai": the
+    official AsyncOpenAI); returns (per-request records, wall seconds)."""
     import openai
 
-    client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=600)
+    sdk = openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=600)
     rng = random.Random(seed)
     plan = [rng.random() < leave for _ in prompts]
     gate = asyncio.Semaphore(concurrency)
+
+    async def chunks(i: int):
+        body = dict(model="smollm2", prompt=prompts[i], max_tokens=tokens, temperature=0.8, seed=i, stream=True,
+                    stream_options={"include_usage": True}, ignore_eos=True)
+        if client == "raw":
+            return raw_stream(url, body)
+        extra = {"ignore_eos": body.pop("ignore_eos")}
+        stream = await sdk.completions.create(**body, extra_body=extra)
+
+        async def as_dicts():
+            try:
+                async for c in stream:
+                    yield c.model_dump()
+            finally:
+                await stream.close()
+        return as_dicts()
 
     async def one(i: int) -> dict:
         async with gate:
@@ -61,23 +122,21 @@ async def client_run(url: str, prompts: list[list[int]], tokens: int, concurrenc
             t0 = time.perf_counter()
             times, text, finish, usage = [], "", None, None
             try:
-                stream = await client.completions.create(
-                    model="smollm2", prompt=prompts[i], max_tokens=tokens, temperature=0.8, seed=i, stream=True,
-                    stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+                stream = await chunks(i)
                 async for chunk in stream:
-                    if chunk.usage is not None:
-                        usage = chunk.usage
-                    for c in chunk.choices:
+                    if chunk.get("usage") is not None:
+                        usage = chunk["usage"]
+                    for c in chunk["choices"]:
                         times.append(time.perf_counter() - t0)
-                        text += c.text
-                        finish = c.finish_reason or finish
+                        text += c["text"]
+                        finish = c["finish_reason"] or finish
                     if plan[i] and len(times) >= 3:
-                        await stream.close()
+                        await stream.aclose()
                         return rec
             except Exception as e:  # a lost or malformed response
                 rec["error"] = repr(e)[:200]
                 return rec
-            rec["ok"] = finish == "length" and usage is not None and usage.completion_tokens == tokens and bool(text)
+            rec["ok"] = finish == "length" and usage is not None and usage["completion_tokens"] == tokens and bool(text)
             if not rec["ok"]:
                 rec["error"] = f"finish {finish}, usage {usage}, {len(text)} characters"
             rec["ttft"] = times[0] if times else float("nan")
@@ -85,7 +144,8 @@ async def client_run(url: str, prompts: list[list[int]], tokens: int, concurrenc
             return rec
 
     t = time.perf_counter()
-    records = await asyncio.gather(*[one(i) for i in range(len(prompts))])
+    async with sdk:  # closed inside this event loop
+        records = await asyncio.gather(*[one(i) for i in range(len(prompts))])
     return records, time.perf_counter() - t
 
 
@@ -97,6 +157,8 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--timeout", type=float, default=1200, help="seconds per phase at most")
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--client", default="raw", choices=["raw", "openai"],
+                    help="raw: a minimal HTTP client (little CPU); openai: the official AsyncOpenAI")
     args = ap.parse_args()
     from deepfuse.models import resolve_model_path
     from deepfuse.models.gguf_loader import open_gguf
@@ -135,9 +197,9 @@ def main() -> None:
                 time.sleep(0.5)
         else:
             raise SystemExit("the server did not answer /health in 10 minutes")
-        asyncio.run(client_run(url, make_prompts(tok, 4, seed=3), 4, 4, 0.0, 0))  # warm-up
+        asyncio.run(client_run(url, make_prompts(tok, 4, seed=3), 4, 4, 0.0, 0, args.client))  # warm-up
         load, _ = asyncio.run(asyncio.wait_for(client_run(url, load_prompts, args.tokens, args.concurrency,
-                                                          args.disconnect, 1), args.timeout))
+                                                          args.disconnect, 1, args.client), args.timeout))
         for _ in range(50):
             m = metrics(url)
             if m["deepfuse_num_requests_running"] == m["deepfuse_kv_cache_usage_perc"] == 0:
@@ -146,7 +208,8 @@ def main() -> None:
         bad = [r for r in load if not r["left"] and not r["ok"]]
         bad_tp: list[dict] = []
         for r, prompts in enumerate(rounds):
-            tp, wall = asyncio.run(asyncio.wait_for(client_run(url, prompts, args.tokens, args.concurrency, 0.0, 2),
+            tp, wall = asyncio.run(asyncio.wait_for(client_run(url, prompts, args.tokens, args.concurrency, 0.0, 2,
+                                                               args.client),
                                                     args.timeout))
             bad_tp += [x for x in tp if not x["ok"]]
             served.append(summary(wall, [x["ttft"] for x in tp], [x["tpot"] for x in tp],

@@ -5,6 +5,7 @@ CI on a machine without AMX. (Executing them is the self-check's job on machines
 import os
 import shutil
 import subprocess
+import sys
 import sysconfig
 from concurrent.futures import ThreadPoolExecutor
 
@@ -54,3 +55,18 @@ def test_a_failed_build_is_reported_by_the_compilers_error_lines():
            "rows.cpp:230:31: error: expected ')' at end of input\n  230 | int f( {\nninja: build stopped")
     assert native.compiler_errors(log) == "rows.cpp:230:31: error: expected ')' at end of input"
     assert native.compiler_errors("OSError: no c++") == "OSError: no c++"
+
+
+def test_a_build_killed_midway_does_not_leave_later_loads_waiting():
+    """torch's build baton (a `lock` file) stays behind when a build is killed; the next load in a
+    fresh process removes it under the build lock instead of waiting on it forever."""
+    if native.build() is None:
+        pytest.fail(f"the native kernels did not build: {native.build_error}")
+    where = os.path.join(os.path.expanduser("~"), ".cache", "deepfuse", "native",
+                         f"deepfuse_native_{native.build_tag()}_{native.source_hash()}")
+    with open(os.path.join(where, "lock"), "w"):
+        pass
+    code = "from deepfuse.codegen.cpu import native; assert native.build() is not None, native.build_error"
+    done = subprocess.run([sys.executable, "-c", code], timeout=120, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert not os.path.exists(os.path.join(where, "lock"))

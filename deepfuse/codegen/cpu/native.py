@@ -8,6 +8,7 @@ without a working compiler, or whose library the check refuses, gets None and th
 with a warning; `build_error` says why."""
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import os
@@ -105,9 +106,10 @@ def build():
         print("deepfuse: building the native CPU kernels (once per machine and version, one to three minutes)",
               file=sys.stderr, flush=True)
     try:
-        module = load(name=name, sources=[os.path.join(here, s) for s in SOURCES], build_directory=where,
-                      extra_cflags=["-O3", "-march=native", "-fopenmp", f"-DDEEPFUSE_SOURCES={source_hash()}"],
-                      extra_ldflags=["-fopenmp"], verbose=False)
+        with _build_lock(where):
+            module = load(name=name, sources=[os.path.join(here, s) for s in SOURCES], build_directory=where,
+                          extra_cflags=["-O3", "-march=native", "-fopenmp", f"-DDEEPFUSE_SOURCES={source_hash()}"],
+                          extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as e:  # no g++, no Python headers, ...: the torch-op path still works
         build_error = compiler_errors(f"{type(e).__name__}: {e}")
         warnings.warn(f"deepfuse: the native CPU kernels could not be built ({build_error}); attention, "
@@ -116,6 +118,22 @@ def build():
     with open(stamp, "w") as f:
         f.write(source_hash())
     return module
+
+
+@contextlib.contextmanager
+def _build_lock(where: str):
+    """Holds an exclusive lock on the build directory for one process at a time. The kernel
+    releases it when its holder ends, however it ends; so, holding it, a `lock` file that torch's
+    own build baton left behind belongs to a build that was killed midway, and is removed (torch
+    would otherwise wait on it forever)."""
+    import fcntl
+
+    with open(os.path.join(where, "build.flock"), "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        stale = os.path.join(where, "lock")
+        if os.path.exists(stale):
+            os.remove(stale)
+        yield
 
 
 FLAGS = {"bf16_gemm": "bf16_gemm_available", "amx": "amx_available", "i8_gemm": "i8_gemm_available",

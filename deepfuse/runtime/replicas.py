@@ -79,7 +79,11 @@ class Replicas:
         actor = ray.remote(ReplicaWorker).options(num_cpus=0, max_restarts=0,
                                                   runtime_env={"env_vars": {"PYTHONPATH": path}})
         self.workers = [actor.remote(llm_kwargs, threads) for _ in range(num_replicas)]
-        infos = ray.get([w.info.remote() for w in self.workers])
+        try:
+            infos = ray.get([w.info.remote() for w in self.workers])
+        except BaseException:  # a replica process that died while starting: stop the others
+            self.shutdown()
+            raise
         bad = next((i["error"] for i in infos if "error" in i), None)
         if bad is not None:
             self.shutdown()

@@ -134,10 +134,11 @@ class Replicas:
             if first[0] == "error":
                 self._ended(r, request_id)
                 raise (DeepfuseError if first[1] == "DeepfuseError" else EngineFailure)(first[2])
-            return self._outputs(r, request_id, prompt_text(prompt), gen)
+            return _Stream(self, r, request_id, prompt_text(prompt), gen)
 
-    async def _outputs(self, r: int, request_id: str, text: str | None, gen) -> AsyncIterator[RequestOutput]:
+    async def _outputs(self, stream: _Stream, gen) -> AsyncIterator[RequestOutput]:
         ray = _ray()
+        r, text = stream.replica, stream.text
         finished = False
         try:
             async for ref in gen:
@@ -160,9 +161,7 @@ class Replicas:
                 self.router.mark_dead(r)
                 raise EngineFailure(f"replica {r} stopped before the request finished")
         finally:
-            self._ended(r, request_id)
-            if not finished and self.router.replicas[r].alive:
-                self.workers[r].abort.remote(request_id)
+            stream.end(finished)
 
     def _ended(self, r: int, request_id: str) -> None:
         self.router.finished(r, request_id)
@@ -211,6 +210,35 @@ class Replicas:
         if self._artifact is not None:
             self._artifact.cleanup()
             self._artifact = None
+
+
+class _Stream:
+    """A request's outputs (an async iterator, as AsyncLLM's); closing it, started or not, ends
+    the request's bookkeeping and aborts it on its replica if it has not finished."""
+
+    def __init__(self, owner: Replicas, replica: int, request_id: str, text: str | None, gen):
+        self.owner, self.replica, self.request_id, self.text = owner, replica, request_id, text
+        self.ended = False
+        self._it = owner._outputs(self, gen)
+
+    def __aiter__(self) -> _Stream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        return await self._it.__anext__()
+
+    async def aclose(self) -> None:
+        await self._it.aclose()
+        self.end(False)
+
+    def end(self, finished: bool) -> None:
+        if self.ended:
+            return
+        self.ended = True
+        owner, r = self.owner, self.replica
+        owner._ended(r, self.request_id)
+        if not finished and owner.router.replicas[r].alive:
+            owner.workers[r].abort.remote(self.request_id)
 
 
 class ReplicatedLLM:

@@ -136,10 +136,15 @@ def test_aborts_and_bad_requests(offline, prefixes):
         outs = [out async for out in stream]
         return outs[-1]
 
+    async def close_unread():  # as the app does with the requests added before one that fails
+        stream = await replicas.add_request(a + qs[2], long, "unread")
+        await stream.aclose()
+
     async def too_long():
         await replicas.add_request([1] * 5000, GREEDY, "too-long")
 
     asyncio.run(leave_early())
+    asyncio.run(close_unread())
     last = asyncio.run(abort_explicitly())
     assert last.finished and last.outputs[0].finish_reason == "abort" and len(last.outputs[0].token_ids) < 200
     with pytest.raises(DeepfuseError, match="context"):

@@ -8,7 +8,7 @@ Per run: output tok/s (all output tokens / wall time from the first request adde
 finished) and the prefix hit rate (prompt tokens the replicas' prefix caches served / prompt tokens
 looked up, over this run). Each run uses prefixes of its own (a seed per run), so no run finds
 another's blocks; the two policies alternate, --runs each, on the same replicas (a fresh router
-per run). Prints a table and writes benchmarks/results/replicas.json (medians and every run).
+per run). Prints a table and writes benchmarks/results/replicas.json (or --result; medians and every run).
 
     python benchmarks/replicas.py [--replicas 2] [--runs 3] [--prefixes 8] [--questions 12]
 """
@@ -85,6 +85,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=32, help="output tokens per request")
     ap.add_argument("--num-blocks", type=int, default=1024, help="KV blocks per replica")
     ap.add_argument("--max-imbalance", type=int, default=8, help="the router's PrefixRouter.max_imbalance")
+    ap.add_argument("--result", default="replicas.json", help="the file written under benchmarks/results/")
     args = ap.parse_args()
 
     source, tok = load_model("smollm2")
@@ -109,7 +110,7 @@ def main() -> None:
     meta = {k: getattr(args, k) for k in ("replicas", "runs", "prefixes", "prefix_tokens", "questions", "question_tokens",
                                           "tokens", "num_blocks", "max_imbalance")}
     meta.update(build="bf16+int4", model="smollm2", threads_per_replica=max(1, replicas_threads(args.replicas)))
-    path = write_result("replicas.json", {"meta": meta, "results": results, "speedup_output_tps": ratio})
+    path = write_result(args.result, {"meta": meta, "results": results, "speedup_output_tps": ratio})
     print(f"wrote {path}")
 
 

@@ -93,7 +93,9 @@ def main() -> None:
     replicas = Replicas(args.replicas, model, num_blocks=args.num_blocks)
     try:
         one_run(replicas, "prefix", 10_000, args)  # warm-up (kernels, caches, page faults): not reported
-        runs = [one_run(replicas, policy, seed, args) for seed in range(args.runs) for policy in POLICIES]
+        # every run its own seed, hence its own prefixes: no run finds another's blocks cached
+        runs = [one_run(replicas, policy, len(POLICIES) * i + j, args) for i in range(args.runs)
+                for j, policy in enumerate(POLICIES)]
     finally:
         replicas.shutdown()
 

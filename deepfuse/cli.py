@@ -33,8 +33,14 @@ def _add_spec_args(p: argparse.ArgumentParser) -> None:
 
 def _build_llm(args: argparse.Namespace, **engine):
     """The LLM the model, artifact and speculation arguments ask for."""
-    from .errors import DeepfuseError
     from .runtime.llm import LLM
+
+    return LLM(**_llm_kwargs(args, **engine))
+
+
+def _llm_kwargs(args: argparse.Namespace, **engine) -> dict:
+    """LLM's arguments for the model, artifact and speculation arguments (and engine settings)."""
+    from .errors import DeepfuseError
     from .runtime.spec import SpecConfig
 
     if args.draft_head and not args.speculate:
@@ -47,10 +53,10 @@ def _build_llm(args: argparse.Namespace, **engine):
     if tp < 1:
         raise DeepfuseError(f"--tp must be >= 1, got {tp}")
     if args.artifact:
-        return LLM(artifact=args.artifact, spec=spec, batch_invariant=args.batch_invariant,
-                   artifact_digest=args.artifact_digest, tensor_parallel_size=tp, **engine)
-    return LLM(args.model, dtype=args.dtype, quant=args.quant, spec=spec, batch_invariant=args.batch_invariant,
-               kv_cache_dtype=args.kv_cache_dtype, tensor_parallel_size=tp, **engine)
+        return dict(artifact=args.artifact, spec=spec, batch_invariant=args.batch_invariant,
+                    artifact_digest=args.artifact_digest, tensor_parallel_size=tp, **engine)
+    return dict(model=args.model, dtype=args.dtype, quant=args.quant, spec=spec, batch_invariant=args.batch_invariant,
+                kv_cache_dtype=args.kv_cache_dtype, tensor_parallel_size=tp, **engine)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -94,6 +100,10 @@ def _parser() -> argparse.ArgumentParser:
     v.add_argument("--kv-store", metavar="DIR", help="keep prefix-cache blocks on disk in DIR too (found again "
                    "after eviction or a restart)")
     v.add_argument("--kv-store-gb", type=float, default=4.0, help="the disk store's size (GiB)")
+    v.add_argument("--replicas", type=int, default=1, help="engine replicas, each a Ray actor with its own KV cache "
+                   "(default 1: one engine in this process; docs/distributed.md)")
+    v.add_argument("--routing", default="prefix", choices=["prefix", "round_robin"], help="with --replicas: send a "
+                   "request to the replica caching the longest prefix of it (default), or to each in turn")
     v.add_argument("--swa-replay-tokens", type=int, default=0, help="bounded replay for models that mix sliding-window "
                    "and full-attention layers (0: off; docs/hybrid-attention.md)")
     t = sub.add_parser("train-drafter", help="train an MTP draft head on the model's own outputs (CPU, minutes)")
@@ -343,14 +353,24 @@ def _serve(args: argparse.Namespace) -> None:
     except ImportError as e:
         raise DeepfuseError(f"`deepfuse serve` needs the server packages ({e.name} is missing): "
                             "pip install -e '.[serve]'") from None
-    for name in ("port", "num_blocks", "max_num_seqs", "max_num_tokens", "max_request_bytes"):
+    for name in ("port", "num_blocks", "max_num_seqs", "max_num_tokens", "max_request_bytes", "replicas"):
         if getattr(args, name) < 1:
             raise DeepfuseError(f"--{name.replace('_', '-')} must be >= 1")
     if args.kv_store is None and args.kv_store_gb != 4.0:
         raise DeepfuseError("--kv-store-gb sizes the disk store: give it with --kv-store DIR")
-    llm = _build_llm(args, num_blocks=args.num_blocks, max_num_seqs=args.max_num_seqs,
-                     max_num_tokens=args.max_num_tokens, kv_store=args.kv_store, kv_store_gb=args.kv_store_gb,
-                     swa_replay_tokens=args.swa_replay_tokens)
+    if args.replicas > 1 and args.kv_store:
+        raise DeepfuseError("--kv-store with --replicas: the replicas would share one disk store; give one or the other")
+    kwargs = _llm_kwargs(args, num_blocks=args.num_blocks, max_num_seqs=args.max_num_seqs,
+                         max_num_tokens=args.max_num_tokens, kv_store=args.kv_store, kv_store_gb=args.kv_store_gb,
+                         swa_replay_tokens=args.swa_replay_tokens)
+    if args.replicas > 1:
+        from .runtime.replicas import Replicas
+
+        llm = Replicas(args.replicas, routing=args.routing, **kwargs)
+    else:
+        from .runtime.llm import LLM
+
+        llm = LLM(**kwargs)
     name = args.served_model_name or (os.path.basename(os.path.normpath(args.artifact)) if args.artifact else args.model)
     serve(llm, name, host=args.host, port=args.port, api_key=args.api_key, max_body_bytes=args.max_request_bytes)
 

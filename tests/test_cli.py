@@ -31,6 +31,8 @@ def last_line(err: str) -> str:
     (["serve", "--port", "0"], "error: --port must be >= 1"),
     (["serve", "--artifact-digest", "sha256:00"], "error: --artifact-digest pins an artifact"),
     (["serve", "--kv-store-gb", "2"], "error: --kv-store-gb sizes the disk store"),
+    (["serve", "--replicas", "0"], "error: --replicas must be >= 1"),
+    (["serve", "--replicas", "2", "--kv-store", "/tmp/x"], "error: --kv-store with --replicas"),
 ])
 def test_bad_input_one_line_exit_2(capsys, argv, message):
     rc, out, err = run_main(capsys, *argv)

@@ -57,6 +57,8 @@ class EngineStats:
     spec_drafted: int = 0
     spec_accepted: int = 0
     tokens_per_s: float = 0.0  # output tokens/s over the last RATE_WINDOW_S
+    prefix_queries: int = 0  # prompt tokens looked up in the prefix cache
+    prefix_hits: int = 0  # of which found cached
 
     @property
     def kv_usage(self) -> float:
@@ -160,6 +162,10 @@ class AsyncLLM:
     def stats(self) -> EngineStats:
         """The engine thread's latest published counts (safe from any thread)."""
         return self._stats
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
 
     def shutdown(self) -> None:
         """Stops the engine thread; running requests are aborted."""
@@ -295,7 +301,8 @@ class AsyncLLM:
                                   sum(p.num_blocks for p in e.kv.pools), e.kv.num_used(), e.kv.usage()["prefix_hit_rate"],
                                   e.stats.prompt_tokens_computed, generated, e.stats.steps,
                                   e.spec_stats.drafted, e.spec_stats.accepted,
-                                  (generated - g0) / (now - t0) if now > t0 else 0.0)
+                                  (generated - g0) / (now - t0) if now > t0 else 0.0,
+                                  e.kv.stats.prefix_queries, e.kv.stats.prefix_hits)
 
 
 def _shown(text: str, p: SamplingParams) -> str:

@@ -115,12 +115,7 @@ class LLM:
     def prompt_token_ids(self, prompt: object) -> object:
         """A prompt's token ids: text encoded, vLLM's prompt dicts unwrapped; anything else as it
         is (the engine names what is wrong with it)."""
-        if isinstance(prompt, dict) and len(prompt) == 1:
-            if isinstance(prompt.get("prompt"), str):
-                return self.tokenizer.encode(prompt["prompt"])
-            if "prompt_token_ids" in prompt:
-                return prompt["prompt_token_ids"]
-        return self.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
+        return prompt_token_ids(self.tokenizer, prompt)
 
     def chat(self, messages: str | list[dict[str, str]] | list[list[dict[str, str]]],
              sampling_params: SamplingParams | list[SamplingParams] | None = None, on_token=None,
@@ -132,6 +127,16 @@ class LLM:
         conversations = messages if batch else [messages]
         prompts = [self.tokenizer.render_chat(_conversation(c)) for c in conversations]
         return self.generate(prompts, sampling_params, on_token, use_tqdm)
+
+
+def prompt_token_ids(tokenizer, prompt: object) -> object:
+    """LLM.prompt_token_ids with a given tokenizer."""
+    if isinstance(prompt, dict) and len(prompt) == 1:
+        if isinstance(prompt.get("prompt"), str):
+            return tokenizer.encode(prompt["prompt"])
+        if "prompt_token_ids" in prompt:
+            return prompt["prompt_token_ids"]
+    return tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
 
 
 def prompt_text(prompt: object) -> str | None:

@@ -132,7 +132,7 @@ def build_app(llm: AsyncLLM, model_name: str, api_key: str | None = None, max_bo
 
     async def models(request: Request) -> Response:
         card = {"id": model_name, "object": "model", "created": created, "owned_by": "deepfuse",
-                "max_model_len": llm.engine.max_model_len}
+                "max_model_len": llm.max_model_len}
         return JSONResponse({"object": "list", "data": [card]})
 
     async def health(request: Request) -> Response:

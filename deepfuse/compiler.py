@@ -57,8 +57,9 @@ def compile(model: str | Model | Graph, target: str = "cpu", dtype: str = "f32",
     `target`; a traced ir.Graph instead gives a CompiledGraph (compile_graph).
     allow_host_steps (ascend950): build even where an op would run its reference on the host
         (the plan's and manifest's host_steps list them); without it such a build is refused.
-    quant: None, "int4" (weight-only, 4-bit groups of 32) or "w8a8" (int8 weights, int8
-        activations per row and group of 64; see passes/quantize.py).
+    quant: None, "int4" (weight-only, 4-bit groups of 32; the LM head stays dense), "int4-head"
+        (the LM head int4 too) or "w8a8" (int8 weights, int8 activations per row and group of 64;
+        see passes/quantize.py).
     kv_cache_dtype: None (the caches hold `dtype`) or "int8" (cpu: each cached k and v row as int8
         with an f32 scale, half the bytes of bf16 for attention to read; docs/quantization.md).
     batch_invariant (cpu): one kernel per op for every batch shape, so a request's tokens never

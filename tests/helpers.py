@@ -217,3 +217,26 @@ def check_spec_accounting(eng, outs, k: int) -> None:
         assert s.verifications <= s.drafted <= k * s.verifications and s.accepted <= s.drafted
         if o.outputs[0].finish_reason == "length":
             assert len(o.outputs[0].token_ids) >= 1 + s.verifications + s.accepted
+
+
+def tiny_gemma3(seed: int = 0):
+    """A tiny random Gemma 3 (tied head, two sliding layers of window 4 and one full layer, q/k
+    norms), weights drawn here: norm multipliers around 1, projections and embeddings ~0.2."""
+    from deepfuse.models import Gemma3, Gemma3Config
+
+    cfg = Gemma3Config(vocab_size=96, hidden_size=64, intermediate_size=96, num_layers=3, num_heads=2, num_kv_heads=1,
+                       head_dim=32, rope_theta=1e6, rope_local_theta=10.0, rms_norm_eps=1e-6, max_position=128,
+                       query_pre_attn_scalar=24.0, sliding_window=4, full_attention_layers=(2,))
+    shapes = {"model.embed_tokens.weight": (96, 64), "model.norm.weight": (64,)}
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}."
+        shapes.update({p + n + ".weight": (64,) for n in ("input_layernorm", "post_attention_layernorm",
+                                                           "pre_feedforward_layernorm", "post_feedforward_layernorm")})
+        shapes.update({p + "self_attn.q_norm.weight": (32,), p + "self_attn.k_norm.weight": (32,),
+                       p + "self_attn.q_proj.weight": (64, 64), p + "self_attn.k_proj.weight": (32, 64),
+                       p + "self_attn.v_proj.weight": (32, 64), p + "self_attn.o_proj.weight": (64, 64),
+                       p + "mlp.gate_proj.weight": (96, 64), p + "mlp.up_proj.weight": (96, 64),
+                       p + "mlp.down_proj.weight": (64, 96)})
+    g = torch.Generator().manual_seed(seed)
+    return Gemma3(cfg, {k: (1 + 0.2 * torch.randn(s, generator=g)) if len(s) == 1 else 0.2 * torch.randn(s, generator=g)
+                        for k, s in shapes.items()})

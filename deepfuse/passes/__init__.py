@@ -13,7 +13,7 @@ from .fuse_swiglu_linear import fuse_swiglu_linear
 from .manager import Pass, PassManager, PassReport
 from .quantize import quantize_int4, quantize_w8a8
 
-QUANT_MODES = ("int4", "w8a8")
+QUANT_MODES = ("int4", "int4-head", "w8a8")
 
 
 def cleanup_passes() -> list[Pass]:
@@ -48,15 +48,16 @@ def prologue_passes() -> list[Pass]:
 
 
 def quant_passes(quant: str | None) -> list[Pass]:
-    """Quantization: None (weights stay in the compile dtype), "int4" (weight-only) or "w8a8"
-    (int8 weights and activations)."""
+    """Quantization: None (weights stay in the compile dtype), "int4" (weight-only, the LM head
+    stays in the compile dtype), "int4-head" (int4 with the LM head int4 too) or "w8a8" (int8
+    weights and activations, the LM head included)."""
     if quant is None:
         return []
     if quant not in QUANT_MODES:
         raise DeepfuseError(f"unknown quantization {quant!r} (available: {', '.join(QUANT_MODES)})")
     if quant == "w8a8":
         return [Pass("quantize_w8a8", quantize_w8a8(64))]
-    return [Pass("quantize_int4", quantize_int4(32))]
+    return [Pass("quantize_int4", quantize_int4(32, head=quant == "int4-head"))]
 
 
 __all__ = [

@@ -9,6 +9,13 @@ op runs, per row and group of `act_group`), -> linear_w8a8(x, wq, scale), and th
 logits_w8a8. On SmolLM2 with Q4_1 weights, perplexity rises about 1% over the weight-only int4
 model (docs/quantization.md).
 
+quantize_int4(head=True) also quantizes the LM head: logits(x, W, rows) ->
+cast(linear_q4(take_rows(x, rows), packed, scales, mins), f32) (logits' own decomposition with the
+projection quantized, so every target runs it with the kernels it has for int4 projections); a
+tied head keeps W for the embedding, which reads rows of it. This is quant="int4-head": for a
+model whose head is most of its weights (Gemma 3 270M: 262,144 x 640 of 268M parameters) the
+head dominates what a decode step reads.
+
 Linears whose K is not a multiple of the group size, or whose weight is computed, stay dense.
 """
 from __future__ import annotations
@@ -42,12 +49,40 @@ def _quantize_linears(op: str, group: int, attrs: dict,
     return quantize
 
 
-def quantize_int4(group_size: int = 32) -> Callable[[Graph], Graph]:
+def quantize_int4(group_size: int = 32, head: bool = False) -> Callable[[Graph], Graph]:
+    """Every linear over a param as linear_q4; head: the LM head too (see the module's doc)."""
     def encode(name: str, w: torch.Tensor) -> dict[str, torch.Tensor]:
         packed, scales, mins = quantize_q4(w, group_size)
         return {f"{name}.q4": packed, f"{name}.scales": scales, f"{name}.mins": mins}
 
-    return _quantize_linears("linear_q4", group_size, {"group_size": group_size}, encode)
+    linears = _quantize_linears("linear_q4", group_size, {"group_size": group_size}, encode)
+    if not head:
+        return linears
+
+    def q4_logits(x, packed, scales, mins, rows):
+        from ..frontend import ops
+
+        return ops.cast(ops.linear_q4(ops.take_rows(x, rows), packed, scales, mins, group_size=group_size), dtype="f32")
+
+    def quantize(g: Graph) -> Graph:
+        from ..frontend import trace_into
+
+        g = linears(g)
+        params, out = set(g.params), []
+        for n in g.nodes:
+            x, w, rows = n.inputs if n.op == "logits" else (None, None, None)
+            if n.op != "logits" or w not in params or w.name not in g.weights or w.type.shape[1] % group_size:
+                out.append(n)
+                continue
+            ins = [g.add_param(name, t) for name, t in encode(w.name, g.weights[w.name]).items()]
+            nodes, (y,) = trace_into(g, q4_logits, [x, *ins, rows], {})
+            nodes[-1].outputs = [n.outputs[0] if o is y else o for o in nodes[-1].outputs]
+            out.extend(nodes)
+        g.nodes = out
+        g.drop_unused_params()
+        return g
+
+    return quantize
 
 
 def quantize_w8a8(act_group: int = 64) -> Callable[[Graph], Graph]:

@@ -37,6 +37,24 @@ def test_bound_steps_generate_the_tokens_of_the_executor_loop(tiny_model, native
     assert runs[0] == runs[1]
 
 
+@pytest.mark.parametrize("quant", [None, "int4-head"])
+def test_gemma3_decode_steps_bind_and_match_the_executor_loop(native, quant):
+    """A model with q/k head norms and sliding windows (tiny Gemma 3): its decode steps bind up to
+    the sampling tail (head norms, plain and added norms included) and give the loop's tokens."""
+    from tests.helpers import tiny_gemma3
+
+    art = deepfuse.compile(tiny_gemma3(), dtype="bf16", quant=quant)
+    params = [SamplingParams(temperature=0.9, seed=i, max_tokens=12 + 3 * i, ignore_eos=True) for i in range(4)]
+    runs = []
+    for on in (True, False):
+        eng = Engine(with_binding(art, on), CacheConfig(block_size=4, num_blocks=64), max_num_tokens=8)
+        runs.append([o.outputs[0].token_ids for o in eng.generate(PROMPTS, params)])
+        if on:
+            counts = [p.count for p in art.runner.binder.cache.values()]
+            assert max(counts) >= len(art.runner.launches) - 6
+    assert runs[0] == runs[1]
+
+
 def decode_step(art, buffers, cache, tokens, starts, blocks):
     """Logits of one decode step (one token per sequence) through the engine's step buffers."""
     chunks = [SeqChunk([t], s, b) for t, s, b in zip(tokens, starts, blocks)]

@@ -10,7 +10,7 @@ from deepfuse.ir import OPS, interpret, verify
 from deepfuse.ir.opdefs_quant import dequantize_q4, quantize_q4
 from deepfuse.models import Llama
 from deepfuse.passes import PassManager, cleanup_passes, fusion_passes, quant_passes
-from tests.helpers import greedy_with
+from tests.helpers import greedy_with, tiny_gemma3
 
 
 def q4_1_weights(n: int, k: int, seed: int = 0) -> torch.Tensor:
@@ -109,3 +109,48 @@ def test_smollm2_int4_f32_reproduces_q4_1_tokens(smollm2, smollm2_compiled, tmp_
     loaded = deepfuse.load(art.save(str(tmp_path / "q4")))
     assert loaded.quant == "int4"
     assert greedy_with(loaded, model.config, prompt, 12)[0] == dense
+
+
+def on_grid_all(model):
+    """The model with every 2-D weight (the LM head / embedding included) on the int4 grid."""
+    w = {k: (dequantize_q4(*quantize_q4(v, 32)) if v.dim() == 2 else v) for k, v in model.weights.items()}
+    return type(model)(model.config, w)
+
+
+def test_int4_head_quantizes_the_lm_head_and_keeps_numerics(tiny_model):
+    """int4-head: logits become take_rows -> linear_q4 -> cast; with every weight on the grid the
+    tokens and logits are the dense graph's. The head must really be read quantized: the same
+    graph with the head's int4 params perturbed changes the logits."""
+    model = on_grid_all(tiny_model)
+    before, _ = PassManager(cleanup_passes() + fusion_passes()).run(trace_model(model))
+    after, _ = PassManager(quant_passes("int4-head")).run(before.copy())
+    counts = after.op_counts()
+    assert counts.get("logits", 0) == 0 and counts.get("linear", 0) == 0
+    assert counts["linear_q4"] == before.op_counts()["linear"] + 1
+    assert "lm_head.weight" not in after.weights and "lm_head.weight.q4" in after.weights
+    verify(after)
+    plain, _ = PassManager(quant_passes("int4")).run(before.copy())
+    assert plain.op_counts()["logits"] == 1  # plain int4 keeps the head dense
+    got = {}
+    for name, g in (("before", before), ("after", after)):
+        got[name] = greedy_with(lambda inputs, g=g: interpret(g, inputs), model.config, [1, 5, 9, 2], 6)
+    assert got["after"][0] == got["before"][0]
+    torch.testing.assert_close(got["after"][1], got["before"][1], atol=1e-5, rtol=1e-5)
+    after.weights["lm_head.weight.scales"] = after.weights["lm_head.weight.scales"] * 1.5
+    moved = greedy_with(lambda inputs: interpret(after, inputs), model.config, [1, 5, 9, 2], 1)[1]
+    assert (moved - got["before"][1]).abs().max().item() > 1e-3
+
+
+def test_int4_head_of_a_tied_gemma_on_the_cpu():
+    """A tied head (tiny Gemma 3): the embedding still gathers rows of the dense table, the head
+    runs int4, and the CPU build in bf16 matches the interpreter on its own final graph."""
+    model = on_grid_all(tiny_gemma3())
+    cfg = model.config
+    art = deepfuse.compile(model, dtype="bf16", quant="int4-head")
+    assert "model.embed_tokens.weight" in art.graph.weights and "model.embed_tokens.weight.q4" in art.graph.weights
+    assert art.graph.op_counts().get("logits", 0) == 0
+    prompt = [3, 17, 42, 8, 91, 5, 60]
+    want, want_logits = greedy_with(lambda inputs: interpret(art.graph, inputs), cfg, prompt, 8, dtype=torch.bfloat16)
+    got, logits = greedy_with(art, cfg, prompt, 8, dtype=torch.bfloat16)
+    torch.testing.assert_close(logits, want_logits, atol=0.1, rtol=0.05)
+    assert got[:4] == want[:4]

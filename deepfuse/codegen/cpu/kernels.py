@@ -375,41 +375,51 @@ def _qkv_rope_cache(attrs: dict) -> Kernel:
 
     tables = rope_tables(hd, attrs["theta"])
 
-    def native_rope_cache(qkv, pos, cache, slots):
-        """The native pass (rows.cpp) where it applies, bound to these tensors and to q and k made
-        here: (call, q, k, v, cos), else None."""
+    def native_rope_cache(qkv, pos, cache, slots, *norms):
+        """The native passes (norms.cpp, rows.cpp) where they apply, bound to these tensors and to
+        q and k made here: (calls, q, k, v, cos), else None. With q and k norms (Gemma 3, Qwen3),
+        each head's columns of qkv are normed in place first (qkv is this op's own input, read by
+        nothing after it), one native rms_norm per head over its [T, hd] column block."""
         if qkv.dtype not in NORM_DTYPES or qkv.dim() != 2 or qkv.stride(1) != 1 or pos.device.type != "cpu" \
                 or not cache.is_contiguous() or len(pos) == 0:
+            return None
+        if norms and any(w.dtype != qkv.dtype or w.dim() != 1 or w.shape[0] != hd or not w.is_contiguous()
+                         for w in norms):
             return None
         native = native_rows()
         if native is None:
             return None
+        calls = []
+        for w, start, end in ((norms[0], 0, sizes[0]), (norms[1], sizes[0], sizes[0] + sizes[1])) if norms else ():
+            for c in range(start, end, hd):
+                head = qkv[:, c:c + hd]
+                calls.append(native_op(native, "rms_norm", head, w, float(attrs["qk_norm_eps"]), head))
         cos, sin, pos64 = tables.native(pos)
         q = torch.empty(qkv.shape[0], sizes[0], dtype=qkv.dtype)
         k = torch.empty(qkv.shape[0], sizes[1], dtype=qkv.dtype)
-        call = native_op(native, "rope_cache", qkv, pos64, cos, sin, cache, slots.long(), sizes[0] // hd, q, k)
-        return call, q, k, qkv[:, sizes[0] + sizes[1]:], cos
+        calls.append(native_op(native, "rope_cache", qkv, pos64, cos, sin, cache, slots.long(), sizes[0] // hd, q, k))
+        return calls, q, k, qkv[:, sizes[0] + sizes[1]:], cos
 
     def bind(qkv, pos, cache, slots, *norms):
-        """(Bound, q, k, v) for the native pass, or None (no such pass here, qk norms, or int32
+        """(Bound, q, k, v) for the native passes, or None (no such passes here, or int32
         positions or slots, whose int64 copies would be this step's). The bound tables hold
         positions below their row count: the guard checks each step's."""
-        planned = None if norms or pos.dtype != torch.long or slots.dtype != torch.long else \
-            native_rope_cache(qkv, pos, cache, slots)
+        planned = None if pos.dtype != torch.long or slots.dtype != torch.long else \
+            native_rope_cache(qkv, pos, cache, slots, *norms)
         if planned is None:
             return None
-        call, q, k, v, cos = planned
+        calls, q, k, v, cos = planned
         rows = cos.shape[0]
         guard = NativeGuard(pos, rows) if pos.is_contiguous() else lambda: int(pos.max()) < rows
-        return Bound([call], {("rope", id(cos), pos.data_ptr()): guard}), q, k, v
+        return Bound(calls, {("rope", id(cos), pos.data_ptr()): guard}), q, k, v
 
     def qkv_rope_cache(qkv, pos, cache, slots, *norms):
-        if not norms:
-            planned = native_rope_cache(qkv, pos, cache, slots)
-            if planned is not None:
-                call, q, k, v, _ = planned
+        planned = native_rope_cache(qkv, pos, cache, slots, *norms)
+        if planned is not None:
+            calls, q, k, v, _ = planned
+            for call in calls:
                 call()
-                return q, k, v
+            return q, k, v
         q, k, v = torch.split(qkv, sizes, dim=-1)
         if norms:
             q, k = norm(q.contiguous(), norms[0]), norm(k.contiguous(), norms[1])

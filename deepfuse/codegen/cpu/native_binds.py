@@ -66,6 +66,24 @@ def add_rms_norm(x: torch.Tensor, res: torch.Tensor, w: torch.Tensor, eps: float
     return [native_op(native, "add_rms_norm", x, res, w, eps, sum_out, normed)], normed
 
 
+def rms_norm_into(x: torch.Tensor, w: torch.Tensor, eps: float, out: torch.Tensor) -> Ops:
+    """rms_rows(x, w, eps) written into out (an rms_norm launch's planned buffer)."""
+    native = _rows_native(x, w)
+    if native is None or out.dtype != x.dtype or out.stride(1) != 1:
+        return None
+    return [native_op(native, "rms_norm", x, w, eps, out)]
+
+
+def add_rms_norm_into(x: torch.Tensor, res: torch.Tensor, w: torch.Tensor, eps: float, sum_out: torch.Tensor,
+                      norm_out: torch.Tensor) -> Ops:
+    """add_rms_rows(x, res, w, eps, sum_out) with its normed rows written into norm_out."""
+    native = _rows_native(x, w)
+    if native is None or res.dtype != x.dtype or res.dim() != 2 or res.stride(1) != 1 \
+            or any(t.dtype != x.dtype or t.stride(1) != 1 for t in (sum_out, norm_out)):
+        return None
+    return [native_op(native, "add_rms_norm", x, res, w, eps, sum_out, norm_out)]
+
+
 def swiglu(x: torch.Tensor) -> tuple[Ops, torch.Tensor | None]:
     """row_kernels.swiglu_rows(x): (ops, the rows they write)."""
     native = _rows_native(x)

@@ -91,6 +91,27 @@ def _kernel(attrs: dict) -> Kernel:
     return make_generated(attrs, into=True)  # binds to its native call (generated_build.NativeKernel.bind)
 
 
+@out_factory("rms_norm")
+def _rms_norm_out(attrs: dict) -> Kernel:
+    eps = attrs["eps"]
+
+    def run(x, w, out):
+        out[0].copy_(rms_rows(x, w, eps))
+
+    return with_native_bind(run, lambda x, w, out: native_binds.rms_norm_into(x, w, eps, out[0]))
+
+
+@out_factory("add_rms_norm")
+def _add_rms_norm_out(attrs: dict) -> Kernel:
+    eps = attrs["eps"]
+
+    def run(x, res, w, out):
+        s, normed = add_rms_rows(x, res, w, eps, out[0])
+        out[1].copy_(normed)
+
+    return with_native_bind(run, lambda x, res, w, out: native_binds.add_rms_norm_into(x, res, w, eps, out[0], out[1]))
+
+
 @out_factory("linear")
 def _linear(attrs: dict) -> Kernel:
     return with_native_bind(lambda x, w, out: mm_into(x, w, out[0]),

@@ -218,8 +218,8 @@ def test_bad_requests_fail_alone_and_the_rest_complete(tiny_art):
 def test_penalized_requests_keep_their_tokens_in_any_batch_preempted_or_speculating(tiny_art):
     """Penalties and min_tokens are drawn on the host from each row's logits under its own key:
     a request's tokens are the same alone, in a batch, through a cache small enough to preempt,
-    and beside n-gram speculation (which drafts nothing for such requests); and they differ
-    from the unpenalized run."""
+    and beside n-gram speculation (which drafts nothing for requests whose penalties count their
+    output, and verifies the others' drafts on the host); and they differ from the unpenalized run."""
     from deepfuse.runtime.spec import SpecConfig
 
     base = dict(max_tokens=12, ignore_eos=True)
@@ -246,7 +246,8 @@ def test_penalized_requests_keep_their_tokens_in_any_batch_preempted_or_speculat
     spec = engine(tiny_art, spec=SpecConfig(num_draft_tokens=3, schedule="fixed"))
     repeat = [5, 6, 7, 5, 6, 7, 5, 6, 7, 5, 6]  # n-gram drafts for the unpenalized request beside them
     outs = spec.generate(prompts + [repeat], params + [GREEDY])
-    assert tokens(outs[:k]) == alone and all(o.metrics.spec.drafted == 0 for o in outs[:k])
+    assert tokens(outs[:k]) == alone and all(o.metrics.spec.drafted == 0 for o in outs[:4])
+    assert sum(o.metrics.spec.drafted for o in outs[4:k]) > 0  # min_p, logit_bias, allowed_token_ids
     # what prompt lookup must draft for the repeating request, from its tokens (runtime/spec.py's rules)
     must = ngram_spec_counts(repeat, outs[k].outputs[0].token_ids, 3, GREEDY.max_tokens)
     assert must["drafted"] > 0

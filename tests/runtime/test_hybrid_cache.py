@@ -223,3 +223,27 @@ def test_a_fault_in_the_middle_of_a_chunked_replay_is_undone(yoco):
     while eng.has_unfinished():
         done = eng.step()
     assert done[0].outputs[0].token_ids == want and eng.kv.num_used() == 0
+
+
+def test_a_fault_with_requests_still_waiting_is_undone(gemma):
+    """A hybrid cache's step fails while requests wait that were never admitted (one table, not
+    one per group): the rollback frees nothing of theirs, and generate then gives the tokens a
+    fresh engine gives."""
+    prompts = [prompt(s, 10 + s) for s in range(3)]
+    want = engine(gemma).generate(prompts, [GREEDY] * 3)
+    eng = Engine(deepfuse.compile(gemma), CacheConfig(block_size=BS, num_blocks=64), max_num_tokens=8, max_num_seqs=1)
+    real = eng.model
+
+    class Failing:
+        config = real.config
+
+        def __call__(self, inputs):
+            raise RuntimeError("fault inside the step")
+
+    eng.model = Failing()
+    with pytest.raises(RuntimeError, match="fault inside"):
+        eng.generate(prompts, [GREEDY] * 3)
+    assert not eng.has_unfinished() and eng.kv.num_used() == 0
+    eng.model = real
+    got = eng.generate(prompts, [GREEDY] * 3)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]

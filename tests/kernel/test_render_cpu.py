@@ -127,3 +127,23 @@ def test_bf16_cast_of_a_rounded_value_keeps_nan_and_inf():
     assert got.view(torch.int16)[0, 0].item() == 0x7FC0  # a NaN, as the full cast writes it
     assert got.view(torch.int16)[0, 1:].tolist() == want.view(torch.int16)[0, 1:].tolist()  # bit for bit
     assert torch.isnan(want[0, 0].float())
+
+
+def test_tanh_is_within_a_few_ulp_over_its_whole_range():
+    """df_tanh (a Taylor polynomial below 0.4, 1 - 2/(exp(2x)+1) above) against float64 torch:
+    within 3e-7 relative from tiny values through saturation, sign of zero and NaN kept."""
+    from deepfuse.frontend import Spec, ops, trace
+    from deepfuse.passes import dce
+    from deepfuse.passes.decompose import decompose_unsupported
+    from deepfuse.passes.generate_kernels import generate_kernels
+
+    g = dce(generate_kernels()(decompose_unsupported(set())(trace(ops.tanh, Spec("x", "f32", ("T", 96))))))
+    (k,) = kernels_of(g)
+    x = torch.cat([torch.linspace(-25, 25, 96 * 500), torch.linspace(-0.45, 0.45, 96 * 100),
+                   torch.tensor([0.0, -0.0, 1e-30, -1e-30, 1e-7, -1e-7, 0.4, -0.4, 30.0, -30.0, float("nan"), 5.0] * 8)])
+    got = NativeKernel(k)(x.view(-1, 96)).reshape(-1)
+    want = torch.tanh(x.double())
+    finite = ~torch.isnan(want)
+    rel = (got.double() - want)[finite].abs() / want[finite].abs().clamp_min(1e-38)
+    assert rel.max().item() < 3e-7
+    assert torch.isnan(got[~finite]).all() and torch.equal(torch.signbit(got[finite]), torch.signbit(want[finite]))

@@ -23,14 +23,14 @@ def reference(q, cache, tables, lens, h, window, scale):
     return out.view(n, h * d)
 
 
-# the vector kernel (AVX-512: head size 64 or 128, 1 to 8 query heads per kv head, any block size)
+# the vector kernel (AVX-512: head size 64, 128 or 256, 1 to 8 query heads per kv head, any block size)
 # and the plain one (head size 48, 9 heads per kv head) on the same cases; amx_rows=1 sends bf16
 # rows to the AMX path where it applies (head size 64/128, blocks of a multiple of 16)
 @pytest.mark.parametrize("amx_rows", [0, 1])
 @pytest.mark.parametrize("dtype,window,h,hkv,d,bs", [
     (torch.float32, 0, 6, 2, 64, 16), (torch.float32, 21, 6, 2, 64, 16), (torch.bfloat16, 0, 6, 2, 64, 16),
     (torch.bfloat16, 37, 8, 1, 128, 32), (torch.float32, 0, 4, 4, 128, 8), (torch.bfloat16, 0, 9, 1, 48, 16),
-    (torch.float32, 5, 18, 2, 48, 8)])
+    (torch.float32, 5, 18, 2, 48, 8), (torch.bfloat16, 0, 4, 1, 256, 16), (torch.float32, 9, 8, 2, 256, 8)])
 def test_paged_decode_matches_a_plain_softmax(native, dtype, window, h, hkv, d, bs, amx_rows):
     torch.manual_seed(0)
     nb = 40
@@ -49,7 +49,7 @@ def test_paged_decode_matches_a_plain_softmax(native, dtype, window, h, hkv, d, 
 
 
 @pytest.mark.parametrize("dtype,d,amx_rows", [(torch.bfloat16, 64, 0), (torch.bfloat16, 64, 1), (torch.bfloat16, 128, 1),
-                                              (torch.float32, 128, 0)])
+                                              (torch.float32, 128, 0), (torch.bfloat16, 256, 0)])
 def test_paged_decode_carries_the_softmax_across_segments(native, dtype, d, amx_rows):
     """Sequences longer than the kernel's 512-position segment: the running max and sum pass
     from segment to segment (the peak in a late segment, in an early one, and in a window

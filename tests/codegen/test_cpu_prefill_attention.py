@@ -51,7 +51,7 @@ def case(h, hkv, d, bs, seed=0):
 
 
 @pytest.mark.parametrize("h,hkv,d,bs,window", [(9, 3, 64, 16, 0), (6, 2, 128, 8, 0), (4, 4, 64, 32, 37),
-                                               (8, 1, 128, 16, 100)])
+                                               (8, 1, 128, 16, 100), (4, 1, 256, 16, 0), (8, 2, 256, 8, 45)])
 def test_paged_prefill_matches_a_plain_softmax(kernel, use_amx, h, hkv, d, bs, window):
     q, cache, tables, rows, qlens, lens = case(h, hkv, d, bs)
     out = torch.full_like(q, 7.0)
@@ -68,7 +68,7 @@ def test_paged_prefill_rejects_bad_operands_with_clear_errors(kernel):
     out = torch.empty_like(q)
     with pytest.raises(RuntimeError, match="bfloat16"):
         kernel.paged_prefill(q.float(), cache, tables, rows, qlens, lens, 4, 0, 0.125, out.float())
-    with pytest.raises(RuntimeError, match="head size 64 or 128"):
+    with pytest.raises(RuntimeError, match="head size 64, 128 or 256"):
         kernel.paged_prefill(q, cache[..., :32].contiguous(), tables, rows, qlens, lens, 4, 0, 0.125, out)
     with pytest.raises(RuntimeError, match="out of range"):
         kernel.paged_prefill(q, cache, tables, rows, qlens, torch.tensor([1, 70, 40, 200]), 4, 0, 0.125, out)

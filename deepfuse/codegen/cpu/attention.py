@@ -2,7 +2,7 @@
 
 Prefill chunks run one SDPA each (4-d operands: torch's flash path; a whole prompt in one
 chunk attends to its own k/v rows, plainly causal); in bf16 on a CPU with AMX or AVX512-BF16
-(head size 64 or 128, no sinks) they all run in one native call that reads the cache
+(head size 64, 128 or 256, no sinks) they all run in one native call that reads the cache
 (prefill_attention.cpp). The query
 rows of decoding sequences (one new token each) and of short chunks that continue a cached
 sequence (speculative verification: the last token and its drafts) all run in one call of a
@@ -207,9 +207,9 @@ def _attention(attrs: dict) -> Kernel:
         return sink_sdpa(q, k, v, mask, scale, sinks)
 
     def prefill_kernel(q: torch.Tensor):
-        """The native module where prefill_attention.cpp runs (bf16 on the CPU, head size 64/128,
+        """The native module where prefill_attention.cpp runs (bf16 on the CPU, head size 64/128/256,
         AMX or AVX512-BF16), else None."""
-        native = native_kernels() if q.is_cpu and q.dtype == torch.bfloat16 and hd in (64, 128) else None
+        native = native_kernels() if q.is_cpu and q.dtype == torch.bfloat16 and hd in (64, 128, 256) else None
         return native if native is not None and native.paged_prefill_available() else None
 
     def decode(q, cache, tables, g: DecodeGroup, sinks) -> torch.Tensor:

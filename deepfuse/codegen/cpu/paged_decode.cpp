@@ -15,7 +15,7 @@
 //
 // Work item: (row, kv head); its H/Hkv query heads share every key and value read.
 // Scores of one block at a time, then an online softmax (running max and sum) in float.
-// With AVX-512 and a head size of 64 or 128, `decode_avx512` works on segments of up to 512
+// With AVX-512 and a head size of 64, 128 or 256, `decode_avx512` works on segments of up to 512
 // positions: every score of the segment (vector dot products over tiles of 16 keys; bf16 keys
 // by vdpbf16ps, exact products in f32), one max, one vectorised exp and sum per head, then the
 // values with the accumulators in registers. The running max and sum carry across segments.
@@ -213,7 +213,7 @@ constexpr int64_t kAhead = 2;      // blocks prefetched ahead within an item
 constexpr int64_t kItemsAhead = 1;  // the work item whose blocks go to L2 while this one computes
 constexpr int64_t kMaxHeads = 16;   // query heads one work item may cover
 
-// G query heads per kv head, DV: the head size in 16-float vectors (4 or 8); a work item is one
+// G query heads per kv head, DV: the head size in 16-float vectors (4, 8 or 16); a work item is one
 // row and `kh` consecutive kv heads (kh divides hkv, G * kh <= kMaxHeads). Same contract as
 // `decode`. Per segment: scores (per tile of 16 keys, each kv head in turn and each of its G
 // heads with its query in registers, so the tile is read from memory once and again from L1),
@@ -231,6 +231,7 @@ static void decode_avx512(const T* q, const C* cache, const int64_t* tables, con
                           const int64_t* rows, int64_t hkv, int64_t bs, int64_t nb, int64_t tb, int64_t window, float scale,
                           int64_t kh) {
     constexpr int64_t D = DV * 16, R = row_elems<C>(D);
+    constexpr int kValueVecs = DV > 8 ? 8 : DV;  // value vectors per pass over a block's rows
     const int64_t h = G * hkv, groups = hkv / kh;
     const int64_t half = nb * bs * hkv * R;
     const int64_t stride = hkv * R;  // between a head's consecutive positions
@@ -387,21 +388,23 @@ static void decode_avx512(const T* q, const C* cache, const int64_t* tables, con
                     prefetch_rows<_MM_HINT_T1>(vbase + table[ahead_b] * bs * stride, std::min(s1 - ahead_b * bs, bs), pitch, run);
                 for (int64_t kk = 0; kk < kh; ++kk) {
                     const C* vb = vbase + (table[b] * bs - b * bs) * stride + kk * R;
-                    __m512 a[G][DV];
-                    for (int j = 0; j < G; ++j)
-                        for (int v = 0; v < DV; ++v) a[j][v] = _mm512_load_ps(acc[kk * G + j] + 16 * v);
-                    for (int64_t p = p0; p < p1; ++p) {
-                        __m512 val[DV];
-                        for (int v = 0; v < DV; ++v) val[v] = load16(vb + p * stride + 16 * v);
-                        const float vs = row_scale(vb + p * stride, D);
-                        for (int j = 0; j < G; ++j) {
-                            const float wj = score[kk * G + j][p - s0];
-                            const __m512 w = _mm512_set1_ps(kInt8Rows<C> ? wj * vs : wj);
-                            for (int v = 0; v < DV; ++v) a[j][v] = _mm512_fmadd_ps(w, val[v], a[j][v]);
+                    for (int v0 = 0; v0 < DV; v0 += kValueVecs) {  // a head size of 256: two passes, G * 8 accumulators each
+                        __m512 a[G][kValueVecs];
+                        for (int j = 0; j < G; ++j)
+                            for (int v = 0; v < kValueVecs; ++v) a[j][v] = _mm512_load_ps(acc[kk * G + j] + 16 * (v0 + v));
+                        for (int64_t p = p0; p < p1; ++p) {
+                            __m512 val[kValueVecs];
+                            for (int v = 0; v < kValueVecs; ++v) val[v] = load16(vb + p * stride + 16 * (v0 + v));
+                            const float vs = row_scale(vb + p * stride, D);
+                            for (int j = 0; j < G; ++j) {
+                                const float wj = score[kk * G + j][p - s0];
+                                const __m512 w = _mm512_set1_ps(kInt8Rows<C> ? wj * vs : wj);
+                                for (int v = 0; v < kValueVecs; ++v) a[j][v] = _mm512_fmadd_ps(w, val[v], a[j][v]);
+                            }
                         }
+                        for (int j = 0; j < G; ++j)
+                            for (int v = 0; v < kValueVecs; ++v) _mm512_store_ps(acc[kk * G + j] + 16 * (v0 + v), a[j][v]);
                     }
-                    for (int j = 0; j < G; ++j)
-                        for (int v = 0; v < DV; ++v) _mm512_store_ps(acc[kk * G + j] + 16 * v, a[j][v]);
                 }
                 p0 = p1;
             }
@@ -439,7 +442,7 @@ static bool decode_heads(const T* q, const C* cache, const int64_t* tables, cons
 }
 #endif
 
-// Runs the vector kernel where it applies (AVX-512, head size 64 or 128, 1 to 8 query heads per
+// Runs the vector kernel where it applies (AVX-512, head size 64, 128 or 256, 1 to 8 query heads per
 // kv head); false otherwise.
 template <typename T, typename C>
 static bool decode_fast(const T* q, const C* cache, const int64_t* tables, const int64_t* lens, T* out, int64_t n,
@@ -448,6 +451,7 @@ static bool decode_fast(const T* q, const C* cache, const int64_t* tables, const
 #if defined(__AVX512F__)
     if (d == 64) return decode_heads<T, C, 4>(q, cache, tables, lens, out, n, rows, h / hkv, hkv, bs, nb, tb, window, scale);
     if (d == 128) return decode_heads<T, C, 8>(q, cache, tables, lens, out, n, rows, h / hkv, hkv, bs, nb, tb, window, scale);
+    if (d == 256) return decode_heads<T, C, 16>(q, cache, tables, lens, out, n, rows, h / hkv, hkv, bs, nb, tb, window, scale);
 #endif
     return false;
 }

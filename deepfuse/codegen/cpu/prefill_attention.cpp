@@ -44,6 +44,7 @@ namespace {
 
 #if DEEPFUSE_BF16_DOT
 constexpr int64_t kChunk = 64;  // keys per softmax step: four 16-key tiles of S
+constexpr int64_t kMaxD = 256;  // the largest head size (64, 128 or 256)
 
 // The packed keys and values of one (chunk, kv head): padded to a multiple of kChunk keys (zeros).
 struct Packed {
@@ -75,7 +76,7 @@ inline void stage_row(const C* half, const int64_t* table, int64_t p, int64_t bs
 template <typename C>
 void pack_kv(const C* k, const C* v, const int64_t* table, int64_t len, int64_t padded, int64_t bs,
              int64_t hkv, int64_t kv, int64_t d, uint16_t* kt, uint16_t* vv, float* ks, float* vs) {
-    alignas(64) uint16_t stage[32 * 128];
+    alignas(64) uint16_t stage[32 * kMaxD];
     // rows k0 .. k0+count-1 of one half into stage (zeros, and scale 0, past len)
     auto stage_rows = [&](const C* half, float* scales, int64_t k0, int64_t count) {
         float unused;
@@ -235,11 +236,11 @@ void values_vec(int64_t nq, const uint16_t* p, const uint16_t* vv, int64_t d, in
 template <bool Tiles>
 void attend_block(const at::BFloat16* q, at::BFloat16* out, int64_t ld, int64_t head, int64_t q0, int64_t nq,
                   int64_t pos0, const Packed& kv, int64_t d, int64_t window, float scale) {
-    alignas(64) uint16_t qbuf[16 * 128];
+    alignas(64) uint16_t qbuf[16 * kMaxD];
     alignas(64) uint16_t p[16 * kChunk];
     alignas(64) float s[16 * kChunk];
     alignas(64) float pv[16 * 64];
-    alignas(64) float o[16 * 128];
+    alignas(64) float o[16 * kMaxD];
     float m[16], l[16], alpha[16];
     for (int64_t i = 0; i < 16; ++i) {
         if (i < nq)
@@ -332,7 +333,7 @@ void paged_prefill(const torch::Tensor& q, const torch::Tensor& cache, const tor
                     tables.stride(1) == 1, "paged_prefill: operands must be contiguous (tables: along a row)");
     TORCH_CHECK(cache.dim() == 5 && cache.size(0) == 2, "paged_prefill: cache must be [2, NB, BS, Hkv, D]");
     const int64_t nb = cache.size(1), bs = cache.size(2), hkv = cache.size(3), d = int8 ? cache.size(4) - 4 : cache.size(4);
-    TORCH_CHECK(d == 64 || d == 128, "paged_prefill: head size 64 or 128");
+    TORCH_CHECK(d == 64 || d == 128 || d == 256, "paged_prefill: head size 64, 128 or 256");
     TORCH_CHECK(q.dim() == 2 && q.size(1) == num_heads * d && num_heads % hkv == 0 && out.sizes() == q.sizes(),
                 "paged_prefill: q and out must be [T, H*D]");
     TORCH_CHECK(tables.scalar_type() == torch::kInt64, "paged_prefill: tables must be int64");

@@ -16,8 +16,10 @@ int8 activations), llama.cpp on the Q4_K_M file itself (needs
 `pip install -e .[bench]`, else skipped). Each measurement --runs times, engines interleaved round
 by round, medians reported.
 
-    python benchmarks/gemma_speed.py [--runs 3] [--requests 64] [--skip-throughput] [--engines ...] [--llama-kv split]
-Writes benchmarks/results/gemma_speed.json.
+    python benchmarks/gemma_speed.py [--runs 3] [--requests 64] [--skip-throughput] [--engines ...]
+        [--llama-kv split|unified] [--result NAME.json]
+Writes benchmarks/results/gemma_speed.json (or --result). llama.cpp's 64 sequences get one KV
+stream each by default (split); with one unified cache its attention spans every sequence's cells.
 """
 from __future__ import annotations
 
@@ -159,7 +161,7 @@ def main() -> None:
     ap.add_argument("--skip-throughput", action="store_true")
     ap.add_argument("--engines", default=",".join(DEEPFUSE) + ",llama.cpp", help="comma-separated, of: "
                     + ", ".join(DEEPFUSE) + ", llama.cpp")
-    ap.add_argument("--llama-kv", default="unified", choices=["unified", "split"],
+    ap.add_argument("--llama-kv", default="split", choices=["unified", "split"],
                     help="llama.cpp's KV cache for the 64 parallel sequences: one unified cache, or one stream each")
     ap.add_argument("--result", default="gemma_speed.json")
     args = ap.parse_args()

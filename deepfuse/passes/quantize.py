@@ -85,17 +85,24 @@ def quantize_int4(group_size: int = 32, head: bool = False) -> Callable[[Graph],
     return quantize
 
 
+def _encode_w8(name: str, w: torch.Tensor) -> dict[str, torch.Tensor]:
+    wq, scale = quantize_w8(w)
+    return {f"{name}.w8": wq, f"{name}.w8_scale": scale}
+
+
 def quantize_w8a8(act_group: int = 64) -> Callable[[Graph], Graph]:
-    """Every linear as above, and the LM head: logits(x, W, rows) -> logits_w8a8(x, wq, scale, rows)
-    (f32 logits; a tied head keeps W for the embedding, which reads rows of it)."""
-    def encode(name: str, w: torch.Tensor) -> dict[str, torch.Tensor]:
-        wq, scale = quantize_w8(w)
-        return {f"{name}.w8": wq, f"{name}.w8_scale": scale}
+    """Every linear as above, and the LM head (quantize_head_w8a8)."""
+    linears = _quantize_linears("linear_w8a8", act_group, {"act_group": act_group}, _encode_w8)
+    head = quantize_head_w8a8(act_group)
+    return lambda g: head(linears(g))
 
-    linears = _quantize_linears("linear_w8a8", act_group, {"act_group": act_group}, encode)
 
+def quantize_head_w8a8(act_group: int = 64) -> Callable[[Graph], Graph]:
+    """The LM head alone: logits(x, W, rows) -> logits_w8a8(x, wq, scale, rows) (f32 logits; a
+    tied head keeps W for the embedding, which reads rows of it). After quantize_int4 this is
+    quant="int4-head8": int4 projections, an int8 head with int8 activations (llama.cpp's Q4 files
+    carry a Q8_0 head, dotted against Q8 activations, the same bytes)."""
     def quantize(g: Graph) -> Graph:
-        g = linears(g)
         params = set(g.params)
         for i, n in enumerate(g.nodes):
             if n.op != "logits":
@@ -103,7 +110,7 @@ def quantize_w8a8(act_group: int = 64) -> Callable[[Graph], Graph]:
             x, w, rows = n.inputs
             if w not in params or w.name not in g.weights or w.type.shape[1] % act_group:
                 continue
-            ins = [g.add_param(name, t) for name, t in encode(w.name, g.weights[w.name]).items()]
+            ins = [g.add_param(name, t) for name, t in _encode_w8(w.name, g.weights[w.name]).items()]
             g.nodes[i] = Node("logits_w8a8", [x, *ins, rows], n.outputs, {"act_group": act_group})
         g.drop_unused_params()
         return g

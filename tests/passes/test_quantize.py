@@ -154,3 +154,23 @@ def test_int4_head_of_a_tied_gemma_on_the_cpu():
     got, logits = greedy_with(art, cfg, prompt, 8, dtype=torch.bfloat16)
     torch.testing.assert_close(logits, want_logits, atol=0.1, rtol=0.05)
     assert got[:4] == want[:4]
+
+
+def test_int4_head8_keeps_int4_projections_and_an_int8_head(tiny_model):
+    """int4-head8: the projections int4 as in "int4", the head logits_w8a8 on int8 weights; the CPU
+    build's logits match the interpreter on its own graph and stay near the dense head's."""
+    model = on_grid_all(tiny_model)
+    art = deepfuse.compile(model, quant="int4-head8")
+    plain = deepfuse.compile(model, quant="int4")
+    counts = art.graph.op_counts()
+    assert counts.get("logits", 0) == 0 and counts["logits_w8a8"] == 1 and "lm_head.weight.w8" in art.graph.weights
+    assert {k: v for k, v in counts.items() if k != "logits_w8a8"} == \
+        {k: v for k, v in plain.graph.op_counts().items() if k != "logits"}
+    prompt = [1, 5, 9, 2, 7]
+    want, want_logits = greedy_with(lambda inputs: interpret(art.graph, inputs), model.config, prompt, 6)
+    got, logits = greedy_with(art, model.config, prompt, 6)
+    assert got == want
+    torch.testing.assert_close(logits, want_logits, atol=1e-4, rtol=1e-4)
+    dense = greedy_with(plain, model.config, prompt, 1)[1]
+    scale = dense.abs().max().item()
+    assert 0 < (logits[0] - dense[0]).abs().max().item() < 0.05 * scale  # int8 rounding, not another head

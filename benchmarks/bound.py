@@ -13,8 +13,9 @@ the first goes through the model once; each prompt token once (no prefix is shar
     python benchmarks/bound.py
 
 With --decode, the bandwidth bound of batch-1 decode instead (benchmarks/decode.py's run): the
-bytes one token reads (decode_bytes: the bf16 + int4 build's projections and LM head, its KV
-rows) against this machine's read bandwidth (read_bw.cpp), set against decode.json's engines.
+bytes one token reads (decode_bytes: an int4 build's projections, its LM head in the engine's
+format, its KV rows) against this machine's read bandwidth (read_bw.cpp), set against each
+int4 engine of decode.json (llama.cpp's Q4_1 file with its Q8_0 head included).
 Generous too: every byte at the best measured bandwidth, no arithmetic or dispatch costing time.
 
     python benchmarks/decode.py --engines "deepfuse bf16+int4,llama.cpp Q4_1"   # first
@@ -59,15 +60,28 @@ def instruction_peaks(threads: int, iterations: int = 100_000_000) -> dict[str, 
     return {kind: float(rate) for kind, rate in (line.split() for line in out.splitlines())}
 
 
-def decode_bytes(config, context: float) -> dict[str, float]:
-    """Bytes one batch-1 decode token of the bf16 + int4 build reads: 'projections' (int4 groups
-    of 32, each 16 bytes of nibbles and a 4-byte scale and offset: Q4_1's 20 bytes), 'lm_head'
-    (bf16), 'kv' (bf16 keys and values of `context` positions, every layer)."""
+HEAD_BYTES = {"bf16": 2.0, "int8": 1.0, "q8_0": 34 / 32}  # per LM-head weight (int8: and an f32 scale per row)
+
+
+def decode_bytes(config, context: float, head: str = "bf16") -> dict[str, float]:
+    """Bytes one batch-1 decode token of an int4 build reads: 'projections' (int4 groups of 32,
+    each 16 bytes of nibbles and a 4-byte scale and offset: Q4_1's 20 bytes), 'lm_head' (bf16;
+    int8 with an f32 scale per row, as int4-head8's; or Q8_0, 34 bytes per 32, as llama.cpp's
+    file), 'kv' (bf16 keys and values of `context` positions, every layer)."""
     d, f, layers = config.hidden_size, config.intermediate_size, config.num_layers
     q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
     weights = layers * (d * q + 2 * d * kv + q * d + 3 * d * f)
-    return {"projections": weights * 20 / 32, "lm_head": config.vocab_size * d * 2,
-            "kv": layers * 2 * kv * 2 * context}
+    head_bytes = config.vocab_size * (d * HEAD_BYTES[head] + (4 if head == "int8" else 0))
+    return {"projections": weights * 20 / 32, "lm_head": head_bytes, "kv": layers * 2 * kv * 2 * context}
+
+
+def head_of(engine: str) -> str | None:
+    """The LM head format of a decode.py engine whose projections are int4 (None: not an int4 build)."""
+    if engine.startswith("llama.cpp"):
+        return "q8_0"
+    if "int4-head8" in engine:
+        return "int8"
+    return "bf16" if "int4" in engine else None
 
 
 def read_bandwidth(threads: int, mib: int = 1024) -> float:
@@ -90,20 +104,27 @@ def decode_bound(path: str) -> None:
     from deepfuse.models.gguf_loader import load_gguf
 
     config, _ = load_gguf(resolve_model_path("smollm2"))
-    per_token = decode_bytes(config, meta["prompt_tokens"] + meta["new_tokens"] / 2)
-    total = sum(per_token.values())
+    context = meta["prompt_tokens"] + meta["new_tokens"] / 2
     bw = read_bandwidth(meta["threads"])
-    most = bw * 1e9 / total
-    print("bytes a decode token reads (bf16 + int4): " + ", ".join(f"{k} {v / 1e6:.1f} MB" for k, v in per_token.items())
-          + f", total {total / 1e6:.1f} MB")
-    print(f"read bandwidth, {meta['threads']} threads: {bw:.1f} GB/s -> at most {most:.0f} tok/s")
-    print(f"\n{'engine':22s} {'decode tok/s':>12s} {'of the bound':>12s}")
+    print(f"read bandwidth, {meta['threads']} threads: {bw:.1f} GB/s")
+    bounds = {}
+    for head in ("bf16", "int8", "q8_0"):
+        per_token = decode_bytes(config, context, head)
+        total = sum(per_token.values())
+        bounds[head] = {"bytes_per_token": per_token, "most_tok_per_s": bw * 1e9 / total}
+        print(f"int4 projections, {head} head: " + ", ".join(f"{k} {v / 1e6:.1f} MB" for k, v in per_token.items())
+              + f", total {total / 1e6:.1f} MB -> at most {bounds[head]['most_tok_per_s']:.0f} tok/s")
+    print(f"\n{'engine':22s} {'head':>5s} {'decode tok/s':>12s} {'of its bound':>12s}")
     engines = {}
     for name, r in results.items():
-        engines[name] = {"decode_tps": r["decode_tps"], "share_of_bound": r["decode_tps"] / most}
-        print(f"{name:22s} {r['decode_tps']:12.1f} {r['decode_tps'] / most:11.0%}")
-    write_result("decode_bound.json", {"decode_run": run.get("provenance"), "bytes_per_token": per_token,
-                                       "read_gb_per_s": bw, "most_tok_per_s": most, "engines": engines})
+        head = head_of(name)
+        if head is None:
+            continue
+        most = bounds[head]["most_tok_per_s"]
+        engines[name] = {"head": head, "decode_tps": r["decode_tps"], "share_of_bound": r["decode_tps"] / most}
+        print(f"{name:22s} {head:>5s} {r['decode_tps']:12.1f} {r['decode_tps'] / most:11.0%}")
+    write_result("decode_bound.json", {"decode_run": run.get("provenance"), "read_gb_per_s": bw, "bounds": bounds,
+                                       "engines": engines})
 
 
 def arithmetic_of(engine: str) -> str | None:

@@ -157,10 +157,11 @@ class Engine:
         if isinstance(params, SamplingParams) and params.n != 1:
             raise DeepfuseError(f"n = {params.n} completions are generate()'s; here add one request per "
                                 "completion, each with its own seed")
-        return self._add(prompt, params, request_id)
+        return self._add(prompt, params, request_id).request_id
 
     def _add(self, prompt: list[int], params: SamplingParams, request_id: str | None = None,
-             seed: int | None = None) -> str:
+             seed: int | None = None, queue: bool = True) -> Request:
+        """The checked request, registered (and queued to the scheduler unless queue=False)."""
         prompt = list(prompt) if isinstance(prompt, (list, tuple)) else prompt  # the caller's list is not shared
         self.check(prompt, params)
         if params.max_tokens is None:  # as many as the context holds
@@ -176,8 +177,9 @@ class Engine:
         if params.structured_outputs is not None:
             req.matcher = self.grammars().matcher(params.structured_outputs)
         self.requests[request_id] = req
-        self.scheduler.add(req)
-        return request_id
+        if queue:
+            self.scheduler.add(req)
+        return req
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Stops a queued or running request; returns its output (finish_reason "abort")."""
@@ -206,12 +208,16 @@ class Engine:
         if tuple(kv_rows.shape[:3]) != (self.model.config.num_layers, 2, len(prompt)):
             raise DeepfuseError(f"kv_rows has shape {tuple(kv_rows.shape)}, not [{self.model.config.num_layers}, 2, "
                                 f"{len(prompt)}, ...] for this model and prompt")
-        rid = self._add(prompt, params, request_id, seed)
-        req = self.requests[rid]
-        self.scheduler.waiting.remove(req)
-        seq = self.kv.new_seq(req.tokens)
-        self.kv.allocate(seq, req.tokens, len(prompt))
-        self.cache.write_rows(seq.table, kv_rows)
+        req = self._add(prompt, params, request_id, seed, queue=False)
+        rid, seq = req.request_id, self.kv.new_seq(req.tokens)
+        try:
+            self.kv.allocate(seq, req.tokens, len(prompt))
+            self.cache.write_rows(seq.table, kv_rows)
+        except BaseException:  # bad rows (or Ctrl-C): no request, no blocks
+            self.kv.free(seq)
+            self.kv.discard_pending()
+            del self.requests[rid]
+            raise
         self.kv.commit()  # its full blocks are written: later prompts may find them
         req.kv, req.computed, req.prompt_logprobs = seq, len(prompt), list(prompt_logprobs or [])
         self._append(req, first_token, time.perf_counter(), logprobs)
@@ -466,7 +472,7 @@ class Engine:
             try:
                 for j in range(p.n if isinstance(p, SamplingParams) else 1):
                     seed = None if j == 0 else completion_seed(p.seed, j) if p.seed is not None else random.getrandbits(62)
-                    rid = self._add(prompt, p, seed=seed)
+                    rid = self._add(prompt, p, seed=seed).request_id
                     index[rid], added[rid] = (i, j), self.requests[rid]
             except DeepfuseError as e:  # raised for the first completion, before any was added
                 n = p.n if isinstance(p, SamplingParams) and isinstance(p.n, int) and p.n >= 1 else 1

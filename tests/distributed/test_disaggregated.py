@@ -81,7 +81,10 @@ def test_add_prefilled_refuses_bad_rows_and_no_room_and_changes_nothing(tiny_dir
         eng.add_prefilled(list(range(40)), SamplingParams(max_tokens=2), 4, torch.zeros(L, 2, 40, *row))
     with pytest.raises(DeepfuseError, match="outside the vocabulary"):
         eng.add_prefilled([1, 10 ** 6], SamplingParams(max_tokens=2), 4, torch.zeros(L, 2, 2, *row))
+    with pytest.raises(RuntimeError):  # rows of another width fail once the blocks are allocated
+        eng.add_prefilled([1, 2, 3, 4, 5], SamplingParams(max_tokens=2), 4, torch.zeros(L, 2, 5, row[0], row[1] + 1))
     assert not eng.requests and not eng.has_unfinished() and eng.kv.num_used() == 0
+    assert not eng.kv.pool.pending
     eng.add_prefilled([1, 2, 3], SamplingParams(max_tokens=1), 4, torch.zeros(L, 2, 3, *row), "done-at-once")
     out = eng.step()  # its first token ended it: it comes back from the next step, its blocks freed
     assert [o.request_id for o in out] == ["done-at-once"] and out[0].outputs[0].token_ids == [4]

@@ -23,6 +23,8 @@
 // every row block through one chunk before the next (a prefill's rows would otherwise stream
 // the whole weight from memory once per 32 rows).
 #include <torch/extension.h>
+
+#include "kernels.h"
 #include <ATen/Parallel.h>
 
 #include <algorithm>

@@ -28,6 +28,8 @@
 // it sweeps the chunk's panels from L2 (single-thread, SmolLM2's four shapes at 1,024 rows:
 // ~335 -> ~370 GOPS against 4 x 3 tiles panel by panel; the same at 64 rows).
 #include <torch/extension.h>
+
+#include "kernels.h"
 #include <ATen/Parallel.h>
 
 #include <algorithm>

@@ -6,6 +6,8 @@
 //
 // Rounding: see row_ops.h (the IR's reference, ir/opdefs_llm.py).
 #include <torch/extension.h>
+
+#include "kernels.h"
 #include <ATen/Parallel.h>
 
 #include <cmath>

@@ -29,6 +29,8 @@
 // the run's query vectors: amx_rows 2 (the default) keeps lone rows on the vector path (faster
 // for them), 1 sends every row to AMX (batch invariance), 0 none.
 #include <torch/extension.h>
+
+#include "kernels.h"
 #include <ATen/Parallel.h>
 
 #include <algorithm>

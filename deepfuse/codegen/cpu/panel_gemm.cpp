@@ -10,6 +10,8 @@
 // over panel triples between torch's intra-op threads. Machines without AVX-512 get the same
 // loop in plain C++ for the compiler to vectorize.
 #include <torch/extension.h>
+
+#include "kernels.h"
 #include <ATen/Parallel.h>
 
 #include <algorithm>

@@ -24,6 +24,8 @@
 // 16 keys x a dim pair for S, 16 dims x a key pair for P V), a few query rows at a time sharing
 // each loaded vector; the softmax and the rounding of P are the same code.
 #include <torch/extension.h>
+
+#include "kernels.h"
 #include <ATen/Parallel.h>
 
 #include <algorithm>

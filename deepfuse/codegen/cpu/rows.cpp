@@ -12,6 +12,8 @@
 //
 // Every value is computed in float and rounded once to the row dtype.
 #include <torch/extension.h>
+
+#include "kernels.h"
 #include <ATen/Parallel.h>
 
 #include <algorithm>

@@ -88,10 +88,7 @@ def sync_check(engines: dict, on_gpu: bool) -> dict:
         try:
             torch.cuda.synchronize()
             with sync_errors(True):
-                if eng.graphed is not None and eng.graphed.fits(chunks):
-                    eng.graphed(chunks)
-                else:
-                    eng.model(eng.buffers.fill(chunks, eng.cache))
+                eng.forward(chunks)  # graphed: a replay; eager: the staged inputs and every launch
             torch.cuda.synchronize()
             out[name] = "ok"
         except RuntimeError as e:

@@ -334,11 +334,7 @@ class Engine:
                                       top_k=p.top_k, top_p=p.top_p, seed=req.seed,
                                       samples=n if verify or every_row else 1, verify=verify))
         t0 = time.perf_counter()
-        if self.graphed is not None and self.graphed.fits(chunks):  # plain decode: a bucket's graph
-            inputs, (logits, next_tokens, hidden) = self.graphed(chunks)
-        else:
-            inputs = self.buffers.fill(chunks, self.cache)
-            logits, next_tokens, hidden = self.model(inputs)
+        inputs, (logits, next_tokens, hidden) = self.forward(chunks)
         now = time.perf_counter()
         if self.latency is not None:
             self.latency.observe(len(chunks), sum(len(c.tokens) for c in chunks), (now - t0) * 1000)
@@ -347,6 +343,15 @@ class Engine:
         lps = logprob_rows(scheduled, chunks, logits)
         self.stats.steps += 1
         return StepRun(scheduled, chunks, logits, sampled, drawn, lps, hidden, now)
+
+    def forward(self, chunks: list[SeqChunk]) -> tuple[dict[str, torch.Tensor], list[torch.Tensor]]:
+        """Runs one step's chunks -> (its host inputs, [logits [R, V], next_tokens [R], hidden]),
+        not waiting for the device: a plain decode step in its bucket (graphed_decode.py) where
+        graphs are on, any other step eagerly."""
+        if self.graphed is not None and self.graphed.fits(chunks):
+            return self.graphed(chunks)
+        inputs = self.buffers.fill(chunks, self.cache)
+        return inputs, self.model(inputs)
 
     def _stop_ids(self, p: SamplingParams) -> set[int]:
         return set(p.stop_token_ids) | (set() if p.ignore_eos else self.eos)

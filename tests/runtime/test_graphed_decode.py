@@ -14,6 +14,7 @@ from deepfuse.runtime.batch import SeqChunk, build_step
 from deepfuse.runtime.engine import Engine
 from deepfuse.runtime.graphed_decode import GraphedDecode, decode_buckets, plain_decode
 from deepfuse.runtime.kv_cache import CacheConfig, KVCache
+from deepfuse.runtime.spec import SpecConfig
 from tests.sync_trap import HostWait, no_host_waits
 
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs Triton's interpreter")
@@ -38,11 +39,16 @@ def test_buckets_and_which_steps_qualify():
     assert not plain_decode([])
 
 
+def spy_buckets(eng: Engine, used: list) -> None:
+    """Records the bucket of every step that takes the graphed path."""
+    real = eng.graphed.bucket
+    eng.graphed.bucket = lambda k: used.append(real(k)) or used[-1]
+
+
 def engine_tokens(model, n: int, cuda_graphs: bool, buckets: list | None = None) -> list[list[int]]:
     eng = Engine(model, CacheConfig(block_size=16, num_blocks=32), max_num_seqs=8, cuda_graphs=cuda_graphs)
     if buckets is not None:
-        real = eng.graphed.bucket
-        eng.graphed.bucket = lambda k: buckets.append(real(k)) or buckets[-1]
+        spy_buckets(eng, buckets)
     params = [SamplingParams(max_tokens=4, ignore_eos=True, **p) for p in PARAMS[:n]]
     return [o.outputs[0].token_ids for o in eng.generate(PROMPTS[:n], params)]
 
@@ -55,6 +61,23 @@ def test_padded_buckets_give_the_eager_and_cpu_tokens(sm90, tiny_model, n, bucke
     assert used == [bucket] * 3  # 4 tokens: the prefill step samples the first, 3 decode steps
     assert got == engine_tokens(sm90, n, False)
     assert got == engine_tokens(deepfuse.compile(tiny_model), n, False)
+
+
+def test_steps_that_verify_drafts_run_eagerly_beside_graphed_ones(sm90):
+    """n-gram drafting: steps that verify drafts take the eager path, the others their bucket;
+    the tokens are the all-eager engine's."""
+    prompts = [[5, 6, 7, 5, 6, 7, 5, 6], [9, 9, 9, 9, 9], [3, 1, 4, 1, 5, 9, 2, 6]]
+    params = [SamplingParams(max_tokens=6, ignore_eos=True, **p) for p in PARAMS[:3]]
+    out, used = {}, []
+    for graphs in (False, True):
+        eng = Engine(sm90, CacheConfig(16, 32), max_num_seqs=8, cuda_graphs=graphs,
+                     spec=SpecConfig(num_draft_tokens=2, schedule="fixed"))
+        if graphs:
+            spy_buckets(eng, used)
+        out[graphs] = [o.outputs[0].token_ids for o in eng.generate(prompts, params)]
+        drafted = eng.spec_stats
+    assert out[True] == out[False]
+    assert used and eng.stats.steps > len(used) + 1 and drafted.drafted > 0, (used, eng.stats.steps)
 
 
 def seeded_cache(c, scratch: bool) -> KVCache:

@@ -6,6 +6,9 @@ launcher; on a GPU of another architecture, or without binaries (a plan compiled
 "interpret"), they are JIT-built from their sources. Without a GPU they run in Triton's CPU
 interpreter when the process started with TRITON_INTERPRET=1 (how the tests check them), and
 calling the runner otherwise is refused with that advice.
+
+A step's inputs on the host reach the device in one non-blocking copy (staging.py); a launch
+without a kernel runs its op's torch stand-in (device_refs.py). Nothing here reads a value back.
 """
 from __future__ import annotations
 

@@ -15,6 +15,7 @@ from deepfuse.runtime.engine import Engine
 from deepfuse.runtime.graphed_decode import GraphedDecode, decode_buckets, plain_decode
 from deepfuse.runtime.kv_cache import CacheConfig, KVCache
 from deepfuse.runtime.spec import SpecConfig
+from tests.models.test_gemma3_tiny import pair  # noqa: F401  (a fixture: a tiny Gemma 3)
 from tests.sync_trap import HostWait, no_host_waits
 
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs Triton's interpreter")
@@ -61,6 +62,22 @@ def test_padded_buckets_give_the_eager_and_cpu_tokens(sm90, tiny_model, n, bucke
     assert used == [bucket] * 3  # 4 tokens: the prefill step samples the first, 3 decode steps
     assert got == engine_tokens(sm90, n, False)
     assert got == engine_tokens(deepfuse.compile(tiny_model), n, False)
+
+
+def test_a_hybrid_models_padded_buckets_give_the_eager_tokens(pair):  # noqa: F811  (the fixture)
+    """Gemma 3 (sliding-window and full-attention layers, two cache groups): its padding rows write
+    the scratch block of each group; prompts past the window release blocks (-1 in the tables)."""
+    sm90 = deepfuse.compile(pair[1], target="sm90")
+    prompts = [list(range(3, 23)), [7, 64, 1], list(range(40, 58))]
+    params = [SamplingParams(max_tokens=5, ignore_eos=True, **p) for p in PARAMS[:3]]
+    out, used = {}, []
+    for graphs in (False, True):
+        eng = Engine(sm90, CacheConfig(16, 32), max_num_seqs=8, cuda_graphs=graphs)
+        assert len(eng.cache.groups) == 2 and (eng.cache.scratch_blocks[1] is not None) == graphs
+        if graphs:
+            spy_buckets(eng, used)
+        out[graphs] = [o.outputs[0].token_ids for o in eng.generate(prompts, params)]
+    assert out[True] == out[False] and used == [4] * 4
 
 
 def test_steps_that_verify_drafts_run_eagerly_beside_graphed_ones(sm90):

@@ -51,16 +51,30 @@ def test_gpu_kernel_times_dry_run_lists_every_launch_kind(tmp_path):
         assert sum(r["launches_per_step"] for k, r in rows.items() if k.startswith("qkv_attention")) == 2  # 2 layers
 
 
+def test_gpu_graphs_dry_run_compares_the_padded_buckets_with_eager_steps(tmp_path):
+    """benchmarks/gpu_graphs.py --dry-run: decode steps of 1 and 3 sequences (bucket 4) through an
+    eager and a bucketed engine (no capture without a GPU), the same tokens in both."""
+    out = tmp_path / "gpu_graphs.json"
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "gpu_graphs.py"), "--dry-run", "--out",
+                        str(out)], capture_output=True, text=True, timeout=400, env={**os.environ, "TRITON_INTERPRET": "1"})
+    assert r.returncode == 0, r.stderr[-2000:]
+    result = json.loads(out.read_text())
+    assert result["ok"] and result["captured_buckets"] == [] and "skipped" in result["sync_check"]
+    assert {n: (b["bucket"], b["tokens_equal"], b["decode_steps"]) for n, b in result["batches"].items()} == \
+        {"1": (1, True, 3), "3": (4, True, 3)}
+
+
 def test_gpu_checks_dry_run_runs_every_check_and_logs_with_times(tmp_path):
-    """benchmarks/gpu_checks.sh OUTDIR --dry-run: the three GPU scripts' dry runs in one call, their
+    """benchmarks/gpu_checks.sh OUTDIR --dry-run: the four GPU scripts' dry runs in one call, their
     JSON and one time-stamped log in OUTDIR; bad arguments exit 2 before anything runs."""
     script = os.path.join(ROOT, "benchmarks", "gpu_checks.sh")
     r = subprocess.run([script, str(tmp_path), "--dry-run"], capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-2000:]
-    assert {p.name for p in tmp_path.iterdir()} == {"device_check.json", "gpu_kernel_times.json", "gpu_throughput.json",
-                                                     "checks.log"}
+    assert {p.name for p in tmp_path.iterdir()} == {"device_check.json", "gpu_graphs.json", "gpu_kernel_times.json",
+                                                     "gpu_throughput.json", "checks.log"}
     log = (tmp_path / "checks.log").read_text().splitlines()
-    assert [line.split(" ", 1)[1] for line in log if "== " in line] == ["== device check", "== kernel times", "== throughput",
+    assert [line.split(" ", 1)[1] for line in log if "== " in line] == ["== device check", "== cuda graphs",
+                                                                         "== kernel times", "== throughput",
                                                                          "== done, exit 0"]
     assert all(line[2] == ":" and line[5] == ":" for line in log)
     for args in ([], ["--fast"], [str(tmp_path), "--fast"]):

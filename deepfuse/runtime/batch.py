@@ -56,9 +56,11 @@ def sample_keys(seeds: np.ndarray, positions: np.ndarray) -> np.ndarray:
 
 class StepBuffers:
     """Preallocated step inputs for up to max_tokens tokens, max_seqs sequences and
-    max_blocks blocks per sequence; fill() writes one step and returns views."""
+    max_blocks blocks per sequence; fill() writes one step and returns views. arrays: buffers to
+    write some inputs into instead of new ones (graphed_decode.py's staging views), of these shapes
+    and dtypes."""
 
-    def __init__(self, max_tokens: int, max_seqs: int, max_blocks: int):
+    def __init__(self, max_tokens: int, max_seqs: int, max_blocks: int, arrays: dict[str, np.ndarray] | None = None):
         self.max_tokens, self.max_seqs, self.max_blocks = max_tokens, max_seqs, max_blocks
         i64 = lambda *shape: np.zeros(shape, dtype=np.int64)
         self.np = {"tokens": i64(max_tokens), "positions": i64(max_tokens), "slot_mapping": i64(max_tokens),
@@ -68,6 +70,10 @@ class StepBuffers:
                    "top_p": np.zeros(max_tokens, dtype=np.float32), "seeds": i64(max_tokens),
                    "draft_tokens": i64(max_tokens), "slot_mapping.sliding": i64(max_tokens),
                    "block_tables.sliding": i64(max_seqs, max_blocks), "seq_lens.sliding": i64(max_seqs)}
+        for k, a in (arrays or {}).items():
+            if a.shape != self.np[k].shape or a.dtype != self.np[k].dtype:
+                raise ValueError(f"{k}: {a.dtype}{list(a.shape)} given, {self.np[k].dtype}{list(self.np[k].shape)} needed")
+            self.np[k] = a
         self.torch = {k: torch.from_numpy(v) for k, v in self.np.items()}
 
     def fill(self, chunks: list[SeqChunk], cache: KVCache) -> dict[str, torch.Tensor]:

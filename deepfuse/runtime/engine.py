@@ -31,6 +31,7 @@ from ..ir import DTYPES
 from ..models.cache_groups import CacheGroup, cache_groups
 from .batch import SeqChunk, StepBuffers
 from .detokenize import IncrementalText, find_stop
+from .graphed_decode import GraphedDecode
 from .host_sampling import RowBuffer, drafts_allowed, draw_on_host, needs_host_sampling
 from .kv_cache import CacheConfig, KVCache, KVCacheManager
 from .kv_store import DiskKVStore, model_fingerprint
@@ -81,14 +82,19 @@ class StepRun(NamedTuple):
 
 class Engine:
     def __init__(self, model: CompiledModel, cache: CacheConfig | None = None, max_num_tokens: int = 512,
-                 max_num_seqs: int = 64, spec: SpecConfig | None = None, draft_model: CompiledModel | None = None):
+                 max_num_seqs: int = 64, spec: SpecConfig | None = None, draft_model: CompiledModel | None = None,
+                 cuda_graphs: bool | None = None):
+        """cuda_graphs: run plain decode steps in padded batch buckets over static inputs
+        (graphed_decode.py), captured as CUDA graphs where the model runs on a CUDA GPU. None:
+        on exactly there; True elsewhere runs the same buckets without capture (the CPU tests)."""
         self.model = model
         c = model.config
         kv = model.kv_cache_type
         cache = cache or CacheConfig()
         groups = cache_groups(c)
+        graphed = model.device.type == "cuda" if cuda_graphs is None else cuda_graphs
         self.cache = KVCache(c.num_layers, c.num_kv_heads, kv.shape[4], DTYPES[kv.dtype], cache, model.device, groups,
-                             sliding_blocks(cache, groups, max_num_tokens, max_num_seqs))
+                             sliding_blocks(cache, groups, max_num_tokens, max_num_seqs), scratch=graphed)
         store = None
         if cache.kv_store is not None:
             store = DiskKVStore(cache.kv_store, int(cache.kv_store_gb * 2 ** 30), model_fingerprint(model, cache.block_size))
@@ -96,6 +102,7 @@ class Engine:
         self.scheduler = Scheduler(self.kv, SchedulerConfig(max_num_tokens, max_num_seqs))
         self.max_model_len = self._max_model_len(max_num_tokens)
         self.buffers = StepBuffers(max_num_tokens, max_num_seqs, -(-self.max_model_len // self.cache.block_size))
+        self.graphed = GraphedDecode(model, self.cache, max_num_seqs, self.buffers.max_blocks) if graphed else None
         self.tokenizer = model.tokenizer
         self.eos = set(model.tokenizer.eos_ids) if model.tokenizer else set()
         self.requests: dict[str, Request] = {}
@@ -333,8 +340,7 @@ class Engine:
                                       top_k=p.top_k, top_p=p.top_p, seed=req.seed,
                                       samples=n if verify or every_row else 1, verify=verify))
         t0 = time.perf_counter()
-        inputs = self.buffers.fill(chunks, self.cache)
-        logits, next_tokens, hidden = self.model(inputs)
+        inputs, (logits, next_tokens, hidden) = self.forward(chunks)
         now = time.perf_counter()
         if self.latency is not None:
             self.latency.observe(len(chunks), sum(len(c.tokens) for c in chunks), (now - t0) * 1000)
@@ -343,6 +349,15 @@ class Engine:
         lps = logprob_rows(scheduled, chunks, logits)
         self.stats.steps += 1
         return StepRun(scheduled, chunks, logits, sampled, drawn, lps, hidden, now)
+
+    def forward(self, chunks: list[SeqChunk]) -> tuple[dict[str, torch.Tensor], list[torch.Tensor]]:
+        """Runs one step's chunks -> (its host inputs, [logits [R, V], next_tokens [R], hidden]),
+        not waiting for the device: a plain decode step in its bucket (graphed_decode.py) where
+        graphs are on, any other step eagerly."""
+        if self.graphed is not None and self.graphed.fits(chunks):
+            return self.graphed(chunks)
+        inputs = self.buffers.fill(chunks, self.cache)
+        return inputs, self.model(inputs)
 
     def _stop_ids(self, p: SamplingParams) -> set[int]:
         return set(p.stop_token_ids) | (set() if p.ignore_eos else self.eos)

@@ -63,25 +63,32 @@ class KVCache:
     """The cache tensors of every layer plus one block pool per cache group (models/cache_groups.py).
     Group 0 has config.num_blocks blocks, plus one scratch block when bounded replay is on: a
     replayed position's full-attention k/v go there, so the cached prefix's own stay as they are;
-    a hybrid model's sliding group has `sliding_blocks` (its layers' caches are [2,NW,BS,...])."""
+    a hybrid model's sliding group has `sliding_blocks` (its layers' caches are [2,NW,BS,...]).
+    With scratch=True every group has a scratch block (the padding rows of graphed decode steps
+    write there: runtime/graphed_decode.py)."""
 
     def __init__(self, num_layers: int, num_kv_heads: int, row: int, dtype: torch.dtype, config: CacheConfig,
-                 device: torch.device | str = "cpu", groups: list[CacheGroup] | None = None, sliding_blocks: int = 0):
+                 device: torch.device | str = "cpu", groups: list[CacheGroup] | None = None, sliding_blocks: int = 0,
+                 scratch: bool = False):
         """row: elements of one (position, kv head) row: head_dim, or head_dim + 4 for int8 rows
         that end in their scale (ir.opdefs_llm.kv_row_size). device: where the step's kernels
         run (CompiledModel.device); the step writes the cache in place, so it lives there.
         groups: the model's cache groups (default: one group of every layer); sliding_blocks:
-        the second group's block count (when 0: config.sliding_blocks, or else num_blocks)."""
+        the second group's block count (when 0: config.sliding_blocks, or else num_blocks);
+        scratch: reserve a scratch block in every group."""
         self.config = config
         self.groups = groups or [CacheGroup(0, tuple(range(num_layers)), "", "N")]
         counts = [config.num_blocks] + [sliding_blocks or config.sliding_blocks or config.num_blocks] * (len(self.groups) - 1)
         replay = config.swa_replay_tokens > 0 and len(self.groups) > 1
-        self.scratch_block = config.num_blocks if replay else None  # past the pool's ids: never handed out
+        extra = [int(replay or scratch)] + [int(scratch)] * (len(self.groups) - 1)
+        # one past each pool's ids: never handed out (group 0's is scratch_block)
+        self.scratch_blocks = [n if e else None for n, e in zip(counts, extra)]
+        self.scratch_block = self.scratch_blocks[0]
         self.pools = [BlockPool(n) for n in counts]
         self.pool = self.pools[0]
         self.layers: list[torch.Tensor] = [None] * num_layers
-        for group, n in zip(self.groups, counts):
-            n += 1 if group is self.groups[0] and replay else 0
+        for group, n, e in zip(self.groups, counts, extra):
+            n += e
             shape = (2, n, config.block_size, num_kv_heads, row)
             if torch.device(device).type == "cpu":
                 tensors = zeros_on_huge_pages(len(group.layers), shape, dtype)

@@ -83,15 +83,17 @@ class LatencyModel:
 
 def measure_latency(engine) -> LatencyModel:
     """An Engine's step time by (sequences, tokens), for confidence scheduling: read from the on-disk
-    cache (keyed by the compiled plan, dtype, native kernels, threads, cache and batch sizes) or measured
-    now on throwaway blocks: S = 1, 2, 4, ..., max_num_seqs sequences of n = 1, 2, 4, 8
-    tokens each continuing a LATENCY_CONTEXT-token sequence (a verify step's shape), and
-    one sequence of up to max_num_tokens (a prefill chunk's)."""
+    cache (keyed by the compiled plan, dtype, native kernels, threads, cache and batch sizes, and whether
+    decode steps are graphed) or measured now on throwaway blocks: S = 1, 2, 4, ..., max_num_seqs
+    sequences of n = 1, 2, 4, 8 tokens each continuing a LATENCY_CONTEXT-token sequence (a verify
+    step's shape), and one sequence of up to max_num_tokens (a prefill chunk's); each step as the
+    engine runs it (Engine.forward), up to its tokens on the host."""
     sc = engine.scheduler.config
     kernels = native.fingerprint() if engine.model.target == "cpu" else ""
     key = hashlib.sha256(json.dumps(["grid", engine.model.plan, engine.model.dtype, kernels, torch.get_num_threads(),
                                      engine.cache.block_size, engine.cache.config.num_blocks, sc.max_num_seqs,
-                                     sc.max_num_tokens], sort_keys=True, default=str).encode()).hexdigest()[:20]
+                                     sc.max_num_tokens, *(["graphed"] if engine.graphed is not None else [])],
+                                    sort_keys=True, default=str).encode()).hexdigest()[:20]
     path = os.path.join(os.path.expanduser("~"), ".cache", "deepfuse", "latency", key + ".json")
     cached = LatencyModel.load(path)
     if cached is not None:
@@ -122,7 +124,7 @@ def measure_latency(engine) -> LatencyModel:
             times = []
             for _ in range(3):
                 t0 = time.perf_counter()
-                engine.model(engine.buffers.fill(chunks, engine.cache))
+                engine.forward(chunks)[1][1].tolist()  # as a step: decode in its bucket, waits for the tokens
                 times.append((time.perf_counter() - t0) * 1000)
             points[s, t] = sorted(times)[1]
         finally:

@@ -6,6 +6,9 @@ launcher; on a GPU of another architecture, or without binaries (a plan compiled
 "interpret"), they are JIT-built from their sources. Without a GPU they run in Triton's CPU
 interpreter when the process started with TRITON_INTERPRET=1 (how the tests check them), and
 calling the runner otherwise is refused with that advice.
+
+A step's inputs on the host reach the device in one non-blocking copy (staging.py); a launch
+without a kernel runs its op's torch stand-in (device_refs.py). Nothing here reads a value back.
 """
 from __future__ import annotations
 
@@ -17,8 +20,10 @@ import torch
 import torch.nn.functional as F
 
 from ...errors import DeepfuseError
-from ...ir import DTYPES, OPS
+from ...ir import DTYPES
 from ...ir.opdefs_moe import route, routing_attrs
+from .device_refs import reference
+from .staging import Packer
 
 
 def moe_align(ins: list[torch.Tensor], attrs: dict, block: int) -> list[torch.Tensor]:
@@ -203,6 +208,7 @@ class TritonRunner:
         use_cubins = bool(binaries) and not interpreting() and gpu_arch() == plan["arch"]
         self.kernel_source = ("cubin" if use_cubins else "jit" if self.device.type == "cuda"
                               else "interpret" if interpreting() else "none")
+        self.packer = Packer(self.device)
         self._workdir = tempfile.TemporaryDirectory(prefix="deepfuse-cubins-") if use_cubins else None
         self.launches = []
         for p in plan["launches"]:
@@ -211,21 +217,24 @@ class TritonRunner:
                 for spec in p.get("kernels", []):
                     fn = load_binary(spec, binaries, self._workdir.name) if use_cubins else load_kernel(spec)
                     kernels.append((spec, fn))
-            self.launches.append((p, kernels, OPS[p["op"]].reference))
+            self.launches.append((p, kernels, reference(p["op"])))  # no host reads (device_refs.py)
 
     def __call__(self, inputs: dict[str, torch.Tensor]) -> list[torch.Tensor]:
         if not self.usable:
             raise DeepfuseError(f"this {self.plan['arch']} artifact runs on an NVIDIA GPU; none is visible (to run its "
                                 "kernels in Triton's CPU interpreter, start the process with TRITON_INTERPRET=1)")
-        env = list(self.base)
+        env, moved = list(self.base), {}
         for name, s in self.plan["inputs"].items():
             x = inputs[name]
             if x.device != self.device:
                 if name.startswith("kv_cache."):  # written in place: a copy would drop this step's rows
                     raise DeepfuseError(f"{name} is on {x.device}, this {self.plan['arch']} artifact runs on "
                                         f"{self.device}: make the cache there (KVCache(..., device=model.device))")
-                x = x.to(self.device)
+                moved[name] = x
             env[s] = x
+        if moved:  # the host's inputs in one non-blocking copy (staging.py), not one waiting copy each
+            for name, x in self.packer.pack(moved).items():
+                env[self.plan["inputs"][name]] = x
         for p, kernels, ref in self.launches:
             ins = [env[i] for i in p["in"]]
             if kernels:
@@ -256,13 +265,17 @@ class TritonRunner:
             grid = grid_of(spec, ins, outs, tmps)
             if 0 in grid:
                 continue
-            args = [bind(f, ins, outs, tmps) for f in spec["args"]]
-            if self.kernel_source == "cubin" and fn.fits(args):  # every parameter in order, constexprs last
-                fn.kernel[grid](*args, *spec["constexprs"].values())
-            elif self.kernel_source == "cubin":  # a pointer the cubin assumed aligned is not
-                fn.jit()[grid](*args, **spec["constexprs"], num_warps=spec["num_warps"], num_stages=spec["num_stages"],
-                               enable_fp_fusion=spec.get("fp_fusion", True))
-            else:
-                fn[grid](*args, **spec["constexprs"], num_warps=spec["num_warps"], num_stages=spec["num_stages"],
-                         enable_fp_fusion=spec.get("fp_fusion", True))
+            self._launch(spec, fn, grid, [bind(f, ins, outs, tmps) for f in spec["args"]])
         return outs
+
+    def _launch(self, spec: dict, fn, grid: tuple[int, int, int], args: list) -> None:
+        """One kernel launch, nothing else (tests wrap it: Triton's interpreter reads its tensors on
+        the host, which the step itself must never do)."""
+        if self.kernel_source == "cubin" and fn.fits(args):  # every parameter in order, constexprs last
+            fn.kernel[grid](*args, *spec["constexprs"].values())
+        elif self.kernel_source == "cubin":  # a pointer the cubin assumed aligned is not
+            fn.jit()[grid](*args, **spec["constexprs"], num_warps=spec["num_warps"], num_stages=spec["num_stages"],
+                           enable_fp_fusion=spec.get("fp_fusion", True))
+        else:
+            fn[grid](*args, **spec["constexprs"], num_warps=spec["num_warps"], num_stages=spec["num_stages"],
+                     enable_fp_fusion=spec.get("fp_fusion", True))

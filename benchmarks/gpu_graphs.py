@@ -1,0 +1,159 @@
+"""Decode steps as CUDA graphs on one NVIDIA GPU: the engine's decode step time at 1, 16 and 64
+sequences, eager against graphed (runtime/graphed_decode.py), on random weights of SmolLM2-135M's
+shape (bf16, the sm90/sm100 build for the GPU). It checks itself and raises where it fails:
+each batch's tokens (half greedy, half seeded sampled requests) must be the same in both
+engines, and one graphed and one eager decode step must run under
+torch.cuda.set_sync_debug_mode("error") (no host wait inside a step).
+
+    python benchmarks/gpu_graphs.py [--steps 32] [--out FILE] [--dry-run]
+
+--dry-run: a 2-layer toy in Triton's CPU interpreter (start it with TRITON_INTERPRET=1), batches
+of 1 and 3 (bucket 4: padded), 3 decode steps each; the graphed engine runs its padded buckets
+without capture (no GPU), and the sync check is skipped. Checks that the script runs (CI does).
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import random
+import statistics
+import sys
+import tempfile
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from gpu_throughput import refuse_wrong_machine, smollm2_shaped  # noqa: E402
+
+
+def requests(n: int, vocab: int, steps: int, seed: int):
+    """n prompts of 16 tokens; even requests greedy, odd ones seeded sampled; steps + 1 tokens each."""
+    from deepfuse import SamplingParams
+
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(3, vocab) for _ in range(16)] for _ in range(n)]
+    params = [SamplingParams(max_tokens=steps + 1, ignore_eos=True, **(dict(temperature=0.0) if i % 2 == 0 else
+                                                                       dict(temperature=0.8, top_p=0.95, seed=seed + i)))
+              for i in range(n)]
+    return prompts, params
+
+
+def decode_run(engine, n: int, steps: int, seed: int) -> tuple[list[float], list[list[int]]]:
+    """(seconds of each decode step, every request's tokens): n requests prefilled in one step,
+    then `steps` steps in which all n decode."""
+    prompts, params = requests(n, engine.model.config.vocab_size, steps, seed)
+    ids = [engine.add_request(p, sp) for p, sp in zip(prompts, params)]
+    done, times = {}, []
+    for out in engine.step():  # the prefill (and first token)
+        done[out.request_id] = out
+    while engine.has_unfinished():
+        t = time.perf_counter()
+        finished = engine.step()
+        times.append(time.perf_counter() - t)
+        done.update((o.request_id, o) for o in finished)
+    return times, [done[i].outputs[0].token_ids for i in ids]
+
+
+@contextlib.contextmanager
+def sync_errors(enabled: bool):
+    """torch.cuda.set_sync_debug_mode("error") inside (a no-op without a GPU)."""
+    if not enabled:
+        yield
+        return
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+def sync_check(engines: dict, on_gpu: bool) -> dict:
+    """One graphed and one eager decode step of 4 sequences with every host wait an error: the
+    model call only (the engine's own read of the tokens comes after it)."""
+    if not on_gpu:
+        return {"skipped": "no GPU (the tests trap host reads in the interpreter instead)"}
+    from deepfuse.runtime.batch import SeqChunk
+
+    out = {}
+    for name, eng in engines.items():
+        seqs = [eng.kv.new_seq([]) for _ in range(4)]
+        for s in seqs:
+            eng.kv.allocate(s, [], 9)
+        chunks = [SeqChunk([5 + i], 8, s.table, temperature=0.8 * (i % 2), seed=i) for i, s in enumerate(seqs)]
+        try:
+            torch.cuda.synchronize()
+            with sync_errors(True):
+                eng.forward(chunks)  # graphed: a replay; eager: the staged inputs and every launch
+            torch.cuda.synchronize()
+            out[name] = "ok"
+        except RuntimeError as e:
+            out[name] = f"{type(e).__name__}: {e}"
+        finally:
+            for s in seqs:
+                eng.kv.free(s)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--steps", type=int, default=32, help="decode steps timed per batch")
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "gpu_graphs.json"))
+    ap.add_argument("--dry-run", action="store_true")
+    args = ap.parse_args()
+    dry = args.dry_run
+    refuse_wrong_machine(dry)
+    import deepfuse
+    from deepfuse.codegen.triton.runner import gpu_arch
+    from deepfuse.models import load_model
+    from deepfuse.runtime.engine import Engine
+    from deepfuse.runtime.kv_cache import CacheConfig
+
+    target = "sm90" if dry else gpu_arch()
+    if target is None:
+        sys.exit(f"{torch.cuda.get_device_name()} is neither sm_90 nor sm_100")
+    dtype = "f32" if dry else "bf16"
+    batches, steps, max_seqs = ([1, 3], 3, 4) if dry else ([1, 16, 64], args.steps, 64)
+    with tempfile.TemporaryDirectory() as path:
+        smollm2_shaped(path, dry)
+        model = load_model(path, with_tokenizer=False)[0]
+    art = deepfuse.compile(model, target=target, dtype=dtype)
+    engines, build_s = {}, {}
+    for name, graphs in (("eager", False), ("graphed", True)):
+        t = time.perf_counter()
+        engines[name] = Engine(art, CacheConfig(num_blocks=1024, enable_prefix_caching=False), max_num_tokens=1024,
+                               max_num_seqs=max_seqs, cuda_graphs=graphs)
+        build_s[name] = time.perf_counter() - t  # the graphed engine's includes warm-up and capture
+        decode_run(engines[name], 2, 2, seed=99)  # untimed: first launches
+    captured = sorted(engines["graphed"].graphed.graphs)
+    results, ok = {}, True
+    for n in batches:
+        runs = {name: decode_run(eng, n, steps, seed=n) for name, eng in engines.items()}
+        (eager_t, eager_tok), (graph_t, graph_tok) = runs["eager"], runs["graphed"]
+        equal = eager_tok == graph_tok
+        ok &= equal
+        e_ms, g_ms = statistics.median(eager_t) * 1000, statistics.median(graph_t) * 1000
+        results[str(n)] = {"eager_ms": e_ms, "graphed_ms": g_ms, "speedup": e_ms / g_ms, "decode_steps": len(graph_t),
+                           "bucket": engines["graphed"].graphed.bucket(n), "tokens_equal": equal}
+        print(f"{n:3d} sequences: decode step {e_ms:8.2f} ms eager, {g_ms:8.2f} ms graphed ({e_ms / g_ms:.2f}x), "
+              f"tokens {'equal' if equal else 'DIFFER'}", flush=True)
+    syncs = sync_check(engines, not dry)
+    ok &= all(v == "ok" for v in syncs.values()) if "skipped" not in syncs else True
+    device = "cpu (Triton interpreter, dry run)" if dry else torch.cuda.get_device_name()
+    print(f"{device}, {target} {dtype}, {model.config.num_layers} layers; graphs captured for {captured or 'none'} "
+          f"(engine built in {build_s['graphed']:.1f} s with them, {build_s['eager']:.1f} s without); sync check: {syncs}")
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump({"device": device, "torch": torch.__version__, "target": target, "dtype": dtype,
+                   "kernel_source": art.runner.kernel_source, "captured_buckets": captured, "engine_build_s": build_s,
+                   "batches": results, "sync_check": syncs, "ok": ok}, f, indent=1)
+    if not ok:
+        sys.exit("gpu_graphs: the graphed steps' tokens differ from the eager ones, or a step waited for the GPU")
+
+
+if __name__ == "__main__":
+    main()

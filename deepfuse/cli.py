@@ -70,7 +70,7 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--artifact", help="a compiled artifact directory (loaded, not recompiled)")
     g.add_argument("--artifact-digest", help="sha256:... as `deepfuse compile` printed it: refuse any other artifact")
     g.add_argument("--tp", type=int, default=1, metavar="N", help="tensor parallel over N processes (cpu, gloo); a "
-                   "tensor-parallel artifact runs on its ranks without it")
+                   "tensor-parallel artifact runs on its ranks without it (sm90/sm100: NCCL, one GPU a rank)")
     g.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
     g.add_argument("--max-tokens", type=int, default=128)
     g.add_argument("--temperature", type=float, default=0.0)
@@ -123,7 +123,8 @@ def _parser() -> argparse.ArgumentParser:
     _add_invariant_arg(c)
     c.add_argument("--target", default="cpu")
     c.add_argument("--tp", type=int, default=1, metavar="N",
-                   help="one artifact of N tensor-parallel ranks: per-rank plans and weight shards (cpu, f32/bf16)")
+                   help="one artifact of N tensor-parallel ranks: per-rank plans and weight shards "
+                        "(cpu, sm90, sm100; f32/bf16)")
     c.add_argument("-o", "--output", required=True)
     r = sub.add_parser("ir", help="print the IR, or dump it before/after every pass")
     _add_model_args(r)

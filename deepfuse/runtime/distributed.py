@@ -1,5 +1,6 @@
 """Tensor and expert parallelism over processes: ranks started by the engine, collectives through
-torch.distributed (gloo on the CPU).
+torch.distributed: gloo for the CPU target; NCCL for sm90/sm100 where the ranks have GPUs (rank r
+on GPU r mod the count), gloo when those targets run in Triton's CPU interpreter.
 
     eng = ShardedEngine("smollm2", world=2)         # starts 2 rank processes
     outs = eng.generate([[1, 2, 3]], [SamplingParams(temperature=0, max_tokens=8)])
@@ -56,6 +57,7 @@ class RankOptions:
     """What every rank builds: the compile dtype and the Engine's settings."""
 
     dtype: str = "f32"
+    target: str = "cpu"  # cpu, sm90 or sm100
     with_tokenizer: bool = True
     block_size: int = 16
     num_blocks: int = 1024
@@ -77,7 +79,7 @@ def _rank_main(rank: int, world: int, store: str, model, options: RankOptions, i
     from .loader import load_rank
 
     torch.set_num_threads(options.threads)
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
+    dist.init_process_group(_backend(options.target, rank), init_method=f"file://{store}", rank=rank, world_size=world,
                             timeout=timedelta(seconds=options.timeout_s))
     try:
         if artifact is not None:
@@ -87,7 +89,7 @@ def _rank_main(rank: int, world: int, store: str, model, options: RankOptions, i
             tok = None
             if isinstance(model, str):
                 model, tok = load_model(model, with_tokenizer=options.with_tokenizer)
-            compiled = compile_rank(model, world, rank, dtype=options.dtype, tokenizer=tok)
+            compiled = compile_rank(model, world, rank, options.target, dtype=options.dtype, tokenizer=tok)
             del model  # from here the rank holds its shards only
         engine = Engine(compiled, CacheConfig(options.block_size, options.num_blocks, options.enable_prefix_caching),
                         options.max_num_tokens, options.max_num_seqs)
@@ -101,6 +103,16 @@ def _rank_main(rank: int, world: int, store: str, model, options: RankOptions, i
         outbox.put(("error", rank, f"{type(e).__name__}: {e}"))
     finally:
         dist.destroy_process_group()
+
+
+def _backend(target: str, rank: int) -> str:
+    """NCCL for a GPU target on a machine with GPUs (this rank's GPU made current first), else gloo."""
+    from ..codegen.triton.runner import interpreting
+
+    if target in ("sm90", "sm100") and torch.cuda.is_available() and not interpreting():
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+        return "nccl"
+    return "gloo"
 
 
 class ShardedEngine:
@@ -117,14 +129,16 @@ class ShardedEngine:
         from ..models.sharding import llama_sharding
         from .loader import load_rank, read_manifest, tensor_parallel_size
 
+        options = options or RankOptions()
         if artifact is not None:
-            read_manifest(artifact, artifact_digest)  # a pinned digest is checked before any process starts
+            manifest = read_manifest(artifact, artifact_digest)  # a pinned digest is checked before any process starts
             if tensor_parallel_size(artifact) != world:
                 load_rank(artifact, 0, artifact_digest)  # a clear error where it is no tensor-parallel artifact
                 raise DeepfuseError(f"artifact {artifact} has {tensor_parallel_size(artifact)} ranks, not {world}")
+            options = replace(options, target=manifest["target"])  # its collectives' backend follows its target
         elif not isinstance(model, str):
             llama_sharding(model.config, world)  # refuse a model that does not split, before starting processes
-        self.world, self.options = world, options or RankOptions()
+        self.world, self.options = world, options
         self._dir = tempfile.TemporaryDirectory(prefix="deepfuse-tp-")
         ctx = mp.get_context("spawn")
         self._outbox = ctx.Queue()
@@ -212,13 +226,15 @@ def engine_for_llm(model, world: int, target: str, dtype: str, block_size: int, 
         artifact = model
     if artifact_digest is not None and artifact is None:
         raise DeepfuseError("artifact_digest pins an artifact directory; give one (artifact=...)")
-    if target != "cpu":
-        raise DeepfuseError(f"tensor_parallel_size > 1 runs on the cpu target (gloo), not {target!r}")
+    from ..sharded_compile import TP_TARGETS
+
+    if target not in TP_TARGETS:
+        raise DeepfuseError(f"tensor_parallel_size > 1 runs on {', '.join(TP_TARGETS)}, not {target!r}")
     given = sorted(k for k, v in unsupported.items() if v not in (None, False, 0))
     if given:
         raise DeepfuseError(f"tensor_parallel_size > 1 does not support {', '.join(given)} yet; leave "
                             f"{'it' if len(given) == 1 else 'them'} unset")
     threads = max(1, torch.get_num_threads() // world)
     return ShardedEngine(None if artifact else model, world,
-                         RankOptions(dtype, True, block_size, num_blocks, max_num_tokens, max_num_seqs,
+                         RankOptions(dtype, target, True, block_size, num_blocks, max_num_tokens, max_num_seqs,
                                      enable_prefix_caching, threads), artifact=artifact, artifact_digest=artifact_digest)

@@ -1,5 +1,7 @@
 """Tensor / expert parallelism in 2 rank processes over gloo: the same greedy tokens as one process,
 and log-probabilities (logits up to log_softmax's shift) within 1e-5."""
+import dataclasses
+
 import pytest
 import torch
 
@@ -80,3 +82,24 @@ def test_llm_refuses_settings_the_sharded_engine_does_not_take():
 
     with pytest.raises(deepfuse.errors.DeepfuseError, match="does not support kv_cache_dtype, quant yet"):
         LLM("smollm2", tensor_parallel_size=2, quant="int4", kv_cache_dtype="int8")
+
+
+def test_tp2_on_sm90_in_the_interpreter_same_tokens_as_one_cpu_process(tiny_dir):
+    """The sm90 target partitioned over 2 ranks, its kernels in Triton's interpreter and its
+    collectives over gloo (NCCL where the ranks have GPUs): the one-process CPU build's greedy tokens."""
+    params = [SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)] * 2
+    prompts = PROMPTS[:2]
+    want = _one_process(tiny_dir).generate(prompts, params)
+    eng = ShardedEngine(tiny_dir, 2, dataclasses.replace(OPTIONS, target="sm90", block_size=16, num_blocks=32))
+    try:
+        got = eng.generate(prompts, params)
+    finally:
+        eng.close()
+    assert [g.outputs[0].token_ids for g in got] == [w.outputs[0].token_ids for w in want]
+
+
+def test_tensor_parallel_refuses_a_target_without_collectives(tiny_model):
+    from deepfuse.sharded_compile import compile_rank
+
+    with pytest.raises(deepfuse.errors.DeepfuseError, match="'ascend950' has no collectives"):
+        compile_rank(tiny_model, 2, 0, target="ascend950")

@@ -10,8 +10,12 @@ Engines, one run, same GGUF weights, same prompts, EOS ignored so every request 
              docs/quantization.md); both together (deepfuse-w8a8-kv8, the fastest, ~1.3% perplexity)
              run by default
   HF         transformers `generate` on the whole batch (left-padded), bf16, streamer for token times
+  llama.cpp batched  llama.cpp on the Q4_1 GGUF serving the 64 requests at once as parallel
+             sequences (llama_cpp_batched.py: the batched decode llama-server's slots run, one KV
+             stream per sequence, prompts packed 512 tokens a batch, one llama_decode a step for
+             all; engine key llama.cpp-batched): the peer that batches
   llama.cpp  llama-cpp-python on the Q4_1 GGUF, requests one after another (as its Python API
-             serves them); needs `pip install -e .[bench]` (builds llama.cpp, ~7 min), else skipped.
+             serves them). Both need `pip install -e .[bench]` (builds llama.cpp, ~7 min), else skipped.
              On this machine's CPU a native build (AMX/AVX-512) segfaults in decode; build it with
              CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON" (see README)
 
@@ -21,7 +25,7 @@ engine once, then again): this machine's speed swings from minute to minute, so 
 engines see about the same machine; per-round ratios are printed too.
 
     python benchmarks/throughput.py [--runs 1] [--requests 64]
-        [--engines deepfuse-f32,deepfuse-int4,deepfuse-w8a8-kv8,hf,llama.cpp]
+        [--engines deepfuse-f32,deepfuse-int4,deepfuse-w8a8-kv8,hf,llama.cpp-batched,llama.cpp]
 """
 from __future__ import annotations
 
@@ -139,6 +143,24 @@ def hf_generate(hf, prompts, out_tokens: int = OUT_TOKENS) -> dict:
     return summary(wall, [ttft] * n, [tpot] * n, n * out_tokens)
 
 
+def run_llama_cpp_batched(prompts) -> dict | None:
+    """All requests at once as parallel sequences of one llama.cpp context (llama_cpp_batched.py)."""
+    try:
+        from llama_cpp import Llama
+    except ImportError:
+        return None
+    from llama_cpp_batched import LlamaCppParallel
+
+    from deepfuse.models import smollm2_gguf_path
+
+    llm = Llama(model_path=smollm2_gguf_path(), n_ctx=1024, n_threads=torch.get_num_threads(), n_batch=512,
+                verbose=False)
+    start, times = LlamaCppParallel(llm, len(prompts), len(prompts) * 640, unified=False).run(prompts, OUT_TOKENS)
+    wall = time.perf_counter() - start
+    return summary(wall, [t[0] - start for t in times], [(t[-1] - t[0]) / (len(t) - 1) for t in times],
+                   sum(len(t) for t in times))
+
+
 def run_llama_cpp(prompts) -> dict | None:
     try:
         from llama_cpp import Llama
@@ -169,7 +191,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--runs", type=int, default=1)
     ap.add_argument("--requests", type=int, default=64)
-    ap.add_argument("--engines", default="deepfuse-f32,deepfuse-int4,deepfuse-w8a8-kv8,hf,llama.cpp")
+    ap.add_argument("--engines", default="deepfuse-f32,deepfuse-int4,deepfuse-w8a8-kv8,hf,llama.cpp-batched,llama.cpp")
     args = ap.parse_args()
     from deepfuse.models import load_model
 
@@ -190,6 +212,7 @@ def main() -> None:
         "deepfuse w8a8 kv8": ("deepfuse-w8a8-kv8", lambda: run_deepfuse(model, prompts, warmup, "bf16", "w8a8",
                                                                         kv_cache_dtype="int8")),
         "HF bf16 batched": ("hf", lambda: run_hf(prompts)),
+        "llama.cpp batched (Q4_1)": ("llama.cpp-batched", lambda: run_llama_cpp_batched(prompts)),
         "llama.cpp (Q4_1)": ("llama.cpp", lambda: run_llama_cpp(prompts)),
     }
     wanted = set(args.engines.split(","))
@@ -209,14 +232,15 @@ def main() -> None:
     print(f"\nSmolLM2-135M, {args.requests} requests, prompts 50-500 tokens "
           f"({sum(map(len, prompts))} total), {OUT_TOKENS} output tokens each, median of {args.runs} run(s), "
           f"{torch.get_num_threads()} threads")
-    print(f"{'engine':20s} {'out tok/s':>10s} {'TTFT p50':>9s} {'TTFT p99':>9s} {'TPOT p50':>9s} {'TPOT p99':>9s}"
-          f" {'vs llama.cpp':>12s} {'vs HF':>7s}")
-    ref = {k: results[k]["output_tps"] for k in ("llama.cpp (Q4_1)", "HF bf16 batched") if k in results}
+    print(f"{'engine':24s} {'out tok/s':>10s} {'TTFT p50':>9s} {'TTFT p99':>9s} {'TPOT p50':>9s} {'TPOT p99':>9s}"
+          f" {'vs llama.cpp batched':>20s} {'vs llama.cpp serial':>19s} {'vs HF':>7s}")
+    peers = ("llama.cpp batched (Q4_1)", "llama.cpp (Q4_1)", "HF bf16 batched")
+    ref = {k: results[k]["output_tps"] for k in peers if k in results}
     for name, r in results.items():
-        vs = [f"{r['output_tps'] / ref[k]:.2f}x" if k in ref else "-" for k in ("llama.cpp (Q4_1)", "HF bf16 batched")]
-        print(f"{name:20s} {r['output_tps']:10.1f} {r['ttft_p50_s']:8.2f}s {r['ttft_p99_s']:8.2f}s "
-              f"{r['tpot_p50_s'] * 1000:7.1f}ms {r['tpot_p99_s'] * 1000:7.1f}ms {vs[0]:>12s} {vs[1]:>7s}")
-    for peer in ("HF bf16 batched", "llama.cpp (Q4_1)"):
+        vs = [f"{r['output_tps'] / ref[k]:.2f}x" if k in ref else "-" for k in peers]
+        print(f"{name:24s} {r['output_tps']:10.1f} {r['ttft_p50_s']:8.2f}s {r['ttft_p99_s']:8.2f}s "
+              f"{r['tpot_p50_s'] * 1000:7.1f}ms {r['tpot_p99_s'] * 1000:7.1f}ms {vs[0]:>20s} {vs[1]:>19s} {vs[2]:>7s}")
+    for peer in peers:
         if peer not in results:
             continue
         for name in results:

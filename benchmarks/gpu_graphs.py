@@ -1,9 +1,11 @@
 """Decode steps as CUDA graphs on one NVIDIA GPU: the engine's decode step time at 1, 16 and 64
-sequences, eager against graphed (runtime/graphed_decode.py), on random weights of SmolLM2-135M's
-shape (bf16, the sm90/sm100 build for the GPU). It checks itself and raises where it fails:
-each batch's tokens (half greedy, half seeded sampled requests) must be the same in both
-engines, and one graphed and one eager decode step must run under
-torch.cuda.set_sync_debug_mode("error") (no host wait inside a step).
+sequences, eager against graphed (runtime/graphed_decode.py) and graphed with the overlapped
+loop (Engine(overlap=True), runtime/overlap.py: each step() launches the next decode step before
+reading the last one's tokens), on random weights of SmolLM2-135M's shape (bf16, the sm90/sm100
+build for the GPU). It checks itself and raises where it fails: each batch's tokens (half
+greedy, half seeded sampled requests) must be the same in all three engines, and one graphed
+and one eager decode step must run under torch.cuda.set_sync_debug_mode("error") (no host wait
+inside a step).
 
     python benchmarks/gpu_graphs.py [--steps 32] [--out FILE] [--dry-run]
 
@@ -123,25 +125,28 @@ def main() -> None:
         model = load_model(path, with_tokenizer=False)[0]
     art = deepfuse.compile(model, target=target, dtype=dtype)
     engines, build_s = {}, {}
-    for name, graphs in (("eager", False), ("graphed", True)):
+    for name, graphs, overlap in (("eager", False, False), ("graphed", True, False), ("overlapped", True, True)):
         t = time.perf_counter()
         engines[name] = Engine(art, CacheConfig(num_blocks=1024, enable_prefix_caching=False), max_num_tokens=1024,
-                               max_num_seqs=max_seqs, cuda_graphs=graphs)
+                               max_num_seqs=max_seqs, cuda_graphs=graphs, overlap=overlap)
         build_s[name] = time.perf_counter() - t  # the graphed engine's includes warm-up and capture
         decode_run(engines[name], 2, 2, seed=99)  # untimed: first launches
     captured = sorted(engines["graphed"].graphed.graphs)
     results, ok = {}, True
     for n in batches:
         runs = {name: decode_run(eng, n, steps, seed=n) for name, eng in engines.items()}
-        (eager_t, eager_tok), (graph_t, graph_tok) = runs["eager"], runs["graphed"]
-        equal = eager_tok == graph_tok
+        (eager_t, eager_tok), (graph_t, graph_tok), (over_t, over_tok) = (runs[k] for k in engines)
+        equal = eager_tok == graph_tok == over_tok
         ok &= equal
-        e_ms, g_ms = statistics.median(eager_t) * 1000, statistics.median(graph_t) * 1000
-        results[str(n)] = {"eager_ms": e_ms, "graphed_ms": g_ms, "speedup": e_ms / g_ms, "decode_steps": len(graph_t),
+        e_ms, g_ms, o_ms = (statistics.median(t) * 1000 for t in (eager_t, graph_t, over_t))
+        results[str(n)] = {"eager_ms": e_ms, "graphed_ms": g_ms, "speedup": e_ms / g_ms, "overlapped_ms": o_ms,
+                           "overlap_speedup": g_ms / o_ms, "decode_steps": len(graph_t),
                            "bucket": engines["graphed"].graphed.bucket(n), "tokens_equal": equal}
         print(f"{n:3d} sequences: decode step {e_ms:8.2f} ms eager, {g_ms:8.2f} ms graphed ({e_ms / g_ms:.2f}x), "
-              f"tokens {'equal' if equal else 'DIFFER'}", flush=True)
-    syncs = sync_check(engines, not dry)
+              f"{o_ms:8.2f} ms graphed and overlapped ({g_ms / o_ms:.2f}x), tokens {'equal' if equal else 'DIFFER'}",
+              flush=True)
+    ok &= engines["overlapped"].stats.ahead_steps > 0
+    syncs = sync_check({k: engines[k] for k in ("eager", "graphed")}, not dry)
     ok &= all(v == "ok" for v in syncs.values()) if "skipped" not in syncs else True
     device = "cpu (Triton interpreter, dry run)" if dry else torch.cuda.get_device_name()
     print(f"{device}, {target} {dtype}, {model.config.num_layers} layers; graphs captured for {captured or 'none'} "
@@ -152,7 +157,8 @@ def main() -> None:
                    "kernel_source": art.runner.kernel_source, "captured_buckets": captured, "engine_build_s": build_s,
                    "batches": results, "sync_check": syncs, "ok": ok}, f, indent=1)
     if not ok:
-        sys.exit("gpu_graphs: the graphed steps' tokens differ from the eager ones, or a step waited for the GPU")
+        sys.exit("gpu_graphs: the graphed or overlapped steps' tokens differ from the eager ones, no step went "
+                 "ahead, or a step waited for the GPU")
 
 
 if __name__ == "__main__":

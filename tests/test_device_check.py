@@ -53,7 +53,8 @@ def test_gpu_kernel_times_dry_run_lists_every_launch_kind(tmp_path):
 
 def test_gpu_graphs_dry_run_compares_the_padded_buckets_with_eager_steps(tmp_path):
     """benchmarks/gpu_graphs.py --dry-run: decode steps of 1 and 3 sequences (bucket 4) through an
-    eager and a bucketed engine (no capture without a GPU), the same tokens in both."""
+    eager, a bucketed and a bucketed overlapped engine (no capture without a GPU), the same tokens
+    in all three."""
     out = tmp_path / "gpu_graphs.json"
     r = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "gpu_graphs.py"), "--dry-run", "--out",
                         str(out)], capture_output=True, text=True, timeout=400, env={**os.environ, "TRITON_INTERPRET": "1"})
@@ -62,6 +63,7 @@ def test_gpu_graphs_dry_run_compares_the_padded_buckets_with_eager_steps(tmp_pat
     assert result["ok"] and result["captured_buckets"] == [] and "skipped" in result["sync_check"]
     assert {n: (b["bucket"], b["tokens_equal"], b["decode_steps"]) for n, b in result["batches"].items()} == \
         {"1": (1, True, 3), "3": (4, True, 3)}
+    assert all(b["overlapped_ms"] > 0 for b in result["batches"].values())
 
 
 def test_gpu_checks_dry_run_runs_every_check_and_logs_with_times(tmp_path):

@@ -9,6 +9,8 @@ Each step packs prompt chunks and decode tokens of all scheduled requests into o
 batch (prefill and decode share the compiled step); see scheduler.py for the policy. With
 `spec=SpecConfig(...)`, a decoding request's chunk also carries draft tokens that the same
 step verifies (see spec.py).
+With `overlap=True` a plain decode step is launched before the step ahead of it is read,
+its tokens fed on the device (overlap.py).
 `generate()` runs a list of requests to completion; a request that is invalid comes back
 with finish_reason "error" and the others still run. Outputs are outputs.py's RequestOutput
 (vLLM's shape): step() and abort() give one per finished engine request, with its one
@@ -39,6 +41,7 @@ from .latency import measure_latency
 from .logprobs import RowLogprobs, logprob_rows, take_prompt_logprobs
 from .mtp import MtpDrafter
 from .outputs import RequestOutput, error_output, merge_completions, request_output
+from .overlap import OverlapLoop
 from .request import Request, SamplingParams, completion_seed
 from .scheduler import Scheduler, SchedulerConfig
 from .spec import ModelDrafter, NgramDrafter, SpecConfig, SpecStats, choose_drafts
@@ -53,6 +56,7 @@ class EngineStats:
     prompt_tokens_computed: int = 0  # prompt positions whose KV was computed (not served by the prefix cache)
     tokens_computed: int = 0
     tokens_generated: int = 0
+    ahead_steps: int = 0  # steps launched before the step ahead of them was read (overlap.py), then read
 
 
 def sliding_blocks(cache: CacheConfig, groups: list[CacheGroup], max_num_tokens: int, max_num_seqs: int) -> int:
@@ -80,13 +84,27 @@ class StepRun(NamedTuple):
     time: float
 
 
+class Launched(NamedTuple):
+    """A step whose kernels are launched and whose tokens are not read yet. inputs and outputs
+    (logits [R, V], next_tokens [R], hidden) are valid until the next step is launched."""
+
+    scheduled: list[tuple[Request, int]]
+    chunks: list[SeqChunk]
+    host: list[bool]  # each chunk's token drawn by host_sampling.py
+    inputs: dict[str, torch.Tensor]
+    outputs: list[torch.Tensor]
+
+
 class Engine:
     def __init__(self, model: CompiledModel, cache: CacheConfig | None = None, max_num_tokens: int = 512,
                  max_num_seqs: int = 64, spec: SpecConfig | None = None, draft_model: CompiledModel | None = None,
-                 cuda_graphs: bool | None = None):
+                 cuda_graphs: bool | None = None, overlap: bool = False):
         """cuda_graphs: run plain decode steps in padded batch buckets over static inputs
         (graphed_decode.py), captured as CUDA graphs where the model runs on a CUDA GPU. None:
-        on exactly there; True elsewhere runs the same buckets without capture (the CPU tests)."""
+        on exactly there; True elsewhere runs the same buckets without capture (the CPU tests).
+        overlap: launch each plain decode step before reading the step ahead of it, its tokens
+        fed on the device (overlap.py: which steps, and what runs synchronously); the same
+        outputs. Off by default on every target (docs/targets.md says why)."""
         self.model = model
         c = model.config
         kv = model.kv_cache_type
@@ -116,6 +134,7 @@ class Engine:
         self._next_id = 0
         self._unreturned: list[RequestOutput] = []  # finished in a step whose on_token raised
         self.host_rows = RowBuffer()  # host_sampling.py's copy of its rows
+        self.overlap = OverlapLoop(self) if overlap else None
 
     def _max_model_len(self, budget: int) -> int:
         """The longest sequence (prompt + output) a request may ask for: the model's context,
@@ -256,25 +275,32 @@ class Engine:
     def step(self, on_token: Callable[[str, int], None] | None = None) -> list[RequestOutput]:
         """Runs one step; returns the requests that finished in it. on_token(id, token) streams
         a request's new tokens once its state is updated (a finished one has left `requests`);
-        it may abort any request (one not yet reached in this step gets no tokens in it)."""
+        it may abort any request (one not yet reached in this step gets no tokens in it).
+        With overlap on, it launches the next step first, then takes this one's tokens (overlap.py)."""
         if self._unreturned:  # the step before raised in on_token
             carried, self._unreturned = self._unreturned, []
             return carried
+        if self.overlap is not None:
+            return self.overlap.step(on_token)
         checkpoint = self.scheduler.checkpoint()
         try:
             ran = self._run_step()
         except BaseException:  # an error or Ctrl-C inside the step: as if it never ran
             self.scheduler.rollback(checkpoint)
             raise
-        if ran is None:
-            return []
+        return [] if ran is None else self._take(ran, on_token)
+
+    def _take(self, ran: StepRun, on_token: Callable[[str, int], None] | None) -> list[RequestOutput]:
+        """Gives a step's tokens to its requests (stop conditions, outputs, on_token); returns
+        the requests that finished. A request that finished or was aborted since the step was
+        scheduled takes nothing (an overlapped step's row: overlap.py)."""
         self.kv.commit()  # its KV is written: its full blocks may now be found by prefix lookup
         finished, row = [], 0
         self._unreturned = finished  # come back from the next step() if on_token raises in this one
         sampled, drawn, lps, now = ran.sampled, ran.drawn, ran.logprobs, ran.time
         for (req, n), chunk in zip(ran.scheduled, ran.chunks):
             first, row = row, row + chunk.samples
-            if req.finish == "abort":  # by an on_token callback earlier in this step
+            if req.finish:  # aborted by an on_token callback earlier in this step, or (overlap) before it
                 continue
             start = req.computed
             self.stats.tokens_computed += n
@@ -325,6 +351,11 @@ class Engine:
     def _run_step(self) -> StepRun | None:
         """Drafts, schedules and runs one step (None when nothing is scheduled). It changes request
         state only through the scheduler, so Scheduler.rollback undoes it."""
+        step = self._launch()
+        return None if step is None else self._read(step)
+
+    def _launch(self) -> Launched | None:
+        """Drafts, schedules and launches one step, not waiting for it (None when nothing is scheduled)."""
         self._draft()
         scheduled = self.scheduler.schedule()
         if not scheduled:
@@ -340,23 +371,37 @@ class Engine:
                                       top_k=p.top_k, top_p=p.top_p, seed=req.seed,
                                       samples=n if verify or every_row else 1, verify=verify))
         t0 = time.perf_counter()
-        inputs, (logits, next_tokens, hidden) = self.forward(chunks)
-        now = time.perf_counter()
+        inputs, outputs = self.forward(chunks)
         if self.latency is not None:
-            self.latency.observe(len(chunks), sum(len(c.tokens) for c in chunks), (now - t0) * 1000)
-        sampled = next_tokens.tolist()  # waits for the step (a device's KV writes included)
-        drawn = draw_on_host(scheduled, chunks, host, logits, inputs["seeds"], self.host_rows, self._stop_ids)
-        lps = logprob_rows(scheduled, chunks, logits)
-        self.stats.steps += 1
-        return StepRun(scheduled, chunks, logits, sampled, drawn, lps, hidden, now)
+            self.latency.observe(len(chunks), sum(len(c.tokens) for c in chunks), (time.perf_counter() - t0) * 1000)
+        return Launched(scheduled, chunks, host, inputs, outputs)
 
-    def forward(self, chunks: list[SeqChunk]) -> tuple[dict[str, torch.Tensor], list[torch.Tensor]]:
+    def _read(self, step: Launched, sampled: list[int] | None = None) -> StepRun:
+        """A launched step's results: its tokens (read from the device, waiting for the step, unless
+        given), host draws and logprobs."""
+        logits, next_tokens, hidden = step.outputs
+        if sampled is None:
+            sampled = next_tokens.tolist()  # waits for the step (a device's KV writes included)
+        now = time.perf_counter()
+        drawn = draw_on_host(step.scheduled, step.chunks, step.host, logits, step.inputs["seeds"], self.host_rows,
+                             self._stop_ids)
+        lps = logprob_rows(step.scheduled, step.chunks, logits)
+        self.stats.steps += 1
+        return StepRun(step.scheduled, step.chunks, logits, sampled, drawn, lps, hidden, now)
+
+    def forward(self, chunks: list[SeqChunk], tokens: torch.Tensor | None = None
+                ) -> tuple[dict[str, torch.Tensor], list[torch.Tensor]]:
         """Runs one step's chunks -> (its host inputs, [logits [R, V], next_tokens [R], hidden]),
         not waiting for the device: a plain decode step in its bucket (graphed_decode.py) where
-        graphs are on, any other step eagerly."""
+        graphs are on, any other step eagerly. tokens [T] on the model's device: the step's token
+        ids, in place of the chunks' (an overlapped step's, fed from the last step's outputs)."""
         if self.graphed is not None and self.graphed.fits(chunks):
-            return self.graphed(chunks)
+            return self.graphed(chunks, tokens)
         inputs = self.buffers.fill(chunks, self.cache)
+        if tokens is not None and inputs["tokens"].device == tokens.device:
+            inputs["tokens"].copy_(tokens)
+        elif tokens is not None:  # a GPU's eager step: the runner takes an input already there as it is
+            inputs = {**inputs, "tokens": tokens}
         return inputs, self.model(inputs)
 
     def _stop_ids(self, p: SamplingParams) -> set[int]:

@@ -80,9 +80,12 @@ class GraphedDecode:
     def bucket(self, n: int) -> int:
         return next(b for b in self.buckets if b >= n)
 
-    def __call__(self, chunks: list[SeqChunk]) -> tuple[dict[str, torch.Tensor], list[torch.Tensor]]:
+    def __call__(self, chunks: list[SeqChunk], tokens: torch.Tensor | None = None
+                 ) -> tuple[dict[str, torch.Tensor], list[torch.Tensor]]:
         """Runs a plain decode step (fits() first) -> (the step's host inputs, StepBuffers.fill's
-        views of its n real rows; outputs [logits [n, V], next_tokens [n], hidden [n, D]])."""
+        views of its n real rows; outputs [logits [n, V], next_tokens [n], hidden [n, D]]).
+        tokens [n] on the device: the rows' token ids, copied over the uploaded ones before the
+        step (fed from the last step's outputs: overlap.py)."""
         n = len(chunks)
         b = self.bucket(n)
         self.staging.wait_writable()
@@ -92,6 +95,8 @@ class GraphedDecode:
         inputs = self.buffers.fill(chunks, self.cache)
         self._pad(n, b)
         self.staging.upload(self.ends[b])
+        if tokens is not None:
+            self.static[b]["tokens"][:n].copy_(tokens)
         if b in self.graphs:
             graph, outs = self.graphs[b]
             graph.replay()

@@ -323,7 +323,8 @@ class KVCacheManager:
 
     def reserve(self, seq: SeqBlocks, num_tokens: int) -> None:
         """Grows seq's tables to cover positions [0, num_tokens) without naming any block (for
-        writes the target's step does not make, such as a draft model's)."""
+        writes the target's step does not make, such as a draft model's, or of tokens the host
+        does not have yet: an overlapped step's, overlap.py)."""
         for g, pool in enumerate(self.pools):
             seq.tables[g].extend(pool.allocate(self.blocks_needed(seq, num_tokens, g)))
 

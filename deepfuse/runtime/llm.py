@@ -34,14 +34,16 @@ class LLM:
     of every layer (MoE experts: expert parallel), with the 1-process tokens (docs/distributed.md);
     a tensor-parallel artifact (`deepfuse compile --tp N`) runs on its N ranks without it;
     cuda_graphs: decode steps as CUDA graphs of padded batch buckets (runtime/graphed_decode.py;
-    None: where the model runs on a CUDA GPU; False: every step eager)."""
+    None: where the model runs on a CUDA GPU; False: every step eager); overlap: launch each plain
+    decode step before reading the one ahead of it (runtime/overlap.py; off by default)."""
 
     def __init__(self, model: str | CompiledModel = "smollm2", target: str = "cpu", dtype: str = "f32",
                  block_size: int = 16, num_blocks: int = 1024, max_num_tokens: int = 512, max_num_seqs: int = 64,
                  enable_prefix_caching: bool = True, artifact: str | None = None, quant: str | None = None,
                  spec: SpecConfig | None = None, batch_invariant: bool = False, kv_cache_dtype: str | None = None,
                  artifact_digest: str | None = None, swa_replay_tokens: int = 0, kv_store: str | None = None,
-                 kv_store_gb: float = 4.0, tensor_parallel_size: int = 1, cuda_graphs: bool | None = None):
+                 kv_store_gb: float = 4.0, tensor_parallel_size: int = 1, cuda_graphs: bool | None = None,
+                 overlap: bool = False):
         from ..compiler import compile
         from .loader import load
         from .loader import tensor_parallel_size as artifact_ranks
@@ -57,7 +59,7 @@ class LLM:
                 model, tensor_parallel_size, target, dtype, block_size, num_blocks, max_num_tokens, max_num_seqs,
                 enable_prefix_caching, artifact=artifact, artifact_digest=artifact_digest, quant=quant, spec=spec,
                 batch_invariant=batch_invariant, kv_cache_dtype=kv_cache_dtype, swa_replay_tokens=swa_replay_tokens,
-                kv_store=kv_store)
+                kv_store=kv_store, overlap=overlap)
             self.tokenizer = self.engine.tokenizer
             return
         draft = None
@@ -96,7 +98,7 @@ class LLM:
         self.engine = Engine(self.model, CacheConfig(block_size, num_blocks, enable_prefix_caching,
                                                  swa_replay_tokens=swa_replay_tokens, kv_store=kv_store,
                                                  kv_store_gb=kv_store_gb),
-                             max_num_tokens, max_num_seqs, spec, draft, cuda_graphs=cuda_graphs)
+                             max_num_tokens, max_num_seqs, spec, draft, cuda_graphs=cuda_graphs, overlap=overlap)
 
     def generate(self, prompts: str | dict | list[str | dict | list[int]],
                  sampling_params: SamplingParams | list[SamplingParams] | None = None, on_token=None,

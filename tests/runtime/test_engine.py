@@ -528,13 +528,15 @@ def test_sliding_window_sequences_may_outgrow_the_cache(swa_model):
     assert small.generate([prompts[0]], [GREEDY])[0].outputs[0].finish_reason == "error"
 
 
-@pytest.mark.parametrize("window,spec", [(False, False), (True, False), (False, True)])
-def test_random_workload_loses_nothing(tiny_art, swa_model, window, spec):
+@pytest.mark.parametrize("window,spec,overlap", [(False, False, False), (True, False, False), (False, True, False),
+                                                 (False, False, True), (True, False, True)])
+def test_random_workload_loses_nothing(tiny_art, swa_model, window, spec, overlap):
     """Many requests of random sizes, many sharing prefixes, greedy or seeded sampling, some with
     stop ids or logprobs, through a small cache, arriving over time, some aborted: every request
     ends exactly once, the pool comes back whole, and each completed request's tokens equal its
     run alone. With the sliding window too (prefix hits there come from the window's blocks
-    alone), and with speculative decoding (n-gram drafts verified in the step)."""
+    alone), with speculative decoding (n-gram drafts verified in the step), and with the
+    overlapped loop (runtime/overlap.py: decode steps launched before the last one is read)."""
     import random
 
     from deepfuse.runtime.spec import SpecConfig
@@ -543,7 +545,7 @@ def test_random_workload_loses_nothing(tiny_art, swa_model, window, spec):
     rng = random.Random(7)
     blocks = 12 if window else 24  # a window holds fewer blocks a sequence: a smaller cache still preempts
     drafts = SpecConfig(num_draft_tokens=3, schedule="fixed") if spec else None
-    eng = engine(art, num_blocks=blocks, max_num_tokens=16, max_num_seqs=6, spec=drafts)
+    eng = engine(art, num_blocks=blocks, max_num_tokens=16, max_num_seqs=6, spec=drafts, overlap=overlap)
     bases = [[rng.randrange(128) for _ in range(24)] for _ in range(3)]
 
     def params() -> SamplingParams:
@@ -591,6 +593,7 @@ def test_random_workload_loses_nothing(tiny_art, swa_model, window, spec):
         assert n % 4 == 0 and n <= min(len(prompt) - 1, shared), (n, len(prompt), shared)
     if spec:
         assert 0 < eng.spec_stats.accepted <= eng.spec_stats.drafted
+    assert (eng.stats.ahead_steps > 0) == overlap
     solo = engine(art, cache={"enable_prefix_caching": False})
     stopped = 0
     for rid, out in ended.items():

@@ -1,7 +1,9 @@
 """Graphed decode (runtime/graphed_decode.py) on sm90 in Triton's interpreter, without capture: the
 padded bucket path over static inputs gives the eager path's tokens and KV, its padding rows
 touch only the scratch block, and no decode step (bucketed or eager, greedy or sampled, dense or
-MoE) waits for the device. Capture itself runs only on a GPU (benchmarks/gpu_graphs.py)."""
+MoE) waits for the device; overlapped steps (runtime/overlap.py) in their buckets give the same
+tokens and wait for nothing but the last step's tokens. Capture itself runs only on a GPU
+(benchmarks/gpu_graphs.py)."""
 import os
 
 import pytest
@@ -71,13 +73,14 @@ def test_a_hybrid_models_padded_buckets_give_the_eager_tokens(pair):  # noqa: F8
     prompts = [list(range(3, 23)), [7, 64, 1], list(range(40, 58))]
     params = [SamplingParams(max_tokens=5, ignore_eos=True, **p) for p in PARAMS[:3]]
     out, used = {}, []
-    for graphs in (False, True):
-        eng = Engine(sm90, CacheConfig(16, 32), max_num_seqs=8, cuda_graphs=graphs)
+    for graphs, overlap in ((False, False), (True, False), (True, True)):
+        eng = Engine(sm90, CacheConfig(16, 32), max_num_seqs=8, cuda_graphs=graphs, overlap=overlap)
         assert len(eng.cache.groups) == 2 and (eng.cache.scratch_blocks[1] is not None) == graphs
         if graphs:
             spy_buckets(eng, used)
-        out[graphs] = [o.outputs[0].token_ids for o in eng.generate(prompts, params)]
-    assert out[True] == out[False] and used == [4] * 4
+        out[graphs, overlap] = [o.outputs[0].token_ids for o in eng.generate(prompts, params)]
+    assert out[True, False] == out[False, False] == out[True, True] and used == [4] * 8
+    assert eng.stats.ahead_steps == 4  # overlapped: each decode step launched before the last was read
 
 
 def test_steps_that_verify_drafts_run_eagerly_beside_graphed_ones(sm90):
@@ -200,3 +203,58 @@ def test_decode_steps_never_wait_for_the_device(request, which):
         _, got = graphed(chunks)
     assert trap.copies == [((graphed.ends[4],), True)]  # one copy, non-blocking, of the bytes bucket 4 reads
     assert torch.equal(got[1], want[1])
+
+
+def test_overlapped_steps_in_their_buckets_give_the_eager_and_cpu_tokens(sm90, tiny_model):
+    """Greedy and seeded sampled requests that end at different steps (max_tokens, a stop id): the
+    overlapped engine's decode steps run in buckets that shrink as requests end (a finished
+    request's row in the step launched ahead is dropped), with the tokens of the synchronous
+    eager sm90 engine and of the CPU build."""
+    params = [SamplingParams(max_tokens=m, ignore_eos=True, **p) for m, p in zip([5, 3, 5, 2, 4], PARAMS)]
+    first = engine_outputs(sm90, params, False, False)
+    params[0] = SamplingParams(max_tokens=5, stop_token_ids=[first[0][2]], **PARAMS[0])  # stops at its third token
+    used = []
+    got = engine_outputs(sm90, params, True, True, used)
+    assert got == engine_outputs(sm90, params, False, False) == engine_outputs(deepfuse.compile(tiny_model), params,
+                                                                               False, False)
+    assert [len(t) for t in got] == [3, 3, 5, 2, 4]
+    # every decode step launched ahead: 5 rows, 4, 3 (the stopped request's row is dropped), 1; a request
+    # that its max_tokens ends gets no row after its last token
+    assert used == [8, 4, 4, 1]
+
+
+def engine_outputs(model, params, graphs: bool, overlap: bool, buckets: list | None = None) -> list[list[int]]:
+    eng = Engine(model, CacheConfig(block_size=16, num_blocks=32), max_num_seqs=8, cuda_graphs=graphs, overlap=overlap)
+    if buckets is not None:
+        spy_buckets(eng, buckets)
+    out = [o.outputs[0].token_ids for o in eng.generate(PROMPTS[:len(params)], params)]
+    assert eng.stats.ahead_steps == (len(buckets) if overlap else 0)
+    return out
+
+
+def test_overlapped_decode_waits_only_for_the_last_steps_tokens(sm90, monkeypatch):
+    """After the prefill step, every step() launches the next decode step (staging, the feed, the
+    bucket) and takes the last one's tokens with every host read trapped except the one wait for
+    those tokens (InFlight.tokens); the tokens are the synchronous engine's."""
+    from deepfuse.runtime.overlap import InFlight
+
+    params = [SamplingParams(max_tokens=5, ignore_eos=True, **p) for p in PARAMS[:3]]
+    eng = Engine(sm90, CacheConfig(block_size=16, num_blocks=32), max_num_seqs=8, cuda_graphs=True, overlap=True)
+    ids = [eng.add_request(p, sp) for p, sp in zip(PROMPTS, params)]
+    done = {o.request_id: o for o in eng.step()}  # the prefill (eager) and the first decode step launched
+    real, reads = InFlight.tokens, []
+
+    with no_host_waits() as trap:
+        def tokens(self):
+            trap.suspended += 1
+            reads.append(1)
+            try:
+                return real(self)
+            finally:
+                trap.suspended -= 1
+
+        monkeypatch.setattr(InFlight, "tokens", tokens)
+        while eng.has_unfinished():
+            done.update((o.request_id, o) for o in eng.step())
+    assert len(reads) == 4 and eng.stats.ahead_steps == 4
+    assert [done[i].outputs[0].token_ids for i in ids] == engine_outputs(sm90, params, False, False)

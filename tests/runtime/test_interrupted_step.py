@@ -1,6 +1,8 @@
 """A step interrupted by an exception or Ctrl-C leaves the KV cache and the queues as if it
 never ran: no block is found by prefix lookup before the step that writes it completes, no
-block leaks, and the same prompts then give the tokens a fresh engine gives."""
+block leaks, and the same prompts then give the tokens a fresh engine gives. With the overlapped
+loop too (runtime/overlap.py; the fresh engine, the reference, is synchronous): a fault while a
+step is launched ahead, fed, or while the last step's tokens are awaited or taken."""
 import pytest
 
 import deepfuse
@@ -81,11 +83,12 @@ def all_tokens(outs):
     return [[s.token_ids for s in o.outputs] for o in outs]
 
 
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
 @pytest.mark.parametrize("case", CASES)
-def test_generate_after_an_interrupted_step_gives_the_fresh_engines_tokens(tiny_art, case):
+def test_generate_after_an_interrupted_step_gives_the_fresh_engines_tokens(tiny_art, case, overlap):
     when, prompts, params, kw = CASES[case]
     want = all_tokens(engine(tiny_art, **kw).generate(prompts, [params] * len(prompts)))
-    eng = engine(tiny_art, **kw)
+    eng = engine(tiny_art, overlap=overlap, **kw)
     eng.model = FailingModel(eng.model, when, RuntimeError if "exception" in case else Interrupt)
     with pytest.raises((RuntimeError, Interrupt), match="injected"):
         eng.generate(prompts, [params] * len(prompts))
@@ -95,15 +98,16 @@ def test_generate_after_an_interrupted_step_gives_the_fresh_engines_tokens(tiny_
     no_leaks(eng)
 
 
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
 @pytest.mark.parametrize("after", [False, True], ids=["before the kernels", "after the kernels"])
 @pytest.mark.parametrize("case", CASES)
-def test_stepping_on_after_a_failed_step_continues_as_if_it_never_ran(tiny_art, case, after):
+def test_stepping_on_after_a_failed_step_continues_as_if_it_never_ran(tiny_art, case, after, overlap):
     """Engine.step raising leaves every request where it was: stepping on gives a fresh engine's
     tokens, whether the failed step wrote its KV or not."""
     when, prompts, params, kw = CASES[case]
     params = params if params.n == 1 else SamplingParams(temperature=1.0, seed=5, max_tokens=8, ignore_eos=True)
     want = all_tokens(engine(tiny_art, **kw).generate(prompts, [params] * len(prompts)))
-    eng = engine(tiny_art, **kw)
+    eng = engine(tiny_art, overlap=overlap, **kw)
     eng.model = FailingModel(eng.model, when, after=after)
     ids = [eng.add_request(p, params) for p in prompts]
     done, failures = {}, 0
@@ -119,9 +123,10 @@ def test_stepping_on_after_a_failed_step_continues_as_if_it_never_ran(tiny_art, 
     no_leaks(eng)
 
 
-def test_on_token_raising_leaves_a_cache_that_serves_correct_prefixes(tiny_art):
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
+def test_on_token_raising_leaves_a_cache_that_serves_correct_prefixes(tiny_art, overlap):
     want = all_tokens(engine(tiny_art).generate([LONG, REPEATS], [GREEDY] * 2))
-    eng = engine(tiny_art)
+    eng = engine(tiny_art, overlap=overlap)
 
     def on_token(i: int, tok: int) -> None:
         raise Interrupt("injected in on_token")
@@ -147,13 +152,14 @@ def test_a_block_is_found_by_prefix_lookup_only_after_its_step_completes(tiny_ar
     assert eng.kv.match_prefix(LONG).table == []
 
 
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
 @pytest.mark.parametrize("case", ["decode step", "verify step"])
-def test_an_error_while_a_step_s_tokens_are_taken_leaves_requests_that_continue(tiny_art, case, monkeypatch):
+def test_an_error_while_a_step_s_tokens_are_taken_leaves_requests_that_continue(tiny_art, case, monkeypatch, overlap):
     """An error (a tokenizer's, a Ctrl-C) while the step's tokens are appended: the step ran, so
     its blocks stay named; the request keeps what it took and continues to a fresh engine's tokens."""
     _, prompts, params, kw = CASES[case]
     want = all_tokens(engine(tiny_art, **kw).generate(prompts, [params] * len(prompts)))
-    eng = engine(tiny_art, **kw)
+    eng = engine(tiny_art, overlap=overlap, **kw)
     real, calls = eng._append, []
 
     def append(req, tok, now, logprobs):
@@ -236,3 +242,165 @@ def test_smollm2_prompt_after_a_ctrl_c_in_its_first_step(smollm2_compiled):
     assert out.outputs[0].token_ids == want.outputs[0].token_ids and out.outputs[0].text == want.outputs[0].text
     assert out.num_cached_tokens == 0  # nothing was written, so nothing is found
     no_leaks(llm.engine)
+
+
+def standing(eng: Engine) -> tuple:
+    """(settled, raw): where the requests and the pool stand with the step in flight (overlap) left
+    out: each running request's tokens, computed positions, table sizes (an ahead step's rows:
+    before it) and block names, the waiting queue, blocks in use (less the ahead step's), names
+    and pending names; and the table sizes and blocks in use as they are."""
+    flight = eng.overlap.inflight if eng.overlap else None
+    before = {}
+    if flight is not None:
+        before = {id(r): b for (r, _), b in zip(flight.step.scheduled, flight.before) if not r.finish}
+    reqs, extra = [], 0
+    for r in eng.scheduler.running:
+        sizes = before.get(id(r), [len(t) for t in r.kv.tables])
+        extra += sum(len(t) - n for t, n in zip(r.kv.tables, sizes))
+        reqs.append((r.request_id, list(r.tokens), r.computed, sizes, list(r.kv.names)))
+    pool = eng.kv.pool
+    settled = reqs, [r.request_id for r in eng.scheduler.waiting], eng.kv.num_used() - extra, set(pool.by_name), \
+        set(pool.pending)
+    return settled, ([[len(t) for t in r.kv.tables] for r in eng.scheduler.running], eng.kv.num_used())
+
+
+def as_before(eng: Engine, before: tuple) -> bool:
+    """Whether eng stands as `before` (standing()): settled alike, and where a step is still in
+    flight (the one launched before the failed call), its blocks too."""
+    now = standing(eng)
+    return now[0] == before[0] and (eng.overlap.inflight is None or now[1] == before[1])
+
+
+def arm_at_a_new_block(eng: Engine, done: dict) -> None:
+    """Steps until a step is in flight and the one after it needs a fresh block for some request."""
+    while not (eng.overlap.inflight is not None and any(
+            eng.kv.blocks_needed(r.kv, len(r.tokens) + 1) for r in eng.scheduler.running)):
+        done.update((o.request_id, o) for o in eng.step())
+
+
+class Once:
+    """Makes cls.name raise Interrupt on its next call once armed (after the real call with after=True)."""
+
+    def __init__(self, monkeypatch, cls, name: str, after: bool = False):
+        self.armed, real = False, getattr(cls, name)
+
+        def call(*args, **kw):
+            if not self.armed:
+                return real(*args, **kw)
+            self.armed = False
+            if after:
+                real(*args, **kw)
+            raise Interrupt(f"injected in {name}")
+
+        monkeypatch.setattr(cls, name, call)
+
+
+OVERLAP_FAULTS = {  # where: (class, method, after the real call)
+    "launching the next step, before its kernels": ("model", "__call__", False),
+    "launching the next step, after its kernels": ("model", "__call__", True),
+    "feeding the next step's tokens": ("feed", "__call__", False),
+    "awaiting the last step's tokens (Ctrl-C)": ("inflight", "tokens", False),
+}
+
+
+def overlapped_fault(monkeypatch, where: str) -> Once:
+    from deepfuse.runtime import overlap
+
+    what, name, after = OVERLAP_FAULTS[where]
+    cls = {"model": FailingModel, "feed": overlap.TokenFeed, "inflight": overlap.InFlight}[what]
+    return Once(monkeypatch, cls, name, after)
+
+
+@pytest.mark.parametrize("where", OVERLAP_FAULTS)
+def test_an_overlapped_step_that_fails_leaves_everything_as_it_was(tiny_art, monkeypatch, where):
+    """A fault while the next step is launched (or fed), or while the last one's tokens are awaited,
+    at a step that takes a fresh block: the requests, their tables and names, and the pool are as
+    before the call (the step ahead gave its block back); stepping on gives the synchronous
+    engine's tokens and prefix cache, and nothing leaks."""
+    prompts, params = [LONG, REPEATS, [1, 2, 3]], SamplingParams(temperature=0, max_tokens=14, ignore_eos=True)
+    sync = engine(tiny_art)
+    want = all_tokens(sync.generate(prompts, [params] * 3))
+    eng = engine(tiny_art, overlap=True)
+    eng.model = FailingModel(eng.model, lambda inputs: False)
+    fault = overlapped_fault(monkeypatch, where)
+    ids, done = [eng.add_request(p, params) for p in prompts], {}
+    arm_at_a_new_block(eng, done)
+    before = standing(eng)
+    fault.armed = True
+    with pytest.raises(Interrupt):
+        eng.step()
+    assert not fault.armed and as_before(eng, before)
+    while eng.has_unfinished():
+        done.update((o.request_id, o) for o in eng.step())
+    assert [[done[i].outputs[0].token_ids] for i in ids] == want
+    assert eng.stats.ahead_steps > 0
+    no_leaks(eng)
+    assert set(eng.kv.pool.by_name) == set(sync.kv.pool.by_name)
+
+
+def test_an_overlapped_first_step_whose_next_step_fails_is_undone(tiny_art, monkeypatch):
+    """The first call launches a step the scheduler chose, then the step ahead: that launch failing
+    rolls both back (the requests wait again, no block is held or named)."""
+    eng = engine(tiny_art, overlap=True)
+    calls = []
+    eng.model = FailingModel(eng.model, lambda inputs: calls.append(1) or len(calls) == 2)
+    ids = [eng.add_request(p, GREEDY) for p in (LONG, REPEATS)]
+    with pytest.raises(Interrupt):
+        eng.step()
+    assert [r.request_id for r in eng.scheduler.waiting] == ids and not eng.scheduler.running
+    assert eng.kv.num_used() == 0 and not eng.kv.pool.pending and not eng.kv.pool.by_name
+    done = {}
+    while eng.has_unfinished():
+        done.update((o.request_id, o) for o in eng.step())
+    assert [[done[i].outputs[0].token_ids] for i in ids] == all_tokens(engine(tiny_art).generate([LONG, REPEATS],
+                                                                                                 [GREEDY] * 2))
+    no_leaks(eng)
+
+
+@pytest.mark.parametrize("fault", ["on_token", "appending"])
+def test_a_fault_while_tokens_are_taken_leaves_the_synchronous_engines_state(tiny_art, monkeypatch, fault):
+    """on_token or appending a token raising while an overlapped step's tokens are given out: what
+    was taken stands and the step ahead never ran, so the engine stands as the synchronous one
+    does after the same fault."""
+    prompts, params = [LONG, REPEATS, [1, 2, 3]], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    states = {}
+    for overlap in (False, True):
+        eng = engine(tiny_art, overlap=overlap)
+
+        def hook(*args, count=[]):  # noqa: B006  (one list per engine: a new function each time)
+            count.append(1)
+            if len(count) == 14:  # the fifth step's second token
+                raise Interrupt("injected")
+
+        if fault == "appending":
+            monkeypatch.setattr(eng, "_append", lambda *a, real=eng._append, hook=hook: (hook(), real(*a)))
+        for p in prompts:
+            eng.add_request(p, params)
+        with pytest.raises(Interrupt):
+            while eng.has_unfinished():
+                eng.step(hook if fault == "on_token" else None)
+        assert eng.overlap is None or eng.overlap.inflight is None
+        states[overlap] = standing(eng)[0]
+        while eng.has_unfinished():
+            eng.step()
+        no_leaks(eng)
+    assert states[True] == states[False]
+
+
+def test_the_check_catches_an_ahead_step_that_keeps_its_blocks(tiny_art, monkeypatch):
+    """The state check has teeth: if a failed step ahead did not give its reserved block back, the
+    engine would not stand as before the call."""
+    from deepfuse.runtime import overlap
+
+    monkeypatch.setattr(overlap, "give_back", lambda eng, scheduled, before: None)
+    eng = engine(tiny_art, overlap=True)
+    eng.model = FailingModel(eng.model, lambda inputs: False)
+    fault = overlapped_fault(monkeypatch, "launching the next step, before its kernels")
+    for p in (LONG, REPEATS, [1, 2, 3]):
+        eng.add_request(p, SamplingParams(temperature=0, max_tokens=14, ignore_eos=True))
+    arm_at_a_new_block(eng, {})
+    before = standing(eng)
+    fault.armed = True
+    with pytest.raises(Interrupt):
+        eng.step()
+    assert eng.overlap.inflight is not None and not as_before(eng, before)

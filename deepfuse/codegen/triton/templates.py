@@ -135,7 +135,7 @@ def $NAME(q_ptr, cache_ptr, tables_ptr, lens_ptr, qlens_ptr, out_ptr, ${SINK_PAR
     q_start = tl.sum(tl.where(sidx < s, qlen_all, 0), axis=0)
     n_q = tl.load(qlens_ptr + s)
     length = tl.load(lens_ptr + s)
-    if qb * BQ < n_q:
+    if (qb * BQ < n_q) & (n_q > $QSPLIT):  # shorter sequences are split_kv.py's
         r = tl.arange(0, BQ * GP)
         qi = qb * BQ + r // GP
         hg = r % GP

@@ -15,9 +15,9 @@ tile ahead. Each program writes its partial softmax state per row: m (running ma
 exp) into ml[slot, head, part, 2] and the unnormalised acc into acc[slot, head, part, HD] (f32).
 Partitions past the sequence's keys (a short context) do nothing.
 
-reduce: one program per (sequence, head): folds the active partitions in order 0..n-1 (no
-atomics; starting from the sink logit with weight 1 when the model has sinks) and stores
-acc / l as the attention output.
+reduce: one program per (sequence, kv head), its rows packed as the split's: folds the active
+partitions in order 0..n-1 (no atomics; starting from the sink logit with weight 1 when the
+model has sinks) and stores acc / l as the attention output.
 
 Scratch rows are compact: slot = (query rows of the short sequences before this one) + qi, so
 ml/acc hold min(T, S*QSPLIT) x H x P x (HD + 2) f32.
@@ -100,14 +100,18 @@ $GEOMETRY    lo = start0 + part * per
 
 REDUCE = """
 @triton.jit
-def $NAME(ml_ptr, acc_ptr, lens_ptr, qlens_ptr, out_ptr, ${SINK_PARAM}S, QB: tl.constexpr, SMAX: tl.constexpr):
+def $NAME(ml_ptr, acc_ptr, lens_ptr, qlens_ptr, out_ptr, ${SINK_PARAM}S, QB: tl.constexpr, GP: tl.constexpr,
+          SMAX: tl.constexpr):
     s = tl.program_id(0)
-    head = tl.program_id(1)
+    hk = tl.program_id(1)
 $GEOMETRY    if short:
-        qi = tl.arange(0, QB)
-        ok = qi < n_q
+        r = tl.arange(0, QB * GP)
+        qi = r // GP
+        hg = r % GP
+        ok = (qi < n_q) & (hg < $G)
+        head = hk * $G + hg
         d = tl.arange(0, $HD)
-$INIT        acc = tl.zeros((QB, $HD), dtype=tl.float32)
+$INIT        acc = tl.zeros((QB * GP, $HD), dtype=tl.float32)
         for part in range(0, tl.cdiv(length - start0, per)):
             row = ((slot0 + qi).to(tl.int64) * $H + head) * $P + part
             m_p = tl.load(ml_ptr + row * 2, mask=ok, other=-1.0e30)
@@ -121,15 +125,15 @@ $INIT        acc = tl.zeros((QB, $HD), dtype=tl.float32)
             m_i = m_new
         o = acc / tl.where(ok, l_i, 1.0)[:, None]
         qrow = (q_start + qi).to(tl.int64)
-        tl.store(out_ptr + qrow[:, None] * $QW + head * $HD + d[None, :], o.to(out_ptr.dtype.element_ty),
+        tl.store(out_ptr + qrow[:, None] * $QW + head[:, None] * $HD + d[None, :], o.to(out_ptr.dtype.element_ty),
                  mask=ok[:, None])
 """
-INIT_EMPTY = """        m_i = tl.full((QB,), -1.0e30, dtype=tl.float32)
-        l_i = tl.zeros((QB,), dtype=tl.float32)
+INIT_EMPTY = """        m_i = tl.full((QB * GP,), -1.0e30, dtype=tl.float32)
+        l_i = tl.zeros((QB * GP,), dtype=tl.float32)
 """
 # the sink is one more logit of value zero: running max = sink, running sum = exp(0) = 1
-INIT_SINK = """        m_i = tl.zeros((QB,), dtype=tl.float32) + tl.load(sinks_ptr + head).to(tl.float32)
-        l_i = tl.full((QB,), 1.0, dtype=tl.float32)
+INIT_SINK = """        m_i = tl.load(sinks_ptr + head, mask=ok, other=0.0).to(tl.float32)
+        l_i = tl.full((QB * GP,), 1.0, dtype=tl.float32)
 """
 
 
@@ -143,6 +147,8 @@ def sizing(node: Node, arch: str) -> dict:
     a = node.attrs
     g = a["num_heads"] // a["num_kv_heads"]
     tiles = tiles_for(arch, "attention_decode", node)
+    if "num_warps" in tiles and a["head_dim"] >= 128:  # an f32 [rows, HD] acc: twice the threads to hold it
+        tiles["num_warps"] = max(tiles["num_warps"], 8)
     gp = pow2(g)
     bq = max(1, tiles["rows"] // gp)
     return {"G": g, "GP": gp, "BQ": bq, "QSPLIT": min(bq, QSPLIT_MAX), "KT": tiles["keys"],
@@ -179,8 +185,11 @@ def emit_split_kv(node: Node, name: str, arch: str, source, spec, ptr, bs: int, 
     tiles = z["tiles"]
     split = spec(name + "_split", split_src, split_params, {"BQ": z["BQ"], "GP": z["GP"], "SMAX": smax},
                  [["shape", 6, 0], hkv, z["P"]], tiles)
+    split["sizing"] = {"partitions": z["P"], "keys": z["KT"], "short": z["QSPLIT"]}  # for occupancy.py
     rows = ["min", ["shape", 0, 0], ["mul", ["shape", 6, 0], z["QSPLIT"]]]
     split["scratch"] = [{"dims": [rows, h * z["P"] * 2], "dtype": "f32"}, {"dims": [rows, h * z["P"] * hd], "dtype": "f32"}]
-    reduce = spec(reduce_name, reduce_src, reduce_params, {"QB": pow2(z["QSPLIT"]), "SMAX": smax},
-                  [["shape", 6, 0], h, 1], {"num_warps": 4, "num_stages": 1})
+    qb = pow2(z["QSPLIT"])
+    warps = min(16, max(4, qb * z["GP"] * hd // 1024))  # at most 32 f32 of the acc tile per thread
+    reduce = spec(reduce_name, reduce_src, reduce_params, {"QB": qb, "GP": z["GP"], "SMAX": smax},
+                  [["shape", 6, 0], hkv, 1], {"num_warps": warps, "num_stages": 1})
     return [split, reduce]

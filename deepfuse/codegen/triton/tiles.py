@@ -10,7 +10,7 @@ and the step's rows its N side, plus a fixed split of K); larger ones `gemm`. Ev
 bucket gets the same tiles and split, so a row's sums are formed in the same order at any M
 <= DECODE_ROWS. `attention_decode` is split_kv.py's: `rows` per q tile, `keys` per key tile.
 SMS: the streaming multiprocessors the split sizes aim to fill (H100/H200: 132, B200: 148;
-the interpreter's 16 only makes the tests split).
+the interpreter's 8 only makes the tests split).
 """
 from __future__ import annotations
 
@@ -29,10 +29,10 @@ TILES: dict[str, dict[str, dict]] = {
               "attention_decode": {"rows": 128, "keys": 64, "num_warps": 8, "num_stages": 2},
               "attention": {"rows": 128, "block_size": 16, "num_warps": 8, "num_stages": 2},
               "row": {"num_warps": 4, "num_stages": 1}},
-    "interpret": {"gemm": {"BM": 16, "BN": 32, "BK": 32}, "gemm_decode": {"BM": 16, "BN": 16, "BK": 16},
+    "interpret": {"gemm": {"BM": 16, "BN": 32, "BK": 32}, "gemm_decode": {"BM": 16, "BN": 32, "BK": 32},
                   "attention": {"rows": 16, "block_size": 16}, "attention_decode": {"rows": 16, "keys": 32}, "row": {}},
 }
-SMS = {"sm90": 132, "sm100": 148, "interpret": 16}
+SMS = {"sm90": 132, "sm100": 148, "interpret": 8}
 DECODE_ROWS = 64
 
 # hooks(arch, kind, node) -> overrides or None, tried in order: an autotuner plugs in here

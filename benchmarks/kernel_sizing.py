@@ -1,7 +1,8 @@
 """Decode kernels sized for their shapes, checked on a CPU-only machine (no GPU runs here):
 the CTAs each decode launch of an sm90 / sm100 plan starts at 1, 16 and 64 sequences against
-the SM count (132 for H100/H200, 148 for B200), and, for the kernels of those launches compiled
-ahead of time, the tensor-core MMA, registers and spills (ptxas -v) and global load widths.
+the SM count (132 for H100/H200, 148 for B200), and, for the kernels of those launches (and the
+one-pass prefill attention) compiled ahead of time, the tensor-core MMA, registers and spills
+(ptxas -v) and global load widths.
 
     python benchmarks/kernel_sizing.py [--models smollm2,mixtral] [--archs sm90,sm100] [--context 512]
                                        [--out PATH]   # default benchmarks/results/kernel_sizing.json
@@ -66,8 +67,9 @@ def measure(kind: str, arch: str, context: int) -> dict:
     plan = build_plan(g, arch)
     launches = {s: decode_launches(plan, s, context) for s in SEQS}
     names = {r["kernel"] for rows in launches.values() for r in rows}
+    # and the one-pass attention (prefill chunks), whose loads the tables show too
     specs = {spec["name"]: (spec, p["node"]) for p in plan["launches"] for spec in p.get("kernels", [])
-             if spec["name"] in names}
+             if spec["name"] in names or p["op"] == "qkv_attention"}
     files = compile_all(list(specs.values()), arch)
     kernels = {}
     for name in sorted(specs):

@@ -72,6 +72,9 @@ def test_new_kernels_read_every_operand_in_vectors(sizing):
                 scalar = set(loads) - vector - {"ld.global.b64"}
                 allowed = {"ld.global.b32"} if name.startswith("reduce_qkv_attention") else set()
                 assert scalar <= allowed, (arch, name, loads)
+            # the one-pass (prefill) attention reads V through its own pointer too: no element loads
+            (one_pass,) = [k for n, k in r["kernels"].items() if n.startswith("qkv_attention_") and n.count("_") == 2]
+            assert scalar_loads(one_pass["loads"]) == 0 and one_pass["mma"] == MMA[arch], one_pass
 
 
 def test_decode_gemms_and_attention_fill_the_sms_at_64_sequences(sizing):

@@ -153,13 +153,13 @@ def emit_qkv_attention(node: Node, name: str, arch: str) -> list[dict]:
                   WINDOW=a.get("window", 0), SINK_PARAM="sinks_ptr, " if sinks else "",
                   SOFTMAX_INIT=T.SOFTMAX_SINK if sinks else T.SOFTMAX_EMPTY)
     att_params = [("q_ptr", PTR[qkv.dtype], ["tmp", 0]), ("cache_ptr", PTR[cache.dtype], ["in", 2]),
-                  ("tables_ptr", PTR[tables.dtype], ["in", 4]), ("lens_ptr", PTR[lens.dtype], ["in", 5]),
-                  ("qlens_ptr", PTR[qlens.dtype], ["in", 6]), ("out_ptr", _ptr(node, "out", 0), ["out", 0])]
+                  ("v_ptr", PTR[cache.dtype], ["index", 2, 1]), ("tables_ptr", PTR[tables.dtype], ["in", 4]),
+                  ("lens_ptr", PTR[lens.dtype], ["in", 5]), ("qlens_ptr", PTR[qlens.dtype], ["in", 6]),
+                  ("out_ptr", _ptr(node, "out", 0), ["out", 0])]
     if sinks:
         last = len(node.inputs) - 1
         att_params.append(("sinks_ptr", _ptr(node, "in", last), ["in", last]))
-    att_params += [("S", "i32", ["shape", 6, 0]), ("table_stride", "i32", ["stride", 4, 0]),
-                   ("v_off", "i64", ["half_numel", 2])]
+    att_params += [("S", "i32", ["shape", 6, 0]), ("table_stride", "i32", ["stride", 4, 0])]
     att_spec = _spec(name, att, att_params, {"BQ": bq, "GP": gp, "SMAX": SMAX},
                      [["shape", 6, 0], hkv, ["cdiv", ["shape", 0, 0], bq]], att_tiles)
     att_spec["requires"] = [[2, 2, bs, "KV-cache block size"], [6, 0, SMAX, "sequences per step (at most)"]]

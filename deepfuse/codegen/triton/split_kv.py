@@ -22,6 +22,8 @@ model has sinks) and stores acc / l as the attention output.
 Scratch rows are compact: slot = (query rows of the short sequences before this one) + qi, so
 ml/acc hold min(T, S*QSPLIT) x H x P x (HD + 2) f32.
 Assumes every sequence of a step has at least one query (so T == S means one query each).
+Checked in Triton's interpreter (tests/codegen/test_triton_split_kv.py) and compiled for sm_90a
+and sm_100a here (test_triton_sizing.py); not yet run on a GPU.
 """
 from __future__ import annotations
 

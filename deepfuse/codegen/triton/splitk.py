@@ -12,6 +12,8 @@ partial tile into part[k, M, N]; the reduce kernel adds part[0], part[1], ... in
 stores y through the template's store slot, where a generated epilogue renders (epilogue.py).
 No atomics. W8A8 GEMMs keep the one template kernel at every M (emit.py): their f32 sums of
 exact group dots must stay in the reference's order, which a split would change.
+Checked in Triton's interpreter (tests/codegen/test_triton_splitk.py) and compiled for sm_90a
+and sm_100a here (test_triton_sizing.py); not yet run on a GPU.
 """
 from __future__ import annotations
 

@@ -75,9 +75,10 @@ def reference(g, ins: dict) -> torch.Tensor:
     return interpret(g, {k: v.clone() for k, v in ins.items()})[0]
 
 
-# (queries, length): a decode shorter than one partition, a verify chunk of 4, one decode at a
-# partition's edge and one over many partitions, a 20-token prefill chunk (the one-pass kernel's)
-MIXED = [(1, 5), (4, 100), (1, 32), (1, 300), (20, 20)]
+# (queries, length): a decode shorter than one partition, a verify chunk of 4, one decode of
+# exactly one key tile and one over several partitions of several tiles (interpreter: 64-key
+# tiles, 4 partitions with 2 kv heads), a 20-token prefill chunk (the one-pass kernel's)
+MIXED = [(1, 5), (4, 100), (1, 64), (1, 300), (20, 20)]
 
 
 @pytest.mark.parametrize("h,hkv,hd,window,sinks", [(6, 2, 16, 0, False), (8, 2, 32, 40, False), (4, 4, 16, 0, True),

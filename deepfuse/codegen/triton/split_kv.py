@@ -35,17 +35,19 @@ from .tiles import SMS, tiles_for
 MAX_PARTITIONS = 16
 QSPLIT_MAX = 8  # the most queries of a sequence attended here: a verify chunk of up to 7 drafts
 
-# where this sequence's rows start (in q/out and in the scratch), its keys and partitions
-GEOMETRY = """    sidx = tl.arange(0, SMAX)
-    qlen_all = tl.load(qlens_ptr + sidx, mask=sidx < S, other=0)
-    before = sidx < s
-    q_start = tl.sum(tl.where(before, qlen_all, 0), axis=0)
-    slot0 = tl.sum(tl.where(before & (qlen_all <= $QSPLIT), qlen_all, 0), axis=0)
-    n_q = tl.load(qlens_ptr + s)
+# this sequence's keys and partitions (what a program needs to know whether it has work)
+GEOMETRY = """    n_q = tl.load(qlens_ptr + s)
     length = tl.load(lens_ptr + s)
 $START    start0 = (start0 // $BS) * $BS
     per = tl.cdiv(tl.cdiv(length - start0, $P), $KT) * $KT
     short = (n_q > 0) & (n_q <= $QSPLIT)
+"""
+# where its rows start in q/out (q_start) and in the scratch (slot0: short sequences' rows only)
+ROWS = """        sidx = tl.arange(0, SMAX)
+        qlen_all = tl.load(qlens_ptr + sidx, mask=sidx < S, other=0)
+        before = sidx < s
+        q_start = tl.sum(tl.where(before, qlen_all, 0), axis=0)
+        slot0 = tl.sum(tl.where(before & (qlen_all <= $QSPLIT), qlen_all, 0), axis=0)
 """
 START_FULL = "    start0 = length * 0\n"
 START_WINDOW = "    start0 = tl.maximum(length - n_q - $WINDOW + 1, 0)\n"
@@ -59,7 +61,7 @@ def $NAME(q_ptr, cache_ptr, v_ptr, tables_ptr, lens_ptr, qlens_ptr, ml_ptr, acc_
     part = tl.program_id(2)
 $GEOMETRY    lo = start0 + part * per
     if short & (lo < length):
-        r = tl.arange(0, BQ * GP)
+$ROWS        r = tl.arange(0, BQ * GP)
         qi = r // GP
         hg = r % GP
         row_ok = (qi < n_q) & (hg < $G)
@@ -107,7 +109,7 @@ def $NAME(ml_ptr, acc_ptr, lens_ptr, qlens_ptr, out_ptr, ${SINK_PARAM}S, QB: tl.
     s = tl.program_id(0)
     hk = tl.program_id(1)
 $GEOMETRY    if short:
-        r = tl.arange(0, QB * GP)
+$ROWS        r = tl.arange(0, QB * GP)
         qi = r // GP
         hg = r % GP
         ok = (qi < n_q) & (hg < $G)
@@ -168,9 +170,9 @@ def emit_split_kv(node: Node, name: str, arch: str, source, spec, ptr, bs: int, 
     common = dict(G=z["G"], HD=hd, QW=qw, HKV=hkv, H=h, BS=bs, KT=z["KT"], P=z["P"], QSPLIT=z["QSPLIT"],
                   WINDOW=window, SCALE=repr(float(a["scale"])))
     geometry = GEOMETRY.replace("$START", START_WINDOW if window > 0 else START_FULL)
-    split_src = source(name + "_split", SPLIT, GEOMETRY=geometry, **common)
+    split_src = source(name + "_split", SPLIT, GEOMETRY=geometry, ROWS=ROWS, **common)
     reduce_name = "reduce_" + name  # not an MMA kernel: its name does not start with the op's
-    reduce_src = source(reduce_name, REDUCE, GEOMETRY=geometry, INIT=INIT_SINK if sinks else INIT_EMPTY,
+    reduce_src = source(reduce_name, REDUCE, GEOMETRY=geometry, ROWS=ROWS, INIT=INIT_SINK if sinks else INIT_EMPTY,
                         SINK_PARAM="sinks_ptr, " if sinks else "", **common)
     seq = [("lens_ptr", ptr("in", 5), ["in", 5]), ("qlens_ptr", ptr("in", 6), ["in", 6])]
     scratch = [("ml_ptr", "*fp32", ["tmp", 1]), ("acc_ptr", "*fp32", ["tmp", 2])]

@@ -30,7 +30,7 @@ TILES: dict[str, dict[str, dict]] = {
               "attention": {"rows": 128, "block_size": 16, "num_warps": 8, "num_stages": 2},
               "row": {"num_warps": 4, "num_stages": 1}},
     "interpret": {"gemm": {"BM": 16, "BN": 32, "BK": 32}, "gemm_decode": {"BM": 16, "BN": 32, "BK": 32},
-                  "attention": {"rows": 16, "block_size": 16}, "attention_decode": {"rows": 16, "keys": 32}, "row": {}},
+                  "attention": {"rows": 16, "block_size": 16}, "attention_decode": {"rows": 16, "keys": 64}, "row": {}},
 }
 SMS = {"sm90": 132, "sm100": 148, "interpret": 8}
 DECODE_ROWS = 64

@@ -102,13 +102,14 @@ def test_grid_and_arguments_are_bound_from_the_step(model):
     g, _ = PassManager(get_target("sm100").pipeline()).run(trace_model(model))
     plan = build_plan(g, "sm100")
     att = next(p for p in plan["launches"] if p["op"] == "qkv_attention")
-    rope, attend = att["kernels"]
+    rope, attend, split, reduce = att["kernels"]  # split + reduce: split_kv.py's, for short sequences
     ins = [torch.empty(22, 1), None, torch.empty(2, 8, 16, 2, 16), None, torch.empty(3, 4, dtype=torch.int64),
            None, torch.empty(3)]
     assert grid_of(rope, ins, [], []) == (22, 1, 1)
     bq = attend["constexprs"]["BQ"]
     assert bq * attend["constexprs"]["GP"] == 128 and grid_of(attend, ins, [], []) == (3, 2, -(-22 // bq))
     assert att["tmps"][0]["shape"][0] == "T"
+    assert grid_of(split, ins, [], []) == (3, 2, 16) and grid_of(reduce, ins, [], []) == (3, 2, 1)
 
 
 MMA_KERNELS = ("linear_", "logits_", "swiglu_linear_", "rms_norm_linear_", "add_rms_norm_linear_", "qkv_attention_")

@@ -75,8 +75,10 @@ def test_triton_epilogue_replaces_the_gemm_store(dtype):
     g = graph(dtype)
     f = deepfuse.compile(g, target="sm90")
     assert f.launches == [{"op": "with_epilogue", "kind": "template+generated", "ops": ["linear", "add", "mul"]}]
-    (spec,) = f.plan["launches"][0]["kernels"]
+    spec, *decode = f.plan["launches"][0]["kernels"]  # decode: splitk.py's GEMM and reduce, up to 64 rows
     assert "tl.dot" in spec["source"] and "tl.store(y_ptr" not in spec["source"]
+    assert [k["name"].startswith("reduce_") for k in decode] == [False, True]
+    assert "tl.store(y_ptr" not in decode[1]["source"] and "tl.store(part_ptr" in decode[0]["source"]
     ins = inputs(dtype, rows=37)
     want = interpret(g, ins)[0]
     tol = 1e-4 if dtype == "f32" else 2e-2  # the GEMM's own f32 sum order

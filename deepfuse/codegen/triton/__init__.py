@@ -23,8 +23,9 @@ def build_plan(g: Graph, arch: str) -> dict:
         p["kernels"] = named(n, EMITTERS[n.op](n, PLACEHOLDER, arch))
         if n.op in PREPARE:
             p["prepare"] = {"fn": PREPARE[n.op], "block": p["kernels"][0]["constexprs"]["BM"]}
-        if n.op == "qkv_attention":
-            p["tmps"] = [{"shape": [n.inputs[0].type.shape[0], n.attrs["sizes"][0]], "dtype": n.inputs[0].type.dtype}]
+        tmps = [t for spec in p["kernels"] for t in spec.pop("scratch", [])]
+        if tmps:  # each kernel's scratch, in kernel order: ["tmp", j] is the j-th
+            p["tmps"] = tmps
     return plan
 
 

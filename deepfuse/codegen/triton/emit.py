@@ -4,8 +4,15 @@ A spec is data (JSON): the runner binds its `args` to the launch's tensors and t
 compiles its `source` for sm90/sm100. Argument forms:
     ["in", i] / ["out", j] / ["tmp", j]    a node input / output / per-launch scratch tensor
     ["shape", i, axis] / ["stride", i, axis] / ["half_numel", i]   ints read off input i
+    ["index", i, j]                         input i's j-th slice (the cache's v half, cache[1])
     ["tmp_shape", j, axis]                  an int read off scratch tensor j
+    ["min", a, b] / ["mul", a, b]          sizes (a, b: ints or forms)
 Grid entries: an int, an argument form above, or ["cdiv", form, block].
+`when`: [op, form, form] (op: le, gt, ne): the runner launches the kernel only when it holds for
+the step's shapes (GEMMs: the decode tiles up to DECODE_ROWS rows, splitk.py; attention: the
+one-pass kernel unless every sequence has one query, split_kv.py). `scratch` (emit-time only):
+the kernel's scratch tensors, which build_plan collects into the launch's `tmps` in kernel
+order, each with a symbolic `shape` or `dims` of forms.
 `requires`: [input, axis, n, what]: the kernel was built for input.shape[axis] == n (or <= n
 for "at most"); the runner refuses a step that breaks it, naming `what`.
 Ops without an emitter run their torch reference on the device (the plan says which).
@@ -23,7 +30,9 @@ from .epilogue import emit_with_epilogue
 from .generated import emit_kernel, renderable, with_helpers
 from .prologue import PROLOGUES
 from .prologue import render as render_prologue
-from .tiles import tiles_for
+from .split_kv import emit_split_kv, sizing
+from .splitk import emit_decode
+from .tiles import DECODE_ROWS, tiles_for
 
 PTR = {"f32": "*fp32", "bf16": "*bf16", "f16": "*fp16", "i32": "*i32", "i64": "*i64", "u8": "*u8"}
 SMAX = 256  # most sequences a step may hold (logits, attention read query_lens whole)
@@ -94,20 +103,25 @@ def emit_gemm(node: Node, name: str, arch: str) -> list[dict]:
     else:
         params += weight
     sig = ", ".join(p for p, _, _ in params)
-    src = _source(name, T.GEMM, STORE=T.GEMM_STORE, PARAMS=sig, ROWS=rows, PRE=pre, LOAD_A=load,
-                  LOAD_B=T.LOAD_B_Q4 if q4 else T.LOAD_B_W8 if w8 else T.LOAD_B_DENSE,
-                  DOT=T.DOT_W8A8 if w8 else T.DOT, FINISH=T.FINISH_W8A8 if w8 else "",
-                  K=k, N=n, XW=xw, G=node.attrs.get("group_size", 1), EXTRA=", SMAX: tl.constexpr" if "SMAX" in consts else "")
-    src = with_helpers(src)
+    parts = dict(PARAMS=sig, ROWS=rows, PRE=pre, LOAD_A=load, LOAD_B=T.LOAD_B_Q4 if q4 else T.LOAD_B_W8 if w8 else
+                 T.LOAD_B_DENSE, DOT=T.DOT_W8A8 if w8 else T.DOT, FINISH=T.FINISH_W8A8 if w8 else "",
+                 K=k, N=n, XW=xw, G=node.attrs.get("group_size", 1),
+                 EXTRA=", SMAX: tl.constexpr" if "SMAX" in consts else "")
+    src = with_helpers(_source(name, T.GEMM, STORE=T.GEMM_STORE, **parts))
     out = len(node.outputs) - 1
     params.append(("y_ptr", _ptr(node, "out", out), ["out", out]))
+    # up to DECODE_ROWS rows, splitk.py's kernels; W8A8 keeps this one (its sums' order is the reference's)
+    decode = [] if w8 else emit_decode(name, parts, params, m, tiles_for(arch, "gemm_decode", node), arch, _source,
+                                       _spec)
     params.append(("M", "i32", m))
     grid = [["cdiv", m, consts["BM"]], ["cdiv", ["const", n], consts["BN"]], 1]
     spec = _spec(name, src, params, consts, grid, tiles)
     spec["requires"] = requires
+    if decode:
+        spec["when"] = ["gt", m, DECODE_ROWS]
     if w8:
         spec["fp_fusion"] = False  # acc + dot * d rounds twice, as the reference's (no fma)
-    return [spec]
+    return [spec, *decode]
 
 
 def emit_qkv_attention(node: Node, name: str, arch: str) -> list[dict]:
@@ -134,21 +148,26 @@ def emit_qkv_attention(node: Node, name: str, arch: str) -> list[dict]:
     att_tiles = tiles_for(arch, "attention", node)
     gp = pow2(g)
     bq = max(1, att_tiles["rows"] // gp)
-    att = _source(name, T.PAGED_ATTENTION, G=g, HD=hd, QW=qw, HKV=hkv, BS=bs, SCALE=repr(float(a["scale"])),
+    qsplit = sizing(node, arch)["QSPLIT"]  # sequences of at most this many queries: split_kv.py's
+    att = _source(name, T.PAGED_ATTENTION, G=g, HD=hd, QW=qw, HKV=hkv, BS=bs, SCALE=repr(float(a["scale"])), QSPLIT=qsplit,
                   WINDOW=a.get("window", 0), SINK_PARAM="sinks_ptr, " if sinks else "",
                   SOFTMAX_INIT=T.SOFTMAX_SINK if sinks else T.SOFTMAX_EMPTY)
     att_params = [("q_ptr", PTR[qkv.dtype], ["tmp", 0]), ("cache_ptr", PTR[cache.dtype], ["in", 2]),
-                  ("tables_ptr", PTR[tables.dtype], ["in", 4]), ("lens_ptr", PTR[lens.dtype], ["in", 5]),
-                  ("qlens_ptr", PTR[qlens.dtype], ["in", 6]), ("out_ptr", _ptr(node, "out", 0), ["out", 0])]
+                  ("v_ptr", PTR[cache.dtype], ["index", 2, 1]), ("tables_ptr", PTR[tables.dtype], ["in", 4]),
+                  ("lens_ptr", PTR[lens.dtype], ["in", 5]), ("qlens_ptr", PTR[qlens.dtype], ["in", 6]),
+                  ("out_ptr", _ptr(node, "out", 0), ["out", 0])]
     if sinks:
         last = len(node.inputs) - 1
         att_params.append(("sinks_ptr", _ptr(node, "in", last), ["in", last]))
-    att_params += [("S", "i32", ["shape", 6, 0]), ("table_stride", "i32", ["stride", 4, 0]),
-                   ("v_off", "i64", ["half_numel", 2])]
+    att_params += [("S", "i32", ["shape", 6, 0]), ("table_stride", "i32", ["stride", 4, 0])]
     att_spec = _spec(name, att, att_params, {"BQ": bq, "GP": gp, "SMAX": SMAX},
                      [["shape", 6, 0], hkv, ["cdiv", ["shape", 0, 0], bq]], att_tiles)
     att_spec["requires"] = [[2, 2, bs, "KV-cache block size"], [6, 0, SMAX, "sequences per step (at most)"]]
-    return [_spec(name + "_rope", rope, rope_params, {}, [["shape", 0, 0], 1, 1], rope_tiles), att_spec]
+    att_spec["when"] = ["ne", ["shape", 0, 0], ["shape", 6, 0]]  # T == S: one query each, all split_kv's
+    rope_spec = _spec(name + "_rope", rope, rope_params, {}, [["shape", 0, 0], 1, 1], rope_tiles)
+    rope_spec["scratch"] = [{"shape": [qkv.shape[0], qw], "dtype": qkv.dtype}]
+    split = emit_split_kv(node, name, arch, _source, _spec, lambda kind, i: _ptr(node, kind, i), bs, SMAX)
+    return [rope_spec, att_spec, *split]
 
 
 def emit_fused_moe(node: Node, name: str, arch: str) -> list[dict]:

@@ -29,13 +29,12 @@ def emit_with_epilogue(node: Node, name: str, arch: str) -> list[dict]:
     from .emit import EMITTERS
 
     inner, epi, y = split_epilogue(node)
-    (spec,) = EMITTERS[inner.op](inner, name, arch)
+    specs = EMITTERS[inner.op](inner, name, arch)
     k = Kernel.from_json(node.attrs["kernel"])
     feeds, n_inner = node.attrs["feeds"], node.attrs["n_inner"]
     n = y.type.shape[1]
     fed = k.inputs[feeds].name
-    params = {b.name: f"e{i}" for i, b in enumerate(k.buffers) if b.name != fed}
-    body = _Body(k, params)
+    body = _Body(k, {b.name: f"e{i}" for i, b in enumerate(k.buffers) if b.name != fed})
     for ins in k.body:
         if ins.op == "load" and ins.attrs["buf"] == fed:
             acc = "acc" if y.type.dtype == "f32" else \
@@ -45,10 +44,18 @@ def emit_with_epilogue(node: Node, name: str, arch: str) -> list[dict]:
             body.instr(ins, 1)
     code = Template(TILE).substitute(N=n) + "\n".join(body.lines) + "\n"
     store = Template(T.GEMM_STORE).substitute(N=n)
-    src = spec["source"]
-    if store not in src:
+    if not any(store in spec["source"] for spec in specs):
         raise ValueError(f"{inner.op}'s template has no store slot for an epilogue")
-    src = src.replace(store, code)
+    return [with_epilogue(spec, store, code, k, feeds, n_inner) if store in spec["source"] else spec
+            for spec in specs]
+
+
+def with_epilogue(spec: dict, store: str, code: str, k: Kernel, feeds: int, n_inner: int) -> dict:
+    """One GEMM kernel (the template, or splitk.py's decode GEMM or reduce) with the epilogue's
+    code in place of its y store."""
+    fed = k.inputs[feeds].name
+    params = {b.name: f"e{i}" for i, b in enumerate(k.buffers) if b.name != fed}
+    src = spec["source"].replace(store, code)
     src = src.replace("y_ptr, M,", "y_ptr, " + "".join(f"{p}, " for p in params.values()) + "M,", 1)
     src = with_helpers(src)
     ins_of = {b.name: i for i, b in enumerate(k.inputs)}
@@ -69,4 +76,4 @@ def emit_with_epilogue(node: Node, name: str, arch: str) -> list[dict]:
                     sig[params[b.name]] = PTR[b.dtype]
                     args.append(form(b))
     sig |= {c: "constexpr" for c in spec["constexprs"]}
-    return [{**spec, "source": src, "signature": sig, "args": args}]
+    return {**spec, "source": src, "signature": sig, "args": args}

@@ -157,9 +157,26 @@ def bind(form, ins: list[torch.Tensor], outs: list[torch.Tensor], tmps: list[tor
         return ins[form[1]].stride(form[2])
     if kind == "half_numel":
         return ins[form[1]].numel() // 2
+    if kind == "index":
+        return ins[form[1]][form[2]]
     if kind == "const":
         return form[1]
+    if kind in ("min", "mul"):  # scratch sizes: min(a, b), a * b (each an int or a form)
+        a, b = (f if isinstance(f, int) else bind(f, ins, outs, tmps) for f in form[1:])
+        return min(a, b) if kind == "min" else a * b
     raise ValueError(f"unknown argument form {form!r}")
+
+
+COMPARE = {"le": lambda a, b: a <= b, "gt": lambda a, b: a > b, "ne": lambda a, b: a != b}
+
+
+def launched(spec: dict, ins: list[torch.Tensor]) -> bool:
+    """Whether the launch runs this kernel: its `when` [op, form, form] (emit.py) holds for
+    the step's shapes (no device value is read)."""
+    if "when" not in spec:
+        return True
+    op, a, b = spec["when"]
+    return COMPARE[op](*(f if isinstance(f, int) else bind(f, ins, [], []) for f in (a, b)))
 
 
 def grid_of(spec: dict, ins, outs, tmps) -> tuple[int, int, int]:
@@ -250,13 +267,12 @@ class TritonRunner:
     def _run(self, p: dict, kernels, ins: list[torch.Tensor]) -> list[torch.Tensor]:
         shapes = sizes_of(p["out_shape"], ins, p["in_shape"])
         outs = [torch.empty(s, dtype=DTYPES[d], device=self.device) for s, d in zip(shapes, p["out_dtype"])]
+        kernels = [(spec, fn) for spec, fn in kernels if launched(spec, ins)]
         if "prepare" in p:
             prep = dict(p["prepare"])
             tmps = PREPARE[prep.pop("fn")](ins, p["attrs"], **prep)
         else:
-            tmp_shapes = sizes_of([t["shape"] for t in p.get("tmps", [])], ins, p["in_shape"])
-            tmps = [torch.empty(s, dtype=DTYPES[t["dtype"]], device=self.device)
-                    for s, t in zip(tmp_shapes, p.get("tmps", []))]
+            tmps = self._scratch(p, kernels, ins)
         for spec, fn in kernels:
             for i, axis, n, what in spec.get("requires", []):
                 got = ins[i].shape[axis]
@@ -279,3 +295,19 @@ class TritonRunner:
         else:
             fn[grid](*args, **spec["constexprs"], num_warps=spec["num_warps"], num_stages=spec["num_stages"],
                      enable_fp_fusion=spec.get("fp_fusion", True))
+
+    def _scratch(self, p: dict, kernels, ins: list[torch.Tensor]) -> list[torch.Tensor | None]:
+        """The launch's scratch tensors that its launched kernels use (None for the others): a
+        `shape` of the graph's symbols, or `dims` of argument forms."""
+        used = {f[1] for spec, _ in kernels for f in spec["args"] if f[0] == "tmp"}
+        tmps: list[torch.Tensor | None] = []
+        for j, t in enumerate(p.get("tmps", [])):
+            if j not in used:
+                tmps.append(None)
+                continue
+            if "dims" in t:
+                shape = [d if isinstance(d, int) else bind(d, ins, [], []) for d in t["dims"]]
+            else:
+                shape = sizes_of([t["shape"]], ins, p["in_shape"])[0]
+            tmps.append(torch.empty(shape, dtype=DTYPES[t["dtype"]], device=self.device))
+        return tmps

@@ -3,7 +3,8 @@ RoPE theta, head counts: compile-time constants of that node) and from the targe
 table (BM/BN/BK...). Every kernel accumulates in fp32 and stores in its output's dtype.
 
 Layouts: activations row-major [rows, width]; projection weights [N, K] (as in `linear`);
-the paged cache [2, num_blocks, block_size, Hkv, hd] contiguous (v at offset `v_off`).
+the paged cache [2, num_blocks, block_size, Hkv, hd] contiguous (v at offset `v_off`; attention
+reads v through its own pointer, cache[1], so that V rows load as 16-byte vectors).
 """
 from __future__ import annotations
 
@@ -125,7 +126,7 @@ HEAD_NORM = """        rstd = 1.0 / tl.sqrt((tl.sum(x1 * x1, axis=0) + tl.sum(x2
 # starts the online softmax: empty, or (with learned sinks) at the sink logit with weight 1.
 PAGED_ATTENTION = """
 @triton.jit
-def $NAME(q_ptr, cache_ptr, tables_ptr, lens_ptr, qlens_ptr, out_ptr, ${SINK_PARAM}S, table_stride, v_off,
+def $NAME(q_ptr, cache_ptr, v_ptr, tables_ptr, lens_ptr, qlens_ptr, out_ptr, ${SINK_PARAM}S, table_stride,
           BQ: tl.constexpr, GP: tl.constexpr, SMAX: tl.constexpr):
     s = tl.program_id(0)
     hk = tl.program_id(1)
@@ -135,7 +136,7 @@ def $NAME(q_ptr, cache_ptr, tables_ptr, lens_ptr, qlens_ptr, out_ptr, ${SINK_PAR
     q_start = tl.sum(tl.where(sidx < s, qlen_all, 0), axis=0)
     n_q = tl.load(qlens_ptr + s)
     length = tl.load(lens_ptr + s)
-    if qb * BQ < n_q:
+    if (qb * BQ < n_q) & (n_q > $QSPLIT):  # shorter sequences are split_kv.py's
         r = tl.arange(0, BQ * GP)
         qi = qb * BQ + r // GP
         hg = r % GP
@@ -156,7 +157,7 @@ $SOFTMAX_INIT        acc = tl.zeros((BQ * GP, $HD), dtype=tl.float32)
             kpos = start + kb
             base = ((blk * $BS + kb) * $HKV + hk) * $HD
             kt = tl.load(cache_ptr + base[None, :] + d[:, None])
-            v = tl.load(cache_ptr + v_off + base[:, None] + d[None, :])
+            v = tl.load(v_ptr + base[:, None] + d[None, :])
             scores = tl.dot(q, kt) * $SCALE
             seen = (kpos[None, :] <= pos[:, None]) & (kpos[None, :] < length)
             if $WINDOW > 0:

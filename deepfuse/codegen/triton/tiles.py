@@ -3,6 +3,14 @@
 `interpret` is for Triton's CPU interpreter (small tiles: it runs every lane in numpy).
 sm90 (Hopper) wgmma wants M tiles of 64 per warpgroup; sm100 (Blackwell) tcgen05 MMAs are
 128 rows. `rows` is the attention program's query rows (query block x padded GQA group).
+
+By M bucket: a GEMM of at most DECODE_ROWS rows (the decode buckets 1, 2, 4, 8, 16, ..., 64)
+takes `gemm_decode` (splitk.py: operands swapped, so the weight's rows fill the MMA's M side
+and the step's rows its N side, plus a fixed split of K); larger ones `gemm`. Every decode
+bucket gets the same tiles and split, so a row's sums are formed in the same order at any M
+<= DECODE_ROWS. `attention_decode` is split_kv.py's: `rows` per q tile, `keys` per key tile.
+SMS: the streaming multiprocessors the split sizes aim to fill (H100/H200: 132, B200: 148;
+the interpreter's 8 only makes the tests split).
 """
 from __future__ import annotations
 
@@ -12,13 +20,20 @@ from ...ir import Node
 
 TILES: dict[str, dict[str, dict]] = {
     "sm90": {"gemm": {"BM": 64, "BN": 128, "BK": 64, "num_warps": 4, "num_stages": 3},
+             "gemm_decode": {"BM": 64, "BN": 64, "BK": 32, "num_warps": 4, "num_stages": 3},
+             "attention_decode": {"rows": 64, "keys": 64, "num_warps": 4, "num_stages": 2},
              "attention": {"rows": 64, "block_size": 16, "num_warps": 4, "num_stages": 2},
              "row": {"num_warps": 4, "num_stages": 1}},
     "sm100": {"gemm": {"BM": 128, "BN": 128, "BK": 64, "num_warps": 4, "num_stages": 3},
+              "gemm_decode": {"BM": 64, "BN": 64, "BK": 32, "num_warps": 4, "num_stages": 3},
+              "attention_decode": {"rows": 128, "keys": 64, "num_warps": 8, "num_stages": 2},
               "attention": {"rows": 128, "block_size": 16, "num_warps": 8, "num_stages": 2},
               "row": {"num_warps": 4, "num_stages": 1}},
-    "interpret": {"gemm": {"BM": 16, "BN": 32, "BK": 32}, "attention": {"rows": 16, "block_size": 16}, "row": {}},
+    "interpret": {"gemm": {"BM": 16, "BN": 32, "BK": 32}, "gemm_decode": {"BM": 16, "BN": 32, "BK": 32},
+                  "attention": {"rows": 16, "block_size": 16}, "attention_decode": {"rows": 16, "keys": 64}, "row": {}},
 }
+SMS = {"sm90": 132, "sm100": 148, "interpret": 8}
+DECODE_ROWS = 64
 
 # hooks(arch, kind, node) -> overrides or None, tried in order: an autotuner plugs in here
 TUNE_HOOKS: list[Callable[[str, str, Node], dict | None]] = []

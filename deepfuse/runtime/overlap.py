@@ -1,44 +1,32 @@
-"""The overlapped engine loop (Engine(overlap=True)), as SGLang's and TensorRT-LLM's overlap schedulers
-work: step n+1 is scheduled, filled and launched while step n runs, its input tokens gathered on
-the device from step n's sampled tokens; only then does the host read step n's tokens (one step
-behind) and give them to their requests (stop conditions, text, callbacks) while n+1 runs.
-Each Engine.step() launches one step and takes one. The outputs are the synchronous loop's, and
-so is the step() call that returns each, except that a request added while a step is in flight
-is admitted a call later (that step was launched without it).
+"""The overlapped engine loop (Engine(overlap=True)), as in SGLang's and TensorRT-LLM's overlap
+schedulers: step n+1 is scheduled, filled and launched while step n runs, its input tokens taken
+on the device from step n's; then the host reads step n's tokens (one step behind) and gives them
+out (stop conditions, text, callbacks) while n+1 runs. Each step() launches one step and takes
+one; the outputs, and the call that returns each, are the synchronous loop's, except that a
+request added while a step is in flight is admitted a call later.
 
-Which steps go ahead (`ahead_rows`). Step n+1 is launched ahead of step n's tokens when every
-running request is in step n with one sampled row drawn by the step itself (a plain decode, or
-the last chunk of its prompt) and the next step is again plain decode for all of them: no
-request waits for admission, none asks for logprobs or prompt logprobs, none is drawn on the
-host (host_sampling.py: penalties, logit_bias, allowed_token_ids, min_tokens with stop ids,
-min_p, structured outputs), no speculative decoding (drafts are proposed from the tokens), the
-rows fit the token budget, and every row's block is at hand (no preemption). Any other step
-is synchronous: scheduled after the step ahead of it has been read (Engine._launch). A
-request that step n surely finishes (its max_tokens) gets no row in n+1.
+Step n+1 goes ahead (`ahead_rows`) when every running request is in step n with one row sampled
+by the step (a decode, or its prompt's last chunk) and decodes again: no request waiting for
+admission, none with logprobs or prompt logprobs, none drawn on the host (host_sampling.py:
+penalties, logit_bias, allowed_token_ids, min_tokens, min_p, structured outputs), no drafts, and
+every row's block at hand (no preemption). Any other step is synchronous. A request that step n
+ends by max_tokens gets no row in n+1.
 
-The feed (TokenFeed). Row j of step n+1 takes the token that row rows[j] of step n sampled:
-rows[j] goes to the device with one non-blocking copy, and an index_select over step n's
-next_tokens writes the step's `tokens` input there (over the bucket's static input under
-graphed decode), before step n+1's kernels in stream order. Positions, block tables and
-sampling keys are known on the host: the row's position is len(req.tokens), one past the
-last token the host has.
+The feed (TokenFeed): row j of n+1 takes the token row rows[j] of n sampled; rows goes to the
+device in one non-blocking copy and an index_select over n's next_tokens writes n+1's `tokens`
+input before n+1's kernels, in stream order. Positions, tables and sampling keys are host-known.
 
-Rows that are not kept. A request that step n finishes (EOS, a stop id or string, or aborted
-since) has a row in step n+1: when n+1 is read, the row is skipped (Engine._take skips
-finished requests) and its token is never taken. Its blocks, the one reserved for that row
-included, go back with the request's (KVCacheManager.free). Ahead steps reserve blocks without
-naming any (KVCacheManager.reserve): a block is named once the step that wrote its last
-position has been read (`name_read`), so the KV a dropped row wrote is never named.
+A request that step n ends (EOS, stop id or string, abort) has a row in n+1: its token is never
+taken (Engine._take skips finished requests), and its blocks, the row's included, go back with
+the request's. Ahead steps reserve blocks unnamed (KVCacheManager.reserve) and name them once
+read (`name_read`): a dropped row's KV is never named.
 
-Faults. An exception or Ctrl-C in step() leaves the engine as if the steps it did not take had
-never run: a failure launching step n+1 undoes n+1 (its reserved blocks truncated; step n,
-launched by an earlier call, stays in flight, or, launched by this call, is rolled back by
-Scheduler.rollback); a failure reading step n's tokens undoes both; one while its tokens are
-given out (on_token, detokenizing) keeps what was taken, as the synchronous loop does, and
-undoes n+1. On a GPU an undone step's kernels still run: every later step is launched after
-it on the same stream, so blocks it released and then handed out again are written in order.
-Owns the step in flight and the feed's and token copies' buffers; changes requests and the
-cache only through the engine's step methods and KVCacheManager.reserve/allocate/truncate.
+Faults leave the engine as if the steps not taken never ran: one launching n+1 undoes n+1 (and n,
+if this call launched it); one awaiting n's tokens undoes both; one while n's tokens are given out
+keeps what was taken (as synchronously) and undoes n+1. On a GPU an undone step's kernels still
+run, before every later step on the stream, so blocks it gave back are rewritten in order.
+Owns the step in flight and the feed and token-copy buffers; changes requests and the cache only
+through the engine's step methods, Scheduler.rollback and KVCacheManager.reserve/allocate/truncate.
 """
 from __future__ import annotations
 

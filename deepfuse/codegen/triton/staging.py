@@ -5,7 +5,9 @@ size; each input is a typed view of both at a 256-byte aligned offset (the cubin
 16-byte aligned pointers). The host side is written in place (numpy views), then `upload`
 copies the bytes in use with one `copy_(non_blocking=True)`; the kernels read the device
 views. The host buffer is written again only once the copy that read it has completed (a CUDA
-event, queried; the engine waits for every step's tokens, so it always has). On the CPU the
+event, queried: the synchronous engine has read the step's tokens by then, so it has; the
+overlapped loop, runtime/overlap.py, launches a step before reading the last one and may wait
+for that copy alone). On the CPU the
 "device" buffer is a second host buffer and the copy a memcpy: the same code runs in the tests.
 Owns its two buffers; it never reads the device back.
 """

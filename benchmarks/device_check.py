@@ -1,7 +1,10 @@
 """The sm90 device check (run by device_check.sh): every Triton kernel of a SmolLM2-shaped
 and a Mixtral-shaped step on the GPU against the CPU target's torch kernels run on the same
-GPU (cuBLAS GEMMs, SDPA attention), timed both ways, with % of HBM bandwidth and of bf16
-tensor-core peak; then greedy decoding from a saved-and-loaded sm90 artifact against the CPU
+GPU (cuBLAS GEMMs, SDPA attention), timed both ways, with % of the memory bandwidth and of the
+bf16 tensor-core rate measured on this GPU at the start (a 2 GiB device-to-device copy, an
+8192^3 bf16 matmul on random data), and each launch of a decode step also without the decode
+sizing (benchmarks/unsized.py: template GEMM, one-pass attention); then greedy decoding from a
+saved-and-loaded sm90 artifact against the CPU
 build. One JSON out.
 
     python benchmarks/device_check.py --out results/device_check.json [--dry-run]
@@ -22,7 +25,10 @@ import traceback
 
 import torch
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from unsized import one_pass_attention, sizing_kernel, strip_sizing  # noqa: E402
 
 import deepfuse  # noqa: E402
 from deepfuse.codegen.cpu.kernels import make_kernel  # noqa: E402
@@ -35,8 +41,21 @@ from deepfuse.passes import PassManager  # noqa: E402
 from deepfuse.runtime.batch import SeqChunk, build_step  # noqa: E402
 from deepfuse.runtime.kv_cache import CacheConfig, KVCache  # noqa: E402
 
-H200_HBM_BYTES_S = 4.8e12
-H200_BF16_FLOPS = 989e12
+CEILINGS = {"hbm_bytes_s": 4.8e12, "bf16_flops": 989e12}  # H200 datasheet until measured (main)
+
+
+def measure_ceilings() -> dict:
+    """This GPU's memory bandwidth (a 2 GiB device-to-device copy, bytes read plus written) and
+    bf16 matmul rate (8192^3 on random data), medians of do_bench."""
+    import triton.testing
+
+    src = torch.randn(2**30, dtype=torch.bfloat16, device="cuda")
+    dst = torch.empty_like(src)
+    copy_ms = triton.testing.do_bench(lambda: dst.copy_(src), warmup=25, rep=200, return_mode="median")
+    src = dst = None  # freed before the matmul's operands
+    a, b = (torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda") for _ in range(2))
+    mm_ms = triton.testing.do_bench(lambda: a @ b, warmup=25, rep=200, return_mode="median")
+    return {"hbm_bytes_s": 2 * 2**31 / (copy_ms * 1e-3), "bf16_flops": 2 * 8192**3 / (mm_ms * 1e-3)}
 
 
 def random_model(kind: str, dry: bool):
@@ -84,7 +103,7 @@ def bench(fn, dry: bool) -> float | None:
         return None
     import triton.testing
 
-    return triton.testing.do_bench(fn, warmup=10, rep=50) * 1000  # us
+    return triton.testing.do_bench(fn, warmup=10, rep=50, return_mode="median") * 1000  # us
 
 
 def cost(p: dict, ins: list[torch.Tensor], outs: list[torch.Tensor]) -> tuple[int, int]:
@@ -130,14 +149,18 @@ def check_kernels(model, dtype: str, device, dry: bool, steps: dict) -> list[dic
     on the same inputs. A launch that raises is a row with its error (the step goes on with the
     peer's outputs), so one run reports every kernel."""
     g, _ = PassManager(get_target("sm90").pipeline()).run(trace_model(model, dtype))
-    plan = build_plan(g, "interpret" if dry else "sm90")
-    runner = TritonRunner(plan, g.weights)
+    arch = "interpret" if dry else "sm90"
+    runner = TritonRunner(build_plan(g, arch), g.weights)
+    with one_pass_attention():
+        unsized = TritonRunner(build_plan(g, arch), g.weights)
+    strip_sizing(unsized)
+    plan = runner.plan
     rows, seen = [], set()
     for step_name, inputs in steps.items():
         env = list(runner.base)
         for name, s in plan["inputs"].items():
             env[s] = inputs[name]
-        for p, kernels, _ in runner.launches:
+        for (p, kernels, _), (_, kernels_u, _) in zip(runner.launches, unsized.launches):
             ins = [env[i] for i in p["in"]]
             peer = make_kernel(p["op"], p["attrs"])
             want, peer_error = run_peer(peer, ins, device)
@@ -162,10 +185,18 @@ def check_kernels(model, dtype: str, device, dry: bool, steps: dict) -> list[dic
                 t_tri = bench(lambda p=p, kernels=kernels, ins=ins: runner._run(p, kernels, ins), dry)
                 t_peer = None if peer_error else bench(lambda peer=peer, ins=ins: peer(*ins), dry)
                 nbytes, flops = cost(p, ins, got)
+                if any(sizing_kernel(spec) for spec, _ in kernels):  # the sizing changed this launch: time it without
+                    try:
+                        got_u = unsized._run(p, kernels_u, ins)
+                        row["unsized_rel_err"] = max(float((a.float() - b.float()).abs().max() / (b.float().abs().max()
+                                                     + 1e-6)) for a, b in zip(got_u, want) if a.is_floating_point())
+                        row["unsized_us"] = bench(lambda p=p, k=kernels_u, ins=ins: unsized._run(p, k, ins), dry)
+                    except Exception as e:
+                        row["unsized_error"] = failure(e)
                 rows.append({**row, "max_rel_err": err, "triton_us": t_tri, "torch_us": t_peer,
                              "speedup_vs_torch": t_peer / t_tri if t_tri and t_peer else None,
-                             "pct_hbm": 100 * nbytes / (t_tri * 1e-6) / H200_HBM_BYTES_S if t_tri else None,
-                             "pct_bf16_tc": 100 * flops / (t_tri * 1e-6) / H200_BF16_FLOPS if t_tri and flops
+                             "pct_hbm": 100 * nbytes / (t_tri * 1e-6) / CEILINGS["hbm_bytes_s"] if t_tri else None,
+                             "pct_bf16_tc": 100 * flops / (t_tri * 1e-6) / CEILINGS["bf16_flops"] if t_tri and flops
                              else None})
                 outs = got
             for s, t in zip(p["out"], outs):
@@ -253,12 +284,21 @@ def main() -> None:
             json.dump(result, f, indent=1)
 
     result["errors"] = []
+    if not dry:
+        CEILINGS.update(measure_ceilings())
+    result["ceilings"] = dict(CEILINGS, measured=not dry)
+    print(f"ceilings: {CEILINGS['hbm_bytes_s'] / 1e12:.2f} TB/s copy, {CEILINGS['bf16_flops'] / 1e12:.0f} TFLOP/s "
+          f"bf16 matmul{' (measured)' if not dry else ''}", flush=True)
     for kind in ("smollm2", "mixtral"):
         try:
             model = random_model(kind, dry)
-            pos, decodes, prefill, mixed = (20, 2, 20, 1) if dry else (200, 64, 512, 8)
+            pos, decodes, prefill, mixed, far = (20, 2, 20, 1, 40) if dry else (200, 64, 512, 8, 2048)
             steps = {f"decode x{decodes}": step(model.config, tdt, device, 0, decodes, pos),
                      f"prefill {prefill} + decode x{mixed}": step(model.config, tdt, device, prefill, mixed, pos)}
+            if kind == "smollm2":  # decode attention at 2k keys (the bandwidth goal's context)
+                steps[f"decode x{decodes} at {far}"] = step(model.config, tdt, device, 0, decodes, far)
+            else:  # the grouped MoE GEMMs at 4k tokens (the tensor-core goal's size)
+                steps[f"prefill {far * 2}"] = step(model.config, tdt, device, far * 2, 0, 0)
             result["kernels"] += [{"model": kind, **r} for r in check_kernels(model, dtype, device, dry, steps)]
         except Exception as e:
             traceback.print_exc()
@@ -275,7 +315,7 @@ def main() -> None:
         and result["end_to_end"].get("engine", {}).get("equal", False)
     save()
     print(f"{'model':8s} {'step':24s} {'op':20s} {'rel err':>9s} {'triton us':>10s} {'torch us':>9s} "
-          f"{'x torch':>8s} {'%HBM':>6s} {'%TC':>6s}")
+          f"{'x torch':>8s} {'%HBM':>6s} {'%TC':>6s} {'unsized us':>10s}")
     for r in result["kernels"]:
         f = lambda v, spec: "-" if v is None else format(v, spec)
         for what in ("error", "peer_error"):
@@ -283,7 +323,7 @@ def main() -> None:
                 print(f"{r['model']:8s} {r['step']:24s} {r['op']:20s} {what}: {r[what]}")
         print(f"{r['model']:8s} {r['step']:24s} {r['op']:20s} {r['max_rel_err']:9.2e} {f(r.get('triton_us'), '10.1f')} "
               f"{f(r.get('torch_us'), '9.1f')} {f(r.get('speedup_vs_torch'), '8.2f')} {f(r.get('pct_hbm'), '6.1f')} "
-              f"{f(r.get('pct_bf16_tc'), '6.1f')}")
+              f"{f(r.get('pct_bf16_tc'), '6.1f')} {f(r.get('unsized_us'), '10.1f')}")
     for line in result["errors"]:
         print("error:", line)
     e = result["end_to_end"]

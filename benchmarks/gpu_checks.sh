@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
-# Every GPU check in one call, on a machine with a GPU (about 5 minutes on one H200 once the
-# machine is up, before gpu_graphs.py was added; each step has its own limit, 570 s in all: give
-# the call 600):
-# device_check.sh (each kernel against torch, the artifact end to end),
-# gpu_graphs.py (decode step time at 1/16/64 sequences, eager against CUDA graphs; it fails
-# where the graphed tokens differ or a step waits for the GPU),
-# gpu_kernel_times.py (each launch in a step, alone, JIT against the artifact's cubins) and
-# gpu_throughput.py --runs 2 --profile (Engine against HF), with `nvidia-smi dmon` (power,
-# utilization, clocks, once a second) running beside them. Each line of the script's log
-# (OUTDIR/*.log) carries the time, to line it up with dmon.txt. Seven files in OUTDIR.
+# Every GPU check in one call, on a machine with a GPU; each step has its own limit, 570 s in
+# all (give the call 600):
+# device_check.sh (each kernel against torch, with and without the decode sizing; the artifact
+# end to end), gpu_graphs.py (decode step time at 1/16/64 sequences: eager, CUDA graphs,
+# overlapped, graphs without the decode sizing; it fails where the graphed tokens differ or a
+# step waits for the GPU), gpu_throughput.py --runs 2 --profile (Engine against HF) and
+# gpu_kernel_times.py (each launch in a step, alone, JIT against the artifact's cubins), with
+# `nvidia-smi dmon` (power, utilization, clocks, once a second) running beside them. Each line
+# of the script's log (OUTDIR/*.log) carries the time, to line it up with dmon.txt. Seven files
+# in OUTDIR.
 #
 #   benchmarks/gpu_*.sh OUTDIR [--dry-run]
 #
@@ -54,13 +54,13 @@ run() {  # a title, then the command
   shift
   "$@" 2>&1 | stamp || rc=1
 }
-run "device check" timeout 220 env PYTHON="$PY" benchmarks/device_check.sh --out "$out/device_check.json" "${dry[@]}"
-run "cuda graphs" timeout 90 "$PY" benchmarks/gpu_graphs.py --out "$out/gpu_graphs.json" "${dry[@]}"
-run "kernel times" timeout 120 "$PY" benchmarks/gpu_kernel_times.py --out "$out/gpu_kernel_times.json" "${dry[@]}"
+run "device check" timeout 200 env PYTHON="$PY" benchmarks/device_check.sh --out "$out/device_check.json" "${dry[@]}"
+run "cuda graphs" timeout 150 "$PY" benchmarks/gpu_graphs.py --out "$out/gpu_graphs.json" "${dry[@]}"
 profile=(--profile)
 [ ${#dry[@]} -gt 0 ] && profile=()
-run "throughput" timeout 140 "$PY" benchmarks/gpu_throughput.py --runs 2 "${profile[@]}" \
+run "throughput" timeout 130 "$PY" benchmarks/gpu_throughput.py --runs 2 "${profile[@]}" \
   --out "$out/gpu_throughput.json" "${dry[@]}"
+run "kernel times" timeout 90 "$PY" benchmarks/gpu_kernel_times.py --out "$out/gpu_kernel_times.json" "${dry[@]}"
 [ -n "$dmon" ] && kill "$dmon"
 echo "== done, exit $rc" | stamp
 exit $rc

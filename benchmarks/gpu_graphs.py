@@ -1,7 +1,8 @@
 """Decode steps as CUDA graphs on one NVIDIA GPU: the engine's decode step time at 1, 16 and 64
 sequences, eager against graphed (runtime/graphed_decode.py) and graphed with the overlapped
 loop (Engine(overlap=True), runtime/overlap.py: each step() launches the next decode step before
-reading the last one's tokens), on random weights of SmolLM2-135M's shape (bf16, the sm90/sm100
+reading the last one's tokens), and graphed without the decode kernels' sizing (benchmarks/unsized.py:
+template GEMMs and one-pass attention at every batch), on random weights of SmolLM2-135M's shape (bf16, the sm90/sm100
 build for the GPU). It checks itself and raises where it fails: each batch's tokens (half
 greedy, half seeded sampled requests) must be the same in all three engines, and one graphed
 and one eager decode step must run under torch.cuda.set_sync_debug_mode("error") (no host wait
@@ -31,6 +32,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from gpu_throughput import refuse_wrong_machine, smollm2_shaped  # noqa: E402
+from unsized import one_pass_attention, strip_sizing  # noqa: E402
 
 
 def requests(n: int, vocab: int, steps: int, seed: int):
@@ -124,10 +126,14 @@ def main() -> None:
         smollm2_shaped(path, dry)
         model = load_model(path, with_tokenizer=False)[0]
     art = deepfuse.compile(model, target=target, dtype=dtype)
+    with one_pass_attention():  # the same model without the decode sizing, for its A/B
+        unsized = deepfuse.compile(model, target=target, dtype=dtype)
+    dropped = strip_sizing(unsized.runner)
     engines, build_s = {}, {}
-    for name, graphs, overlap in (("eager", False, False), ("graphed", True, False), ("overlapped", True, True)):
+    for name, graphs, overlap, a in (("eager", False, False, art), ("graphed", True, False, art),
+                                     ("overlapped", True, True, art), ("unsized", True, False, unsized)):
         t = time.perf_counter()
-        engines[name] = Engine(art, CacheConfig(num_blocks=1024, enable_prefix_caching=False), max_num_tokens=1024,
+        engines[name] = Engine(a, CacheConfig(num_blocks=1024, enable_prefix_caching=False), max_num_tokens=1024,
                                max_num_seqs=max_seqs, cuda_graphs=graphs, overlap=overlap)
         build_s[name] = time.perf_counter() - t  # the graphed engine's includes warm-up and capture
         decode_run(engines[name], 2, 2, seed=99)  # untimed: first launches
@@ -135,16 +141,18 @@ def main() -> None:
     results, ok = {}, True
     for n in batches:
         runs = {name: decode_run(eng, n, steps, seed=n) for name, eng in engines.items()}
-        (eager_t, eager_tok), (graph_t, graph_tok), (over_t, over_tok) = (runs[k] for k in engines)
+        (eager_t, eager_tok), (graph_t, graph_tok), (over_t, over_tok), (un_t, un_tok) = (runs[k] for k in engines)
         equal = eager_tok == graph_tok == over_tok
         ok &= equal
-        e_ms, g_ms, o_ms = (statistics.median(t) * 1000 for t in (eager_t, graph_t, over_t))
+        e_ms, g_ms, o_ms, u_ms = (statistics.median(t) * 1000 for t in (eager_t, graph_t, over_t, un_t))
         results[str(n)] = {"eager_ms": e_ms, "graphed_ms": g_ms, "speedup": e_ms / g_ms, "overlapped_ms": o_ms,
-                           "overlap_speedup": g_ms / o_ms, "decode_steps": len(graph_t),
-                           "bucket": engines["graphed"].graphed.bucket(n), "tokens_equal": equal}
+                           "overlap_speedup": g_ms / o_ms, "unsized_graphed_ms": u_ms, "sizing_speedup": u_ms / g_ms,
+                           "decode_steps": len(graph_t), "bucket": engines["graphed"].graphed.bucket(n),
+                           "tokens_equal": equal, "unsized_tokens_equal": un_tok == graph_tok}
         print(f"{n:3d} sequences: decode step {e_ms:8.2f} ms eager, {g_ms:8.2f} ms graphed ({e_ms / g_ms:.2f}x), "
-              f"{o_ms:8.2f} ms graphed and overlapped ({g_ms / o_ms:.2f}x), tokens {'equal' if equal else 'DIFFER'}",
-              flush=True)
+              f"{o_ms:8.2f} ms graphed and overlapped ({g_ms / o_ms:.2f}x), tokens {'equal' if equal else 'DIFFER'}; "
+              f"without the decode sizing {u_ms:8.2f} ms graphed (sizing {u_ms / g_ms:.2f}x, tokens "
+              f"{'equal' if un_tok == graph_tok else 'differ'})", flush=True)
     ok &= engines["overlapped"].stats.ahead_steps > 0
     syncs = sync_check({k: engines[k] for k in ("eager", "graphed")}, not dry)
     ok &= all(v == "ok" for v in syncs.values()) if "skipped" not in syncs else True
@@ -155,7 +163,7 @@ def main() -> None:
     with open(args.out, "w") as f:
         json.dump({"device": device, "torch": torch.__version__, "target": target, "dtype": dtype,
                    "kernel_source": art.runner.kernel_source, "captured_buckets": captured, "engine_build_s": build_s,
-                   "batches": results, "sync_check": syncs, "ok": ok}, f, indent=1)
+                   "unsized_kernels_dropped": dropped, "batches": results, "sync_check": syncs, "ok": ok}, f, indent=1)
     if not ok:
         sys.exit("gpu_graphs: the graphed or overlapped steps' tokens differ from the eager ones, no step went "
                  "ahead, or a step waited for the GPU")

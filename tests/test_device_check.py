@@ -18,6 +18,12 @@ def test_device_check_dry_run_writes_its_json(tmp_path):
     ops = {(k["model"], k["op"]) for k in result["kernels"]}
     assert ("smollm2", "qkv_attention") in ops and ("mixtral", "fused_moe") in ops
     assert all(k["max_rel_err"] < 1e-4 for k in result["kernels"])
+    # the decode step's sized launches (split-K GEMMs, split-KV attention) also ran without the sizing
+    unsized = {(k["model"], k["op"]) for k in result["kernels"] if "unsized_rel_err" in k}
+    assert ("smollm2", "qkv_attention") in unsized and ("smollm2", "logits") in unsized, unsized
+    assert all(k["unsized_rel_err"] < 1e-4 for k in result["kernels"] if "unsized_rel_err" in k)
+    steps = {(k["model"], k["step"]) for k in result["kernels"]}
+    assert ("smollm2", "decode x2 at 40") in steps and ("mixtral", "prefill 80") in steps
 
 
 def test_device_check_refuses_unknown_arguments():
@@ -34,7 +40,8 @@ def test_gpu_throughput_dry_run_writes_both_engines(tmp_path):
                         str(out)], capture_output=True, text=True, timeout=400, env={**os.environ, "TRITON_INTERPRET": "1"})
     assert r.returncode == 0, r.stderr[-2000:]
     result = json.loads(out.read_text())
-    assert result["kernel_source"] == "interpret" and set(result["results"]) == {"deepfuse sm90 f32", "HF f32 batched"}
+    assert result["kernel_source"] == "interpret" and \
+        set(result["results"]) == {"deepfuse sm90 f32", "deepfuse sm90 overlap", "HF f32 batched"}
     assert all(e["output_tokens"] == 4 * 8 and e["output_tps"] > 0 for e in result["results"].values())
 
 
@@ -54,7 +61,7 @@ def test_gpu_kernel_times_dry_run_lists_every_launch_kind(tmp_path):
 def test_gpu_graphs_dry_run_compares_the_padded_buckets_with_eager_steps(tmp_path):
     """benchmarks/gpu_graphs.py --dry-run: decode steps of 1 and 3 sequences (bucket 4) through an
     eager, a bucketed and a bucketed overlapped engine (no capture without a GPU), the same tokens
-    in all three."""
+    in all three; and a bucketed engine without the decode sizing."""
     out = tmp_path / "gpu_graphs.json"
     r = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "gpu_graphs.py"), "--dry-run", "--out",
                         str(out)], capture_output=True, text=True, timeout=400, env={**os.environ, "TRITON_INTERPRET": "1"})
@@ -63,7 +70,8 @@ def test_gpu_graphs_dry_run_compares_the_padded_buckets_with_eager_steps(tmp_pat
     assert result["ok"] and result["captured_buckets"] == [] and "skipped" in result["sync_check"]
     assert {n: (b["bucket"], b["tokens_equal"], b["decode_steps"]) for n, b in result["batches"].items()} == \
         {"1": (1, True, 3), "3": (4, True, 3)}
-    assert all(b["overlapped_ms"] > 0 for b in result["batches"].values())
+    assert all(b["overlapped_ms"] > 0 and b["unsized_graphed_ms"] > 0 for b in result["batches"].values())
+    assert result["unsized_kernels_dropped"] > 0
 
 
 def test_gpu_checks_dry_run_runs_every_check_and_logs_with_times(tmp_path):
@@ -76,7 +84,7 @@ def test_gpu_checks_dry_run_runs_every_check_and_logs_with_times(tmp_path):
                                                      "gpu_throughput.json", "checks.log"}
     log = (tmp_path / "checks.log").read_text().splitlines()
     assert [line.split(" ", 1)[1] for line in log if "== " in line] == ["== device check", "== cuda graphs",
-                                                                         "== kernel times", "== throughput",
+                                                                         "== throughput", "== kernel times",
                                                                          "== done, exit 0"]
     assert all(line[2] == ":" and line[5] == ":" for line in log)
     for args in ([], ["--fast"], [str(tmp_path), "--fast"]):

@@ -1,12 +1,16 @@
 """Decode steps as CUDA graphs on one NVIDIA GPU: the engine's decode step time at 1, 16 and 64
-sequences, eager against graphed (runtime/graphed_decode.py) and graphed with the overlapped
-loop (Engine(overlap=True), runtime/overlap.py: each step() launches the next decode step before
-reading the last one's tokens), and graphed without the decode kernels' sizing (benchmarks/unsized.py:
-template GEMMs and one-pass attention at every batch), on random weights of SmolLM2-135M's shape (bf16, the sm90/sm100
-build for the GPU). It checks itself and raises where it fails: each batch's tokens (half
-greedy, half seeded sampled requests) must be the same in all three engines, and one graphed
-and one eager decode step must run under torch.cuda.set_sync_debug_mode("error") (no host wait
-inside a step).
+sequences, on random weights of SmolLM2-135M's shape (bf16, the sm90/sm100 build for the GPU):
+  eager        no graphs
+  graphed      runtime/graphed_decode.py
+  overlapped   graphed, Engine(overlap=True) (runtime/overlap.py: each step() launches the next
+               decode step before reading the last one's tokens)
+  unsized      graphed, without the decode kernels' sizing (benchmarks/unsized.py: template GEMMs
+               and one-pass attention at every batch)
+  invariant    graphed, compile(batch_invariant=True) (split-K GEMMs and one-pass attention at
+               every batch)
+It checks itself and raises where it fails: each batch's tokens (half greedy, half seeded
+sampled requests) must be the same in the first three, and one graphed and one eager decode
+step must run under torch.cuda.set_sync_debug_mode("error") (no host wait inside a step).
 
     python benchmarks/gpu_graphs.py [--steps 32] [--out FILE] [--dry-run]
 
@@ -129,9 +133,11 @@ def main() -> None:
     with one_pass_attention():  # the same model without the decode sizing, for its A/B
         unsized = deepfuse.compile(model, target=target, dtype=dtype)
     dropped = strip_sizing(unsized.runner)
+    invariant = deepfuse.compile(model, target=target, dtype=dtype, batch_invariant=True)
     engines, build_s = {}, {}
     for name, graphs, overlap, a in (("eager", False, False, art), ("graphed", True, False, art),
-                                     ("overlapped", True, True, art), ("unsized", True, False, unsized)):
+                                     ("overlapped", True, True, art), ("unsized", True, False, unsized),
+                                     ("invariant", True, False, invariant)):
         t = time.perf_counter()
         engines[name] = Engine(a, CacheConfig(num_blocks=1024, enable_prefix_caching=False), max_num_tokens=1024,
                                max_num_seqs=max_seqs, cuda_graphs=graphs, overlap=overlap)
@@ -141,18 +147,21 @@ def main() -> None:
     results, ok = {}, True
     for n in batches:
         runs = {name: decode_run(eng, n, steps, seed=n) for name, eng in engines.items()}
-        (eager_t, eager_tok), (graph_t, graph_tok), (over_t, over_tok), (un_t, un_tok) = (runs[k] for k in engines)
+        (eager_t, eager_tok), (graph_t, graph_tok), (over_t, over_tok), (un_t, un_tok), (inv_t, _) = \
+            (runs[k] for k in engines)
         equal = eager_tok == graph_tok == over_tok
         ok &= equal
-        e_ms, g_ms, o_ms, u_ms = (statistics.median(t) * 1000 for t in (eager_t, graph_t, over_t, un_t))
+        e_ms, g_ms, o_ms, u_ms, i_ms = (statistics.median(t) * 1000 for t in (eager_t, graph_t, over_t, un_t, inv_t))
         results[str(n)] = {"eager_ms": e_ms, "graphed_ms": g_ms, "speedup": e_ms / g_ms, "overlapped_ms": o_ms,
                            "overlap_speedup": g_ms / o_ms, "unsized_graphed_ms": u_ms, "sizing_speedup": u_ms / g_ms,
+                           "invariant_graphed_ms": i_ms, "invariant_cost": i_ms / g_ms,
                            "decode_steps": len(graph_t), "bucket": engines["graphed"].graphed.bucket(n),
                            "tokens_equal": equal, "unsized_tokens_equal": un_tok == graph_tok}
         print(f"{n:3d} sequences: decode step {e_ms:8.2f} ms eager, {g_ms:8.2f} ms graphed ({e_ms / g_ms:.2f}x), "
               f"{o_ms:8.2f} ms graphed and overlapped ({g_ms / o_ms:.2f}x), tokens {'equal' if equal else 'DIFFER'}; "
               f"without the decode sizing {u_ms:8.2f} ms graphed (sizing {u_ms / g_ms:.2f}x, tokens "
-              f"{'equal' if un_tok == graph_tok else 'differ'})", flush=True)
+              f"{'equal' if un_tok == graph_tok else 'differ'}); batch-invariant build {i_ms:8.2f} ms graphed "
+              f"({i_ms / g_ms:.2f}x the sized)", flush=True)
     ok &= engines["overlapped"].stats.ahead_steps > 0
     syncs = sync_check({k: engines[k] for k in ("eager", "graphed")}, not dry)
     ok &= all(v == "ok" for v in syncs.values()) if "skipped" not in syncs else True

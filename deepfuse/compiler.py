@@ -63,14 +63,16 @@ def compile(model: str | Model | Graph, target: str = "cpu", dtype: str = "f32",
         see passes/quantize.py).
     kv_cache_dtype: None (the caches hold `dtype`) or "int8" (cpu: each cached k and v row as int8
         with an f32 scale, half the bytes of bf16 for attention to read; docs/quantization.md).
-    batch_invariant (cpu): one kernel per op for every batch shape, so a request's tokens never
-    depend on what shares its steps or how its prompt was chunked (slower small steps; see
-    codegen/cpu/executor.check_batch_invariant for where it is available)."""
+    batch_invariant (cpu, sm90, sm100): one kernel per op for every batch shape, so a request's
+    tokens never depend on what shares its steps or how its prompt was chunked (cpu: slower small
+    steps, see codegen/cpu/executor.check_batch_invariant for where it is available; sm90/sm100:
+    every GEMM in the decode kernels' fixed split-K form and attention in the one-pass kernel,
+    codegen/triton/emit.py)."""
     if isinstance(model, Graph):
         return compile_graph(model, target, fuse, dump_dir, allow_host_steps)
     tgt = get_target(target)
-    if batch_invariant and target != "cpu":
-        raise DeepfuseError(f"batch_invariant is implemented for the cpu target, not {target!r}")
+    if batch_invariant:
+        tgt.check_invariant()
     if kv_cache_dtype is not None and target != "cpu":
         raise DeepfuseError(f"kv_cache_dtype {kv_cache_dtype!r} is implemented for the cpu target, not {target!r}")
     pipeline = tgt.pipeline(fuse, quant)
@@ -81,10 +83,8 @@ def compile(model: str | Model | Graph, target: str = "cpu", dtype: str = "f32",
         bar.update()
         graph, reports = PassManager(pipeline).run(graph, dump_dir)
         bar.update()
-        plan = tgt.lower(graph)
+        plan = tgt.lower(graph, batch_invariant)
         check_host_steps(plan, target, allow_host_steps)
-        if batch_invariant:
-            plan["batch_invariant"] = True
         files = tgt.binaries(plan)
         bar.update()
     passes = [vars(r) for r in reports]

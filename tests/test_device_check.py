@@ -70,7 +70,8 @@ def test_gpu_graphs_dry_run_compares_the_padded_buckets_with_eager_steps(tmp_pat
     assert result["ok"] and result["captured_buckets"] == [] and "skipped" in result["sync_check"]
     assert {n: (b["bucket"], b["tokens_equal"], b["decode_steps"]) for n, b in result["batches"].items()} == \
         {"1": (1, True, 3), "3": (4, True, 3)}
-    assert all(b["overlapped_ms"] > 0 and b["unsized_graphed_ms"] > 0 for b in result["batches"].values())
+    assert all(b["overlapped_ms"] > 0 and b["unsized_graphed_ms"] > 0 and b["invariant_graphed_ms"] > 0
+               for b in result["batches"].values())
     assert result["unsized_kernels_dropped"] > 0
 
 

@@ -37,6 +37,9 @@ class Target:
     device: bool = True  # a reference launch runs off the target's kernels (a host step)
     templates: frozenset[str] = frozenset()  # ops with a template, for some forms of them (keeps decides)
     epilogue_hosts: frozenset[str] = frozenset()  # template ops whose kernels run a generated epilogue
+    # final graph -> the plan of a batch-invariant build (one kernel form per op at every batch shape);
+    # None: not offered here. The plan is then marked "batch_invariant" (the CPU executor reads the mark)
+    invariant_build: Callable[[Graph], dict] | None = None
 
     def make_runner(self, plan: dict, weights: dict[str, torch.Tensor], files: dict[str, bytes]) -> Runner:
         return self.runner(plan, weights, files) if self.runs_binaries else self.runner(plan, weights)
@@ -55,16 +58,29 @@ class Target:
         """The node's template takes a generated epilogue here."""
         return self.keeps(n) and n.op in self.epilogue_hosts
 
-    def lower(self, g: Graph) -> dict:
+    def lower(self, g: Graph, batch_invariant: bool = False) -> dict:
         """The launch plan of a final graph, each launch marked with its kind ("generated",
         "template", "template+generated" (a GEMM with its generated epilogue), "view" or
         "reference") and the plan's host_steps listed."""
-        plan = self.build(g)
+        if batch_invariant:
+            self.check_invariant()
+        plan = self.invariant_build(g) if batch_invariant else self.build(g)
         for n, p in zip(g.nodes, plan["launches"]):
             p["kind"] = launch_kind(self, n, p)
         plan["host_steps"] = [{"node": p.get("node", f"%{i} ({p['op']})"), "op": p["op"], "why": self.why_reference(n)}
                               for i, (n, p) in enumerate(zip(g.nodes, plan["launches"])) if p["kind"] == "reference"]
+        if batch_invariant:
+            if self.device and plan["host_steps"]:  # a torch op's kernels may change with the batch
+                raise DeepfuseError(f"batch-invariant execution is not available on {self.name}: "
+                                    f"{', '.join(s['node'] for s in plan['host_steps'])} would run torch's reference")
+            plan["batch_invariant"] = True
         return plan
+
+    def check_invariant(self) -> None:
+        """Raises unless this target offers batch-invariant builds."""
+        if self.invariant_build is None:
+            offered = ", ".join(name for name in TARGETS if TARGETS[name]().invariant_build)
+            raise DeepfuseError(f"batch_invariant is implemented for the {offered} targets, not {self.name!r}")
 
     def why_reference(self, n: Node) -> str:
         if n.op in ("kernel", "with_epilogue"):
@@ -94,7 +110,7 @@ def _cpu() -> Target:
     # add: generated, so a residual add fuses with its neighbours (and into a GEMM's epilogue)
     hand = (set(FACTORIES) | set(PREPACKED) | set(PREPACKED_Q4) | set(OUT_FACTORIES)) - {"kernel", "add"}
     return Target("cpu", "this machine's CPU: native and torch kernels, generated C++", lambda n: n.op in hand,
-                  build_plan, CpuExecutor, device=False, epilogue_hosts=frozenset(HOSTS))
+                  build_plan, CpuExecutor, device=False, epilogue_hosts=frozenset(HOSTS), invariant_build=build_plan)
 
 
 def _triton(arch: str) -> Callable[[], Target]:
@@ -105,7 +121,8 @@ def _triton(arch: str) -> Callable[[], Target]:
 
         return Target(arch, ARCH_DESCRIPTIONS[arch], lambda n: n.op not in ("kernel", "with_epilogue") and emittable(n),
                       lambda g: build_plan(g, arch), TritonRunner, compile_binaries, runs_binaries=True,
-                      templates=frozenset(EMITTERS) - {"kernel", "with_epilogue"}, epilogue_hosts=frozenset(EPILOGUE_HOSTS))
+                      templates=frozenset(EMITTERS) - {"kernel", "with_epilogue"}, epilogue_hosts=frozenset(EPILOGUE_HOSTS),
+                      invariant_build=lambda g: build_plan(g, arch, batch_invariant=True))
 
     return make
 

@@ -9,18 +9,21 @@ from __future__ import annotations
 
 from ...ir import Graph
 from ..device_plan import PLACEHOLDER, device_plan, named
-from .emit import EMITTERS, PREPARE, emittable
+from .emit import EMITTERS, INVARIANT_AWARE, PREPARE, emittable
 
 ARCH_DESCRIPTIONS = {"sm90": "NVIDIA Hopper (sm_90a), Triton kernels", "sm100": "NVIDIA Blackwell (sm_100a), Triton kernels"}
 
 
-def build_plan(g: Graph, arch: str) -> dict:
-    """arch: "sm90", "sm100", or "interpret" (small tiles, for Triton's CPU interpreter)."""
+def build_plan(g: Graph, arch: str, batch_invariant: bool = False) -> dict:
+    """arch: "sm90", "sm100", or "interpret" (small tiles, for Triton's CPU interpreter).
+    batch_invariant: one kernel form per op at every batch shape (emit.INVARIANT_AWARE), so a
+    row's result never depends on what else its step holds or how its prompt was chunked."""
     plan = device_plan(g, arch)
     for n, p in zip(g.nodes, plan["launches"]):
         if not emittable(n):
             continue
-        p["kernels"] = named(n, EMITTERS[n.op](n, PLACEHOLDER, arch))
+        invariant = {"invariant": True} if batch_invariant and n.op in INVARIANT_AWARE else {}
+        p["kernels"] = named(n, EMITTERS[n.op](n, PLACEHOLDER, arch, **invariant))
         if n.op in PREPARE:
             p["prepare"] = {"fn": PREPARE[n.op], "block": p["kernels"][0]["constexprs"]["BM"]}
         tmps = [t for spec in p["kernels"] for t in spec.pop("scratch", [])]

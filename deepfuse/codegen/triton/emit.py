@@ -66,10 +66,11 @@ def emit_embedding(node: Node, name: str, arch: str) -> list[dict]:
     return [_spec(name, _source(name, T.EMBEDDING, D=d), params, {"BD": pow2(d)}, [["shape", 1, 0], 1, 1], tiles)]
 
 
-def emit_gemm(node: Node, name: str, arch: str) -> list[dict]:
+def emit_gemm(node: Node, name: str, arch: str, invariant: bool = False) -> list[dict]:
     """linear, linear_q4, linear_w8a8, logits, logits_w8a8, rms_norm_linear, add_rms_norm_linear,
     swiglu_linear; the projection dense, int4 (attr group_size: packed, scales, mins in place of W)
-    or W8A8 (attr act_group: wq, scale; the K tile is one activation group, templates.DOT_W8A8)."""
+    or W8A8 (attr act_group: wq, scale; the K tile is one activation group, templates.DOT_W8A8).
+    invariant: one kernel form at every row count, splitk.py's fixed split (W8A8: the template)."""
     op, ins = node.op, node.inputs
     x = ins[0].type
     first_w = {"linear": 1, "linear_q4": 1, "linear_w8a8": 1, "logits": 1, "logits_w8a8": 1, "rms_norm_linear": 2,
@@ -117,6 +118,8 @@ def emit_gemm(node: Node, name: str, arch: str) -> list[dict]:
     grid = [["cdiv", m, consts["BM"]], ["cdiv", ["const", n], consts["BN"]], 1]
     spec = _spec(name, src, params, consts, grid, tiles)
     spec["requires"] = requires
+    if decode and invariant:  # a row's sums in one order whatever the step's rows: the decode form at every M
+        return [{k_: v for k_, v in s.items() if k_ != "when"} for s in decode]
     if decode:
         spec["when"] = ["gt", m, DECODE_ROWS]
     if w8:
@@ -124,8 +127,10 @@ def emit_gemm(node: Node, name: str, arch: str) -> list[dict]:
     return [spec, *decode]
 
 
-def emit_qkv_attention(node: Node, name: str, arch: str) -> list[dict]:
-    """Two kernels: split + RoPE + cache write into a scratch q, then paged attention."""
+def emit_qkv_attention(node: Node, name: str, arch: str, invariant: bool = False) -> list[dict]:
+    """Split + RoPE + cache write into a scratch q, then paged attention: the one-pass kernel,
+    and split_kv.py's kernels for sequences of a few queries. invariant: the one-pass kernel for
+    every sequence (a prompt's rows then never depend on how it was chunked)."""
     a = node.attrs
     h, hkv, hd = a["num_heads"], a["num_kv_heads"], a["head_dim"]
     qkv, pos, cache, slots, tables, lens, qlens = (v.type for v in node.inputs[:7])
@@ -148,7 +153,7 @@ def emit_qkv_attention(node: Node, name: str, arch: str) -> list[dict]:
     att_tiles = tiles_for(arch, "attention", node)
     gp = pow2(g)
     bq = max(1, att_tiles["rows"] // gp)
-    qsplit = sizing(node, arch)["QSPLIT"]  # sequences of at most this many queries: split_kv.py's
+    qsplit = 0 if invariant else sizing(node, arch)["QSPLIT"]  # sequences of at most this many queries: split_kv.py's
     att = _source(name, T.PAGED_ATTENTION, G=g, HD=hd, QW=qw, HKV=hkv, BS=bs, SCALE=repr(float(a["scale"])), QSPLIT=qsplit,
                   WINDOW=a.get("window", 0), SINK_PARAM="sinks_ptr, " if sinks else "",
                   SOFTMAX_INIT=T.SOFTMAX_SINK if sinks else T.SOFTMAX_EMPTY)
@@ -163,9 +168,11 @@ def emit_qkv_attention(node: Node, name: str, arch: str) -> list[dict]:
     att_spec = _spec(name, att, att_params, {"BQ": bq, "GP": gp, "SMAX": SMAX},
                      [["shape", 6, 0], hkv, ["cdiv", ["shape", 0, 0], bq]], att_tiles)
     att_spec["requires"] = [[2, 2, bs, "KV-cache block size"], [6, 0, SMAX, "sequences per step (at most)"]]
-    att_spec["when"] = ["ne", ["shape", 0, 0], ["shape", 6, 0]]  # T == S: one query each, all split_kv's
     rope_spec = _spec(name + "_rope", rope, rope_params, {}, [["shape", 0, 0], 1, 1], rope_tiles)
     rope_spec["scratch"] = [{"shape": [qkv.shape[0], qw], "dtype": qkv.dtype}]
+    if invariant:
+        return [rope_spec, att_spec]
+    att_spec["when"] = ["ne", ["shape", 0, 0], ["shape", 6, 0]]  # T == S: one query each, all split_kv's
     split = emit_split_kv(node, name, arch, _source, _spec, lambda kind, i: _ptr(node, kind, i), bs, SMAX)
     return [rope_spec, att_spec, *split]
 
@@ -230,7 +237,9 @@ PREPARE = {"fused_moe": "moe_align"}  # ops whose kernels need a torch step firs
 
 
 EPILOGUE_HOSTS = ("linear", "linear_q4", "rms_norm_linear", "swiglu_linear")  # emit_gemm's, one output
-EMITTERS["with_epilogue"] = lambda node, name, arch: emit_with_epilogue(node, name, arch)
+EMITTERS["with_epilogue"] = lambda node, name, arch, **kw: emit_with_epilogue(node, name, arch, **kw)
+# emitters that take invariant=True (one kernel form per op at every batch shape); the others' kernels are already
+INVARIANT_AWARE = frozenset(op for op, f in EMITTERS.items() if f is emit_gemm) | {"qkv_attention", "with_epilogue"}
 
 
 def emittable(node: Node) -> bool:

@@ -25,11 +25,11 @@ TILE = """    rb = rm[:, None].to(tl.int64)
 """
 
 
-def emit_with_epilogue(node: Node, name: str, arch: str) -> list[dict]:
+def emit_with_epilogue(node: Node, name: str, arch: str, invariant: bool = False) -> list[dict]:
     from .emit import EMITTERS
 
     inner, epi, y = split_epilogue(node)
-    specs = EMITTERS[inner.op](inner, name, arch)
+    specs = EMITTERS[inner.op](inner, name, arch, invariant=True) if invariant else EMITTERS[inner.op](inner, name, arch)
     k = Kernel.from_json(node.attrs["kernel"])
     feeds, n_inner = node.attrs["feeds"], node.attrs["n_inner"]
     n = y.type.shape[1]

@@ -187,7 +187,7 @@ def test_the_trap_catches_host_reads():
 def test_decode_steps_never_wait_for_the_device(request, which):
     """Greedy and seeded sampled decode steps, eager (runner) and padded (GraphedDecode: staging,
     one non-blocking copy, the step), with every host read outside Triton's own kernels trapped.
-    Mixtral's step adds moe_align (routing and the sort by expert in torch); hd24's attention is
+    Mixtral's step adds the MoE routing and sort kernels (moe_align.py); hd24's attention is
     a torch stand-in (device_refs.py), whose tokens are the IR reference's."""
     model = request.getfixturevalue({"llama": "sm90", "mixtral": "mixtral_sm90", "hd24": "hd24_sm90"}[which])
     eager_cache = seeded_cache(model.config, scratch=False)

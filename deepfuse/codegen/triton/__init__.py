@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from ...ir import Graph
 from ..device_plan import PLACEHOLDER, device_plan, named
-from .emit import EMITTERS, INVARIANT_AWARE, PREPARE, emittable
+from .emit import EMITTERS, INVARIANT_AWARE, emittable
 
 ARCH_DESCRIPTIONS = {"sm90": "NVIDIA Hopper (sm_90a), Triton kernels", "sm100": "NVIDIA Blackwell (sm_100a), Triton kernels"}
 
@@ -24,8 +24,6 @@ def build_plan(g: Graph, arch: str, batch_invariant: bool = False) -> dict:
             continue
         invariant = {"invariant": True} if batch_invariant and n.op in INVARIANT_AWARE else {}
         p["kernels"] = named(n, EMITTERS[n.op](n, PLACEHOLDER, arch, **invariant))
-        if n.op in PREPARE:
-            p["prepare"] = {"fn": PREPARE[n.op], "block": p["kernels"][0]["constexprs"]["BM"]}
         tmps = [t for spec in p["kernels"] for t in spec.pop("scratch", [])]
         if tmps:  # each kernel's scratch, in kernel order: ["tmp", j] is the j-th
             p["tmps"] = tmps

@@ -28,6 +28,7 @@ from . import sample
 from . import templates as T
 from .epilogue import emit_with_epilogue
 from .generated import emit_kernel, renderable, with_helpers
+from .moe_align import emit_route_align
 from .prologue import PROLOGUES
 from .prologue import render as render_prologue
 from .split_kv import emit_split_kv, sizing
@@ -178,9 +179,9 @@ def emit_qkv_attention(node: Node, name: str, arch: str, invariant: bool = False
 
 
 def emit_fused_moe(node: Node, name: str, arch: str) -> list[dict]:
-    """Routing and the sort by expert run in torch on the device (the launch's `prepare`,
-    runner.moe_align, into scratch tensors); then three kernels: the grouped gate/up GEMM with
-    SwiGLU, the grouped down GEMM scaled by the routing weight, and the per-token combine."""
+    """Five kernels: routing and the sort by expert into scratch (moe_align.py), the grouped
+    gate/up GEMM with SwiGLU, the grouped down GEMM scaled by the routing weight, and the
+    per-token combine."""
     x, w13 = node.inputs[0].type, node.inputs[2].type
     d, i = x.shape[1], w13.shape[1] // 2
     kt = node.attrs["top_k"] + node.attrs.get("num_shared", 0)
@@ -201,7 +202,7 @@ def emit_fused_moe(node: Node, name: str, arch: str) -> list[dict]:
     combine = _spec(name, _source(name, T.MOE_COMBINE, KT=kt, D=d),
                     [("ys_ptr", dt, ["tmp", 5]), ("pos_ptr", "*i32", ["tmp", 2]), ("y_ptr", dt, ["out", 0])],
                     {"BD": pow2(d)}, [["shape", 0, 0], 1, 1], tiles_for(arch, "row", node))
-    return [up, down, combine]
+    return [*emit_route_align(node, name, consts["BM"], _source, _spec, tiles_for(arch, "row", node)), up, down, combine]
 
 
 def emit_sample(node: Node, name: str, arch: str) -> list[dict]:
@@ -233,7 +234,6 @@ EMITTERS = {
     "spec_verify": emit_spec_verify,
     "kernel": emit_kernel,  # a generated kernel: its kernel IR rendered (generated.py)
 }
-PREPARE = {"fused_moe": "moe_align"}  # ops whose kernels need a torch step first (runner.PREPARE)
 
 
 EPILOGUE_HOSTS = ("linear", "linear_q4", "rms_norm_linear", "swiglu_linear")  # emit_gemm's, one output

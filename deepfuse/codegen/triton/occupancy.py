@@ -2,9 +2,9 @@
 
 - `decode_launches(plan, seqs, context)`: for a decode step of `seqs` one-token sequences at
   `context` keys each, every kernel the runner would launch (its `when` holds) with its grid,
-  from meta tensors of the step's shapes (nothing is allocated or run; fused_moe's torch
-  prologue runs on meta tensors for its scratch sizes). Split-KV kernels also report their
-  working programs: partitions past a sequence's keys return at once.
+  from meta tensors of the step's shapes and of the scratch its symbolic dims give (nothing is
+  allocated or run). Split-KV kernels also report their working programs: partitions past a
+  sequence's keys return at once.
 - `ptx_loads(ptx)`: the global loads of a kernel's PTX by instruction (ld.global widths,
   cp.async sizes) and its tensor-core MMA instruction.
 - `ptxas_usage(ptx, arch)`: registers, spill bytes and stack frame, from Triton's own ptxas
@@ -20,7 +20,7 @@ import tempfile
 
 import torch
 
-from .runner import PREPARE, grid_of, launched, sizes_of
+from .runner import bind, grid_of, launched, sizes_of
 
 ARCH_CC = {"sm90": 90, "sm100": 100}
 
@@ -51,10 +51,8 @@ def decode_launches(plan: dict, seqs: int, context: int, block_size: int = 16) -
             continue
         ins = _meta_inputs(p, env)
         outs = [torch.empty(s, device="meta") for s in sizes_of(p["out_shape"], ins, p["in_shape"])]
-        tmps: list = []
-        if "prepare" in p:
-            prep = dict(p["prepare"])
-            tmps = PREPARE[prep.pop("fn")](ins, p["attrs"], **prep)
+        tmps = [torch.empty([d if isinstance(d, int) else bind(d, ins, [], []) for d in t["dims"]], device="meta")
+                if "dims" in t else None for t in p.get("tmps", [])]
         for spec in p["kernels"]:
             if not launched(spec, ins):
                 continue

@@ -17,50 +17,11 @@ import os
 import tempfile
 
 import torch
-import torch.nn.functional as F
 
 from ...errors import DeepfuseError
 from ...ir import DTYPES
-from ...ir.opdefs_moe import route, routing_attrs
 from .device_refs import reference
 from .staging import Packer
-
-
-def moe_align(ins: list[torch.Tensor], attrs: dict, block: int) -> list[torch.Tensor]:
-    """fused_moe's routing, and its (token, expert) pairs sorted by expert with each expert's
-    rows padded to a multiple of `block` -> scratch tensors for the MoE kernels:
-    rows i32[P] (pair id t*KT+j, or T*KT for padding), block_expert i32[P/block],
-    pos_of i32[T*KT] (each pair's row), weights f32[T*KT], h [P, I], ys [P, D].
-    P is a bound known without reading the routing back (each expert that gets pairs pads fewer
-    than `block` rows), so nothing here waits for the GPU; the blocks past the experts' rows hold
-    only padding, and the MoE kernels return at once for them."""
-    x, router_w, w13, w2, *bias = ins
-    weights, ids = route(F.linear(x, router_w), attrs["top_k"], attrs["renormalize"], bias[0] if bias else None,
-                         **routing_attrs(attrs))
-    flat = ids.flatten()
-    n_pairs, n_experts = flat.numel(), w13.shape[0]
-    order = torch.argsort(flat, stable=True)
-    counts = torch.zeros(n_experts, dtype=torch.long, device=x.device).index_add_(0, flat, torch.ones_like(flat))
-    # (not bincount: on a GPU it reads the largest id back to size its output)
-    padded = (counts + block - 1) // block * block
-    start_padded = torch.cumsum(padded, 0) - padded
-    start = torch.cumsum(counts, 0) - counts
-    total = -(-(n_pairs + min(n_experts, n_pairs) * (block - 1)) // block) * block
-    experts = flat[order]
-    dest = start_padded[experts] + torch.arange(n_pairs, device=x.device) - start[experts]
-    rows = torch.full((total,), n_pairs, dtype=torch.int32, device=x.device)
-    rows[dest] = order.to(torch.int32)
-    pos_of = torch.empty(n_pairs, dtype=torch.int32, device=x.device)
-    pos_of[order] = dest.to(torch.int32)
-    blocks_through = torch.cumsum(padded // block, 0)  # blocks of experts 0..e
-    block_expert = torch.searchsorted(blocks_through, torch.arange(total // block, device=x.device), right=True)
-    block_expert = block_expert.clamp_(max=n_experts - 1).to(torch.int32)
-    h = torch.empty(total, w13.shape[1] // 2, dtype=x.dtype, device=x.device)
-    ys = torch.empty(total, x.shape[1], dtype=x.dtype, device=x.device)
-    return [rows, block_expert, pos_of, weights.flatten().float().contiguous(), h, ys]
-
-
-PREPARE = {"moe_align": moe_align}
 
 
 def as_list(res) -> list:
@@ -161,12 +122,13 @@ def bind(form, ins: list[torch.Tensor], outs: list[torch.Tensor], tmps: list[tor
         return ins[form[1]][form[2]]
     if kind == "const":
         return form[1]
-    if kind in ("min", "mul"):  # scratch sizes: min(a, b), a * b (each an int or a form)
+    if kind in SIZE_OPS:  # scratch sizes: min(a, b), a * b, a + b, cdiv(a, b) (each an int or a form)
         a, b = (f if isinstance(f, int) else bind(f, ins, outs, tmps) for f in form[1:])
-        return min(a, b) if kind == "min" else a * b
+        return SIZE_OPS[kind](a, b)
     raise ValueError(f"unknown argument form {form!r}")
 
 
+SIZE_OPS = {"min": min, "mul": lambda a, b: a * b, "add": lambda a, b: a + b, "cdiv": lambda a, b: -(-a // b)}
 COMPARE = {"le": lambda a, b: a <= b, "gt": lambda a, b: a > b, "ne": lambda a, b: a != b}
 
 
@@ -268,11 +230,7 @@ class TritonRunner:
         shapes = sizes_of(p["out_shape"], ins, p["in_shape"])
         outs = [torch.empty(s, dtype=DTYPES[d], device=self.device) for s, d in zip(shapes, p["out_dtype"])]
         kernels = [(spec, fn) for spec, fn in kernels if launched(spec, ins)]
-        if "prepare" in p:
-            prep = dict(p["prepare"])
-            tmps = PREPARE[prep.pop("fn")](ins, p["attrs"], **prep)
-        else:
-            tmps = self._scratch(p, kernels, ins)
+        tmps = self._scratch(p, kernels, ins)
         for spec, fn in kernels:
             for i, axis, n, what in spec.get("requires", []):
                 got = ins[i].shape[axis]

@@ -197,10 +197,10 @@ def $NAME(tokens_ptr, drafts_ptr, y_ptr, R):
 """
 
 # fused MoE over (token, expert) pairs sorted by expert and padded so each BM block of rows
-# belongs to one expert (moe_align in runner.py): rows[i] = t * KT + j, or the sentinel M
+# belongs to one expert (moe_align.py): rows[i] = t * KT + j, or the sentinel M
 MOE_ROWS = """    pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
-    if tl.load(rows_ptr + pid_m * BM) >= M:  # past the experts' rows (runner.moe_align): padding only
+    if tl.load(rows_ptr + pid_m * BM) >= M:  # past the experts' rows (moe_align.py): padding only
         return
     r = pid_m * BM + tl.arange(0, BM)
     pair = tl.load(rows_ptr + r)

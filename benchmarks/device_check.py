@@ -34,7 +34,7 @@ import deepfuse  # noqa: E402
 from deepfuse.codegen.cpu.kernels import make_kernel  # noqa: E402
 from deepfuse.codegen.targets import get_target  # noqa: E402
 from deepfuse.codegen.triton import build_plan  # noqa: E402
-from deepfuse.codegen.triton.runner import TritonRunner, as_list  # noqa: E402
+from deepfuse.codegen.triton.runner import TritonRunner, as_list, launched  # noqa: E402
 from deepfuse.compiler import trace_model  # noqa: E402
 from deepfuse.models import load_model  # noqa: E402
 from deepfuse.passes import PassManager  # noqa: E402
@@ -185,7 +185,7 @@ def check_kernels(model, dtype: str, device, dry: bool, steps: dict) -> list[dic
                 t_tri = bench(lambda p=p, kernels=kernels, ins=ins: runner._run(p, kernels, ins), dry)
                 t_peer = None if peer_error else bench(lambda peer=peer, ins=ins: peer(*ins), dry)
                 nbytes, flops = cost(p, ins, got)
-                if any(sizing_kernel(spec) for spec, _ in kernels):  # the sizing changed this launch: time it without
+                if any(sizing_kernel(spec) and launched(spec, ins) for spec, _ in kernels):  # time it without the sizing
                     try:
                         got_u = unsized._run(p, kernels_u, ins)
                         row["unsized_rel_err"] = max(float((a.float() - b.float()).abs().max() / (b.float().abs().max()

@@ -22,21 +22,15 @@ from .passes import PassManager
 from .passes.shard import ShardingSpec, shard_pass
 from .runtime.tokenizer import Tokenizer
 
-# cpu: gloo; sm90/sm100: NCCL on GPUs, gloo in Triton's interpreter; ascend950: HCCL in the host code,
-# emulated over gloo
-TP_TARGETS = ("cpu", "sm90", "sm100", "ascend950")
-
 
 def compile_rank(model, world: int, rank: int, target: str = "cpu", dtype: str = "f32", tokenizer: Tokenizer | None = None,
                  dump_dir: str | None = None, spec: ShardingSpec | None = None) -> CompiledModel:
     """model: a Llama-family model (all its weights; the result keeps only rank `rank`'s shards).
     spec: the shardings (default: llama_sharding(model.config, world))."""
-    if target not in TP_TARGETS:
-        raise DeepfuseError(f"tensor parallelism runs on {', '.join(TP_TARGETS)}; {target!r} has no collectives yet")
+    tgt = get_target(target)  # every target runs the collectives (cpu, sm90, sm100: gloo / NCCL; ascend950: HCCL)
     spec = spec or llama_sharding(model.config, world)
     if spec.world != world:
         raise DeepfuseError(f"the sharding spec is for {spec.world} ranks, not {world}")
-    tgt = get_target(target)
     graph = trace_model(model, dtype)
     graph, reports = PassManager([shard_pass(spec, rank), *tgt.pipeline()]).run(graph, dump_dir)
     plan = tgt.lower(graph)

@@ -44,8 +44,9 @@ def tp_artifact(tiny_dir, tmp_path_factory) -> str:
     return out
 
 
-def _tokens(path: str | None, artifact: str | None = None) -> list[list[int]]:
-    eng = ShardedEngine(path, 2, OPTIONS, artifact=artifact, artifact_digest=artifact and artifact_digest(artifact))
+def _tokens(path: str) -> list[list[int]]:
+    """Greedy tokens of 2 ranks that compile the checkpoint at `path` for ascend950."""
+    eng = ShardedEngine(path, 2, OPTIONS)
     try:
         got = eng.generate(PROMPTS, PARAMS)
     finally:
@@ -74,8 +75,20 @@ def test_the_host_code_calls_hccl_for_every_collective(tp_artifact):
             assert "target_link_libraries(deepfuse_launch PRIVATE hccl)" in f.read()
 
 
-def test_tp2_ascend950_artifact_gives_the_one_process_tokens(tp_artifact, want):
-    assert _tokens(None, tp_artifact) == want
+def test_llm_runs_the_tp2_ascend950_artifact_with_the_one_process_tokens(tp_artifact, want):
+    from deepfuse import LLM
+
+    llm = LLM(artifact=tp_artifact, artifact_digest=artifact_digest(tp_artifact), block_size=16, num_blocks=32,
+              max_num_tokens=32, max_num_seqs=4)
+    try:
+        got = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], PARAMS[0])
+    finally:
+        llm.engine.close()
+    assert [g.outputs[0].token_ids for g in got] == want
+
+
+def test_ranks_that_compile_for_ascend950_give_the_one_process_tokens(tiny_dir, want):
+    assert _tokens(tiny_dir) == want
 
 
 def _rank_main_with_silent_all_reduce(*args) -> None:
@@ -86,7 +99,7 @@ def _rank_main_with_silent_all_reduce(*args) -> None:
 
 
 def test_the_comparison_fails_when_the_ranks_do_not_reduce(tiny_dir, want, monkeypatch):
-    """Every rank's all_reduce a copy of its partial sum (the ranks compile the model themselves
-    here): not the 1-process tokens, so the test above can fail."""
+    """Every rank's all_reduce a copy of its partial sum: not the 1-process tokens, so the test
+    above can fail."""
     monkeypatch.setattr(distributed, "_rank_main", _rank_main_with_silent_all_reduce)
     assert _tokens(tiny_dir) != want

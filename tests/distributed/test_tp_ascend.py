@@ -103,3 +103,15 @@ def test_the_comparison_fails_when_the_ranks_do_not_reduce(tiny_dir, want, monke
     above can fail."""
     monkeypatch.setattr(distributed, "_rank_main", _rank_main_with_silent_all_reduce)
     assert _tokens(tiny_dir) != want
+
+
+def test_a_rank_plan_outside_a_distributed_run_names_the_fix(tiny_model):
+    """One rank's ascend950 step run alone: its first HCCL collective needs a communicator of the
+    other ranks, and the message says how to start them."""
+    from deepfuse.errors import DeepfuseError
+    from deepfuse.sharded_compile import compile_rank
+    from tests.codegen.test_triton import mixed_step
+
+    rank = compile_rank(tiny_model, 2, 0, target="ascend950")
+    with pytest.raises(DeepfuseError, match="tensor_parallel_size=N"):
+        rank.runner(mixed_step(rank.config))

@@ -12,7 +12,8 @@ its entry declares (emu/deepfuse_emu/runtime.h).
 
 A kernel is compiled as the AI core would see it: only the emulated API's headers (-nostdinc,
 `double` poisoned), so host-only C++ fails to compile. The emulator runtime and the host code
-are compiled apart, with the host's C++ library (emu/runtime/runtime.cpp, emu/host/).
+are compiled apart, with the host's C++ library (emu/runtime/runtime.cpp, emu/host/); the host
+launch library also links the emulated HCCL (emu/runtime/hccl.cpp, its transport in hccl.py).
 The emulator is strict where the hardware is (see emu/kernel_operator.h): a violation fails the
 launch with its message. It checks numerics and API discipline, not performance.
 """

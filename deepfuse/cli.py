@@ -124,7 +124,7 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--target", default="cpu")
     c.add_argument("--tp", type=int, default=1, metavar="N",
                    help="one artifact of N tensor-parallel ranks: per-rank plans and weight shards "
-                        "(cpu, sm90, sm100; f32/bf16)")
+                        "(cpu, sm90, sm100, ascend950; f32/bf16)")
     c.add_argument("-o", "--output", required=True)
     r = sub.add_parser("ir", help="print the IR, or dump it before/after every pass")
     _add_model_args(r)

@@ -6,7 +6,7 @@ interpreter when the process started with TRITON_INTERPRET=1), ascend950 in the 
     f = deepfuse.compile(g, target="ascend950")
     y = f(x=...)            # or f(x): the graph's inputs, by name or in order
     f.launches              # [{"op", "kind": "generated" | "template" | "template+generated" | "view"
-                            #   | "reference", "ops": the graph ops a generated kernel fuses}]
+                            #   | "collective" | "reference", "ops": the graph ops a generated kernel fuses}]
 """
 from __future__ import annotations
 

@@ -2,10 +2,12 @@
 
 The step graph is partitioned first (passes/shard.py, shardings from models/sharding.py), then
 runs the target's normal pipeline: the fusions see an ordinary graph of the rank's shapes with
-all_reduce / all_gather nodes in it, which run as host steps calling the process's communicator
-(runtime/distributed.py): gloo on the CPU target, NCCL for sm90/sm100 on GPUs (one per rank), gloo
-for sm90/sm100 in Triton's CPU interpreter. The rank's config is its local view of the model: num_heads and
-num_kv_heads those of this rank (so its engine sizes a kv cache of its own kv heads).
+all_reduce / all_gather nodes in it. On cpu, sm90 and sm100 they run as host steps calling the
+process's communicator (runtime/distributed.py): gloo on the CPU target, NCCL for sm90/sm100 on GPUs
+(one per rank), gloo for sm90/sm100 in Triton's CPU interpreter. On ascend950 they are HCCL calls of
+the generated host code (codegen/ascendc/collective.py), which the AscendC emulator hands to gloo.
+The rank's config is its local view of the model: num_heads and num_kv_heads those of this rank (so
+its engine sizes a kv cache of its own kv heads).
 """
 from __future__ import annotations
 
@@ -20,20 +22,15 @@ from .passes import PassManager
 from .passes.shard import ShardingSpec, shard_pass
 from .runtime.tokenizer import Tokenizer
 
-TP_TARGETS = ("cpu", "sm90", "sm100")  # cpu: gloo; sm90/sm100: NCCL on GPUs, gloo in Triton's interpreter
-
 
 def compile_rank(model, world: int, rank: int, target: str = "cpu", dtype: str = "f32", tokenizer: Tokenizer | None = None,
                  dump_dir: str | None = None, spec: ShardingSpec | None = None) -> CompiledModel:
     """model: a Llama-family model (all its weights; the result keeps only rank `rank`'s shards).
     spec: the shardings (default: llama_sharding(model.config, world))."""
-    if target not in TP_TARGETS:
-        raise DeepfuseError(f"tensor parallelism runs on {', '.join(TP_TARGETS)}; {target!r} has no collectives yet "
-                            "(HCCL is not emulated for the AscendC target)")
+    tgt = get_target(target)  # every target runs the collectives (cpu, sm90, sm100: gloo / NCCL; ascend950: HCCL)
     spec = spec or llama_sharding(model.config, world)
     if spec.world != world:
         raise DeepfuseError(f"the sharding spec is for {spec.world} ranks, not {world}")
-    tgt = get_target(target)
     graph = trace_model(model, dtype)
     graph, reports = PassManager([shard_pass(spec, rank), *tgt.pipeline()]).run(graph, dump_dir)
     plan = tgt.lower(graph)

@@ -60,8 +60,9 @@ class Target:
 
     def lower(self, g: Graph, batch_invariant: bool = False) -> dict:
         """The launch plan of a final graph, each launch marked with its kind ("generated",
-        "template", "template+generated" (a GEMM with its generated epilogue), "view" or
-        "reference") and the plan's host_steps listed."""
+        "template", "template+generated" (a GEMM with its generated epilogue), "collective" (a
+        collective op the target's host code calls: ascend950's HCCL), "view" or "reference")
+        and the plan's host_steps listed."""
         if batch_invariant:
             self.check_invariant()
         plan = self.invariant_build(g) if batch_invariant else self.build(g)
@@ -93,6 +94,8 @@ class Target:
 
 
 def launch_kind(t: Target, n: Node, p: dict) -> str:
+    if p.get("collective"):  # a collective the target's host code runs (ascend950: HCCL)
+        return "collective"
     if n.op == "kernel" and (p.get("kernels") or not t.device):
         return "generated"
     if n.op == "with_epilogue" and (p.get("kernels") or not t.device):

@@ -1,6 +1,7 @@
 """Tensor and expert parallelism over processes: ranks started by the engine, collectives through
 torch.distributed: gloo for the CPU target; NCCL for sm90/sm100 where the ranks have GPUs (rank r
-on GPU r mod the count), gloo when those targets run in Triton's CPU interpreter.
+on GPU r mod the count), gloo when those targets run in Triton's CPU interpreter; gloo for
+ascend950, whose host code's HCCL calls the AscendC emulator hands to it (codegen/ascendc/hccl.py).
 
     eng = ShardedEngine("smollm2", world=2)         # starts 2 rank processes
     outs = eng.generate([[1, 2, 3]], [SamplingParams(temperature=0, max_tokens=8)])
@@ -57,7 +58,7 @@ class RankOptions:
     """What every rank builds: the compile dtype and the Engine's settings."""
 
     dtype: str = "f32"
-    target: str = "cpu"  # cpu, sm90 or sm100
+    target: str = "cpu"  # cpu, sm90, sm100 or ascend950 (in the AscendC emulator)
     with_tokenizer: bool = True
     block_size: int = 16
     num_blocks: int = 1024
@@ -106,7 +107,8 @@ def _rank_main(rank: int, world: int, store: str, model, options: RankOptions, i
 
 
 def _backend(target: str, rank: int) -> str:
-    """NCCL for a GPU target on a machine with GPUs (this rank's GPU made current first), else gloo."""
+    """NCCL for a GPU target on a machine with GPUs (this rank's GPU made current first), else gloo
+    (cpu; sm90/sm100 in Triton's interpreter; ascend950, whose emulated HCCL runs over it)."""
     from ..codegen.triton.runner import interpreting
 
     if target in ("sm90", "sm100") and torch.cuda.is_available() and not interpreting():
@@ -226,10 +228,9 @@ def engine_for_llm(model, world: int, target: str, dtype: str, block_size: int, 
         artifact = model
     if artifact_digest is not None and artifact is None:
         raise DeepfuseError("artifact_digest pins an artifact directory; give one (artifact=...)")
-    from ..sharded_compile import TP_TARGETS
+    from ..codegen import get_target
 
-    if target not in TP_TARGETS:
-        raise DeepfuseError(f"tensor_parallel_size > 1 runs on {', '.join(TP_TARGETS)}, not {target!r}")
+    get_target(target)  # an unknown target is refused before any rank starts
     given = sorted(k for k, v in unsupported.items() if v not in (None, False, 0))
     if given:
         raise DeepfuseError(f"tensor_parallel_size > 1 does not support {', '.join(given)} yet; leave "

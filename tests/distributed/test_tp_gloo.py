@@ -98,8 +98,8 @@ def test_tp2_on_sm90_in_the_interpreter_same_tokens_as_one_cpu_process(tiny_dir)
     assert [g.outputs[0].token_ids for g in got] == [w.outputs[0].token_ids for w in want]
 
 
-def test_tensor_parallel_refuses_a_target_without_collectives(tiny_model):
-    from deepfuse.sharded_compile import compile_rank
+def test_tensor_parallel_refuses_an_unknown_target_before_starting_ranks(tiny_dir):
+    from deepfuse import LLM
 
-    with pytest.raises(deepfuse.errors.DeepfuseError, match="'ascend950' has no collectives"):
-        compile_rank(tiny_model, 2, 0, target="ascend950")
+    with pytest.raises(deepfuse.errors.DeepfuseError, match="unknown target 'tpu9'"):
+        LLM(tiny_dir, target="tpu9", tensor_parallel_size=2)

@@ -4,8 +4,9 @@ project (kernel sources, host launch code, tiling, CMake; see project.py).
 
 The plan is the CPU plan's slot layout plus, per launch, the kernels emitted for its node (in
 launch order, with their argument forms and tiling expressions) and the scratch tensors they
-share. A launch without kernels runs its op's reference: on this machine, in the emulator
-runner; in the CANN project's host code, it is listed as a host step. No Ascend compiler runs
+share. A collective (all_reduce, all_gather of a tensor-parallel rank's step) is an HCCL call of the
+host code (collective.py). A launch without kernels runs its op's reference: on this machine,
+in the emulator runner; in the CANN project's host code, it is listed as a host step. No Ascend compiler runs
 here: the kernels are checked by compiling them with g++ against emu/ (runner.py).
 """
 from __future__ import annotations
@@ -15,6 +16,7 @@ from dataclasses import replace
 from ...ir import Graph, Node
 from ..device_epilogue import remap, result_to_tmp, split_epilogue
 from ..device_plan import PLACEHOLDER, device_plan, named
+from .collective import COLLECTIVES, collective_launch
 from .emit import emit_gather
 from .emit_attention import emit_qkv_attention
 from .emit_gemm import emit_gemm
@@ -95,6 +97,9 @@ def emittable(node: Node) -> bool:
 def build_plan(g: Graph) -> dict:
     plan = device_plan(g, "ascend950")
     for n, p in zip(g.nodes, plan["launches"]):
+        if n.op in COLLECTIVES:  # HCCL calls of the host code
+            p.update(collective_launch(n))
+            continue
         if not emittable(n):
             continue
         emitted = EMITTERS[n.op](n, PLACEHOLDER)

@@ -12,7 +12,8 @@ its entry declares (emu/deepfuse_emu/runtime.h).
 
 A kernel is compiled as the AI core would see it: only the emulated API's headers (-nostdinc,
 `double` poisoned), so host-only C++ fails to compile. The emulator runtime and the host code
-are compiled apart, with the host's C++ library (emu/runtime/runtime.cpp, emu/host/).
+are compiled apart, with the host's C++ library (emu/runtime/runtime.cpp, emu/host/); the host
+launch library also links the emulated HCCL (emu/runtime/hccl.cpp, its transport in hccl.py).
 The emulator is strict where the hardware is (see emu/kernel_operator.h): a violation fails the
 launch with its message. It checks numerics and API discipline, not performance.
 """
@@ -36,6 +37,7 @@ EMU_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "emu")
 CACHE = os.path.join(tempfile.gettempdir(), "deepfuse-ascendc-emu")
 
 RUNTIME = os.path.join(EMU_DIR, "runtime", "runtime.cpp")
+HCCL = os.path.join(EMU_DIR, "runtime", "hccl.cpp")  # the emulated HCCL, linked into the host launch library
 # the entry's execution-space qualifier -> deepfuse_emu::enqueue's `qualifier`
 QUALIFIERS = {"": 0, "__cube__": 1, "__vector__": 2, "__mix__(1, 1)": 3, "__mix__(1, 2)": 4}
 _LOADED: dict[str, ctypes.CDLL] = {}
@@ -111,10 +113,15 @@ def kernel_object(kernel: AscendKernel) -> str:
     return _cached(tu, "kernel.o", make)
 
 
-def _runtime_object() -> str:
-    with open(RUNTIME) as f:
+def _host_object(path: str, what: str) -> str:
+    with open(path) as f:
         source = f.read()
-    return _cached(source, "runtime.o", lambda out, tmp: _gxx(["-c", RUNTIME, "-o", tmp], "the emulator runtime"))
+    name = os.path.basename(path).replace(".cpp", ".o")
+    return _cached(source, name, lambda out, tmp: _gxx(["-c", path, "-o", tmp], what))
+
+
+def _runtime_object() -> str:
+    return _host_object(RUNTIME, "the emulator runtime")
 
 
 def _load(path: str) -> ctypes.CDLL:
@@ -170,7 +177,7 @@ def launch(kernel: AscendKernel, tensors: list[torch.Tensor], tiling: bytes, ub_
 
 def load_project(files: dict[str, bytes], kernels: list[AscendKernel]) -> ctypes.CDLL:
     """The artifact's host launch library built against the emulator (kernels' objects + the
-    generated host/deepfuse_launch.cpp + emulated aclrt) and loaded."""
+    generated host/deepfuse_launch.cpp + emulated aclrt and HCCL) and loaded."""
     objs = [kernel_object(k) for k in kernels]
     host = files["host/deepfuse_launch.cpp"].decode() + files["host/deepfuse_launch.h"].decode()
 
@@ -178,7 +185,7 @@ def load_project(files: dict[str, bytes], kernels: list[AscendKernel]) -> ctypes
         for name in ("host/deepfuse_launch.cpp", "host/deepfuse_launch.h"):
             with open(os.path.join(out, os.path.basename(name)), "wb") as f:
                 f.write(files[name])
-        _gxx(["-shared", "-I", out, os.path.join(out, "deepfuse_launch.cpp"), *objs, _runtime_object(), "-lm", "-o",
-              tmp], "the generated host launch code")
+        _gxx(["-shared", "-I", out, os.path.join(out, "deepfuse_launch.cpp"), *objs, _runtime_object(),
+              _host_object(HCCL, "the emulated HCCL"), "-lm", "-o", tmp], "the generated host launch code")
 
     return _load(_cached(host + "".join(objs), "project.so", make))

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 
 from ...errors import DeepfuseError
+from .collective import collective_fn, collectives_of
 from .kernel import AscendKernel, kernel_file, launch_signature, launch_symbol, render, tiling_struct, tiling_type
 
 # the Ascend 950PR / 950DT SoC names CANN's host config accepts (asc-devkit
@@ -46,16 +47,18 @@ struct DeepfuseLaunchArgs {{
     int64_t in_shape[DEEPFUSE_MAX_ARGS][DEEPFUSE_MAX_DIMS];
     int64_t tmp_shape[DEEPFUSE_MAX_ARGS][DEEPFUSE_MAX_DIMS];
     void* workspace;  // device memory of at least deepfuse_workspace_bytes()
+    void* comm;  // the rank's HcclComm (HcclCommInitRootInfo) for the collective launches; unused by a one-rank plan
 }};
 
 extern "C" {{
 int deepfuse_num_launches(void);
-// the op of launch i, and whether it is a host step (no kernel: the caller runs the op's reference)
+// the op of launch i, and whether it is a host step (no kernel, no collective: the caller runs the op's reference)
 const char* deepfuse_launch_op(int i);
 int deepfuse_launch_is_host_step(int i);
 uint64_t deepfuse_workspace_bytes(void);
-// queues the kernels of plan launch i on `stream`, each with its tiling (by value); they run in
-// stream order, so the caller synchronises the stream before it reads their outputs
+// queues the kernels of plan launch i on `stream`, each with its tiling (by value), or its HCCL
+// collective (all_reduce, all_gather) on args->comm; they run in stream order, so the caller
+// synchronises the stream before it reads their outputs
 
 aclError deepfuse_launch(int i, aclrtStream stream, const DeepfuseLaunchArgs* args);
 }}
@@ -66,7 +69,7 @@ SOURCE_HEAD = """\
 #include <cstring>
 #include "deepfuse_launch.h"
 #include "kernel_tiling/kernel_tiling.h"
-
+$HCCL
 // each kernel's tiling struct (TCubeTiling for the GEMMs) and launch function (kernels/<name>.cpp)
 $INCLUDES
 static inline int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
@@ -92,15 +95,16 @@ def _kernel_fn(k: AscendKernel) -> str:
 def host_source(plan: dict, kernels: dict[str, AscendKernel]) -> str:
     structs = "".join(tiling_struct(k.name, k.tiling) for k in kernels.values() if k.core != "aic")
     includes = structs + "".join(f"{launch_signature(k)};\n" for k in kernels.values())
-    out = SOURCE_HEAD.replace("$INCLUDES", includes) + "\n"
-    out += "\n".join(_kernel_fn(k) for k in kernels.values())
+    collectives = collectives_of(plan)
+    out = SOURCE_HEAD.replace("$INCLUDES", includes).replace("$HCCL", '#include "hccl/hccl.h"\n' if collectives else "")
+    out += "\n" + "\n".join([_kernel_fn(k) for k in kernels.values()] +
+                             [collective_fn(name, p) for name, p in collectives.items()])
     out += "\ntypedef aclError (*KernelFn)(aclrtStream, const DeepfuseLaunchArgs*);\n"
     out += "struct Launch {\n    const char* op;\n    int count;\n    KernelFn kernels[DEEPFUSE_KERNEL_SLOTS];\n};\n"
     rows = []
     for p in plan["launches"]:
-        names = [k["name"] for k in p.get("kernels", [])]
-        fns = ", ".join(f"run_{n}" for n in names) or "nullptr"
-        rows.append(f"    {{\"{p['op']}\", {len(names)}, {{{fns}}}}},  // {p['node']}")
+        fns = [f"run_{k['name']}" for k in p.get("kernels", [])] + ([p["collective"]] if p.get("collective") else [])
+        rows.append(f"    {{\"{p['op']}\", {len(fns)}, {{{', '.join(fns) or 'nullptr'}}}}},  // {p['node']}")
     n = len(plan["launches"])
     workspace = max([k.workspace for k in kernels.values()] + [0])
     out += "static const Launch LAUNCHES[] = {\n" + "\n".join(rows) + "\n};\n\n"
@@ -161,6 +165,12 @@ target_link_libraries(deepfuse_launch PRIVATE deepfuse_kernels)
 install(TARGETS deepfuse_launch deepfuse_kernels DESTINATION lib)
 """
 
+HCCL_CMAKE = """\
+# the collective launches (all_reduce, all_gather of the rank's partitioned step) call HCCL
+target_link_directories(deepfuse_launch PRIVATE $$ENV{ASCEND_HOME_PATH}/lib64)
+target_link_libraries(deepfuse_launch PRIVATE hccl)
+"""
+
 SOC_CHECK = """\
 # deepfuse: SOC_VERSION must name an Ascend 950PR / 950DT chip, as CANN's host config spells them
 # (asc-devkit cmake/asc/legacy_modules/host_config.cmake, ascend950_list, compared lower-cased);
@@ -204,7 +214,8 @@ def project_files(plan: dict, soc: str = DEFAULT_SOC) -> dict[str, bytes]:
     files["host/deepfuse_launch.h"] = HEADER.encode()
     files["host/deepfuse_launch.cpp"] = host_source(plan, kernels).encode()
     files["CMakeLists.txt"] = Template(CMAKE).substitute(
-        SOC=soc, ARCH=NPU_ARCH, KERNELS="".join(f"    kernels/{name}.cpp\n" for name in kernels)).encode()
+        SOC=soc, ARCH=NPU_ARCH, KERNELS="".join(f"    kernels/{name}.cpp\n" for name in kernels)).encode() + \
+        (Template(HCCL_CMAKE).substitute().encode() if collectives_of(plan) else b"")
     files["cmake/deepfuse_soc.cmake"] = Template(SOC_CHECK).substitute(
         ARCH=NPU_ARCH, SOC=DEFAULT_SOC, NAMES=" ".join(ASCEND950_SOCS),
         SOCS="".join(f"    {s.lower()}\n" for s in ASCEND950_SOCS)).encode()

@@ -4,12 +4,15 @@ the kernels are checked against the interpreter; it is not a fast way to run a m
 
 via_host=True launches the kernels through the artifact's generated host code
 (host/deepfuse_launch.cpp, built against the emulated aclrt) instead of from Python, so the
-host code's tiling and argument order are checked too.
+host code's tiling and argument order are checked too. A tensor-parallel rank's plan always runs
+that way: its collectives are HCCL calls of the host code (collective.py), which the emulated
+HCCL hands to torch.distributed over the rank's process group (hccl.py).
 """
 from __future__ import annotations
 
 import ctypes
 import os
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
@@ -18,6 +21,7 @@ from ...errors import DeepfuseError
 from ...ir import DTYPES, OPS
 from ..triton.runner import sizes_of
 from .emulate import build, launch, load_project
+from .hccl import init_comm, transport_error
 from .kernel import AscendKernel, pack
 from .project import MAX_ARGS, MAX_DIMS, kernels_of, project_files
 
@@ -28,7 +32,7 @@ Shapes = (ctypes.c_int64 * MAX_DIMS) * MAX_ARGS
 class LaunchArgs(ctypes.Structure):
     """host/deepfuse_launch.h's DeepfuseLaunchArgs."""
     _fields_ = [("in_", Ptrs), ("out", Ptrs), ("tmp", Ptrs), ("in_shape", Shapes), ("tmp_shape", Shapes),
-                ("workspace", ctypes.c_void_p)]
+                ("workspace", ctypes.c_void_p), ("comm", ctypes.c_void_p)]
 
 
 class EmulatorRunner:
@@ -41,7 +45,10 @@ class EmulatorRunner:
                          for p in plan["launches"]]
         self.host = None
         self.built = False
-        if via_host:
+        # the ranks the collectives span (0: a one-rank plan); their HcclComm is made at the first step
+        self.world = next((p["attrs"]["world"] for p in plan["launches"] if p.get("collective")), 0)
+        self.comm = None
+        if via_host or self.world:
             self.host = load_project(project_files(plan), list(kernels_of(plan).values()))
             self.host.deepfuse_workspace_bytes.restype = ctypes.c_uint64
             self.workspace = torch.zeros(max(self.host.deepfuse_workspace_bytes(), 32), dtype=torch.uint8)
@@ -60,12 +67,13 @@ class EmulatorRunner:
         env = list(self.base)
         for name, s in self.plan["inputs"].items():
             t = inputs[name]
-            if t.device.type != "cpu" or not t.is_contiguous():
-                raise DeepfuseError(f"the ascend950 emulator takes contiguous CPU inputs; {name} is not")
-            env[s] = t
+            written = name.startswith("kv_cache.")  # updated in place by the step
+            if t.device.type != "cpu" or (written and not t.is_contiguous()):
+                raise DeepfuseError(f"the ascend950 emulator takes CPU inputs and contiguous caches; {name} is not")
+            env[s] = t.contiguous()  # the engine's step views (block_tables[:s, :width]) are copied
         for i, (p, kernels, ref) in enumerate(self.launches):
             ins = [env[j] for j in p["in"]]
-            if kernels:
+            if kernels or p.get("collective"):
                 outs = self._run(i, p, kernels, ins)
             else:
                 res = ref(*ins, **p["attrs"])
@@ -105,10 +113,14 @@ class EmulatorRunner:
                 for d, n in enumerate(t.shape):
                     getattr(a, field)[j][d] = n
         a.workspace = self.workspace.data_ptr()
+        if self.world and self.comm is None:
+            self.comm = init_comm(self.host, self.world)
+            weakref.finalize(self, self.host.HcclCommDestroy, self.comm)
+        a.comm = self.comm
         rc = self.host.deepfuse_launch(index, None, ctypes.byref(a))
         if rc == 0:  # the kernels are queued on the stream: run them
             rc = self.host.aclrtSynchronizeStream(None)
         if rc != 0:
             self.host.deepfuse_emu_error.restype = ctypes.c_char_p
             raise DeepfuseError(f"launch {index} {p['node']} failed through the host code (aclError {rc}): "
-                                f"{self.host.deepfuse_emu_error().decode()}")
+                                f"{self.host.deepfuse_emu_error().decode()}{transport_error()}")

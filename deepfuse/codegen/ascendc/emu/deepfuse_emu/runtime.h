@@ -48,4 +48,10 @@ void cube_work(int matmul);
 // its Matmul objects (0 none, 1 ASCENDC_CUBE_ONLY, 2 the mixed client); a contradiction fails the launch
 void enqueue(void* stream, int qualifier, int matmul, uint32_t blocks, void (*run)(void*), void* ctx,
              void (*release)(void*));
+
+// host side only (the emulated HCCL, runtime/hccl.cpp): a task queued on `stream` that runs
+// run(ctx) at aclrtSynchronizeStream, in order with the stream's kernels and copies (a fail()
+// inside fails the synchronisation with its message); false for a stream aclrtCreateStream did
+// not make (ctx is released then)
+bool enqueue_task(void* stream, void (*run)(void*), void* ctx, void (*release)(void*));
 }  // namespace deepfuse_emu

@@ -134,6 +134,14 @@ void enqueue(void* stream, int qualifier, int matmul, uint32_t blocks, void (*ru
   }
   s->tasks.push_back([=] { run_kernel(kernel_mode(qualifier, matmul), blocks, run, owned.get()); });
 }
+
+bool enqueue_task(void* stream, void (*run)(void*), void* ctx, void (*release)(void*)) {
+  std::shared_ptr<void> owned(ctx, release);
+  Stream* s = stream_of(stream);
+  if (s == nullptr) return false;
+  s->tasks.push_back([=] { run(owned.get()); });
+  return true;
+}
 }  // namespace deepfuse_emu
 
 using deepfuse_emu::Stream;
@@ -178,6 +186,18 @@ aclError aclrtDestroyStream(aclrtStream stream) {
   Stream* s = (Stream*)stream;
   if (!deepfuse_emu::g_streams.erase(s)) return ACL_ERROR_INVALID_PARAM;
   delete s;
+  return ACL_SUCCESS;
+}
+
+aclError aclrtMemcpy2dAsync(void* dst, size_t dpitch, const void* src, size_t spitch, size_t width, size_t height,
+                            aclrtMemcpyKind kind, aclrtStream stream) {
+  Stream* s = deepfuse_emu::stream_of(stream);
+  if (dst == nullptr || src == nullptr || s == nullptr || width > dpitch || width > spitch ||
+      kind != ACL_MEMCPY_DEVICE_TO_DEVICE)
+    return ACL_ERROR_INVALID_PARAM;
+  s->tasks.push_back([=] {
+    for (size_t i = 0; i < height; i++) std::memcpy((uint8_t*)dst + i * dpitch, (const uint8_t*)src + i * spitch, width);
+  });
   return ACL_SUCCESS;
 }
 

@@ -14,6 +14,7 @@ typedef int aclError;
 typedef void* aclrtStream;
 #define ACL_SUCCESS 0
 #define ACL_ERROR_INVALID_PARAM 100000
+#define ACL_ERROR_FAILURE 500001
 #define ACL_ERROR_RT_AICORE_EXCEPTION 507015
 enum aclrtMemcpyKind { ACL_MEMCPY_HOST_TO_HOST, ACL_MEMCPY_HOST_TO_DEVICE, ACL_MEMCPY_DEVICE_TO_HOST, ACL_MEMCPY_DEVICE_TO_DEVICE };
 
@@ -21,6 +22,10 @@ extern "C" {
 aclError aclrtMemcpy(void* dst, size_t destMax, const void* src, size_t count, aclrtMemcpyKind kind);
 aclError aclrtMemcpyAsync(void* dst, size_t destMax, const void* src, size_t count, aclrtMemcpyKind kind,
                           aclrtStream stream);
+// `height` rows of `width` bytes, row i from src + i * spitch to dst + i * dpitch, queued like
+// aclrtMemcpyAsync (device to device only here)
+aclError aclrtMemcpy2dAsync(void* dst, size_t dpitch, const void* src, size_t spitch, size_t width, size_t height,
+                            aclrtMemcpyKind kind, aclrtStream stream);
 aclError aclrtMallocHost(void** hostPtr, size_t size);
 aclError aclrtFreeHost(void* hostPtr);
 aclError aclrtCreateStream(aclrtStream* stream);

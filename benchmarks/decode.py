@@ -119,6 +119,7 @@ def main() -> None:
               "deepfuse bf16": lambda: deepfuse_runner("bf16", ids, n, model),
               "deepfuse bf16+int4": lambda: deepfuse_runner("bf16", ids, n, model, "int4"),
               "deepfuse int4-head8": lambda: deepfuse_runner("bf16", ids, n, model, "int4-head8"),
+              "deepfuse int4-a8": lambda: deepfuse_runner("bf16", ids, n, model, "int4-a8"),
               "deepfuse int4 inv.": lambda: deepfuse_runner("bf16", ids, n, model, "int4", batch_invariant=True),
               "llama.cpp Q4_1": lambda: llama_cpp_runner(ids, n),
               "HF eager f32": lambda: hf_runner(torch.float32, ids, n),

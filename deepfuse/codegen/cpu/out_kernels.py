@@ -103,6 +103,15 @@ def _rms_norm_out(attrs: dict) -> Kernel:
     return with_native_bind(run, lambda x, w, out: native_binds.rms_norm_into(x, w, eps, out[0]))
 
 
+@out_factory("swiglu")
+def _swiglu_out(attrs: dict) -> Kernel:
+    """A SwiGLU left unfused (its projection takes no prologue: linear_q4a8)."""
+    def run(x, out):
+        out[0].copy_(swiglu_rows(x))
+
+    return with_native_bind(run, lambda x, out: native_binds.swiglu_into(x, out[0]))
+
+
 @out_factory("add_rms_norm")
 def _add_rms_norm_out(attrs: dict) -> Kernel:
     eps = attrs["eps"]

@@ -66,7 +66,7 @@ HEAD_BYTES = {"bf16": 2.0, "int8": 1.0, "q8_0": 34 / 32}  # per LM-head weight (
 def decode_bytes(config, context: float, head: str = "bf16") -> dict[str, float]:
     """Bytes one batch-1 decode token of an int4 build reads: 'projections' (int4 groups of 32,
     each 16 bytes of nibbles and a 4-byte scale and offset: Q4_1's 20 bytes), 'lm_head' (bf16;
-    int8 with an f32 scale per row, as int4-head8's; or Q8_0, 34 bytes per 32, as llama.cpp's
+    int8 with an f32 scale per row, as int4-head8's and int4-a8's; or Q8_0, 34 bytes per 32, as llama.cpp's
     file), 'kv' (bf16 keys and values of `context` positions, every layer)."""
     d, f, layers = config.hidden_size, config.intermediate_size, config.num_layers
     q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
@@ -79,7 +79,7 @@ def head_of(engine: str) -> str | None:
     """The LM head format of a decode.py engine whose projections are int4 (None: not an int4 build)."""
     if engine.startswith("llama.cpp"):
         return "q8_0"
-    if "int4-head8" in engine:
+    if "int4-head8" in engine or "int4-a8" in engine:
         return "int8"
     return "bf16" if "int4" in engine else None
 

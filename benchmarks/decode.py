@@ -4,6 +4,8 @@ weights, one run.
 All load SmolLM2-135M-Instruct from the same Q4_1 GGUF: HF dequantized; "bf16+int4" keeps
 the projections in 4-bit groups, which reproduce Q4_1 up to bf16 rounding; "int4-head8" is that
 build with the LM head int8 and int8 activations (as llama.cpp's Q4 files carry a Q8_0 head);
+"int4-a8" is the same int4 weights times activations quantized to int8 per row and group of 32
+(llama.cpp's Q4_1 x Q8_1 product, native AVX512-VNNI), with the same int8 head;
 "int4 inv." is the bf16+int4 build compiled batch-invariant; llama.cpp (llama-cpp-python, the `bench` extra; skipped without
 it) runs the GGUF as it is. The engines run in `--runs` interleaved rounds (each round one run of
 each); the table shows medians and the per-round ratios go to benchmarks/results/decode.json.
@@ -119,6 +121,7 @@ def main() -> None:
               "deepfuse bf16": lambda: deepfuse_runner("bf16", ids, n, model),
               "deepfuse bf16+int4": lambda: deepfuse_runner("bf16", ids, n, model, "int4"),
               "deepfuse int4-head8": lambda: deepfuse_runner("bf16", ids, n, model, "int4-head8"),
+              "deepfuse int4-a8": lambda: deepfuse_runner("bf16", ids, n, model, "int4-a8"),
               "deepfuse int4 inv.": lambda: deepfuse_runner("bf16", ids, n, model, "int4", batch_invariant=True),
               "llama.cpp Q4_1": lambda: llama_cpp_runner(ids, n),
               "HF eager f32": lambda: hf_runner(torch.float32, ids, n),

@@ -8,7 +8,8 @@ row's logits: a chunk samples all its rows), continuing one sequence through the
 Modes: f32 (the GGUF's Q4_1 weights dequantized, f32 activations: the reference), bf16 (weights
 and activations in bf16), bf16+int4 (the same Q4_1 weights, bf16 activations), w8a8 in f32 and
 bf16 (weights re-quantized to int8 per output row, activations to int8 per row and group of 64),
-bf16+int4-head8 (bf16+int4 with the LM head as w8a8's);
+bf16+int4-head8 (bf16+int4 with the LM head as w8a8's), bf16+int4-a8 (the same int4 weights times
+activations quantized to int8 per row and group of 32, the LM head as w8a8's);
 "-kv8": with the int8 KV cache (each cached k and v row as int8 with its scale).
 Printed: perplexity, its change against f32, and how often each mode's top-1 token agrees with
 f32's. Written to benchmarks/results/quality.json.
@@ -32,7 +33,7 @@ from deepfuse.runtime.kv_cache import CacheConfig, KVCache
 
 # mode: (dtype, quant, kv_cache_dtype)
 MODES = {"f32": ("f32", None, None), "bf16": ("bf16", None, None), "bf16-int4": ("bf16", "int4", None),
-         "bf16-int4-head8": ("bf16", "int4-head8", None),
+         "bf16-int4-head8": ("bf16", "int4-head8", None), "bf16-int4-a8": ("bf16", "int4-a8", None),
          "f32-w8a8": ("f32", "w8a8", None), "bf16-w8a8": ("bf16", "w8a8", None),
          "bf16-kv8": ("bf16", None, "int8"), "bf16-int4-kv8": ("bf16", "int4", "int8"),
          "bf16-w8a8-kv8": ("bf16", "w8a8", "int8")}

@@ -13,9 +13,10 @@ import sys
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2", help="smollm2 (default), gemma3, a .gguf file or a HF checkpoint dir")
     p.add_argument("--dtype", default="f32", choices=["f32", "bf16", "f16"])
-    p.add_argument("--quant", default=None, choices=["int4", "int4-head", "int4-head8", "w8a8"],
+    p.add_argument("--quant", default=None, choices=["int4", "int4-head", "int4-head8", "int4-a8", "w8a8"],
                    help="int4: weight-only, 4-bit groups of 32 (the LM head stays dense); int4-head: the LM head int4 too; "
-                        "int4-head8: the LM head int8 with int8 activations; w8a8: int8 weights and activations")
+                        "int4-head8: the LM head int8 with int8 activations; int4-a8: int4 weights times int8 activations "
+                        "per group of 32, the head as int4-head8; w8a8: int8 weights and activations")
     p.add_argument("--kv-cache-dtype", default=None, choices=["int8"],
                    help="int8: cached k and v rows as int8 with a scale each (cpu; default: the model dtype)")
 

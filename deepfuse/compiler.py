@@ -58,7 +58,8 @@ def compile(model: str | Model | Graph, target: str = "cpu", dtype: str = "f32",
     allow_host_steps (ascend950): build even where an op would run its reference on the host
         (the plan's and manifest's host_steps list them); without it such a build is refused.
     quant: None, "int4" (weight-only, 4-bit groups of 32; the LM head stays dense), "int4-head"
-        (the LM head int4 too), "int4-head8" (the LM head W8A8) or "w8a8" (int8 weights, int8
+        (the LM head int4 too), "int4-head8" (the LM head W8A8), "int4-a8" (int4 weights times
+        int8 activations per group of 32, the LM head W8A8) or "w8a8" (int8 weights, int8
         activations per row and group of 64;
         see passes/quantize.py).
     kv_cache_dtype: None (the caches hold `dtype`) or "int8" (cpu: each cached k and v row as int8

@@ -204,6 +204,11 @@ def linear_q4(x: Any, packed: Any, scales: Any, mins: Any, *, group_size: int) -
     return apply("linear_q4", x, packed, scales, mins, group_size=group_size)
 
 
+def linear_q4a8(x: Any, packed: Any, scales: Any, mins: Any, *, group_size: int) -> Any:
+    """x[T,K] @ int4 w^T with x quantized to int8 per row and group (ir/opdefs_quant.py) -> [T,N]."""
+    return apply("linear_q4a8", x, packed, scales, mins, group_size=group_size)
+
+
 def linear_w8a8(x: Any, wq: Any, scale: Any, *, act_group: int) -> Any:
     """x[T,K] (quantized per row and group of act_group) @ ((wq[N,K] - 128) * scale[N])^T -> [T,N]."""
     return apply("linear_w8a8", x, wq, scale, act_group=act_group)

@@ -14,6 +14,14 @@ Activations are quantized as the op runs, per row and per group of G (act_group)
 and the result is  scale[n] * sum over groups g (in order, f32) of d[t, g] * (exact integer dot
 of q's and wq - 128's group g). Each row is quantized alone, so its result never depends on the
 batch.
+
+linear_q4a8: linear_q4's weights (groups of G along K, the scales and mins rounded to f16, as a
+Q4_1 file stores them) times activations quantized per row and group of G, as linear_w8a8
+quantizes them (llama.cpp's Q4_1 x Q8_1 dot product):
+    y[t, n] = sum over groups g of  scale[n, g] * d[t, g] * (integer dot of q[n, group g] and the
+              activation's group g) + min[n, g] * d[t, g] * sum(activation's group g)
+which is exactly x_q[t] . w[n] with x_q = d * q, the activation as quantized. Each row is
+quantized alone, so its result never depends on the batch.
 """
 from __future__ import annotations
 
@@ -139,3 +147,25 @@ def logits_w8a8(x: torch.Tensor, wq: torch.Tensor, scale: torch.Tensor, sample_r
     """The logits op over a W8A8 head: f32 [R,V] = x[sample_rows] @ w^T, the rows quantized as
     linear_w8a8 quantizes them (the sums stay f32: no rounding to x's dtype)."""
     return w8a8_product(x.index_select(0, sample_rows), wq, scale, act_group)
+
+
+def _linear_q4a8_type(types: list[TensorType], attrs: dict) -> list[TensorType]:
+    expect(attrs["group_size"] % 16 == 0, f"linear_q4a8 group_size must be a multiple of 16, got {attrs['group_size']}")
+    return _linear_q4_type(types, attrs)
+
+
+def q4a8_product(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor,
+                 group_size: int) -> torch.Tensor:
+    """x[T,K] quantized per row and group, @ the int4 weight (scales, mins rounded to f16)^T -> f64 [T,N]."""
+    q, d = quantize_rows_i8(x, group_size)
+    xq = (q.double() * d.double()[..., None]).reshape(x.shape)
+    w = unpack_q4(packed).double().view(packed.shape[0], -1, group_size)
+    w = (w * scales.half().double()[..., None] + mins.half().double()[..., None]).view(packed.shape[0], -1)
+    return xq @ w.T
+
+
+@register("linear_q4a8", _linear_q4a8_type)
+def linear_q4a8(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, *,
+                group_size: int) -> torch.Tensor:
+    """x[T,K] (float) quantized per row and group @ the int4 weight^T -> [T,N] in x's dtype."""
+    return q4a8_product(x, packed, scales, mins, group_size).to(x.dtype)

@@ -11,9 +11,9 @@ from .fuse_split_biases import fuse_split_biases
 from .fuse_swiglu import fuse_swiglu
 from .fuse_swiglu_linear import fuse_swiglu_linear
 from .manager import Pass, PassManager, PassReport
-from .quantize import quantize_head_w8a8, quantize_int4, quantize_w8a8
+from .quantize import quantize_head_w8a8, quantize_int4, quantize_int4_a8, quantize_w8a8
 
-QUANT_MODES = ("int4", "int4-head", "int4-head8", "w8a8")
+QUANT_MODES = ("int4", "int4-head", "int4-head8", "int4-a8", "w8a8")
 
 
 def cleanup_passes() -> list[Pass]:
@@ -50,13 +50,16 @@ def prologue_passes() -> list[Pass]:
 def quant_passes(quant: str | None) -> list[Pass]:
     """Quantization: None (weights stay in the compile dtype), "int4" (weight-only, the LM head
     stays in the compile dtype), "int4-head" (int4 with the LM head int4 too), "int4-head8" (int4
-    with the LM head W8A8) or "w8a8" (int8 weights and activations, the LM head included)."""
+    with the LM head W8A8), "int4-a8" (int4 weights times int8 activations per group of 32, the LM
+    head W8A8) or "w8a8" (int8 weights and activations, the LM head included)."""
     if quant is None:
         return []
     if quant not in QUANT_MODES:
         raise DeepfuseError(f"unknown quantization {quant!r} (available: {', '.join(QUANT_MODES)})")
     if quant == "w8a8":
         return [Pass("quantize_w8a8", quantize_w8a8(64))]
+    if quant == "int4-a8":
+        return [Pass("quantize_int4_a8", quantize_int4_a8(32)), Pass("quantize_head_w8a8", quantize_head_w8a8(64))]
     passes = [Pass("quantize_int4", quantize_int4(32, head=quant == "int4-head"))]
     if quant == "int4-head8":
         passes.append(Pass("quantize_head_w8a8", quantize_head_w8a8(64)))
@@ -88,5 +91,6 @@ __all__ = [
     "register_fusion",
     "unregister_fusion",
     "quantize_int4",
+    "quantize_int4_a8",
     "quantize_w8a8",
 ]

@@ -16,6 +16,11 @@ tied head keeps W for the embedding, which reads rows of it. This is quant="int4
 model whose head is most of its weights (Gemma 3 270M: 262,144 x 640 of 268M parameters) the
 head dominates what a decode step reads.
 
+quantize_int4_a8: int4 weights as quantize_int4 makes them, -> linear_q4a8(x, packed, scales, mins):
+the activations quantized to int8 per row and group of 32 as the op runs (llama.cpp's Q4_1 x Q8_1
+product; on the CPU, AVX512-VNNI integer dot products). With quantize_head_w8a8 after it this is
+quant="int4-a8".
+
 Linears whose K is not a multiple of the group size, or whose weight is computed, stay dense.
 """
 from __future__ import annotations
@@ -83,6 +88,15 @@ def quantize_int4(group_size: int = 32, head: bool = False) -> Callable[[Graph],
         return g
 
     return quantize
+
+
+def quantize_int4_a8(group_size: int = 32) -> Callable[[Graph], Graph]:
+    """Every linear over a param as linear_q4a8 (int4 weights, int8 activations per group)."""
+    def encode(name: str, w: torch.Tensor) -> dict[str, torch.Tensor]:
+        packed, scales, mins = quantize_q4(w, group_size)
+        return {f"{name}.q4": packed, f"{name}.scales": scales, f"{name}.mins": mins}
+
+    return _quantize_linears("linear_q4a8", group_size, {"group_size": group_size}, encode)
 
 
 def _encode_w8(name: str, w: torch.Tensor) -> dict[str, torch.Tensor]:

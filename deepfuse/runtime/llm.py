@@ -16,7 +16,8 @@ class LLM:
     (deepfuse.compile's; used as it is, like an artifact); artifact: an
     artifact directory (loaded and verified, never recompiled); quant: None, "int4" (4-bit
     weights; the LM head stays dense), "int4-head" (the LM head 4-bit too), "int4-head8" (the LM
-    head int8 with int8 activations, as llama.cpp's Q4 files have it) or "w8a8" (int8
+    head int8 with int8 activations, as llama.cpp's Q4 files have it), "int4-a8" (as "int4-head8",
+    and the int4 projections' activations int8 per group of 32: llama.cpp's Q4_1 x Q8_1 product) or "w8a8" (int8
     weights and activations: the fastest on CPUs with AVX512-VNNI, at about 1% perplexity over
     int4, docs/quantization.md); kv_cache_dtype: None (the cache holds
     `dtype`) or "int8" (cpu: k and v rows as int8 with a scale each, half of bf16's bytes for

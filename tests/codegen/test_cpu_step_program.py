@@ -12,11 +12,11 @@ from deepfuse.runtime.batch import SeqChunk, StepBuffers
 from deepfuse.runtime.kv_cache import CacheConfig, KVCache
 
 BUILDS = {"f32": ("f32", None, None), "bf16": ("bf16", None, None), "int4": ("bf16", "int4", None),
-          "w8a8-kv8": ("bf16", "w8a8", "int8")}
+          "w8a8-kv8": ("bf16", "w8a8", "int8"), "int4-a8": ("bf16", "int4-a8", None)}
 
 
 def compiled(tiny_model, native, kind: str):
-    if kind == "w8a8-kv8" and not native.i8_gemm_available():
+    if kind in ("w8a8-kv8", "int4-a8") and not (native.i8_gemm_available() and native.q4a8_gemm_available()):
         pytest.skip("this CPU has no AVX512-VNNI")
     dtype, quant, kv = BUILDS[kind]
     return deepfuse.compile(tiny_model, dtype=dtype, quant=quant, kv_cache_dtype=kv)

@@ -77,6 +77,8 @@ def expected_names(m) -> set[str]:
     if m.i8_gemm_available():
         names |= {f"{op}[{t}]" for op in ("i8_gemm", "i8_gemm_swiglu", "i8_gemm_norm") for t in ("f32", "bf16")}
         names |= {"i8_gemm_norm[f32,res]", "i8_gemm_norm[bf16,res]"}
+    if m.q4a8_gemm_available():
+        names |= {"q4a8_gemm[f32]", "q4a8_gemm[bf16]"}
     return names
 
 
@@ -155,6 +157,15 @@ def test_a_wrong_int8_gemm_turns_its_flag_off(module):
     checked, said = warned(lambda: selfcheck.check(Sabotaged(module, "i8_gemm_swiglu", 1.03)))
     assert one_line_naming(said, r"i8_gemm_swiglu\[bf16\] .* i8_gemm_available\(\) reads False")
     assert checked.refused == {"i8_gemm"} and checked.i8_gemm_available() is False
+
+
+def test_a_wrong_int4_int8_gemm_turns_its_flag_off(module):
+    if not module.q4a8_gemm_available():
+        pytest.skip("no AVX512-VNNI on this CPU")
+    checked, said = warned(lambda: selfcheck.check(Sabotaged(module, "q4a8_gemm", 1.03)))
+    assert one_line_naming(said, r"q4a8_gemm\[f32\] .* q4a8_gemm_available\(\) reads False")
+    assert checked.refused == {"q4a8_gemm"} and checked.q4a8_gemm_available() is False
+    assert checked.i8_gemm_available() == module.i8_gemm_available()
 
 
 def test_a_wrong_amx_path_turns_amx_off_and_the_vector_paths_run(module):

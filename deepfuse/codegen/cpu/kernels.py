@@ -23,6 +23,7 @@ from .bound import Bound
 from .generated_build import make_generated
 from .native import kernels as native_kernels
 from .program import NativeGuard, native_op
+from .q4a8_kernels import Q4A8Weights, q4a8_linear
 from .row_kernels import NORM_DTYPES, add_rms_rows, native_rows, rms_rows, swiglu_rows, take_rows
 from .w8a8_kernels import W8A8Weights, w8a8_linear, w8a8_logits, w8a8_norm_linear, w8a8_swiglu_linear
 
@@ -77,7 +78,7 @@ class PanelWeight:
 def writes_in_place(packed) -> bool:
     """Whether a prepacked projection can write into a planned buffer (out_kernels): native
     panels, the f32 weight itself, or W8A8 weights of the native int8 GEMM; not oneDNN's layout."""
-    if isinstance(packed, W8A8Weights):
+    if isinstance(packed, (W8A8Weights, Q4A8Weights)):
         return packed.native is not None
     if isinstance(packed, Q4Weights):  # the native int4 GEMM writes in place (others are copied)
         return isinstance(packed.dense, Q4Panels) or writes_in_place(packed.dense)
@@ -521,6 +522,8 @@ PREPACKED_Q4 = {  # ops whose projection is int4 (attr group_size): packed for e
     "swiglu_linear": Prepack((1, 2, 3), Q4Weights, lambda attrs: lambda x, w: q4_linear(swiglu_rows(x), w), ALL),
     "rms_norm_linear": Prepack((2, 3, 4), Q4Weights, _Q4_NORM_LINEAR["rms_norm_linear"], ALL),
     "add_rms_norm_linear": Prepack((3, 4, 5), Q4Weights, _Q4_NORM_LINEAR["add_rms_norm_linear"], ALL),
+    # int4 weights x int8 activations: the native VNNI kernel (q4a8_gemm.cpp) at every row count
+    "linear_q4a8": Prepack((1, 2, 3), Q4A8Weights, lambda attrs: q4a8_linear, ALL),
 }
 
 

@@ -93,6 +93,14 @@ def swiglu(x: torch.Tensor) -> tuple[Ops, torch.Tensor | None]:
     return [native_op(native, "swiglu", x, y)], y
 
 
+def swiglu_into(x: torch.Tensor, out: torch.Tensor) -> Ops:
+    """swiglu_rows(x) written into out (a swiglu launch's planned buffer)."""
+    native = _rows_native(x)
+    if native is None or out.dtype != x.dtype or out.dim() != 2 or out.stride(1) != 1:
+        return None
+    return [native_op(native, "swiglu", x, out)]
+
+
 def then_project(first: tuple[Ops, torch.Tensor | None], w, out: torch.Tensor) -> Ops:
     """first's ops, then its rows projected into out."""
     ops, rows = first

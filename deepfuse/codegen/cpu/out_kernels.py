@@ -21,6 +21,8 @@ from .bound import Bound, bind_as_is
 from .generated_build import make_generated
 from .kernels import FACTORIES, Kernel, PanelWeight, Q4Weights, factory, q4_linear
 from .program import aten_op
+from .q4a8_kernels import native_linear as native_q4a8
+from .q4a8_kernels import q4a8_linear
 from .row_kernels import add_rms_rows, rms_rows, swiglu_rows
 from .w8a8_kernels import (
     native_linear,
@@ -101,6 +103,15 @@ def _rms_norm_out(attrs: dict) -> Kernel:
     return with_native_bind(run, lambda x, w, out: native_binds.rms_norm_into(x, w, eps, out[0]))
 
 
+@out_factory("swiglu")
+def _swiglu_out(attrs: dict) -> Kernel:
+    """A SwiGLU left unfused (its projection takes no prologue: linear_q4a8)."""
+    def run(x, out):
+        out[0].copy_(swiglu_rows(x))
+
+    return with_native_bind(run, lambda x, out: native_binds.swiglu_into(x, out[0]))
+
+
 @out_factory("add_rms_norm")
 def _add_rms_norm_out(attrs: dict) -> Kernel:
     eps = attrs["eps"]
@@ -122,6 +133,11 @@ def _linear(attrs: dict) -> Kernel:
 def _linear_q4(attrs: dict) -> Kernel:
     return with_native_bind(lambda x, w, out: q4_linear(x, w, out[0]),
                             lambda x, w, out: native_binds.project(x, w, out[0]))
+
+
+@out_factory("linear_q4a8")
+def _linear_q4a8(attrs: dict) -> Kernel:
+    return with_bind(lambda x, w, out: q4a8_linear(x, w, out[0]), native_bind(native_q4a8))
 
 
 @out_factory("linear_w8a8")

@@ -83,6 +83,9 @@ void bind_program(py::module& m) {
         .def("i8_gemm", [](P& p, Tensor x, Tensor panels, Tensor scale, int64_t n, int64_t group, Tensor out) {
             p.add([=] { i8_gemm(x, panels, scale, n, group, out); });
         })
+        .def("q4a8_gemm", [](P& p, Tensor x, Tensor blocks, int64_t n, Tensor out) {
+            p.add([=] { q4a8_gemm(x, blocks, n, out); });
+        })
         .def("i8_gemm_swiglu", [](P& p, Tensor x, Tensor panels, Tensor scale, int64_t n, int64_t group, Tensor out) {
             p.add([=] { i8_gemm_swiglu(x, panels, scale, n, group, out); });
         })

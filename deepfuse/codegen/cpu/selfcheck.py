@@ -14,7 +14,7 @@ one warning naming it:
 - always-used ones (paged_decode, panel_gemm, norms, swiglu, rope_cache, argmax): the whole
   library (check() returns None: every call site takes its torch path);
 - a gated group: its flag reads False (bf16_gemm_available, i8_gemm_available,
-  paged_prefill_available);
+  q4a8_gemm_available, paged_prefill_available);
 - the AMX paths: amx_available reads False and bf16_gemm, q4_gemm, paged_prefill and
   paged_decode run their vector paths whatever the caller asks (amx=False, amx_rows=0).
 """
@@ -36,6 +36,7 @@ CONSEQUENCE = {
     "amx": "AMX tiles are off (amx_available() reads False): the vector paths run instead",
     "bf16_gemm": "bf16_gemm_available() reads False: bf16 and int4 projections take oneDNN or torch",
     "i8_gemm": "i8_gemm_available() reads False: W8A8 projections run the op's reference",
+    "q4a8_gemm": "q4a8_gemm_available() reads False: int4 x int8 projections run the op's reference",
     "paged_prefill": "paged_prefill_available() reads False: prefill chunks run SDPA",
 }
 
@@ -300,6 +301,25 @@ def _i8_gemm(m, g, dtype, form: str):
     return [(rel(got, want, slack=(TOL[dtype], slack)), TOL[dtype])] + (parts if form == "add_norm" else [])
 
 
+def _q4a8_gemm(m, g, dtype):
+    """q4a8_gemm, K 96 (three groups of 32), 40 columns (a partial panel), 5 rows (a full and a
+    partial micro-tile); reference: the activation quantized as the op documents, the weight
+    dequantized with f16 scales and mins, a float64 matmul."""
+    from ...ir.opdefs_quant import quantize_rows_i8, unpack_q4
+    from .q4a8_kernels import pack_q4a8
+
+    n, k, rows = 40, 96, 5
+    packed = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=g)
+    scales, mins = torch.rand(n, k // 32, generator=g) * 0.02, -torch.rand(n, k // 32, generator=g) * 0.1
+    x = torch.randn(rows, k, generator=g).to(dtype)
+    x[0, :32] = 0  # a zero group: scale 0
+    got = m.q4a8_gemm(x, pack_q4a8(packed, scales, mins), n)
+    q, d = quantize_rows_i8(x.float(), 32)
+    act = (q.double() * d.double()[..., None]).reshape(rows, k)
+    w = unpack_q4(packed).double().view(n, -1, 32) * scales.half().double()[..., None] + mins.half().double()[..., None]
+    return rel(got, act @ w.view(n, k).T), TOL[dtype]
+
+
 def checks(m) -> dict[str, tuple[str, Callable]]:
     """The checks that apply to module m: name -> (group, fn(m, generator) -> (error, tolerance) or a list)."""
     amx = bool(m.amx_available())
@@ -329,6 +349,9 @@ def checks(m) -> dict[str, tuple[str, Callable]]:
             for dt, t in ((F32, "f32"), (BF16, "bf16")):
                 key = f"{name}[{t}{',res' if form == 'add_norm' else ''}]"
                 out[key] = ("i8_gemm", partial(_i8_gemm, dtype=dt, form=form))
+    if m.q4a8_gemm_available():
+        for dt, t in ((F32, "f32"), (BF16, "bf16")):
+            out[f"q4a8_gemm[{t}]"] = ("q4a8_gemm", partial(_q4a8_gemm, dtype=dt))
     return out
 
 

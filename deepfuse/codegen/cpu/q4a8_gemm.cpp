@@ -1,0 +1,206 @@
+// int4 weights x int8 activations (linear_q4a8, ir/opdefs_quant.py) with AVX512-VNNI: the Q4_1
+// weight's nibbles dotted as unsigned bytes against each row's activations quantized to int8 per
+// group of 32 (vpdpbusd), for decode-sized steps and at every other row count.
+//
+//   q4a8_gemm_available()           whether this build has AVX512-VNNI
+//   q4a8_gemm(x [M, K] f32/bf16, blocks, N, out) -> y [M, N] in x's dtype (or into an f32 out)
+//       blocks u8 [ceil(N/16), K/32, 320] from q4a8_kernels.pack_q4a8
+//
+// A block holds one panel's (16 columns) group of 32 k: 256 bytes of nibbles, vector v (0-3) of
+// 64 bytes with byte 4c + e holding column c's k = 4v + e in its low nibble and k = 16 + 4v + e
+// in its high one; then the 16 columns' scales, then their minima, as f16.
+//
+// Each row of x is quantized here, per group of 32: d = max|x| / 127, q = round(x * (127 / max|x|))
+// in -127..127 (ties to even), as ir.opdefs_quant.quantize_rows_i8 does, and s = d * sum(q). For
+// column n and group g, with the weight w = scale * nib + min:
+//     sum_k w x_q = scale * d * (integer dot of nib and q) + min * s
+// vpdpbusd makes the integer dot exactly (unsigned nibbles x signed q); the two f32 terms are
+// added per group in order, so a row's result is the same whatever M is and whatever rows share
+// the call. Every thread quantizes the rows itself (no second parallel region, no pass over
+// memory between); the threads split the panels.
+#include <torch/extension.h>
+
+#include "kernels.h"
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#define DEEPFUSE_Q4A8 1
+#include "vec.h"
+#endif
+
+namespace {
+
+constexpr int64_t kCols = 16, kGroup = 32, kBlock = 320;  // columns per panel, k per group, bytes per block
+constexpr int kRows = 4;                                   // rows per micro-tile
+constexpr int64_t kChunkBytes = 256 << 10;                 // weight bytes swept per row block
+
+#if DEEPFUSE_Q4A8
+// x[K] -> q [K] s8, d [K/32] and s [K/32] f32 (see the file's comment)
+template <typename T>
+void quantize_row(const T* x, int64_t k, int8_t* q, float* d, float* s) {
+    const __m512i top = _mm512_set1_epi32(127), bottom = _mm512_set1_epi32(-127);
+    for (int64_t g = 0; g < k / kGroup; ++g) {
+        const __m512 a = load16(x + g * kGroup), b = load16(x + g * kGroup + 16);
+        const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
+        const __m512 inv = _mm512_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
+        __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(a, inv)), qb = _mm512_cvtps_epi32(_mm512_mul_ps(b, inv));
+        qa = _mm512_max_epi32(_mm512_min_epi32(qa, top), bottom);
+        qb = _mm512_max_epi32(_mm512_min_epi32(qb, top), bottom);
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(q + g * kGroup), _mm512_cvtepi32_epi8(qa));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(q + g * kGroup + 16), _mm512_cvtepi32_epi8(qb));
+        d[g] = amax / 127.f;
+        s[g] = d[g] * static_cast<float>(_mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb)));
+    }
+}
+
+static inline __m512i broadcast4(const int8_t* p) {
+    int32_t v;
+    std::memcpy(&v, p, 4);
+    return _mm512_set1_epi32(v);
+}
+
+// R rows of q (ldq apart; d and s `groups` apart) times P panels (`stride` bytes apart) into y's
+// R rows, `cols` valid columns from the first panel's first.
+template <typename T, int R, int P>
+void micro(const int8_t* q, int64_t ldq, const float* d, const float* s, int64_t groups, const uint8_t* w,
+           int64_t stride, T* y, int64_t ldy, int64_t cols) {
+    __m512 f[R][P];
+    for (int r = 0; r < R; ++r)
+        for (int p = 0; p < P; ++p) f[r][p] = _mm512_setzero_ps();
+    const __m512i low = _mm512_set1_epi8(0x0F);
+    for (int64_t g = 0; g < groups; ++g) {
+        __m512i a[R][P];
+        for (int r = 0; r < R; ++r)
+            for (int p = 0; p < P; ++p) a[r][p] = _mm512_setzero_si512();
+        for (int v = 0; v < 4; ++v) {
+            __m512i lo[P], hi[P];
+            for (int p = 0; p < P; ++p) {
+                const __m512i nib = _mm512_loadu_si512(w + p * stride + g * kBlock + 64 * v);
+                lo[p] = _mm512_and_si512(nib, low);
+                hi[p] = _mm512_and_si512(_mm512_srli_epi16(nib, 4), low);
+            }
+            for (int r = 0; r < R; ++r) {
+                const int8_t* qr = q + r * ldq + g * kGroup + 4 * v;
+                const __m512i xl = broadcast4(qr), xh = broadcast4(qr + 16);
+                for (int p = 0; p < P; ++p) {
+                    a[r][p] = _mm512_dpbusd_epi32(a[r][p], lo[p], xl);
+                    a[r][p] = _mm512_dpbusd_epi32(a[r][p], hi[p], xh);
+                }
+            }
+        }
+        for (int p = 0; p < P; ++p) {
+            const uint8_t* b = w + p * stride + g * kBlock;
+            const __m512 scale = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 256)));
+            const __m512 min = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 288)));
+            for (int r = 0; r < R; ++r) {
+                const __m512 sd = _mm512_mul_ps(scale, _mm512_set1_ps(d[r * groups + g]));
+                f[r][p] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a[r][p]), sd, f[r][p]);
+                f[r][p] = _mm512_fmadd_ps(min, _mm512_set1_ps(s[r * groups + g]), f[r][p]);
+            }
+        }
+    }
+    for (int p = 0; p < P; ++p) {
+        const int64_t c = std::min<int64_t>(kCols, cols - p * kCols);
+        for (int r = 0; r < R; ++r) {
+            if (c == kCols) {
+                store16(y + r * ldy + p * kCols, f[r][p]);
+            } else {
+                alignas(64) T tmp[kCols];
+                store16(tmp, f[r][p]);
+                std::memcpy(y + r * ldy + p * kCols, tmp, c * sizeof(T));
+            }
+        }
+    }
+}
+
+template <typename T>
+using MicroFn = void (*)(const int8_t*, int64_t, const float*, const float*, int64_t, const uint8_t*, int64_t, T*,
+                         int64_t, int64_t);
+template <typename T, int P>
+constexpr MicroFn<T> kByRows[kRows] = {micro<T, 1, P>, micro<T, 2, P>, micro<T, 3, P>, micro<T, 4, P>};
+
+// The calling thread's quantized rows, grown and never shrunk: q [M, K], d and s [M, K/32]
+struct Quantized {
+    std::vector<int8_t> q;
+    std::vector<float> d, s;
+};
+
+Quantized& quantized(int64_t m, int64_t k) {
+    static thread_local Quantized buffers;
+    auto grow = [](auto& v, int64_t n) {
+        if (static_cast<int64_t>(v.size()) < n) v.resize(n);
+    };
+    grow(buffers.q, m * k);
+    grow(buffers.d, m * k / kGroup);
+    grow(buffers.s, m * k / kGroup);
+    return buffers;
+}
+
+template <typename X, typename T>
+void gemm(const X* x, int64_t ldx, int64_t m, int64_t k, const uint8_t* blocks, int64_t nb, int64_t n, T* y,
+          int64_t ldy) {
+    const int64_t groups = k / kGroup, stride = groups * kBlock;
+    const int64_t pairs = (nb + 1) / 2;
+    const int64_t chunk = std::max<int64_t>(1, kChunkBytes / (2 * stride)) * 2;  // panels per sweep
+    at::parallel_for(0, pairs, 1, [&](int64_t p0, int64_t p1) {
+        Quantized& qa = quantized(m, k);
+        for (int64_t r = 0; r < m; ++r)
+            quantize_row(x + r * ldx, k, qa.q.data() + r * k, qa.d.data() + r * groups, qa.s.data() + r * groups);
+        const int64_t b0 = 2 * p0, b1 = std::min(nb, 2 * p1);
+        for (int64_t c0 = b0; c0 < b1; c0 += chunk) {  // a chunk of panels stays in L2 across the row blocks
+            const int64_t c1 = std::min(b1, c0 + chunk);
+            for (int64_t m0 = 0; m0 < m; m0 += kRows) {
+                const int64_t rows = std::min<int64_t>(kRows, m - m0);
+                for (int64_t b = c0; b < c1; b += 2) {
+                    const auto fn = (c1 - b >= 2 ? kByRows<T, 2> : kByRows<T, 1>)[rows - 1];
+                    fn(qa.q.data() + m0 * k, k, qa.d.data() + m0 * groups, qa.s.data() + m0 * groups, groups,
+                       blocks + b * stride, stride, y + m0 * ldy + b * kCols, ldy, n - b * kCols);
+                }
+            }
+        }
+    });
+}
+#endif
+
+}  // namespace
+
+bool q4a8_gemm_available() {
+#if DEEPFUSE_Q4A8
+    return true;
+#else
+    return false;
+#endif
+}
+
+torch::Tensor q4a8_gemm(torch::Tensor x, const torch::Tensor& blocks, int64_t n, std::optional<torch::Tensor> out) {
+    TORCH_CHECK(q4a8_gemm_available(), "q4a8_gemm: this build has no AVX512-VNNI");
+    TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == torch::kFloat32 || x.scalar_type() == torch::kBFloat16),
+                "q4a8_gemm: x must be [M, K] float32 or bfloat16");
+    const int64_t m = x.size(0), k = x.size(1), nb = (n + kCols - 1) / kCols;
+    TORCH_CHECK(k % kGroup == 0, "q4a8_gemm: K must be a multiple of 32");
+    TORCH_CHECK(blocks.dim() == 3 && blocks.scalar_type() == torch::kUInt8 && blocks.is_contiguous() &&
+                    blocks.size(0) == nb && blocks.size(1) * kGroup == k && blocks.size(2) == kBlock,
+                "q4a8_gemm: blocks must come from pack_q4a8 of a [N, K] weight with x's K");
+    auto y = out.has_value() ? *out : torch::empty({m, n}, x.options());
+    TORCH_CHECK(y.dim() == 2 && y.size(0) == m && y.size(1) == n &&
+                    (y.scalar_type() == x.scalar_type() || y.scalar_type() == torch::kFloat32) && y.stride(1) == 1,
+                "q4a8_gemm: out must be [M, N] of x's dtype or f32 with unit column stride");
+#if DEEPFUSE_Q4A8
+    if (m == 0 || n == 0) return y;
+    if (x.stride(1) != 1) x = x.contiguous();
+    const uint8_t* w = blocks.data_ptr<uint8_t>();
+    using bf16 = c10::BFloat16;
+    if (x.scalar_type() == torch::kFloat32)
+        gemm(x.data_ptr<float>(), x.stride(0), m, k, w, nb, n, y.data_ptr<float>(), y.stride(0));
+    else if (y.scalar_type() == torch::kFloat32)
+        gemm(x.data_ptr<bf16>(), x.stride(0), m, k, w, nb, n, y.data_ptr<float>(), y.stride(0));
+    else
+        gemm(x.data_ptr<bf16>(), x.stride(0), m, k, w, nb, n, y.data_ptr<bf16>(), y.stride(0));
+#endif
+    return y;
+}

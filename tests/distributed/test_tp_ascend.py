@@ -57,7 +57,8 @@ def _tokens(path: str) -> list[list[int]]:
 
 def test_the_host_code_calls_hccl_for_every_collective(tp_artifact):
     """Each rank's CANN project: its all_reduces and its vocabulary all_gather are HCCL calls of the
-    host code (launches of kind "collective", no host step), and CMake links HCCL."""
+    host code (launches of kind "collective"), its vocabulary slice's lookup (vocab_embedding) an
+    AscendC kernel, no op a host step; and CMake links HCCL."""
     import json
 
     for r in range(2):
@@ -68,7 +69,10 @@ def test_the_host_code_calls_hccl_for_every_collective(tp_artifact):
             host = f.read()
         collectives = [p for p in plan["launches"] if p["op"] in ("all_reduce", "all_gather")]
         assert {p["kind"] for p in collectives} == {"collective"}
-        assert not [s for s in plan["host_steps"] if s["op"] in ("all_reduce", "all_gather")]
+        assert plan["host_steps"] == []
+        lookup = next(p for p in plan["launches"] if p["op"] == "vocab_embedding")
+        assert lookup["kind"] == "template" and len(lookup["kernels"]) == 1
+        assert f"int64_t local = (int64_t)idsGm.GetValue(row) - {64 * r};" in lookup["kernels"][0]["source"]
         assert host.count("HcclAllReduce(") == 1 and host.count("HcclAllGather(") == 1  # one function each
         assert sum(f'{{"{p["op"]}", 1, {{{p["collective"]}}}}}' in host for p in collectives) == len(collectives)
         with open(os.path.join(rank, "CMakeLists.txt")) as f:

@@ -17,7 +17,7 @@ from ...ir import Graph, Node
 from ..device_epilogue import remap, result_to_tmp, split_epilogue
 from ..device_plan import PLACEHOLDER, device_plan, named
 from .collective import COLLECTIVES, collective_launch
-from .emit import emit_gather
+from .emit import emit_gather, emit_vocab_gather
 from .emit_attention import emit_qkv_attention
 from .emit_gemm import emit_gemm
 from .emit_generated import emit_generated, renderable
@@ -36,6 +36,7 @@ def _single(fn):
 EMITTERS = {
     "embedding": _single(emit_gather),
     "take_rows": _single(emit_gather),
+    "vocab_embedding": _single(emit_vocab_gather),
     "linear": emit_gemm,
     "linear_q4": emit_gemm,
     "linear_w8a8": emit_w8a8,

@@ -1,5 +1,5 @@
 """AscendC vector kernels for Ascend 950: rms_norm, add_rms_norm, swiglu and row gather
-(embedding, take_rows); sample and spec_verify are in emit_sample.py.
+(embedding, take_rows, a rank's vocab_embedding); sample and spec_verify are in emit_sample.py.
 
 Kernels follow the public AscendC vector-kernel structure: an `extern "C" __global__ __vector__`
 entry (vector cores only) with GM_ADDR arguments, a workspace and its tiling struct (by value);
@@ -162,16 +162,16 @@ public:
     __aicore__ inline Kernel_$NAME() {}
     __aicore__ inline void Init(GM_ADDR table, GM_ADDR ids, GM_ADDR y, const ${NAME}_tiling& t)
     {
-$ROWS_INIT        tableGm.SetGlobalBuffer((__gm__ $T*)table, (uint64_t)t.tableRows * $D);
+$ROWS_INIT        tableRows = t.tableRows;
+        tableGm.SetGlobalBuffer((__gm__ $T*)table, (uint64_t)t.tableRows * $D);
         idsGm.SetGlobalBuffer((__gm__ $IT*)ids, t.rows);
         yGm.SetGlobalBuffer((__gm__ $T*)y, (uint64_t)t.rows * $D);
         pipe.InitBuffer(queue, BUFFER_NUM, $ROW_BYTES);
-    }
+$ZERO_INIT    }
 $PROCESS_ROWS
 private:
-    __aicore__ inline void CopyIn(uint32_t row)
+    __aicore__ inline void CopyIn(uint64_t id)
     {
-        uint64_t id = (uint64_t)idsGm.GetValue(row) / $DIV;
         LocalTensor<$T> rowLocal = queue.AllocTensor<$T>();
         $COPY_IN
         queue.EnQue(rowLocal);
@@ -182,29 +182,69 @@ private:
         $COPY_OUT
         queue.FreeTensor(rowLocal);
     }
-
+$ZERO_OUT
     TPipe pipe;
-    TQueBind<QuePosition::VECIN, QuePosition::VECOUT, BUFFER_NUM> queue;
+    TQueBind<QuePosition::VECIN, QuePosition::VECOUT, BUFFER_NUM> queue;$ZERO_BUF
     GlobalTensor<$T> tableGm, yGm;
     GlobalTensor<$IT> idsGm;
-    uint32_t first = 0, last = 0;
+    uint32_t first = 0, last = 0, tableRows = 0;
 };
+"""
+GATHER_STAGES = "            CopyIn((uint64_t)idsGm.GetValue(row) / $DIV);\n            CopyOut(row);\n"
+# vocab_embedding: a row of the slice start..start+tableRows-1 is gathered; any other id's row is
+# copied out of a zero row that the vector unit writes once (TBuf: V_MTE3 waited for in Init)
+SLICE_STAGES = """\
+            int64_t local = (int64_t)idsGm.GetValue(row) - $START;
+            if (local >= 0 && local < (int64_t)tableRows) {
+                CopyIn((uint64_t)local);
+                CopyOut(row);
+            } else {
+                ZeroOut(row);
+            }
+"""
+ZERO_INIT = """\
+        pipe.InitBuffer(zeroBuf, $ROW_BYTES);
+        Duplicate(zeroBuf.Get<$T>(), ($T)0.0f, $D);
+        WaitPipe<HardEvent::V_MTE3>();
+"""
+ZERO_OUT = """\
+    __aicore__ inline void ZeroOut(uint32_t row)
+    {
+        LocalTensor<$T> zeroLocal = zeroBuf.Get<$T>();
+        $COPY_ZERO
+    }
 """
 
 
 def emit_gather(node: Node, name: str, ids_index: int = 1, y_arg: list | None = None, *, ids_arg: list | None = None,
-                rows=None, div: int = 1, ids_dtype: str | None = None) -> AscendKernel:
+                rows=None, div: int = 1, ids_dtype: str | None = None, start: int | None = None) -> AscendKernel:
     """y[r] = table[ids[r] / div] for table[V,D] (embedding) or x[T,D] with sample_rows (take_rows);
-    ids_arg / rows / div / ids_dtype override the node's (fused_moe gathers by its sorted pairs)."""
+    ids_arg / rows / div / ids_dtype override the node's (fused_moe gathers by its sorted pairs).
+    With `start` (vocab_embedding: table[Vr,D] holds rows start..start+Vr-1 of the vocabulary):
+    y[r] = table[ids[r] - start] for ids in that slice, zeros for the others."""
     d, it = node.inputs[0].type.shape[1], CTYPE[ids_dtype or node.inputs[ids_index].type.dtype]
     dt = node.inputs[0].type.dtype
-    t, size = CTYPE[dt], SIZE[dt]
+    t, size, row_bytes = CTYPE[dt], SIZE[dt], align(d * SIZE[dt])
     fields = rows_tiling(rows or ["shape", ids_index, 0], AIV_CORES, [["tableRows", "uint32_t", ["shape", 0, 0]]])
-    src = source(name, f"rows of a [N, {d}] table gathered by index", fields, GATHER, ["table", "ids", "y"],
-                 STAGES="            CopyIn(row);\n            CopyOut(row);\n", D=d, T=t, IT=it, DIV=div,
-                 ROW_BYTES=align(d * size), COPY_IN=copy_row("rowLocal", f"tableGm[id * {d}]", d, size, False, t),
-                 COPY_OUT=copy_row(f"yGm[(uint64_t)row * {d}]", "rowLocal", d, size, True))
+    sliced = start is not None
+    subs = dict(D=d, T=t, ROW_BYTES=row_bytes)
+    src = source(name, (f"rows of a [N, {d}] vocabulary slice from id {start}, zeros for other ids" if sliced
+                  else f"rows of a [N, {d}] table gathered by index"),
+                 fields, GATHER, ["table", "ids", "y"],
+                 STAGES=Template(SLICE_STAGES if sliced else GATHER_STAGES).substitute(START=start, DIV=div),
+                 IT=it, COPY_IN=copy_row("rowLocal", f"tableGm[id * {d}]", d, size, False, t),
+                 COPY_OUT=copy_row(f"yGm[(uint64_t)row * {d}]", "rowLocal", d, size, True),
+                 ZERO_INIT=Template(ZERO_INIT).substitute(subs) if sliced else "",
+                 ZERO_OUT=Template(ZERO_OUT).substitute(
+                     COPY_ZERO=copy_row(f"yGm[(uint64_t)row * {d}]", "zeroLocal", d, size, True), **subs) if sliced else "",
+                 ZERO_BUF="\n    TBuf<QuePosition::VECCALC> zeroBuf;" if sliced else "", **subs)
     return AscendKernel(name, src, [["in", 0], ids_arg or ["in", ids_index], y_arg or ["out", 0]], fields, AIV_CORES)
 
 
-__all__ = ["AscendKernel", "SIZE", "emit_gather", "emit_swiglu", "source"]
+def emit_vocab_gather(node: Node, name: str) -> AscendKernel:
+    """vocab_embedding(table[Vr,D], ids[T]) -> [T,D]: a rank's rows of its vocabulary slice, zeros
+    for the ids outside it (the all_reduce that follows sums the ranks' rows)."""
+    return emit_gather(node, name, start=node.attrs["start"])
+
+
+__all__ = ["AscendKernel", "SIZE", "emit_gather", "emit_swiglu", "emit_vocab_gather", "source"]

@@ -116,7 +116,9 @@ def test_fused_norm_matches_the_ops_references(dtype, tol, rows, with_res):
     then linear_q4a8) and the float64 reference of the torch norm; the sum comes out exactly."""
     n, k = 200, 576
     packed, scales, mins = weight(n, k, seed=4)
-    x, res, nw = torch.randn(rows, k).to(dtype), torch.randn(rows, k).to(dtype), (torch.rand(k) + 0.5).to(dtype)
+    g = torch.Generator().manual_seed(rows)
+    x, res = torch.randn(rows, k, generator=g).to(dtype), torch.randn(rows, k, generator=g).to(dtype)
+    nw = (torch.rand(k, generator=g) + 0.5).to(dtype)
     blocks, sum_out = pack_q4a8(packed, scales, mins), torch.full((rows, k), float("nan"), dtype=dtype)
     if with_res:
         got = native.q4a8_gemm_norm(x, res, nw, 1e-5, sum_out, blocks, n)
@@ -133,12 +135,14 @@ def test_fused_norm_matches_the_ops_references(dtype, tol, rows, with_res):
 @needs_kernel
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 8e-3)])
 def test_fused_swiglu_matches_the_ops_reference(dtype, tol):
+    """The op's reference rounds silu(gate) and the product to bf16 apart (the kernel once, as the
+    float64 reference here does), so against it bf16 gets twice the tolerance."""
     n, f = 72, 1536
     packed, scales, mins = weight(n, f, seed=5)
-    x = torch.randn(3, 2 * f).to(dtype)
+    x = torch.randn(3, 2 * f, generator=torch.Generator().manual_seed(5)).to(dtype)
     got = native.q4a8_gemm_swiglu(x, pack_q4a8(packed, scales, mins), n)
     assert got.dtype == dtype and got.shape == (3, n)
-    assert rel_err(got, swiglu_linear(x, packed, scales, mins, **Q4A8).double()) < tol
+    assert rel_err(got, swiglu_linear(x, packed, scales, mins, **Q4A8).double()) < 2 * tol
     act = (torch.nn.functional.silu(x[:, :f].float()) * x[:, f:].float()).to(dtype)
     assert rel_err(got, reference(act, packed, scales, mins)) < tol
 

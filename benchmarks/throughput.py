@@ -5,7 +5,9 @@ Engines, one run, same GGUF weights, same prompts, EOS ignored so every request 
              compiled batch-invariant (engine key deepfuse-int4-invariant), and bf16+int4 with n-gram
              speculation (prompt lookup, confidence-scheduled; deepfuse-int4-ngram): not run by default.
              The prompts are drawn from 24 words, so prompt lookup finds more here than in real text.
-             Also not by default: W8A8 (int8 weights and activations, AVX512-VNNI; deepfuse-w8a8,
+             Also not by default: int4 weights times int8 activations (deepfuse-int4-a8, the
+             quant="int4-a8" build: Q4_1 x Q8 products, AVX512-VNNI, the LM head W8A8),
+             W8A8 (int8 weights and activations, AVX512-VNNI; deepfuse-w8a8,
              deepfuse-w8a8-ngram) and the int8 KV cache (deepfuse-int4-kv8), precision changes (see
              docs/quantization.md); both together (deepfuse-w8a8-kv8, the fastest, ~1.3% perplexity)
              run by default
@@ -20,11 +22,12 @@ Engines, one run, same GGUF weights, same prompts, EOS ignored so every request 
              CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON" (see README)
 
 Reports output tokens/s, TTFT p50/p99 and TPOT p50/p99 (all requests arrive at t=0), medians
-over --runs runs, and writes benchmarks/results/throughput.json. Runs are interleaved (every
+over --runs runs, and writes benchmarks/results/throughput.json (--result names another file
+there). Runs are interleaved (every
 engine once, then again): this machine's speed swings from minute to minute, so each round's
 engines see about the same machine; per-round ratios are printed too.
 
-    python benchmarks/throughput.py [--runs 1] [--requests 64]
+    python benchmarks/throughput.py [--runs 1] [--requests 64] [--result throughput.json]
         [--engines deepfuse-f32,deepfuse-int4,deepfuse-w8a8-kv8,hf,llama.cpp-batched,llama.cpp]
 """
 from __future__ import annotations
@@ -192,6 +195,7 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=1)
     ap.add_argument("--requests", type=int, default=64)
     ap.add_argument("--engines", default="deepfuse-f32,deepfuse-int4,deepfuse-w8a8-kv8,hf,llama.cpp-batched,llama.cpp")
+    ap.add_argument("--result", default="throughput.json", help="the file under benchmarks/results/ to write")
     args = ap.parse_args()
     from deepfuse.models import load_model
 
@@ -204,6 +208,7 @@ def main() -> None:
         "deepfuse int4 inv.": ("deepfuse-int4-invariant",
                                lambda: run_deepfuse(model, prompts, warmup, "bf16", "int4", batch_invariant=True)),
         "deepfuse int4 ngram": ("deepfuse-int4-ngram", lambda: run_deepfuse(model, prompts, warmup, "bf16", "int4", ngram=True)),
+        "deepfuse int4-a8": ("deepfuse-int4-a8", lambda: run_deepfuse(model, prompts, warmup, "bf16", "int4-a8")),
         "deepfuse w8a8": ("deepfuse-w8a8", lambda: run_deepfuse(model, prompts, warmup, "bf16", "w8a8")),
         "deepfuse w8a8 ngram": ("deepfuse-w8a8-ngram", lambda: run_deepfuse(model, prompts, warmup, "bf16", "w8a8",
                                                                             ngram=True)),
@@ -254,7 +259,7 @@ def main() -> None:
     meta = {"requests": args.requests, "prompt_tokens": [len(p) for p in prompts], "output_tokens": OUT_TOKENS,
             "runs": args.runs, "threads": torch.get_num_threads(), "torch": torch.__version__,
             "machine": platform.machine()}
-    write_result("throughput.json", {"meta": meta, "results": results})
+    write_result(args.result, {"meta": meta, "results": results})
 
 
 if __name__ == "__main__":

@@ -11,8 +11,9 @@
                                             the split, RoPE and cache write as the attention's
                                             prologue (new keys come from qkv, older ones from the cache)
 `*W` is the projection: one dense weight W[N,K], linear_q4's (packed, scales, mins) with the
-attr group_size, or linear_w8a8's (wq, scale) with the attr act_group. Each op has a
-decomposition into the ops it replaced.
+attr group_size, linear_w8a8's (wq, scale) with the attr act_group, or linear_q4a8's (packed,
+scales, mins) with both attrs (act_group == group_size: int4 weights, int8 activations; is_q4a8).
+Each op has a decomposition into the ops it replaced.
 """
 from __future__ import annotations
 
@@ -22,14 +23,23 @@ import torch.nn.functional as F
 from .opdefs_basic import swiglu
 from .opdefs_llm import attention, check_kv_cache, rms_norm, rope, write_kv
 from .opdefs_moe import head_rms_norm
-from .opdefs_quant import _linear_q4_type, _linear_w8a8_type, linear_q4, linear_w8a8
+from .opdefs_quant import _linear_q4_type, _linear_q4a8_type, _linear_w8a8_type, linear_q4, linear_q4a8, linear_w8a8
 from .ops import OPS, decomposition, expect, register
 from .types import TensorType
 
 
+def is_q4a8(attrs: dict) -> bool:
+    """Whether a fused op's projection is linear_q4a8's (attrs group_size and act_group)."""
+    return "group_size" in attrs and "act_group" in attrs
+
+
 def _proj(x: TensorType, proj: list[TensorType], attrs: dict) -> TensorType:
-    """The type of linear(x, *proj): a dense weight, (packed, scales, mins) with group_size, or
-    (wq, scale) with act_group (W8A8)."""
+    """The type of linear(x, *proj): a dense weight, (packed, scales, mins) with group_size (and
+    act_group == group_size: int4-a8), or (wq, scale) with act_group (W8A8)."""
+    if len(proj) == 3 and is_q4a8(attrs):
+        expect(attrs["act_group"] == attrs["group_size"], f"int4-a8 projection: act_group must equal group_size, "
+                                                          f"got {attrs}")
+        return _linear_q4a8_type([x, *proj], {"group_size": attrs["group_size"]})[0]
     if len(proj) == 3 and "group_size" in attrs:
         return _linear_q4_type([x, *proj], attrs)[0]
     if len(proj) == 2 and "act_group" in attrs:
@@ -42,7 +52,9 @@ def _proj(x: TensorType, proj: list[TensorType], attrs: dict) -> TensorType:
 
 
 def project(x: torch.Tensor, proj: tuple, group_size: int | None, act_group: int | None = None) -> torch.Tensor:
-    """linear(x, W), linear_q4(x, packed, scales, mins) or linear_w8a8(x, wq, scale)."""
+    """linear(x, W), linear_q4(x, packed, scales, mins), linear_q4a8 (both groups) or linear_w8a8(x, wq, scale)."""
+    if group_size is not None and act_group is not None:
+        return linear_q4a8(x, *proj, group_size=group_size)
     if group_size is not None:
         return linear_q4(x, *proj, group_size=group_size)
     return F.linear(x, proj[0]) if act_group is None else linear_w8a8(x, *proj, act_group=act_group)
@@ -51,6 +63,8 @@ def project(x: torch.Tensor, proj: tuple, group_size: int | None, act_group: int
 def _project_decomp(x, proj: tuple, group_size: int | None, act_group: int | None = None):
     from ..frontend import ops
 
+    if group_size is not None and act_group is not None:
+        return ops.linear_q4a8(x, *proj, group_size=group_size)
     if group_size is not None:
         return ops.linear_q4(x, *proj, group_size=group_size)
     return ops.linear(x, *proj) if act_group is None else ops.linear_w8a8(x, *proj, act_group=act_group)

@@ -7,7 +7,9 @@ Fires only where the normalised activation has no other reader (after fuse_sibli
 the q/k/v and gate/up projections are one linear each, so every pre-projection norm
 qualifies). The projection may be dense (`linear`), int4 (`linear_q4`: the fused op then
 takes packed, scales and mins and the group_size attr) or W8A8 (`linear_w8a8`: wq and scale, and
-the act_group attr; on the CPU the norm is then the int8 GEMM's quantization prologue).
+the act_group attr; on the CPU the norm is then the int8 GEMM's quantization prologue) or int4-a8
+(`linear_q4a8`: packed, scales and mins with group_size and act_group both the group; on the CPU
+the norm is made row by row in q4a8_gemm's quantization phase).
 """
 from __future__ import annotations
 
@@ -36,13 +38,13 @@ ADD_NORM_LINEAR = Rule(
 )
 
 
-def quantized_rules(suffix: str, op: str, operands: tuple[str, ...], attr: str) -> list[Rule]:
+def quantized_rules(suffix: str, op: str, operands: tuple[str, ...], attrs: dict[str, str]) -> list[Rule]:
     """rms_norm_linear_<suffix> and add_rms_norm_linear_<suffix> for a quantized projection
-    op(activation, *operands) whose attr `attr` the fused op keeps."""
+    op(activation, *operands); the fused op's attr a is the projection's attrs[a]."""
     args = tuple(Var(name) for name in operands)
 
     def proj(m) -> tuple[list, dict]:
-        return [m[name] for name in operands], {attr: m.attrs("proj_out")[attr]}
+        return [m[name] for name in operands], {a: m.attrs("proj_out")[b] for a, b in attrs.items()}
 
     def norm_linear(m):
         ins, attrs = proj(m)
@@ -62,6 +64,8 @@ def quantized_rules(suffix: str, op: str, operands: tuple[str, ...], attr: str) 
 
 fuse_norm_linear = rule_pass("fuse_norm_linear", [
     NORM_LINEAR, ADD_NORM_LINEAR,
-    *quantized_rules("q4", "linear_q4", ("packed", "scales", "mins"), "group_size"),
-    *quantized_rules("w8a8", "linear_w8a8", ("wq", "wscale"), "act_group"),
+    *quantized_rules("q4", "linear_q4", ("packed", "scales", "mins"), {"group_size": "group_size"}),
+    *quantized_rules("w8a8", "linear_w8a8", ("wq", "wscale"), {"act_group": "act_group"}),
+    *quantized_rules("q4a8", "linear_q4a8", ("packed", "scales", "mins"),
+                     {"group_size": "group_size", "act_group": "group_size"}),
 ])

@@ -1,7 +1,8 @@
 """int4 x int8 projections (linear_q4a8): the native VNNI kernel (q4a8_gemm.cpp) against an
 independent float64 reference (the activation quantized per row and group of 32, the Q4_1 weight
 dequantized with f16 scales and mins), the kernel's sensitivity to the nibble order and the min
-term, batch independence, and the int4-a8 build end to end against the interpreter."""
+term, batch independence, the norm / SwiGLU prologue-fused forms against the ops' references, and
+the int4-a8 build end to end against the interpreter."""
 import pytest
 import torch
 
@@ -9,6 +10,8 @@ import deepfuse
 from deepfuse.codegen.cpu.native import kernels
 from deepfuse.codegen.cpu.q4a8_kernels import Q4A8Weights, pack_q4a8, q4a8_linear
 from deepfuse.ir import interpret
+from deepfuse.ir.opdefs_fused import add_rms_norm_linear, is_q4a8, rms_norm_linear, swiglu_linear
+from deepfuse.ir.opdefs_llm import rms_norm
 from deepfuse.ir.opdefs_quant import linear_q4a8, quantize_q4
 from tests.helpers import greedy_with
 
@@ -101,13 +104,83 @@ def test_reference_weights_where_the_kernel_does_not_run():
     torch.testing.assert_close(q4a8_linear(x, w), linear_q4a8(x, packed, scales, mins, group_size=32))
 
 
+Q4A8 = {"group_size": 32, "act_group": 32}  # a fused op's int4-a8 projection
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 8e-3)])
+@pytest.mark.parametrize("rows", [1, 5])
+@pytest.mark.parametrize("with_res", [False, True])
+def test_fused_norm_matches_the_ops_references(dtype, tol, rows, with_res):
+    """q4a8_gemm_norm against rms_norm_linear / add_rms_norm_linear's references (the norm in torch,
+    then linear_q4a8) and the float64 reference of the torch norm; the sum comes out exactly."""
+    n, k = 200, 576
+    packed, scales, mins = weight(n, k, seed=4)
+    g = torch.Generator().manual_seed(rows)
+    x, res = torch.randn(rows, k, generator=g).to(dtype), torch.randn(rows, k, generator=g).to(dtype)
+    nw = (torch.rand(k, generator=g) + 0.5).to(dtype)
+    blocks, sum_out = pack_q4a8(packed, scales, mins), torch.full((rows, k), float("nan"), dtype=dtype)
+    if with_res:
+        got = native.q4a8_gemm_norm(x, res, nw, 1e-5, sum_out, blocks, n)
+        s, want_op = add_rms_norm_linear(x, res, nw, packed, scales, mins, eps=1e-5, **Q4A8)
+        assert torch.equal(sum_out, s) and torch.equal(s, x + res)
+    else:
+        got = native.q4a8_gemm_norm(x, None, nw, 1e-5, None, blocks, n)
+        s, want_op = x, rms_norm_linear(x, nw, packed, scales, mins, eps=1e-5, **Q4A8)
+    assert got.dtype == dtype and got.shape == (rows, n)
+    assert rel_err(got, want_op.double()) < tol
+    assert rel_err(got, reference(rms_norm(s, nw, eps=1e-5), packed, scales, mins)) < tol
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 8e-3)])
+def test_fused_swiglu_matches_the_ops_reference(dtype, tol):
+    """The op's reference rounds silu(gate) and the product to bf16 apart (the kernel once, as the
+    float64 reference here does), so against it bf16 gets twice the tolerance."""
+    n, f = 72, 1536
+    packed, scales, mins = weight(n, f, seed=5)
+    x = torch.randn(3, 2 * f, generator=torch.Generator().manual_seed(5)).to(dtype)
+    got = native.q4a8_gemm_swiglu(x, pack_q4a8(packed, scales, mins), n)
+    assert got.dtype == dtype and got.shape == (3, n)
+    assert rel_err(got, swiglu_linear(x, packed, scales, mins, **Q4A8).double()) < 2 * tol
+    act = (torch.nn.functional.silu(x[:, :f].float()) * x[:, f:].float()).to(dtype)
+    assert rel_err(got, reference(act, packed, scales, mins)) < tol
+
+
+@needs_kernel
+def test_fused_forms_are_batch_independent_and_match_the_unfused_kernels():
+    """A row's result is the same alone or in a batch, and bit for bit the unfused native norm /
+    SwiGLU followed by q4a8_gemm (the prologue makes the same rows)."""
+    n, k = 960, 576
+    packed, scales, mins = weight(n, k, seed=6)
+    blocks = pack_q4a8(packed, scales, mins)
+    x, res, nw = torch.randn(7, k).bfloat16(), torch.randn(7, k).bfloat16(), torch.rand(k).bfloat16() + 0.5
+    sum_out = torch.empty_like(x)
+    whole = native.q4a8_gemm_norm(x, res, nw, 1e-5, sum_out, blocks, n)
+    s, normed = native.add_rms_norm(x, res, nw, 1e-5)
+    assert torch.equal(sum_out, s) and torch.equal(whole, native.q4a8_gemm(normed, blocks, n))
+    for r in (0, 6):
+        one = native.q4a8_gemm_norm(x[r:r + 1], res[r:r + 1], nw, 1e-5, torch.empty_like(x[:1]), blocks, n)
+        assert torch.equal(one[0], whole[r])
+    h = torch.randn(5, 2 * k).bfloat16()
+    both = native.q4a8_gemm_swiglu(h, blocks, n)
+    assert torch.equal(both, native.q4a8_gemm(native.swiglu(h), blocks, n))
+    assert torch.equal(native.q4a8_gemm_swiglu(h[2:3], blocks, n)[0], both[2])
+
+
 def test_int4_a8_build_matches_the_interpreter(tiny_model):
-    """int4-a8: every projection linear_q4a8, the head logits_w8a8; the CPU build's greedy tokens
-    and logits match the interpreter on its own graph."""
+    """int4-a8: every projection linear_q4a8, the norms before q/k/v and gate/up and the SwiGLU
+    before down fused into them (rms_norm_linear, add_rms_norm_linear, swiglu_linear with an
+    int4-a8 projection), the head logits_w8a8; the CPU build's greedy tokens and logits match
+    the interpreter on its own graph."""
     art = deepfuse.compile(tiny_model, quant="int4-a8")
     counts = art.graph.op_counts()
+    layers = tiny_model.config.num_layers
     assert counts.get("linear_q4a8", 0) > 0 and counts["logits_w8a8"] == 1
-    assert not {"linear", "linear_q4", "logits"} & set(counts)
+    assert counts["swiglu_linear"] == layers and counts.get("rms_norm_linear", 0) + counts["add_rms_norm_linear"] == 2 * layers
+    assert all(is_q4a8(n.attrs) for n in art.graph.nodes
+               if n.op in ("rms_norm_linear", "add_rms_norm_linear", "swiglu_linear"))
+    assert not {"linear", "linear_q4", "logits", "swiglu"} & set(counts)
     prompt = [1, 5, 9, 2, 7]
     want, want_logits = greedy_with(lambda inputs: interpret(art.graph, inputs), tiny_model.config, prompt, 6)
     got, logits = greedy_with(art, tiny_model.config, prompt, 6)

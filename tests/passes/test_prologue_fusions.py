@@ -104,7 +104,8 @@ def test_prologue_fusions_fire_on_int4_projections(tiny_model):
     counts = g.op_counts()
     layers = tiny_model.config.num_layers
     assert fuse_norm_linear.fn.fired["add_rms_norm_linear_q4"] == 2 * layers - 1
-    assert fuse_swiglu_linear.fn.fired == {"swiglu_linear": 0, "swiglu_linear_q4": layers, "swiglu_linear_w8a8": 0}
+    assert fuse_swiglu_linear.fn.fired == {"swiglu_linear": 0, "swiglu_linear_q4": layers, "swiglu_linear_w8a8": 0,
+                                           "swiglu_linear_q4a8": 0}
     assert counts["linear_q4"] == layers  # o_proj: nothing before it to fuse
     fused = [n for n in g.nodes if n.op in ("rms_norm_linear", "add_rms_norm_linear", "swiglu_linear")]
     assert fused and all(n.attrs["group_size"] == 32 and n.inputs[-3].type.dtype == "u8" for n in fused)
@@ -122,9 +123,30 @@ def test_prologue_fusions_fire_on_w8a8_projections(tiny_model):
     layers = tiny_model.config.num_layers
     assert fuse_norm_linear.fn.fired["add_rms_norm_linear_w8a8"] == 2 * layers - 1
     assert fuse_norm_linear.fn.fired["rms_norm_linear_w8a8"] == 1
-    assert fuse_swiglu_linear.fn.fired == {"swiglu_linear": layers, "swiglu_linear_q4": 0, "swiglu_linear_w8a8": 0}
+    assert fuse_swiglu_linear.fn.fired == {"swiglu_linear": layers, "swiglu_linear_q4": 0, "swiglu_linear_w8a8": 0,
+                                           "swiglu_linear_q4a8": 0}
     fused = [n for n in g.nodes if n.op in ("rms_norm_linear", "add_rms_norm_linear")]
     assert fused and all(n.attrs["act_group"] == 64 and n.inputs[-2].type.dtype == "u8" for n in fused)
+
+
+def test_prologue_fusions_fire_on_int4_a8_projections(tiny_model):
+    """int4-a8: the norms and SwiGLUs fuse into linear_q4a8 projections (the fused op takes packed,
+    scales and mins with group_size and act_group both 32); the numerics check runs the references
+    before and after."""
+    passes = cleanup_passes() + fusion_passes() + quant_passes("int4-a8")
+    g, _ = PassManager(passes).run(trace_model(tiny_model))
+    inputs = step_inputs(tiny_model.config)
+    for p in (fuse_norm_linear, fuse_swiglu_linear):
+        g = check_numerics(p, g, inputs)
+    layers = tiny_model.config.num_layers
+    assert fuse_norm_linear.fn.fired["add_rms_norm_linear_q4a8"] == 2 * layers - 1
+    assert fuse_norm_linear.fn.fired["rms_norm_linear_q4a8"] == 1
+    assert fuse_swiglu_linear.fn.fired == {"swiglu_linear": 0, "swiglu_linear_q4": 0, "swiglu_linear_w8a8": 0,
+                                           "swiglu_linear_q4a8": layers}
+    assert g.op_counts()["linear_q4a8"] == layers  # o_proj: nothing before it to fuse
+    fused = [n for n in g.nodes if n.op in ("rms_norm_linear", "add_rms_norm_linear", "swiglu_linear")]
+    assert fused and all(n.attrs["group_size"] == n.attrs["act_group"] == 32 and n.inputs[-3].type.dtype == "u8"
+                         for n in fused)
 
 
 @pytest.mark.parametrize("dtype,tol", [("f32", 1e-4), ("bf16", 6e-2)])

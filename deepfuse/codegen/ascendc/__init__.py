@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from ...ir import Graph, Node
+from ...ir.opdefs_fused import is_q4a8
 from ..device_epilogue import remap, result_to_tmp, split_epilogue
 from ..device_plan import PLACEHOLDER, device_plan, named
 from .collective import COLLECTIVES, collective_launch
@@ -74,7 +75,7 @@ def emittable(node: Node) -> bool:
     """f32 / bf16 / f16 graphs; generated kernels as far as emit_generated renders them; head dims
     that are not multiples of 16 and int4 shapes the kernel does not tile go to the reference (a
     host step)."""
-    if node.op not in EMITTERS:
+    if node.op not in EMITTERS or is_q4a8(node.attrs):  # int4-a8 fused forms: their decomposition
         return False
     if node.op == "kernel":  # the renderer's own check: dtypes, ops and UB it handles
         return renderable(node)

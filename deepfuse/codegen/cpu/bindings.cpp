@@ -47,6 +47,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("q4a8_gemm", &q4a8_gemm,
           "x [M, K] quantized per row and group of 32 to int8, @ an int4 w^T over pack_q4a8's blocks (q4a8_gemm.cpp)",
           py::arg("x"), py::arg("blocks"), py::arg("n"), py::arg("out") = py::none());
+    m.def("q4a8_gemm_swiglu", &q4a8_gemm_swiglu,
+          "q4a8_gemm over swiglu(x) for x [M, 2K], the activation never stored (q4a8_gemm.cpp)", py::arg("x"),
+          py::arg("blocks"), py::arg("n"), py::arg("out") = py::none());
+    m.def("q4a8_gemm_norm", &q4a8_gemm_norm,
+          "q4a8_gemm over rms_norm(x (+ res), w), x + res into sum_out when res is given (q4a8_gemm.cpp)", py::arg("x"),
+          py::arg("res"), py::arg("w"), py::arg("eps"), py::arg("sum_out"), py::arg("blocks"), py::arg("n"),
+          py::arg("out") = py::none());
     m.def("swiglu", &swiglu, "silu(x[:, :F]) * x[:, F:] for x [T, 2F], into out if given (rows.cpp)", py::arg("x"),
           py::arg("out") = py::none());
     m.def("rope_cache", &rope_cache, "rotary q and k of qkv rows, k and v into the paged cache (rows.cpp)");

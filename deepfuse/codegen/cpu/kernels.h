@@ -38,6 +38,11 @@ torch::Tensor i8_gemm_norm(const torch::Tensor& x, std::optional<torch::Tensor> 
                            int64_t n, int64_t group, std::optional<torch::Tensor> out);
 bool q4a8_gemm_available();
 torch::Tensor q4a8_gemm(torch::Tensor x, const torch::Tensor& blocks, int64_t n, std::optional<torch::Tensor> out);
+torch::Tensor q4a8_gemm_swiglu(torch::Tensor x, const torch::Tensor& blocks, int64_t n,
+                               std::optional<torch::Tensor> out);
+torch::Tensor q4a8_gemm_norm(const torch::Tensor& x, std::optional<torch::Tensor> res, const torch::Tensor& w,
+                             double eps, std::optional<torch::Tensor> sum_out, const torch::Tensor& blocks, int64_t n,
+                             std::optional<torch::Tensor> out);
 torch::Tensor swiglu(const torch::Tensor& x, std::optional<torch::Tensor> out);
 void rope_cache(const torch::Tensor& qkv, const torch::Tensor& pos, const torch::Tensor& cos, const torch::Tensor& sin,
                 torch::Tensor cache, const torch::Tensor& slots, int64_t num_heads, torch::Tensor q_out,

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from ...ir import OPS
-from ...ir.opdefs_fused import split_extra
+from ...ir.opdefs_fused import is_q4a8, split_extra
 from ...ir.opdefs_llm import rope_cos_sin, write_kv
 from ...ir.opdefs_moe import route, routing_attrs
 from ...ir.opdefs_quant import dequantize_q4, unpack_q4
@@ -23,7 +23,7 @@ from .bound import Bound
 from .generated_build import make_generated
 from .native import kernels as native_kernels
 from .program import NativeGuard, native_op
-from .q4a8_kernels import Q4A8Weights, q4a8_linear
+from .q4a8_kernels import Q4A8Weights, q4a8_linear, q4a8_norm_linear, q4a8_swiglu_linear
 from .row_kernels import NORM_DTYPES, add_rms_rows, native_rows, rms_rows, swiglu_rows, take_rows
 from .w8a8_kernels import W8A8Weights, w8a8_linear, w8a8_logits, w8a8_norm_linear, w8a8_swiglu_linear
 
@@ -539,7 +539,19 @@ PREPACKED_W8A8 = {  # fused ops whose projection is W8A8 (attr act_group): the n
 }
 
 
+PREPACKED_Q4A8 = {  # fused ops whose projection is int4-a8 (attrs group_size and act_group): the norm
+    # or SwiGLU made row by row inside q4a8_gemm's quantization phase (no region or pass of its own)
+    "swiglu_linear": Prepack((1, 2, 3), Q4A8Weights, lambda attrs: q4a8_swiglu_linear, ALL),
+    "rms_norm_linear": Prepack((2, 3, 4), Q4A8Weights, lambda attrs: lambda x, nw, w: q4a8_norm_linear(
+        x, None, nw, attrs["eps"], w)[1], ALL),
+    "add_rms_norm_linear": Prepack((3, 4, 5), Q4A8Weights, lambda attrs: lambda x, res, nw, w: q4a8_norm_linear(
+        x, res, nw, attrs["eps"], w), ALL),
+}
+
+
 def prepack_for(op: str, attrs: dict) -> Prepack | None:
+    if is_q4a8(attrs):
+        return PREPACKED_Q4A8.get(op)
     if "group_size" in attrs:
         return PREPACKED_Q4.get(op)
     if "act_group" in attrs and op in PREPACKED_W8A8:

@@ -62,11 +62,11 @@ def compiler_errors(text: str) -> str:
 def kernels():
     """The native kernels (paged_decode, paged_prefill; pack_panels, panel_gemm; amx_available,
     bf16_gemm_available, pack_vnni, bf16_gemm, q4_gemm; i8_gemm_available, pack_w8, i8_gemm,
-    i8_gemm_swiglu, i8_gemm_norm;
-    q4a8_gemm_available, q4a8_gemm; rms_norm, add_rms_norm; swiglu, rope_cache, argmax; see the .cpp
-    files) as the self-check leaves them (CheckedKernels: the module's attributes, refused groups'
-    flags False, the report in .selfcheck), or None where they cannot be built or an always-used
-    one failed its check. Loaded and checked once per process."""
+    i8_gemm_swiglu, i8_gemm_norm; q4a8_gemm_available, q4a8_gemm, q4a8_gemm_swiglu, q4a8_gemm_norm;
+    rms_norm, add_rms_norm; swiglu, rope_cache, argmax; see the .cpp files) as the self-check leaves
+    them (CheckedKernels: the module's attributes, refused groups' flags False, the report in
+    .selfcheck), or None where they cannot be built or an always-used one failed its check.
+    Loaded and checked once per process."""
     global build_error
     module = build()
     if module is None:

@@ -16,7 +16,9 @@ from functools import partial
 
 import torch
 
+from ...ir.opdefs_fused import is_q4a8
 from . import native_binds
+from . import q4a8_kernels as q4a8
 from .bound import Bound, bind_as_is
 from .generated_build import make_generated
 from .kernels import FACTORIES, Kernel, PanelWeight, Q4Weights, factory, q4_linear
@@ -105,7 +107,7 @@ def _rms_norm_out(attrs: dict) -> Kernel:
 
 @out_factory("swiglu")
 def _swiglu_out(attrs: dict) -> Kernel:
-    """A SwiGLU left unfused (its projection takes no prologue: linear_q4a8)."""
+    """A SwiGLU left unfused (its reader is no swiglu_linear)."""
     def run(x, out):
         out[0].copy_(swiglu_rows(x))
 
@@ -149,6 +151,9 @@ def _linear_w8a8(attrs: dict) -> Kernel:
 @out_factory("rms_norm_linear")
 def _rms_norm_linear(attrs: dict) -> Kernel:
     eps = attrs["eps"]
+    if is_q4a8(attrs):  # an int4-a8 projection (q4a8_kernels.Q4A8Weights)
+        return with_bind(lambda x, w, proj, out: q4a8.q4a8_norm_linear(x, None, w, eps, proj, out=out[0]),
+                         lambda x, w, proj, out: Bound.of(q4a8.native_norm_linear(x, None, w, eps, proj, None, out[0])))
     if "act_group" in attrs:  # a W8A8 projection (w8a8_kernels.W8A8Weights)
         group = attrs["act_group"]
         return with_bind(lambda x, w, proj, out: w8a8_norm_linear(x, None, w, eps, proj, group, out=out[0]),
@@ -162,6 +167,10 @@ def _rms_norm_linear(attrs: dict) -> Kernel:
 @out_factory("add_rms_norm_linear")
 def _add_rms_norm_linear(attrs: dict) -> Kernel:
     eps = attrs["eps"]
+    if is_q4a8(attrs):
+        return with_bind(lambda x, res, w, proj, out: q4a8.q4a8_norm_linear(x, res, w, eps, proj, out[0], out[1]),
+                         lambda x, res, w, proj, out: Bound.of(q4a8.native_norm_linear(x, res, w, eps, proj, out[0],
+                                                                                       out[1])))
     if "act_group" in attrs:
         group = attrs["act_group"]
         return with_bind(lambda x, res, w, proj, out: w8a8_norm_linear(x, res, w, eps, proj, group, out[0], out[1]),
@@ -178,6 +187,9 @@ def _add_rms_norm_linear(attrs: dict) -> Kernel:
 
 @out_factory("swiglu_linear")
 def _swiglu_linear(attrs: dict) -> Kernel:
+    if is_q4a8(attrs):
+        return with_bind(lambda x, proj, out: q4a8.q4a8_swiglu_linear(x, proj, out[0]),
+                         native_bind(q4a8.native_swiglu_linear))
     if "act_group" in attrs:
         group = attrs["act_group"]
         return with_bind(lambda x, proj, out: w8a8_swiglu_linear(x, proj, group, out[0]),

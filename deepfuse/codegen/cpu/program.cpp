@@ -86,6 +86,13 @@ void bind_program(py::module& m) {
         .def("q4a8_gemm", [](P& p, Tensor x, Tensor blocks, int64_t n, Tensor out) {
             p.add([=] { q4a8_gemm(x, blocks, n, out); });
         })
+        .def("q4a8_gemm_swiglu", [](P& p, Tensor x, Tensor blocks, int64_t n, Tensor out) {
+            p.add([=] { q4a8_gemm_swiglu(x, blocks, n, out); });
+        })
+        .def("q4a8_gemm_norm", [](P& p, Tensor x, Opt res, Tensor w, double eps, Opt sum_out, Tensor blocks, int64_t n,
+                                  Tensor out) {
+            p.add([=] { q4a8_gemm_norm(x, res, w, eps, sum_out, blocks, n, out); });
+        })
         .def("i8_gemm_swiglu", [](P& p, Tensor x, Tensor panels, Tensor scale, int64_t n, int64_t group, Tensor out) {
             p.add([=] { i8_gemm_swiglu(x, panels, scale, n, group, out); });
         })

@@ -5,6 +5,9 @@
 //   q4a8_gemm_available()           whether this build has AVX512-VNNI
 //   q4a8_gemm(x [M, K] f32/bf16, blocks, N, out) -> y [M, N] in x's dtype (or into an f32 out)
 //       blocks u8 [ceil(N/16), K/32, 320] from q4a8_kernels.pack_q4a8
+//   q4a8_gemm_swiglu(x [M, 2K], ...)   the same over swiglu(x) (swiglu_linear, int4-a8 projection)
+//   q4a8_gemm_norm(x [M, K], res, w [K], eps, sum_out, ...)   the same over rms_norm(x (+ res), w),
+//       x + res written to sum_out when res is given (rms_norm_linear, add_rms_norm_linear)
 //
 // A block holds one panel's (16 columns) group of 32 k: 256 bytes of nibbles, vector v (0-3) of
 // 64 bytes with byte 4c + e holding column c's k = 4v + e in its low nibble and k = 16 + 4v + e
@@ -17,7 +20,10 @@
 // vpdpbusd makes the integer dot exactly (unsigned nibbles x signed q); the two f32 terms are
 // added per group in order, so a row's result is the same whatever M is and whatever rows share
 // the call. Every thread quantizes the rows itself (no second parallel region, no pass over
-// memory between); the threads split the panels.
+// memory between); the threads split the panels. The fused forms make each row's activation
+// (row_ops.h, bit for bit what the unfused kernels write) in a buffer of the thread's just before
+// quantizing it, so the norm or SwiGLU adds no parallel region and no [M, K] trip through memory;
+// of add_rms_norm's sum, the thread holding the first panels writes sum_out.
 #include <torch/extension.h>
 
 #include "kernels.h"
@@ -32,6 +38,8 @@
 #define DEEPFUSE_Q4A8 1
 #include "vec.h"
 #endif
+
+#include "row_ops.h"
 
 namespace {
 
@@ -141,16 +149,20 @@ Quantized& quantized(int64_t m, int64_t k) {
     return buffers;
 }
 
-template <typename X, typename T>
-void gemm(const X* x, int64_t ldx, int64_t m, int64_t k, const uint8_t* blocks, int64_t nb, int64_t n, T* y,
-          int64_t ldy) {
+// row(r, buf, first) -> a pointer to row r of the activation (X [K]): x's own row, or `buf` (2K of
+// X, the thread's) filled with a fused prologue's; first: this thread holds the first panels.
+template <typename X, typename T, typename Row>
+void gemm(Row row, int64_t m, int64_t k, const uint8_t* blocks, int64_t nb, int64_t n, T* y, int64_t ldy) {
     const int64_t groups = k / kGroup, stride = groups * kBlock;
     const int64_t pairs = (nb + 1) / 2;
     const int64_t chunk = std::max<int64_t>(1, kChunkBytes / (2 * stride)) * 2;  // panels per sweep
     at::parallel_for(0, pairs, 1, [&](int64_t p0, int64_t p1) {
         Quantized& qa = quantized(m, k);
+        static thread_local std::vector<X> buf;  // a prologue's row and, after it, add_rms_norm's sum
+        if (static_cast<int64_t>(buf.size()) < 2 * k) buf.resize(2 * k);
         for (int64_t r = 0; r < m; ++r)
-            quantize_row(x + r * ldx, k, qa.q.data() + r * k, qa.d.data() + r * groups, qa.s.data() + r * groups);
+            quantize_row(row(r, buf.data(), p0 == 0), k, qa.q.data() + r * k, qa.d.data() + r * groups,
+                         qa.s.data() + r * groups);
         const int64_t b0 = 2 * p0, b1 = std::min(nb, 2 * p1);
         for (int64_t c0 = b0; c0 < b1; c0 += chunk) {  // a chunk of panels stays in L2 across the row blocks
             const int64_t c1 = std::min(b1, c0 + chunk);
@@ -177,11 +189,15 @@ bool q4a8_gemm_available() {
 #endif
 }
 
-torch::Tensor q4a8_gemm(torch::Tensor x, const torch::Tensor& blocks, int64_t n, std::optional<torch::Tensor> out) {
+namespace {
+
+// Checks blocks and out against x's K (k) and M rows; returns out or a new y.
+torch::Tensor checked_out(const torch::Tensor& x, int64_t k, const torch::Tensor& blocks, int64_t n,
+                          const std::optional<torch::Tensor>& out) {
     TORCH_CHECK(q4a8_gemm_available(), "q4a8_gemm: this build has no AVX512-VNNI");
     TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == torch::kFloat32 || x.scalar_type() == torch::kBFloat16),
                 "q4a8_gemm: x must be [M, K] float32 or bfloat16");
-    const int64_t m = x.size(0), k = x.size(1), nb = (n + kCols - 1) / kCols;
+    const int64_t m = x.size(0), nb = (n + kCols - 1) / kCols;
     TORCH_CHECK(k % kGroup == 0, "q4a8_gemm: K must be a multiple of 32");
     TORCH_CHECK(blocks.dim() == 3 && blocks.scalar_type() == torch::kUInt8 && blocks.is_contiguous() &&
                     blocks.size(0) == nb && blocks.size(1) * kGroup == k && blocks.size(2) == kBlock,
@@ -190,17 +206,92 @@ torch::Tensor q4a8_gemm(torch::Tensor x, const torch::Tensor& blocks, int64_t n,
     TORCH_CHECK(y.dim() == 2 && y.size(0) == m && y.size(1) == n &&
                     (y.scalar_type() == x.scalar_type() || y.scalar_type() == torch::kFloat32) && y.stride(1) == 1,
                 "q4a8_gemm: out must be [M, N] of x's dtype or f32 with unit column stride");
+    return y;
+}
+
+// The GEMM over x's dtype X and y's (X, or f32), rows from row_of(X{}) (see gemm)
+template <typename RowOf>
+void dispatch(const torch::Tensor& x, int64_t k, const torch::Tensor& blocks, int64_t n, torch::Tensor& y,
+              RowOf row_of) {
 #if DEEPFUSE_Q4A8
-    if (m == 0 || n == 0) return y;
-    if (x.stride(1) != 1) x = x.contiguous();
+    const int64_t m = x.size(0), nb = (n + kCols - 1) / kCols;
+    if (m == 0 || n == 0) return;
     const uint8_t* w = blocks.data_ptr<uint8_t>();
     using bf16 = c10::BFloat16;
     if (x.scalar_type() == torch::kFloat32)
-        gemm(x.data_ptr<float>(), x.stride(0), m, k, w, nb, n, y.data_ptr<float>(), y.stride(0));
+        gemm<float>(row_of(float{}), m, k, w, nb, n, y.data_ptr<float>(), y.stride(0));
     else if (y.scalar_type() == torch::kFloat32)
-        gemm(x.data_ptr<bf16>(), x.stride(0), m, k, w, nb, n, y.data_ptr<float>(), y.stride(0));
+        gemm<bf16>(row_of(bf16{}), m, k, w, nb, n, y.data_ptr<float>(), y.stride(0));
     else
-        gemm(x.data_ptr<bf16>(), x.stride(0), m, k, w, nb, n, y.data_ptr<bf16>(), y.stride(0));
+        gemm<bf16>(row_of(bf16{}), m, k, w, nb, n, y.data_ptr<bf16>(), y.stride(0));
 #endif
+}
+
+void check_rows(const torch::Tensor& t, const torch::Tensor& x, const char* what) {
+    TORCH_CHECK(t.dim() == 2 && t.sizes() == x.sizes() && t.scalar_type() == x.scalar_type() && t.stride(1) == 1,
+                "q4a8_gemm_norm: ", what, " must be [M, K] rows of x's dtype with unit column stride");
+}
+
+}  // namespace
+
+torch::Tensor q4a8_gemm(torch::Tensor x, const torch::Tensor& blocks, int64_t n, std::optional<torch::Tensor> out) {
+    TORCH_CHECK(x.dim() == 2, "q4a8_gemm: x must be [M, K] float32 or bfloat16");
+    auto y = checked_out(x, x.size(1), blocks, n, out);
+    if (x.stride(1) != 1) x = x.contiguous();
+    const int64_t ldx = x.stride(0);
+    dispatch(x, x.size(1), blocks, n, y, [&](auto zero) {
+        using X = decltype(zero);
+        const X* xp = x.data_ptr<X>();
+        return [xp, ldx](int64_t r, X*, bool) { return xp + r * ldx; };
+    });
+    return y;
+}
+
+torch::Tensor q4a8_gemm_swiglu(torch::Tensor x, const torch::Tensor& blocks, int64_t n,
+                               std::optional<torch::Tensor> out) {
+    TORCH_CHECK(x.dim() == 2 && x.size(1) % 2 == 0, "q4a8_gemm_swiglu: x must be [M, 2K]");
+    const int64_t k = x.size(1) / 2;
+    auto y = checked_out(x, k, blocks, n, out);
+    if (x.stride(1) != 1) x = x.contiguous();
+    const int64_t ldx = x.stride(0);
+    dispatch(x, k, blocks, n, y, [&](auto zero) {
+        using X = decltype(zero);
+        const X* xp = x.data_ptr<X>();
+        return [xp, ldx, k](int64_t r, X* buf, bool) {
+            row_ops::swiglu_row(xp + r * ldx, xp + r * ldx + k, buf, k);
+            return static_cast<const X*>(buf);
+        };
+    });
+    return y;
+}
+
+torch::Tensor q4a8_gemm_norm(const torch::Tensor& x, std::optional<torch::Tensor> res, const torch::Tensor& w,
+                             double eps, std::optional<torch::Tensor> sum_out, const torch::Tensor& blocks, int64_t n,
+                             std::optional<torch::Tensor> out) {
+    TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "q4a8_gemm_norm: x must be [M, K] rows with unit column stride");
+    const int64_t k = x.size(1);
+    TORCH_CHECK(w.dim() == 1 && w.size(0) == k && w.scalar_type() == x.scalar_type() && w.is_contiguous(),
+                "q4a8_gemm_norm: w must be [K] of x's dtype");
+    TORCH_CHECK(res.has_value() == sum_out.has_value(), "q4a8_gemm_norm: res and sum_out go together");
+    if (res.has_value()) {
+        check_rows(*res, x, "res");
+        check_rows(*sum_out, x, "sum_out");
+    }
+    auto y = checked_out(x, k, blocks, n, out);
+    const float e = static_cast<float>(eps);
+    dispatch(x, k, blocks, n, y, [&](auto zero) {
+        using X = decltype(zero);
+        const X* xp = x.data_ptr<X>();
+        const X* rp = res.has_value() ? res->data_ptr<X>() : nullptr;
+        X* sp = sum_out.has_value() ? sum_out->data_ptr<X>() : nullptr;
+        const X* wp = w.data_ptr<X>();
+        const int64_t lx = x.stride(0), lr = rp != nullptr ? res->stride(0) : 0, ls = sp != nullptr ? sum_out->stride(0) : 0;
+        return [=](int64_t r, X* buf, bool first) {
+            // every thread needs the sum for its norm; one writes it out, the others keep it in buf's tail
+            X* sum = sp == nullptr ? nullptr : first ? sp + r * ls : buf + k;
+            row_ops::norm_row(xp + r * lx, rp != nullptr ? rp + r * lr : nullptr, wp, sum, buf, k, e);
+            return static_cast<const X*>(buf);
+        };
+    });
     return y;
 }

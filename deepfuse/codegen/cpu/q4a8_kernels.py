@@ -1,6 +1,7 @@
-"""int4 x int8 projections on the CPU (linear_q4a8): the Q4_1 weight packed at load into the native
-kernel's blocks (q4a8_gemm.cpp, AVX512-VNNI; f32 and bf16 activations), the op's reference where
-that cannot run. One kernel at every row count, so a row's result never depends on the batch."""
+"""int4 x int8 projections on the CPU (linear_q4a8, and the norm / SwiGLU prologue-fused forms with
+an int4-a8 projection): the Q4_1 weight packed at load into the native kernel's blocks
+(q4a8_gemm.cpp, AVX512-VNNI; f32 and bf16 activations), the op's reference where that cannot run.
+One kernel at every row count, so a row's result never depends on the batch."""
 from __future__ import annotations
 
 import torch
@@ -9,6 +10,7 @@ import torch.nn.functional as F
 from ...ir.opdefs_quant import linear_q4a8, unpack_q4
 from .native import kernels as native_kernels
 from .program import NativeOp, native_op
+from .row_kernels import add_rms_rows, rms_rows, swiglu_rows
 
 GROUP = 32  # the native kernel's group (weights and activations)
 NATIVE_Q4A8 = (torch.float32, torch.bfloat16)
@@ -60,3 +62,44 @@ def q4a8_linear(x: torch.Tensor, w: Q4A8Weights, out: torch.Tensor | None = None
         raise TypeError(f"linear_q4a8: {x.dtype} activations on weights packed for {NATIVE_Q4A8}")
     y = linear_q4a8(x, w.packed, w.scales, w.mins, group_size=w.group)
     return y if out is None else out.copy_(y)
+
+
+def native_swiglu_linear(x: torch.Tensor, w: Q4A8Weights, out: torch.Tensor | None = None) -> NativeOp | None:
+    """q4a8_swiglu_linear's native kernel bound to these tensors, or None where it cannot run."""
+    if w.native is None or x.dtype not in NATIVE_Q4A8:
+        return None
+    return native_op(w.native, "q4a8_gemm_swiglu", x, w.blocks, w.n, out)
+
+
+def q4a8_swiglu_linear(x: torch.Tensor, w: Q4A8Weights, out: torch.Tensor | None = None) -> torch.Tensor:
+    """linear_q4a8(swiglu(x[T,2K]), w) -> [T,N]; natively each row's activation is made as the
+    kernel quantizes it (the [T,K] activation is never stored)."""
+    call = native_swiglu_linear(x, w, out)
+    return call() if call is not None else q4a8_linear(swiglu_rows(x), w, out)
+
+
+def native_norm_linear(x: torch.Tensor, res: torch.Tensor | None, nw: torch.Tensor, eps: float, w: Q4A8Weights,
+                       sum_out: torch.Tensor | None, out: torch.Tensor | None = None) -> NativeOp | None:
+    """q4a8_norm_linear's native kernel (the norm as its prologue, x + res written to sum_out, which
+    must be given with res) bound to these tensors, or None where it cannot run."""
+    rows = (x,) if res is None else (x, res, sum_out)
+    if w.native is None or x.dtype not in NATIVE_Q4A8 or nw.dtype != x.dtype or x.dim() != 2 \
+            or any(t is None or t.stride(1) != 1 or t.shape != x.shape or t.dtype != x.dtype for t in rows):
+        return None
+    return native_op(w.native, "q4a8_gemm_norm", x, res, nw.contiguous(), eps, sum_out, w.blocks, w.n, out)
+
+
+def q4a8_norm_linear(x: torch.Tensor, res: torch.Tensor | None, nw: torch.Tensor, eps: float, w: Q4A8Weights,
+                     sum_out: torch.Tensor | None = None,
+                     out: torch.Tensor | None = None) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """(s, linear_q4a8(rms_norm(s, nw), w)) with s = x[T,K] + res (into sum_out when given), or
+    (None, linear_q4a8(rms_norm(x, nw), w)) without res; natively the norm is the kernel's prologue."""
+    if res is not None and sum_out is None:
+        sum_out = torch.empty_like(x, memory_format=torch.contiguous_format)
+    call = native_norm_linear(x, res, nw, eps, w, sum_out, out)
+    if call is not None:
+        return sum_out, call()
+    if res is None:
+        return None, q4a8_linear(rms_rows(x, nw, eps), w, out)
+    s, normed = add_rms_rows(x, res, nw, eps, sum_out)
+    return s, q4a8_linear(normed, w, out)

@@ -23,6 +23,7 @@ import math
 from string import Template
 
 from ...ir import Node
+from ...ir.opdefs_fused import is_q4a8
 from ..device_epilogue import split_epilogue
 from . import sample
 from . import templates as T
@@ -244,7 +245,7 @@ INVARIANT_AWARE = frozenset(op for op, f in EMITTERS.items() if f is emit_gemm) 
 
 def emittable(node: Node) -> bool:
     """Shapes the templates do not cover go to the reference."""
-    if node.op not in EMITTERS:
+    if node.op not in EMITTERS or is_q4a8(node.attrs):  # int4-a8 fused forms: their decomposition
         return False
     if "act_group" in node.attrs:  # W8A8: the K tile is one group: tl.arange wants a power of two, int8 tl.dot
         g = node.attrs["act_group"]  # at least 32; at most 256 keeps the int8 tiles in shared memory

@@ -34,14 +34,10 @@ from .prologue import PROLOGUES
 from .prologue import render as render_prologue
 from .split_kv import emit_split_kv, sizing
 from .splitk import emit_decode
-from .tiles import DECODE_ROWS, tiles_for
+from .tiles import DECODE_ROWS, pow2, tiles_for
 
 PTR = {"f32": "*fp32", "bf16": "*bf16", "f16": "*fp16", "i32": "*i32", "i64": "*i64", "u8": "*u8"}
 SMAX = 256  # most sequences a step may hold (logits, attention read query_lens whole)
-
-
-def pow2(n: int) -> int:
-    return 1 << max(0, math.ceil(math.log2(max(n, 1))))
 
 
 def _source(name: str, body: str, **subs) -> str:
@@ -203,7 +199,8 @@ def emit_fused_moe(node: Node, name: str, arch: str) -> list[dict]:
     combine = _spec(name, _source(name, T.MOE_COMBINE, KT=kt, D=d),
                     [("ys_ptr", dt, ["tmp", 5]), ("pos_ptr", "*i32", ["tmp", 2]), ("y_ptr", dt, ["out", 0])],
                     {"BD": pow2(d)}, [["shape", 0, 0], 1, 1], tiles_for(arch, "row", node))
-    return [*emit_route_align(node, name, consts["BM"], _source, _spec, tiles_for(arch, "row", node)), up, down, combine]
+    return [*emit_route_align(node, name, consts["BM"], _source, _spec, lambda kind, i: _ptr(node, kind, i),
+                                tiles_for(arch, "row", node)), up, down, combine]
 
 
 def emit_sample(node: Node, name: str, arch: str) -> list[dict]:

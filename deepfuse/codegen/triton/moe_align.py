@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from ...ir import Node
 from ...ir.opdefs_moe import routing_attrs
+from .tiles import pow2
 
 ROUTE = """
 @triton.jit
@@ -116,12 +117,9 @@ def $NAME(ids_ptr, rows_ptr, block_expert_ptr, pos_ptr, NP, TOTAL, BP: tl.conste
 """
 
 
-def pow2(n: int) -> int:
-    return 1 << max(0, (max(n, 1) - 1).bit_length())
-
-
-def emit_route_align(node: Node, name: str, block: int, source, spec, row_tiles: dict) -> list[dict]:
-    """The route and align specs of a fused_moe node whose GEMMs take `block` rows per program.
+def emit_route_align(node: Node, name: str, block: int, source, spec, ptr, row_tiles: dict) -> list[dict]:
+    """The route and align specs of a fused_moe node whose GEMMs take `block` rows per program
+    (ptr(kind, i): the pointer type of the node's input or output i, as emit.py passes it).
     The route spec declares the launch's scratch in the order the MoE kernels address it:
     tmp 0 rows, 1 block_expert, 2 pos_of, 3 weights, 4 h [P, I], 5 ys [P, D], 6 ids."""
     x, router, w13 = (node.inputs[i].type for i in (0, 1, 2))
@@ -138,10 +136,9 @@ def emit_route_align(node: Node, name: str, block: int, source, spec, row_tiles:
                        BIAS_PARAM="bias_ptr," if bias else "", GROUPS=groups,
                        RENORM=RENORM if a["renormalize"] else "", SCALING=repr(float(r["routed_scaling"])),
                        PREC=', input_precision="ieee"' if x.dtype == "f32" else "")
-    ptr = {"f32": "*fp32", "bf16": "*bf16", "f16": "*fp16"}
-    params = [("x_ptr", ptr[x.dtype], ["in", 0]), ("router_ptr", ptr[router.dtype], ["in", 1])]
+    params = [("x_ptr", ptr("in", 0), ["in", 0]), ("router_ptr", ptr("in", 1), ["in", 1])]
     if bias:
-        params.append(("bias_ptr", ptr[node.inputs[4].type.dtype], ["in", 4]))
+        params.append(("bias_ptr", ptr("in", 4), ["in", 4]))
     params += [("ids_ptr", "*i32", ["tmp", 6]), ("weights_ptr", "*fp32", ["tmp", 3]), ("T", "i32", ["shape", 0, 0])]
     bt = 16  # tl.dot's least M
     route = spec(name + "_route", route_src, params, {"BT": bt, "BD": 64}, [["cdiv", ["shape", 0, 0], bt], 1, 1],

@@ -27,10 +27,8 @@ and sm_100a here (test_triton_sizing.py); not yet run on a GPU.
 """
 from __future__ import annotations
 
-import math
-
 from ...ir import Node
-from .tiles import SMS, tiles_for
+from .tiles import SMS, pow2, tiles_for
 
 MAX_PARTITIONS = 16
 QSPLIT_MAX = 8  # the most queries of a sequence attended here: a verify chunk of up to 7 drafts
@@ -139,10 +137,6 @@ INIT_EMPTY = """        m_i = tl.full((QB * GP,), -1.0e30, dtype=tl.float32)
 INIT_SINK = """        m_i = tl.load(sinks_ptr + head, mask=ok, other=0.0).to(tl.float32)
         l_i = tl.full((QB * GP,), 1.0, dtype=tl.float32)
 """
-
-
-def pow2(n: int) -> int:
-    return 1 << max(0, math.ceil(math.log2(max(n, 1))))
 
 
 def sizing(node: Node, arch: str) -> dict:

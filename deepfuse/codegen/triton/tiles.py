@@ -32,6 +32,11 @@ TILES: dict[str, dict[str, dict]] = {
     "interpret": {"gemm": {"BM": 16, "BN": 32, "BK": 32}, "gemm_decode": {"BM": 16, "BN": 32, "BK": 32},
                   "attention": {"rows": 16, "block_size": 16}, "attention_decode": {"rows": 16, "keys": 64}, "row": {}},
 }
+def pow2(n: int) -> int:
+    """The least power of two >= n (tl.arange's lengths), 1 for n <= 1."""
+    return 1 << max(0, (max(n, 1) - 1).bit_length())
+
+
 SMS = {"sm90": 132, "sm100": 148, "interpret": 8}
 DECODE_ROWS = 64
 

@@ -57,8 +57,16 @@ def _llm_kwargs(args: argparse.Namespace, **engine) -> dict:
     if args.artifact:
         return dict(artifact=args.artifact, spec=spec, batch_invariant=args.batch_invariant,
                     artifact_digest=args.artifact_digest, tensor_parallel_size=tp, **engine)
+    if getattr(args, "moe_dispatch", "all_reduce") != "all_reduce":
+        engine["moe_dispatch"] = args.moe_dispatch
     return dict(model=args.model, dtype=args.dtype, quant=args.quant, spec=spec, batch_invariant=args.batch_invariant,
                 kv_cache_dtype=args.kv_cache_dtype, tensor_parallel_size=tp, **engine)
+
+
+def _add_moe_dispatch_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--moe-dispatch", choices=("all_reduce", "all_to_all"), default="all_reduce",
+                   help="with --tp: each rank's experts on every token, summed by all_reduce; or each rank's share "
+                        "of the tokens sent to their experts' ranks and back by all_to_all (cpu)")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -72,6 +80,7 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--artifact-digest", help="sha256:... as `deepfuse compile` printed it: refuse any other artifact")
     g.add_argument("--tp", type=int, default=1, metavar="N", help="tensor parallel over N processes (cpu, gloo); a "
                    "tensor-parallel artifact runs on its ranks without it (sm90/sm100: NCCL, one GPU a rank)")
+    _add_moe_dispatch_arg(g)
     g.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
     g.add_argument("--max-tokens", type=int, default=128)
     g.add_argument("--temperature", type=float, default=0.0)
@@ -126,6 +135,7 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--tp", type=int, default=1, metavar="N",
                    help="one artifact of N tensor-parallel ranks: per-rank plans and weight shards "
                         "(cpu, sm90, sm100, ascend950; f32/bf16)")
+    _add_moe_dispatch_arg(c)
     c.add_argument("-o", "--output", required=True)
     r = sub.add_parser("ir", help="print the IR, or dump it before/after every pass")
     _add_model_args(r)
@@ -248,7 +258,10 @@ def _train_drafter(args: argparse.Namespace) -> None:
 def _compile(args: argparse.Namespace) -> None:
     from .codegen.artifact import artifact_digest
     from .compiler import compile
+    from .errors import DeepfuseError
 
+    if args.tp == 1 and args.moe_dispatch != "all_reduce":
+        raise DeepfuseError("--moe-dispatch places expert-parallel MoE layers over ranks: give --tp N (N > 1)")
     if args.tp != 1:
         _compile_sharded(args)
     else:
@@ -279,7 +292,7 @@ def _compile_sharded(args: argparse.Namespace) -> None:
             raise
         model, tok = load_model(args.model, with_tokenizer=False)
         print(f"note: {args.model} has no tokenizer; the artifact takes token ids only", file=sys.stderr)
-    compile_sharded(model, args.tp, args.output, args.target, args.dtype, tok)
+    compile_sharded(model, args.tp, args.output, args.target, args.dtype, tok, args.moe_dispatch)
     print(f"wrote {args.output} ({args.tp} ranks, target {args.target})", file=sys.stderr)
 
 

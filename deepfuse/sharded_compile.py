@@ -24,16 +24,24 @@ from .runtime.tokenizer import Tokenizer
 
 
 def compile_rank(model, world: int, rank: int, target: str = "cpu", dtype: str = "f32", tokenizer: Tokenizer | None = None,
-                 dump_dir: str | None = None, spec: ShardingSpec | None = None) -> CompiledModel:
+                 dump_dir: str | None = None, spec: ShardingSpec | None = None,
+                 moe_dispatch: str = "all_reduce") -> CompiledModel:
     """model: a Llama-family model (all its weights; the result keeps only rank `rank`'s shards).
-    spec: the shardings (default: llama_sharding(model.config, world))."""
+    spec: the shardings (default: llama_sharding(model.config, world, moe_dispatch)). A rank graph
+    that takes `ep_rows` (MoE by all_to_all) gets it from the compiled model, which knows its
+    rank (plan["ep_rows"] = [world, rank])."""
     tgt = get_target(target)  # every target runs the collectives (cpu, sm90, sm100: gloo / NCCL; ascend950: HCCL)
-    spec = spec or llama_sharding(model.config, world)
+    spec = spec or llama_sharding(model.config, world, moe_dispatch)
     if spec.world != world:
         raise DeepfuseError(f"the sharding spec is for {spec.world} ranks, not {world}")
     graph = trace_model(model, dtype)
     graph, reports = PassManager([shard_pass(spec, rank), *tgt.pipeline()]).run(graph, dump_dir)
     plan = tgt.lower(graph)
+    if any(v.name == "ep_rows" for v in graph.inputs):
+        if target != "cpu":
+            raise DeepfuseError(f"moe_dispatch='all_to_all' runs on the cpu target; {target} dispatches expert-"
+                                "parallel MoE by all_reduce (moe_dispatch='all_reduce')")
+        plan["ep_rows"] = [world, rank]
     files = tgt.binaries(plan)
     c = model.config
     kv_heads = next(v.type.shape[3] for v in graph.inputs if v.name.startswith("kv_cache."))  # uneven splits differ
@@ -67,9 +75,10 @@ def save_sharded(ranks: list[CompiledModel], directory: str) -> str:
 
 
 def compile_sharded(model, world: int, directory: str, target: str = "cpu", dtype: str = "f32",
-                    tokenizer: Tokenizer | None = None) -> str:
+                    tokenizer: Tokenizer | None = None, moe_dispatch: str = "all_reduce") -> str:
     """Compiles every rank of `model` (one after another, in this process) and writes them as one
     tensor-parallel artifact (save_sharded). The tokenizer goes with rank 0."""
-    llama_sharding(model.config, world)  # refuse a model that does not split before compiling anything
-    return save_sharded([compile_rank(model, world, r, target, dtype, tokenizer if r == 0 else None)
+    llama_sharding(model.config, world, moe_dispatch)  # refuse a model that does not split before compiling
+    return save_sharded([compile_rank(model, world, r, target, dtype, tokenizer if r == 0 else None,
+                                      moe_dispatch=moe_dispatch)
                          for r in range(world)], directory)

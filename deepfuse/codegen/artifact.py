@@ -23,6 +23,7 @@ from safetensors.torch import save_file
 
 from .. import __version__
 from ..ir import Graph, TensorType, print_graph
+from ..ir.opdefs_ep import with_ep_rows
 from ..models.family import ModelConfig
 from ..runtime.tokenizer import Tokenizer
 from .targets import Runner
@@ -78,6 +79,8 @@ class CompiledModel:
         return getattr(self.runner, "device", torch.device("cpu"))
 
     def __call__(self, inputs: dict) -> list:
+        if "ep_rows" in self.plan:  # a rank whose MoE takes its own token rows (ir/opdefs_ep.py)
+            inputs = with_ep_rows(inputs, *self.plan["ep_rows"])
         return self.runner(inputs)
 
     def save(self, directory: str) -> str:

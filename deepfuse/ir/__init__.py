@@ -2,6 +2,7 @@
 from . import (  # noqa: F401  (registers the ops; opdefs_prim: primitives and decompositions)
     opdefs_basic,
     opdefs_collective,
+    opdefs_ep,
     opdefs_fused,
     opdefs_kernel,
     opdefs_llm,

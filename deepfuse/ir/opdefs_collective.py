@@ -2,6 +2,7 @@
 
     all_reduce   x[...] on every rank -> the sum over the ranks, on every rank
     all_gather   x[..., n, ...] on every rank -> the ranks' slices joined along `dim` (rank order)
+    all_to_all   x[W, ...] on every rank -> block i of rank r's result is block r of rank i's x
     take_shard   x -> this rank's slice of x along `dim` (no communication)
 
 A collective's reference asks the communicator of the running process (`use_communicator`):
@@ -29,6 +30,8 @@ class Communicator(Protocol):
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor: ...
 
     def all_gather(self, x: torch.Tensor, dim: int) -> torch.Tensor: ...
+
+    def all_to_all(self, x: torch.Tensor) -> torch.Tensor: ...
 
 
 _CURRENT: list[Communicator] = []
@@ -94,6 +97,22 @@ def all_gather(x: torch.Tensor, *, dim: int, world: int) -> torch.Tensor:
 
 
 COMBINE["all_gather"] = lambda xs, attrs: [torch.cat(xs, attrs["dim"]) for _ in xs]
+
+
+def _all_to_all_type(types: list[TensorType], attrs: dict) -> list[TensorType]:
+    (x,) = types
+    expect(x.rank >= 1 and x.shape[0] == attrs["world"], f"all_to_all wants x[{attrs['world']}, ...] (a block per "
+           f"rank), got {x}")
+    return [x]
+
+
+@register("all_to_all", _all_to_all_type)
+def all_to_all(x: torch.Tensor, *, world: int) -> torch.Tensor:
+    """x[W, ...]: block j is for rank j -> [W, ...]: block i is what rank i sent this rank."""
+    return current_communicator("all_to_all", world).all_to_all(x)
+
+
+COMBINE["all_to_all"] = lambda xs, attrs: [torch.stack([x[r] for x in xs]) for r in range(len(xs))]
 
 
 def shard_bounds(size: int, units: int, world: int, rank: int) -> tuple[int, int]:

@@ -12,6 +12,7 @@ import torch
 from .graph import Graph, Value
 from .interpret import check_inputs
 from .opdefs_collective import COMBINE
+from .opdefs_ep import with_ep_rows
 from .ops import OPS
 
 
@@ -42,7 +43,8 @@ def interpret_ranks(graphs: list[Graph], inputs: list[dict[str, torch.Tensor]]) 
 
 class SimulatedRanks:
     """A step function over all ranks in one process: takes the unpartitioned step's inputs
-    (whose kv caches it ignores), keeps each rank's own kv cache shards, returns rank 0's outputs
+    (whose kv caches it ignores), keeps each rank's own kv cache shards (and gives a rank graph
+    that takes `ep_rows` its token rows, ir/opdefs_ep.py), returns rank 0's outputs
     (all ranks' outputs are replicated). graphs: the per-rank graphs of one partitioning."""
 
     def __init__(self, graphs: list[Graph]):
@@ -54,7 +56,9 @@ class SimulatedRanks:
         if self.caches is None:  # zeros, as an unwritten cache; attention reads only written slots
             self.caches = [{v.name: torch.zeros(self._shape(v, inputs), dtype=inputs[v.name].dtype)
                             for v in g.inputs if v.name.startswith("kv_cache.")} for g in self.graphs]
-        per_rank = [{**inputs, **c} for c in self.caches]
+        world = len(self.graphs)
+        per_rank = [with_ep_rows({**inputs, **c}, world, r) if any(v.name == "ep_rows" for v in g.inputs)
+                    else {**inputs, **c} for r, (g, c) in enumerate(zip(self.graphs, self.caches))]
         self.last = interpret_ranks(self.graphs, per_rank)
         return self.last[0]
 

@@ -2,7 +2,8 @@
 
 Megatron's layout: q/k/v and gate/up split by output features, o and down by input features (a
 partial sum, all-reduced); MoE experts split over the ranks (each computes its experts for every
-token, the sum is all-reduced); router and norms replicated. Attention splits by kv head, each
+token and the sum is all-reduced, or with moe_dispatch="all_to_all" each rank's share of the
+tokens goes to its experts' ranks and back); router and norms replicated. Attention splits by kv head, each
 with its query heads (rank r: kv heads r*Hkv/W.. and the H/Hkv query heads of each), and so does
 each layer's kv cache. Where the ranks do not divide the kv heads (SmolLM2: 3 over 2 ranks) the
 split is uneven (1 and 2). The embedding and the LM head are split by vocabulary: the lookup is a
@@ -16,8 +17,10 @@ from ..errors import DeepfuseError
 from ..passes.shard import S, ShardingSpec
 
 
-def llama_sharding(config, world: int) -> ShardingSpec:
-    """config: a LlamaConfig. Raises DeepfuseError naming the size that does not split."""
+def llama_sharding(config, world: int, moe_dispatch: str = "all_reduce") -> ShardingSpec:
+    """config: a LlamaConfig. moe_dispatch: how expert-parallel MoE layers meet their tokens
+    (passes/shard.py: "all_reduce" or "all_to_all"). Raises DeepfuseError naming the size that
+    does not split."""
     if getattr(config, "family", "llama") in ("gemma3", "yoco_swa"):
         raise DeepfuseError(f"tensor parallelism is implemented for the Llama family, not {config.family!r}")
     if config.num_kv_heads < world:
@@ -27,7 +30,8 @@ def llama_sharding(config, world: int) -> ShardingSpec:
         raise DeepfuseError(f"num_experts = {config.num_experts} does not split over {world} ranks; "
                             "use a tensor_parallel_size dividing it")
     heads = config.num_kv_heads  # blocks of q (H/Hkv heads each), k, v, o's input and the cache
-    spec = ShardingSpec(world, inputs={f"kv_cache.{i}": S(3, heads) for i in range(config.num_layers)})
+    spec = ShardingSpec(world, inputs={f"kv_cache.{i}": S(3, heads) for i in range(config.num_layers)},
+                        moe_dispatch=moe_dispatch)
     p = spec.params
     if config.vocab_size % world == 0:
         p["model.embed_tokens.weight"] = p["lm_head.weight"] = S(0)

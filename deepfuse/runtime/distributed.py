@@ -52,6 +52,11 @@ class TorchCommunicator:
         dist.all_gather(parts, x)
         return torch.cat(parts, dim)
 
+    def all_to_all(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.empty_like(x)
+        dist.all_to_all_single(y, x.contiguous())
+        return y
+
 
 @dataclass(frozen=True)
 class RankOptions:
@@ -66,6 +71,7 @@ class RankOptions:
     max_num_seqs: int = 64
     enable_prefix_caching: bool = True
     threads: int = 1  # torch threads per rank
+    moe_dispatch: str = "all_reduce"  # expert-parallel MoE: "all_reduce" or "all_to_all" (passes/shard.py)
     timeout_s: float = 300.0  # a collective waiting longer than this fails (a rank died)
 
 
@@ -90,7 +96,8 @@ def _rank_main(rank: int, world: int, store: str, model, options: RankOptions, i
             tok = None
             if isinstance(model, str):
                 model, tok = load_model(model, with_tokenizer=options.with_tokenizer)
-            compiled = compile_rank(model, world, rank, options.target, dtype=options.dtype, tokenizer=tok)
+            compiled = compile_rank(model, world, rank, options.target, dtype=options.dtype, tokenizer=tok,
+                                    moe_dispatch=options.moe_dispatch)
             del model  # from here the rank holds its shards only
         engine = Engine(compiled, CacheConfig(options.block_size, options.num_blocks, options.enable_prefix_caching),
                         options.max_num_tokens, options.max_num_seqs)
@@ -129,9 +136,12 @@ class ShardedEngine:
         if world < 2:
             raise DeepfuseError(f"a sharded engine needs at least 2 ranks, got {world}")
         from ..models.sharding import llama_sharding
+        from ..passes.shard import MOE_DISPATCH
         from .loader import load_rank, read_manifest, tensor_parallel_size
 
         options = options or RankOptions()
+        if options.moe_dispatch not in MOE_DISPATCH:
+            raise DeepfuseError(f"moe_dispatch must be one of {', '.join(MOE_DISPATCH)}, got {options.moe_dispatch!r}")
         if artifact is not None:
             manifest = read_manifest(artifact, artifact_digest)  # a pinned digest is checked before any process starts
             if tensor_parallel_size(artifact) != world:
@@ -139,7 +149,7 @@ class ShardedEngine:
                 raise DeepfuseError(f"artifact {artifact} has {tensor_parallel_size(artifact)} ranks, not {world}")
             options = replace(options, target=manifest["target"])  # its collectives' backend follows its target
         elif not isinstance(model, str):
-            llama_sharding(model.config, world)  # refuse a model that does not split, before starting processes
+            llama_sharding(model.config, world, options.moe_dispatch)  # refuse what does not split, before starting
         self.world, self.options = world, options
         self._dir = tempfile.TemporaryDirectory(prefix="deepfuse-tp-")
         ctx = mp.get_context("spawn")
@@ -215,7 +225,8 @@ class ShardedEngine:
 
 def engine_for_llm(model, world: int, target: str, dtype: str, block_size: int, num_blocks: int,
                    max_num_tokens: int, max_num_seqs: int, enable_prefix_caching: bool, artifact: str | None = None,
-                   artifact_digest: str | None = None, **unsupported) -> ShardedEngine:
+                   artifact_digest: str | None = None, moe_dispatch: str = "all_reduce",
+                   **unsupported) -> ShardedEngine:
     """LLM(..., tensor_parallel_size=world)'s engine: ranks that compile `model`, or load their part
     of a tensor-parallel artifact (artifact, or model naming one). unsupported: LLM settings that
     the sharded engine does not take (each must be left at its default: None, False or 0)."""
@@ -238,4 +249,5 @@ def engine_for_llm(model, world: int, target: str, dtype: str, block_size: int, 
     threads = max(1, torch.get_num_threads() // world)
     return ShardedEngine(None if artifact else model, world,
                          RankOptions(dtype, target, True, block_size, num_blocks, max_num_tokens, max_num_seqs,
-                                     enable_prefix_caching, threads), artifact=artifact, artifact_digest=artifact_digest)
+                                     enable_prefix_caching, threads, moe_dispatch=moe_dispatch),
+                         artifact=artifact, artifact_digest=artifact_digest)

@@ -34,6 +34,8 @@ class LLM:
     tensor_parallel_size: ranks (processes on this machine, gloo collectives) that each hold a shard
     of every layer (MoE experts: expert parallel), with the 1-process tokens (docs/distributed.md);
     a tensor-parallel artifact (`deepfuse compile --tp N`) runs on its N ranks without it;
+    moe_dispatch: how those ranks' expert-parallel MoE layers meet their tokens, "all_reduce" or
+    "all_to_all" (cpu; docs/distributed.md);
     cuda_graphs: decode steps as CUDA graphs of padded batch buckets (runtime/graphed_decode.py;
     None: where the model runs on a CUDA GPU; False: every step eager); overlap: launch each plain
     decode step before reading the one ahead of it (runtime/overlap.py; off by default)."""
@@ -44,7 +46,7 @@ class LLM:
                  spec: SpecConfig | None = None, batch_invariant: bool = False, kv_cache_dtype: str | None = None,
                  artifact_digest: str | None = None, swa_replay_tokens: int = 0, kv_store: str | None = None,
                  kv_store_gb: float = 4.0, tensor_parallel_size: int = 1, cuda_graphs: bool | None = None,
-                 overlap: bool = False):
+                 overlap: bool = False, moe_dispatch: str = "all_reduce"):
         from ..compiler import compile
         from .loader import load
         from .loader import tensor_parallel_size as artifact_ranks
@@ -60,9 +62,12 @@ class LLM:
                 model, tensor_parallel_size, target, dtype, block_size, num_blocks, max_num_tokens, max_num_seqs,
                 enable_prefix_caching, artifact=artifact, artifact_digest=artifact_digest, quant=quant, spec=spec,
                 batch_invariant=batch_invariant, kv_cache_dtype=kv_cache_dtype, swa_replay_tokens=swa_replay_tokens,
-                kv_store=kv_store, overlap=overlap)
+                kv_store=kv_store, overlap=overlap, moe_dispatch=moe_dispatch)
             self.tokenizer = self.engine.tokenizer
             return
+        if moe_dispatch != "all_reduce":
+            raise DeepfuseError(f"moe_dispatch={moe_dispatch!r} places expert-parallel MoE layers over ranks: give "
+                                "tensor_parallel_size > 1")
         draft = None
         compiled = isinstance(model, CompiledModel)
         from_dir = not compiled and (artifact is not None or os.path.isfile(os.path.join(model, "manifest.json")))

@@ -63,9 +63,10 @@ def test_fusions_run_after_partitioning_and_dumps_show_collectives(tiny_model, t
     assert "all_reduce(" in dumped and "all_gather(" in dumped
 
 
-def _simulated_vs_unpartitioned(model, world, steps=8):
+def _simulated_vs_unpartitioned(model, world, steps=8, moe_dispatch="all_reduce"):
     g = trace_model(model)
-    sim = SimulatedRanks([partition(g, llama_sharding(model.config, world), r) for r in range(world)])
+    spec = llama_sharding(model.config, world, moe_dispatch)
+    sim = SimulatedRanks([partition(g, spec, r) for r in range(world)])
     want, want_logits = greedy_with(lambda inputs: interpret(g, inputs), model.config, PROMPT, steps)
     got, logits = greedy_with(sim, model.config, PROMPT, steps)
     assert got == want
@@ -110,3 +111,17 @@ def test_reshard_slices_a_replicated_value_and_gathers_a_split_one():
 def test_a_model_whose_heads_do_not_split_is_refused(tiny_model):
     with pytest.raises(DeepfuseError, match="num_kv_heads = 2 cannot be split over 4 ranks"):
         llama_sharding(tiny_model.config, 4)
+
+
+@pytest.mark.parametrize("name", ["qwen3_moe", "mixtral"])
+def test_simulated_ep2_all_to_all_matches_unpartitioned(name, tmp_path):
+    from tests.models.test_moe_families import mixtral, qwen3_moe
+
+    torch.manual_seed(0)
+    {"qwen3_moe": qwen3_moe, "mixtral": mixtral}[name]().eval().save_pretrained(tmp_path)
+    model, _ = load_model(str(tmp_path), with_tokenizer=False)
+    sim = _simulated_vs_unpartitioned(model, 2, moe_dispatch="all_to_all")
+    counts = sim.graphs[0].op_counts()
+    moe_layers = sum(model.config.is_moe_layer(i) for i in range(model.config.num_layers))
+    assert "moe_experts" not in counts and counts["moe_dispatch"] == moe_layers
+    assert counts["all_to_all"] == 4 * moe_layers

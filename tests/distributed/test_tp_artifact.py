@@ -99,6 +99,36 @@ def test_compile_tp_refuses_what_ranks_do_not_take(tiny_dir, tmp_path, capsys):
     assert "--tp does not take --quant" in capsys.readouterr().err
     assert main(["compile", "--model", tiny_dir, "--tp", "4", "-o", str(tmp_path / "y")]) == 2
     assert "cannot be split over 4 ranks" in capsys.readouterr().err and not os.path.exists(tmp_path / "y")
+    assert main(["compile", "--model", tiny_dir, "--moe-dispatch", "all_to_all", "-o", str(tmp_path / "z")]) == 2
+    assert "give --tp N" in capsys.readouterr().err
+    assert main(["compile", "--model", tiny_dir, "--tp", "2", "--target", "sm90", "--moe-dispatch", "all_to_all",
+                 "-o", str(tmp_path / "w")]) == 0  # a dense model has no MoE to dispatch
+
+
+def test_an_all_to_all_artifact_dispatches_by_all_to_all_with_the_one_process_tokens(tmp_path, capsys):
+    import torch
+
+    from tests.models.test_moe_families import mixtral
+
+    torch.manual_seed(0)
+    mixtral().eval().save_pretrained(tmp_path / "m")
+    out = str(tmp_path / "art")
+    assert main(["compile", "--model", str(tmp_path / "m"), "--tp", "2", "--moe-dispatch", "all_to_all", "-o", out]) == 0
+    model, _ = load_model(str(tmp_path / "m"), with_tokenizer=False)
+    rank1 = load_rank(out, 1)
+    assert rank1.plan["ep_rows"] == [2, 1]
+    assert rank1.graph.op_counts()["all_to_all"] == 4 * model.config.num_layers
+    assert main(["compile", "--model", str(tmp_path / "m"), "--tp", "2", "--target", "sm90", "--moe-dispatch",
+                 "all_to_all", "-o", str(tmp_path / "gpu")]) == 2
+    assert "runs on the cpu target" in capsys.readouterr().err
+    want = Engine(deepfuse.compile(model), CacheConfig(4, 128), 32, 4).generate(PROMPTS, PARAMS)
+    eng = ShardedEngine(None, 2, OPTIONS, artifact=out)
+    try:
+        got = eng.generate(PROMPTS, PARAMS)
+    finally:
+        eng.close()
+    for w, g in zip(want, got):
+        assert g.error is None and g.outputs[0].token_ids == w.outputs[0].token_ids
 
 
 @pytest.mark.slow

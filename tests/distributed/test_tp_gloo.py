@@ -21,12 +21,12 @@ def _one_process(path: str) -> Engine:
     return Engine(deepfuse.compile(model), CacheConfig(4, 128), 32, 4)
 
 
-def _check_same(path: str) -> None:
+def _check_same(path: str, options: RankOptions = OPTIONS) -> None:
     params = [SamplingParams(temperature=0, max_tokens=12, logprobs=3, ignore_eos=True)] * len(PROMPTS) + \
              [SamplingParams(temperature=0.8, top_p=0.9, max_tokens=6, seed=7)]
     prompts = PROMPTS + [[11, 12, 13]]
     want = _one_process(path).generate(prompts, params)
-    eng = ShardedEngine(path, 2, OPTIONS)
+    eng = ShardedEngine(path, 2, options)
     try:
         got = eng.generate(prompts, params)
     finally:
@@ -82,6 +82,10 @@ def test_llm_refuses_settings_the_sharded_engine_does_not_take():
 
     with pytest.raises(deepfuse.errors.DeepfuseError, match="does not support kv_cache_dtype, quant yet"):
         LLM("smollm2", tensor_parallel_size=2, quant="int4", kv_cache_dtype="int8")
+    with pytest.raises(deepfuse.errors.DeepfuseError, match="give tensor_parallel_size > 1"):
+        LLM("smollm2", moe_dispatch="all_to_all")
+    with pytest.raises(deepfuse.errors.DeepfuseError, match="moe_dispatch must be one of"):
+        LLM("smollm2", tensor_parallel_size=2, moe_dispatch="a2a")
 
 
 def test_tp2_on_sm90_in_the_interpreter_same_tokens_as_one_cpu_process(tiny_dir):
@@ -103,3 +107,11 @@ def test_tensor_parallel_refuses_an_unknown_target_before_starting_ranks(tiny_di
 
     with pytest.raises(deepfuse.errors.DeepfuseError, match="unknown target 'tpu9'"):
         LLM(tiny_dir, target="tpu9", tensor_parallel_size=2)
+
+
+def test_ep2_all_to_all_tiny_moe_same_tokens_as_one_process(tmp_path):
+    from tests.models.test_moe_families import mixtral
+
+    torch.manual_seed(0)
+    mixtral().eval().save_pretrained(tmp_path)
+    _check_same(str(tmp_path), dataclasses.replace(OPTIONS, moe_dispatch="all_to_all"))

@@ -91,3 +91,45 @@ def test_ep_rows_split_the_step_into_contiguous_rows():
 def test_an_unknown_dispatch_is_refused():
     with pytest.raises(DeepfuseError, match="moe_dispatch must be one of all_reduce, all_to_all"):
         ShardingSpec(2, moe_dispatch="alltoall")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_kernel_of_the_local_experts_matches_the_reference(dtype):
+    """The CPU target's grouped-GEMM moe_local_experts against the op's reference (one expert at
+    a time), with padding rows and choices on other ranks (-1) among the received rows."""
+    from deepfuse.codegen.cpu.kernels import PREPACKED
+    from deepfuse.ir.opdefs_ep import moe_local_experts
+
+    torch.manual_seed(5)
+    world, tr, k, el = 2, 5, 3, 4
+    x = torch.randn(world, tr, D).to(dtype)
+    ids = torch.randint(-1, el, (world, tr, k))
+    ids[1, 3:] = -1  # padding rows
+    weights = torch.rand(world, tr, k)  # nonzero where ids are -1 too: those must be skipped
+    w13, w2 = (torch.randn(el, 2 * INTER, D) / 4).to(dtype), (torch.randn(el, D, INTER) / 4).to(dtype)
+    pre = PREPACKED["moe_local_experts"]
+    got = pre.make({})(x, weights, ids, pre.pack(dtype, w13, w2))
+    want = moe_local_experts(x, weights, ids, w13, w2)
+    tol = 1e-5 if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(got, want, rtol=tol, atol=tol)
+    assert not got[1, 3:].any()
+
+
+@pytest.mark.parametrize("kind", ["mixtral", "deepseek"])
+def test_cpu_kernel_of_a_ranks_experts_matches_the_reference(kind):
+    """moe_experts (the all_reduce form) on the CPU target: grouped GEMMs over the rank's
+    experts against the op's reference, for the second rank's half of the experts."""
+    from deepfuse.codegen.cpu.kernels import PREPACKED
+    from deepfuse.ir.opdefs_shard import moe_experts
+
+    torch.manual_seed(6)
+    routing = dict(ROUTINGS[kind])
+    x, logits = torch.randn(9, D), torch.randn(9, E)
+    bias = [torch.randn(E) / 10] if kind == "deepseek" else []
+    w13, w2 = torch.randn(E // 2, 2 * INTER, D) / 4, torch.randn(E // 2, D, INTER) / 4
+    attrs = {**routing, "first_expert": E // 2}
+    pre = PREPACKED["moe_experts"]
+    got = pre.make(attrs)(x, logits, pre.pack(torch.float32, w13, w2), *bias)
+    want = moe_experts(x, logits, w13, w2, *bias, **attrs)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert want.abs().sum() > 0

@@ -17,10 +17,10 @@ import torch.nn.functional as F
 from ...ir import OPS
 from ...ir.opdefs_fused import is_q4a8, split_extra
 from ...ir.opdefs_llm import rope_cos_sin, write_kv
-from ...ir.opdefs_moe import route, routing_attrs
 from ...ir.opdefs_quant import dequantize_q4, unpack_q4
 from .bound import Bound
 from .generated_build import make_generated
+from .moe_kernels import ExpertWeights, MoeWeights, make_fused_moe, make_moe_experts, moe_local_experts
 from .native import kernels as native_kernels
 from .program import NativeGuard, native_op
 from .q4a8_kernels import Q4A8Weights, q4a8_linear, q4a8_norm_linear, q4a8_swiglu_linear
@@ -181,35 +181,6 @@ def q4_linear(x: torch.Tensor, w: Q4Weights, out: torch.Tensor | None = None) ->
     else:
         y = packed_linear(x, w.dense)
     return y if out is None else out.copy_(y)
-
-
-class MoeWeights:
-    """fused_moe weights packed at load: router [E,D], and the experts transposed for
-    torch._grouped_mm: w13t [E,D,2I], w2t [E,I,D]."""
-
-    def __init__(self, dtype: torch.dtype, router: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor):
-        self.router = router
-        self.w13t = w13.transpose(1, 2).contiguous()
-        self.w2t = w2.transpose(1, 2).contiguous()
-
-
-def make_fused_moe(attrs: dict) -> Kernel:
-    top_k, renorm, routing = attrs["top_k"], attrs["renormalize"], routing_attrs(attrs)
-
-    def fused_moe(x: torch.Tensor, w: MoeWeights, score_bias: torch.Tensor | None = None) -> torch.Tensor:
-        """Tokens sorted by expert, two grouped GEMMs, one weighted scatter-add: x[T,D] -> [T,D]."""
-        weights, ids = route(F.linear(x, w.router), top_k, renorm, score_bias, **routing)
-        flat = ids.flatten()
-        order = torch.argsort(flat, stable=True)
-        rows = order // ids.shape[1]  # the token of each sorted (token, expert) pair; shared experts included
-        offs = torch.bincount(flat, minlength=w.w13t.shape[0]).cumsum(0).to(torch.int32)
-        h = torch._grouped_mm(x.index_select(0, rows), w.w13t, offs=offs)
-        gate, up = h.chunk(2, dim=-1)
-        y = torch._grouped_mm(F.silu(gate).mul_(up), w.w2t, offs=offs)
-        y = y * weights.flatten()[order].to(x.dtype)[:, None]
-        return torch.zeros_like(x).index_add_(0, rows, y)
-
-    return fused_moe
 
 
 @dataclass(frozen=True)
@@ -507,6 +478,8 @@ PREPACKED = {
     "linear": Prepack((1,), _DENSE, lambda attrs: packed_linear, ALL),
     "logits": Prepack((1,), _DENSE, lambda attrs: packed_logits, ALL),
     "fused_moe": Prepack((1, 2, 3), MoeWeights, make_fused_moe, ALL),
+    "moe_experts": Prepack((2, 3), ExpertWeights, make_moe_experts, ALL),
+    "moe_local_experts": Prepack((3, 4), ExpertWeights, lambda attrs: moe_local_experts, ALL),
     "swiglu_linear": Prepack((1,), _DENSE, lambda attrs: packed_swiglu_linear, ALL),
     "rms_norm_linear": Prepack((2,), _DENSE, _PACKED_NORM_LINEAR["rms_norm_linear"], ALL),
     "add_rms_norm_linear": Prepack((3,), _DENSE, _PACKED_NORM_LINEAR["add_rms_norm_linear"], ALL),

@@ -1,9 +1,10 @@
 """Expert-parallel MoE over 2 gloo ranks, dispatched two ways, against one process and HF.
 
-  ep2-all_reduce   every rank runs its experts (moe_experts, the dense decomposition) on every
-                   token; the partial sums are all-reduced
+  ep2-all_reduce   every rank routes every token and runs its experts on the tokens that chose
+                   them (moe_experts, grouped GEMMs); the partial sums are all-reduced
   ep2-all_to_all   each rank routes its own rows of the step and sends them to their experts'
-                   ranks and back (ir/opdefs_ep.py); the rows are all-gathered
+                   ranks and back (ir/opdefs_ep.py; moe_local_experts in grouped GEMMs, the
+                   dispatch and combine as torch host steps); the rows are all-gathered
   one-process      Engine over deepfuse.compile of the same model (its fused_moe kernel)
   hf               transformers' batched generate on the same weights (the peer)
 
@@ -94,10 +95,10 @@ def main() -> None:
             out = hf.generate(torch.tensor(ps), max_new_tokens=a.tokens, min_new_tokens=a.tokens, do_sample=False,
                               attention_mask=torch.ones(len(ps), len(ps[0]), dtype=torch.long), pad_token_id=0)
 
-        class O:  # RequestOutput's fields timed() reads
+        class Out:  # RequestOutput's fields timed() reads
             def __init__(self, ids):
                 self.error, self.outputs = None, [type("C", (), {"token_ids": ids})()]
-        return [O(row[len(ps[0]):].tolist()) for row in out]
+        return [Out(row[len(ps[0]):].tolist()) for row in out]
 
     engines = {"ep2-all_reduce": ranks["all_reduce"].generate, "ep2-all_to_all": ranks["all_to_all"].generate,
                "one-process": one.generate, "hf": hf_generate}

@@ -54,11 +54,11 @@ def _llm_kwargs(args: argparse.Namespace, **engine) -> dict:
     tp = getattr(args, "tp", 1)
     if tp < 1:
         raise DeepfuseError(f"--tp must be >= 1, got {tp}")
+    if getattr(args, "moe_dispatch", "all_reduce") != "all_reduce":
+        engine["moe_dispatch"] = args.moe_dispatch
     if args.artifact:
         return dict(artifact=args.artifact, spec=spec, batch_invariant=args.batch_invariant,
                     artifact_digest=args.artifact_digest, tensor_parallel_size=tp, **engine)
-    if getattr(args, "moe_dispatch", "all_reduce") != "all_reduce":
-        engine["moe_dispatch"] = args.moe_dispatch
     return dict(model=args.model, dtype=args.dtype, quant=args.quant, spec=spec, batch_invariant=args.batch_invariant,
                 kv_cache_dtype=args.kv_cache_dtype, tensor_parallel_size=tp, **engine)
 

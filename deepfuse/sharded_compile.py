@@ -25,22 +25,23 @@ from .runtime.tokenizer import Tokenizer
 
 def compile_rank(model, world: int, rank: int, target: str = "cpu", dtype: str = "f32", tokenizer: Tokenizer | None = None,
                  dump_dir: str | None = None, spec: ShardingSpec | None = None,
-                 moe_dispatch: str = "all_reduce") -> CompiledModel:
+                 moe_dispatch: str | None = None) -> CompiledModel:
     """model: a Llama-family model (all its weights; the result keeps only rank `rank`'s shards).
-    spec: the shardings (default: llama_sharding(model.config, world, moe_dispatch)). A rank graph
+    spec: the shardings (default: llama_sharding(model.config, world, moe_dispatch)); moe_dispatch:
+    "all_reduce" or "all_to_all" (None: the spec's, else "all_reduce"). A rank graph
     that takes `ep_rows` (MoE by all_to_all) gets it from the compiled model, which knows its
     rank (plan["ep_rows"] = [world, rank])."""
     tgt = get_target(target)  # every target runs the collectives (cpu, sm90, sm100: gloo / NCCL; ascend950: HCCL)
-    spec = spec or llama_sharding(model.config, world, moe_dispatch)
+    spec = spec or llama_sharding(model.config, world, moe_dispatch or "all_reduce")
     if spec.world != world:
         raise DeepfuseError(f"the sharding spec is for {spec.world} ranks, not {world}")
+    if moe_dispatch not in (None, spec.moe_dispatch):
+        raise DeepfuseError(f"the sharding spec dispatches MoE by {spec.moe_dispatch}, moe_dispatch says {moe_dispatch}")
+    check_dispatch_target(model.config, target, spec.moe_dispatch)
     graph = trace_model(model, dtype)
     graph, reports = PassManager([shard_pass(spec, rank), *tgt.pipeline()]).run(graph, dump_dir)
     plan = tgt.lower(graph)
     if any(v.name == "ep_rows" for v in graph.inputs):
-        if target != "cpu":
-            raise DeepfuseError(f"moe_dispatch='all_to_all' runs on the cpu target; {target} dispatches expert-"
-                                "parallel MoE by all_reduce (moe_dispatch='all_reduce')")
         plan["ep_rows"] = [world, rank]
     files = tgt.binaries(plan)
     c = model.config
@@ -48,6 +49,13 @@ def compile_rank(model, world: int, rank: int, target: str = "cpu", dtype: str =
     local = dataclasses.replace(c, num_heads=kv_heads * (c.num_heads // c.num_kv_heads), num_kv_heads=kv_heads)
     return CompiledModel(graph, plan, target, dtype, local, tokenizer, tgt.make_runner(plan, graph.weights, files),
                          [vars(r) for r in reports], None, files)
+
+
+def check_dispatch_target(config, target: str, moe_dispatch: str) -> None:
+    """Refuses the all_to_all MoE form on a target without its kernels (before any compiling)."""
+    if moe_dispatch == "all_to_all" and target != "cpu" and getattr(config, "num_experts", 0):
+        raise DeepfuseError(f"moe_dispatch='all_to_all' runs on the cpu target; {target} dispatches expert-"
+                            "parallel MoE by all_reduce (moe_dispatch='all_reduce')")
 
 
 def save_sharded(ranks: list[CompiledModel], directory: str) -> str:
@@ -79,6 +87,7 @@ def compile_sharded(model, world: int, directory: str, target: str = "cpu", dtyp
     """Compiles every rank of `model` (one after another, in this process) and writes them as one
     tensor-parallel artifact (save_sharded). The tokenizer goes with rank 0."""
     llama_sharding(model.config, world, moe_dispatch)  # refuse a model that does not split before compiling
+    check_dispatch_target(model.config, target, moe_dispatch)
     return save_sharded([compile_rank(model, world, r, target, dtype, tokenizer if r == 0 else None,
                                       moe_dispatch=moe_dispatch)
                          for r in range(world)], directory)

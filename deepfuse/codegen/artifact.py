@@ -56,6 +56,7 @@ class CompiledModel:
     passes: list[dict] = field(default_factory=list)  # [{name, id, seconds, nodes_before, nodes_after}]
     quant: str | None = None
     files: dict[str, bytes] = field(default_factory=dict)  # target binaries, relative path -> bytes
+    _ep_rows: dict = field(default_factory=dict, init=False, repr=False, compare=False)  # by T (with_ep_rows)
 
     @property
     def batch_invariant(self) -> bool:
@@ -80,7 +81,7 @@ class CompiledModel:
 
     def __call__(self, inputs: dict) -> list:
         if "ep_rows" in self.plan:  # a rank whose MoE takes its own token rows (ir/opdefs_ep.py)
-            inputs = with_ep_rows(inputs, *self.plan["ep_rows"])
+            inputs = with_ep_rows(inputs, *self.plan["ep_rows"], self._ep_rows)
         return self.runner(inputs)
 
     def save(self, directory: str) -> str:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import torch
 
+from ..errors import DeepfuseError
 from .opdefs_moe import _check_routing, experts_reference, route
 from .ops import expect, register
 from .types import TensorType
@@ -33,10 +34,21 @@ def ep_rows(tokens: int, world: int, rank: int) -> torch.Tensor:
     return torch.where(rows < tokens, rows, -1)
 
 
-def with_ep_rows(inputs: dict[str, torch.Tensor], world: int, rank: int) -> dict[str, torch.Tensor]:
-    """A step's inputs plus rank `rank`'s `ep_rows` (for its T = len(inputs["tokens"]))."""
+def with_ep_rows(inputs: dict[str, torch.Tensor], world: int, rank: int,
+                 made: dict[int, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+    """A step's inputs plus rank `rank`'s `ep_rows` (for its T = len(inputs["tokens"])). made:
+    the tensors made so far, by T, reused (the CPU step binds its inputs by address: codegen/cpu/bound.py)."""
+    if "tokens" not in inputs:
+        raise DeepfuseError("a rank whose MoE dispatches by all_to_all sizes its token rows by the step's "
+                            "'tokens' input, which is missing")
     tokens = inputs["tokens"]
-    return {**inputs, "ep_rows": ep_rows(tokens.shape[0], world, rank).to(tokens.device)}
+    t = tokens.shape[0]
+    rows = made.get(t) if made is not None else None
+    if rows is None or rows.device != tokens.device:
+        rows = ep_rows(t, world, rank).to(tokens.device)
+        if made is not None:
+            made[t] = rows
+    return {**inputs, "ep_rows": rows}
 
 
 def _gather_rows_type(types: list[TensorType], attrs: dict) -> list[TensorType]:
@@ -51,13 +63,14 @@ def gather_rows(x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     """x[T,...], rows[Tr] -> [Tr,...]: x[rows[i]], zeros where rows[i] < 0."""
     inside = rows >= 0
     out = x.index_select(0, torch.where(inside, rows, 0))
-    return out * inside.view(-1, *[1] * (x.dim() - 1)).to(out.dtype)
+    return torch.where(inside.view(-1, *[1] * (x.dim() - 1)), out, 0)
 
 
 def _dispatch_type(types: list[TensorType], attrs: dict) -> list[TensorType]:
     x, logits, rows, *bias = types
     w, e, k = attrs["world"], logits.shape[-1], attrs["top_k"]
-    expect(x.rank == 2 and logits.rank == 2 and rows.rank == 1 and rows.dtype == "i64",
+    expect(x.rank == 2 and logits.rank == 2 and rows.rank == 1 and rows.dtype == "i64"
+           and x.shape[0] == logits.shape[0] == rows.shape[0],
            f"moe_dispatch wants x[Tr,D], router_logits[Tr,E], i64 rows[Tr]; got {x}, {logits}, {rows}")
     expect(isinstance(e, int) and e % w == 0, f"moe_dispatch: {e} experts do not split over {w} ranks")
     expect(0 < k <= e and attrs.get("num_shared", 0) == 0, f"moe_dispatch: top_k {k} in [1, {e}], no shared experts")
@@ -78,9 +91,9 @@ def moe_dispatch(x, router_logits, rows, score_bias=None, *, world: int, top_k: 
     weights, ids = route(router_logits, top_k, renormalize, score_bias, **routing)
     per = router_logits.shape[-1] // world
     send = x.new_zeros(world, tr, d)
-    w_out = torch.zeros(world, tr, top_k, dtype=torch.float32)
-    id_out = torch.full((world, tr, top_k), -1, dtype=torch.int64)
-    slots = torch.full((world, tr), -1, dtype=torch.int64)
+    w_out = torch.zeros(world, tr, top_k, dtype=torch.float32, device=x.device)
+    id_out = torch.full((world, tr, top_k), -1, dtype=torch.int64, device=x.device)
+    slots = torch.full((world, tr), -1, dtype=torch.int64, device=x.device)
     for j in range(world):
         here = ids // per == j
         tok = torch.nonzero(here.any(1) & (rows >= 0)).flatten()
@@ -122,7 +135,8 @@ def _combine_type(types: list[TensorType], attrs: dict) -> list[TensorType]:
 @register("moe_combine", _combine_type)
 def moe_combine(parts, slots):
     """parts[j]: rank j's results for the rows this rank sent it, slots[j] their own rows (-1:
-    none) -> [1,Tr,D]: each own row's sum over the ranks, added in rank order."""
+    none) -> [1,Tr,D]: each own row's sum over the ranks, added in rank order. The leading 1 is
+    this rank's block of the all_gather(dim=0) that follows ([W,Tr,D])."""
     out = parts.new_zeros(parts.shape[1:])
     for j in range(parts.shape[0]):
         keep = slots[j] >= 0
@@ -134,7 +148,7 @@ def _rows_to_tokens_type(types: list[TensorType], attrs: dict) -> list[TensorTyp
     y, like = types
     expect(y.rank == 3 and like.rank == 2 and y.shape[2] == like.shape[1],
            f"rows_to_tokens wants y[W,Tr,D] and a [T,D] to size it by; got {y}, {like}")
-    return [like.with_shape(like.shape[0], y.shape[2])]
+    return [y.with_shape(like.shape[0], y.shape[2])]
 
 
 @register("rows_to_tokens", _rows_to_tokens_type)

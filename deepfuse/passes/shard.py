@@ -160,7 +160,8 @@ def _moe_all_to_all(part: _Partitioner, args: list[Value], attrs: dict) -> list[
     scores = part.emit("gather_rows", [logits, rows], {})[0]
     send, weights, ids, slots = part.emit("moe_dispatch", [mine, scores, rows, *bias], {**attrs, "world": world})
     sent = [part.emit("all_to_all", [v], {"world": world})[0] for v in (send, weights, ids)]
-    back = part.emit("all_to_all", [part.emit("moe_local_experts", [*sent, w13, w2], {})[0]], {"world": world})[0]
+    done = part.emit("moe_local_experts", [*sent, w13, w2], {})[0]
+    back = part.emit("all_to_all", [done], {"world": world})[0]
     own = part.emit("moe_combine", [back, slots], {})[0]
     every = part.emit("all_gather", [own], {"dim": 0, "world": world})[0]
     return part.emit("rows_to_tokens", [every, x], {})

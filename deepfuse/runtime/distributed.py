@@ -99,6 +99,9 @@ def _rank_main(rank: int, world: int, store: str, model, options: RankOptions, i
             compiled = compile_rank(model, world, rank, options.target, dtype=options.dtype, tokenizer=tok,
                                     moe_dispatch=options.moe_dispatch)
             del model  # from here the rank holds its shards only
+        if compiled.plan.get("ep_rows", [world, rank]) != [world, rank]:
+            raise DeepfuseError(f"rank {rank} of {world} loaded the plan of rank {compiled.plan['ep_rows'][1]} of "
+                                f"{compiled.plan['ep_rows'][0]}")
         engine = Engine(compiled, CacheConfig(options.block_size, options.num_blocks, options.enable_prefix_caching),
                         options.max_num_tokens, options.max_num_seqs)
         outbox.put(("ready", rank, tok if rank == 0 else None))
@@ -147,6 +150,9 @@ class ShardedEngine:
             if tensor_parallel_size(artifact) != world:
                 load_rank(artifact, 0, artifact_digest)  # a clear error where it is no tensor-parallel artifact
                 raise DeepfuseError(f"artifact {artifact} has {tensor_parallel_size(artifact)} ranks, not {world}")
+            if options.moe_dispatch != "all_reduce":
+                raise DeepfuseError("a tensor-parallel artifact fixes its MoE dispatch when compiled: recompile it "
+                                    f"with --moe-dispatch {options.moe_dispatch} instead of asking for it here")
             options = replace(options, target=manifest["target"])  # its collectives' backend follows its target
         elif not isinstance(model, str):
             llama_sharding(model.config, world, options.moe_dispatch)  # refuse what does not split, before starting

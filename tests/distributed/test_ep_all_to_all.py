@@ -7,8 +7,8 @@ import torch
 
 from deepfuse.errors import DeepfuseError
 from deepfuse.frontend import Spec, ops, trace
-from deepfuse.ir import interpret, parse_graph, print_graph, verify
-from deepfuse.ir.opdefs_ep import ep_rows, moe_dispatch
+from deepfuse.ir import DTYPES, interpret, parse_graph, print_graph, verify
+from deepfuse.ir.opdefs_ep import ep_rows, moe_dispatch, with_ep_rows
 from deepfuse.ir.opdefs_moe import route
 from deepfuse.ir.spmd import interpret_ranks
 from deepfuse.passes.shard import R, S, ShardingSpec, partition
@@ -20,14 +20,15 @@ ROUTINGS = {
 }
 
 
-def _moe_graph(routing: dict, with_bias: bool):
+def _moe_graph(routing: dict, with_bias: bool, dtype: str = "f32"):
     torch.manual_seed(1)
     w = {"router": torch.randn(E, D), "w13": torch.randn(E, 2 * INTER, D) / 4, "w2": torch.randn(E, D, INTER) / 4}
+    w = {k: v.to(DTYPES[dtype]) for k, v in w.items()}
     if with_bias:
         w["bias"] = torch.randn(E) / 10
     bias = [w["bias"]] if with_bias else []
     return trace(lambda x: ops.moe(x, ops.linear(x, w["router"]), w["w13"], w["w2"], *bias, **routing),
-                 Spec("x", "f32", ("T", D)), weights=w, name="moe")
+                 Spec("x", dtype, ("T", D)), weights=w, name="moe")
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -44,6 +45,22 @@ def test_ranks_together_equal_the_unpartitioned_moe(world, tokens, kind):
     want = interpret(g, {"x": x})[0]
     for out in outs:  # every rank ends with all tokens' result
         torch.testing.assert_close(out[0], want, rtol=1e-5, atol=1e-5)
+
+
+def test_bf16_ranks_together_equal_the_unpartitioned_moe():
+    g = _moe_graph(ROUTINGS["mixtral"], False, "bf16")
+    spec = ShardingSpec(2, params={"w13": S(0), "w2": S(0)}, moe_dispatch="all_to_all")
+    x = torch.randn(11, D).bfloat16()
+    outs = interpret_ranks([partition(g, spec, r) for r in range(2)],
+                           [{"x": x, "ep_rows": ep_rows(11, 2, r)} for r in range(2)])
+    want = interpret(g, {"x": x})[0]
+    assert outs[0][0].dtype == torch.bfloat16
+    torch.testing.assert_close(outs[0][0], want, rtol=2e-2, atol=2e-2)
+
+
+def test_a_step_without_tokens_is_refused_by_name():
+    with pytest.raises(DeepfuseError, match="'tokens' input, which is missing"):
+        with_ep_rows({"positions": torch.zeros(3)}, 2, 0)
 
 
 def test_golden_rank_graph():

@@ -118,6 +118,13 @@ def test_an_all_to_all_artifact_dispatches_by_all_to_all_with_the_one_process_to
     rank1 = load_rank(out, 1)
     assert rank1.plan["ep_rows"] == [2, 1]
     assert rank1.graph.op_counts()["all_to_all"] == 4 * model.config.num_layers
+    # the experts run the target's grouped GEMMs, not their references (host steps), in both forms
+    from deepfuse.sharded_compile import compile_rank
+
+    reduce_rank = compile_rank(model, 2, 0)
+    assert reduce_rank.graph.op_counts()["moe_experts"] == model.config.num_layers
+    for r in (rank1, reduce_rank):
+        assert not {s["op"] for s in r.plan["host_steps"]} & {"moe_experts", "moe_local_experts"}
     assert main(["compile", "--model", str(tmp_path / "m"), "--tp", "2", "--target", "sm90", "--moe-dispatch",
                  "all_to_all", "-o", str(tmp_path / "gpu")]) == 2
     assert "runs on the cpu target" in capsys.readouterr().err

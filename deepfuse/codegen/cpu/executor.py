@@ -51,7 +51,7 @@ def check_batch_invariant(plan: dict, prepack: bool) -> None:
         why = "f16 projections run on oneDNN, whose kernels change with the row count"
     elif "bf16" in dtypes and not native.bf16_gemm_available():
         why = "bf16 projections need AMX or AVX512-BF16 for one kernel at every row count, and this CPU has neither"
-    elif any(p["op"] in ("fused_moe", "moe") for p in plan["launches"]):
+    elif any(p["op"] in ("fused_moe", "moe", "moe_experts", "moe_local_experts") for p in plan["launches"]):
         why = "MoE layers group tokens by expert, so an expert's GEMM shape depends on the batch"
     elif any(p["op"] in INVARIANT_AWARE and p["attrs"].get("sinks") for p in plan["launches"]):
         why = "attention with sink logits has no native paged kernel"

@@ -22,6 +22,18 @@ PARAMS = [SamplingParams(temperature=0, max_tokens=10, logprobs=2, ignore_eos=Tr
 OPTIONS = RankOptions(with_tokenizer=False, block_size=4, num_blocks=128, max_num_tokens=32, max_num_seqs=4)
 
 
+def _same_tokens_from_ranks(want, artifact: str, digest: str | None = None):
+    """The artifact's ranks' outputs of PROMPTS, asserted to have the tokens of `want`."""
+    eng = ShardedEngine(None, 2, OPTIONS, artifact=artifact, artifact_digest=digest)
+    try:
+        got = eng.generate(PROMPTS, PARAMS)
+    finally:
+        eng.close()
+    for w, g in zip(want, got):
+        assert g.error is None and g.outputs[0].token_ids == w.outputs[0].token_ids
+    return got
+
+
 @pytest.fixture(scope="module")
 def tp_artifact(tiny_dir, tmp_path_factory):
     out = str(tmp_path_factory.mktemp("tp") / "art")
@@ -38,13 +50,7 @@ def test_ranks_load_the_artifact_and_give_the_one_process_tokens(tiny_dir, tp_ar
     full = {k: v.shape for k, v in deepfuse.compile(model).graph.weights.items()}
     assert rank0.config.num_kv_heads * 2 == model.config.num_kv_heads
     assert any(v.shape[0] * 2 == full[k][0] for k, v in rank0.graph.weights.items() if k in full and v.dim() == 2)
-    eng = ShardedEngine(None, 2, OPTIONS, artifact=tp_artifact, artifact_digest=artifact_digest(tp_artifact))
-    try:
-        got = eng.generate(PROMPTS, PARAMS)
-    finally:
-        eng.close()
-    for w, g in zip(want, got):
-        assert g.error is None and g.outputs[0].token_ids == w.outputs[0].token_ids
+    got = _same_tokens_from_ranks(want, tp_artifact, artifact_digest(tp_artifact))
     for lw, lg in zip(want[0].outputs[0].logprobs, got[0].outputs[0].logprobs):
         assert lw.keys() == lg.keys() and max(abs(lw[t].logprob - lg[t].logprob) for t in lw) <= 1e-5
 
@@ -129,13 +135,7 @@ def test_an_all_to_all_artifact_dispatches_by_all_to_all_with_the_one_process_to
                  "all_to_all", "-o", str(tmp_path / "gpu")]) == 2
     assert "runs on the cpu target" in capsys.readouterr().err
     want = Engine(deepfuse.compile(model), CacheConfig(4, 128), 32, 4).generate(PROMPTS, PARAMS)
-    eng = ShardedEngine(None, 2, OPTIONS, artifact=out)
-    try:
-        got = eng.generate(PROMPTS, PARAMS)
-    finally:
-        eng.close()
-    for w, g in zip(want, got):
-        assert g.error is None and g.outputs[0].token_ids == w.outputs[0].token_ids
+    _same_tokens_from_ranks(want, out)
 
 
 @pytest.mark.slow

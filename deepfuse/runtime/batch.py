@@ -58,9 +58,12 @@ class StepBuffers:
     """Preallocated step inputs for up to max_tokens tokens, max_seqs sequences and
     max_blocks blocks per sequence; fill() writes one step and returns views. arrays: buffers to
     write some inputs into instead of new ones (graphed_decode.py's staging views), of these shapes
-    and dtypes."""
+    and dtypes. incremental: a decode step after one of the same sequences writes only what moves
+    (tokens, positions, slots, seq_lens, seeds), for an owner that writes nothing else into the
+    buffers between fills."""
 
-    def __init__(self, max_tokens: int, max_seqs: int, max_blocks: int, arrays: dict[str, np.ndarray] | None = None):
+    def __init__(self, max_tokens: int, max_seqs: int, max_blocks: int, arrays: dict[str, np.ndarray] | None = None,
+                 incremental: bool = False):
         self.max_tokens, self.max_seqs, self.max_blocks = max_tokens, max_seqs, max_blocks
         i64 = lambda *shape: np.zeros(shape, dtype=np.int64)
         self.np = {"tokens": i64(max_tokens), "positions": i64(max_tokens), "slot_mapping": i64(max_tokens),
@@ -75,10 +78,18 @@ class StepBuffers:
                 raise ValueError(f"{k}: {a.dtype}{list(a.shape)} given, {self.np[k].dtype}{list(self.np[k].shape)} needed")
             self.np[k] = a
         self.torch = {k: torch.from_numpy(v) for k, v in self.np.items()}
+        # the last fill's decode step: (cache id, per chunk (blocks, start, temperature, top_k,
+        # top_p, seed), seeds uint64[S], table width); None when it was no plain decode step
+        self._decode: tuple | None = None
+        self.incremental = incremental
 
     def fill(self, chunks: list[SeqChunk], cache: KVCache) -> dict[str, torch.Tensor]:
         """Writes the step's chunks (whole-step numpy operations, no per-chunk ones: a decode
-        step of 64 sequences took ~0.7 ms chunk by chunk) and returns the inputs as views."""
+        step of 64 sequences took ~0.7 ms chunk by chunk) and returns the inputs as views. A
+        decode step that follows one of the same sequences writes only what moved (_next_decode)."""
+        if self._next_decode(chunks, cache):
+            return self._views(len(chunks), len(chunks), len(chunks), self._decode[3], cache)
+        self._decode = None  # until this fill has written its whole step
         b, bs, s = self.np, cache.block_size, len(chunks)
         lens, widths, ks, starts, top_k = np.array(
             [(len(c.tokens), len(c.blocks), c.samples, c.start, c.top_k) for c in chunks], dtype=np.int64).reshape(s, 5).T
@@ -128,6 +139,40 @@ class StepBuffers:
         # each row but its chunk's last verifies the draft the next row was fed (chunks that verify)
         verify = np.array([c.verify for c in chunks], dtype=bool)
         b["draft_tokens"][:r] = np.where((j < ks[sseq] - 1) & verify[sseq], tokens[np.minimum(rows + 1, t - 1)], -1)
+        if self.incremental and t == s == r and len(cache.groups) == 1 and not replay_end.any():  # decode
+            self._decode = (id(cache), [(list(c.blocks), c.start, c.temperature, c.top_k, c.top_p, c.seed)
+                                        for c in chunks], seeds, width)
+        return self._views(t, s, r, width, cache)
+
+    def _next_decode(self, chunks: list[SeqChunk], cache: KVCache) -> bool:
+        """Writes a decode step whose chunks are those of the last fill, each one position on
+        (same blocks, sampling and seed, one token, one sample): tokens, positions, slots,
+        seq_lens and seeds; every other input stays as the last fill wrote it. False (nothing
+        written) for any other step."""
+        last = self._decode
+        if last is None or last[0] != id(cache) or len(chunks) != len(last[1]):
+            return False
+        bs = cache.block_size
+        for c, (blocks, start, temperature, top_k, top_p, seed) in zip(chunks, last[1]):
+            if (len(c.tokens) != 1 or c.samples != 1 or c.replay_end or c.start != start + 1
+                    or c.start // bs >= len(blocks) or c.temperature != temperature or c.top_k != top_k
+                    or c.top_p != top_p or c.seed != seed or c.blocks != blocks):
+                return False
+        self._decode = None  # until the step is written (an interrupted one leaves the next a whole fill)
+        b, s = self.np, len(chunks)
+        pos = np.fromiter((c.start for c in chunks), dtype=np.int64, count=s)
+        b["tokens"][:s] = [c.tokens[0] for c in chunks]
+        b["positions"][:s] = pos
+        b["slot_mapping"][:s] = b["block_tables"][np.arange(s), pos // bs] * bs + pos % bs
+        b["seq_lens"][:s] = pos + 1
+        b["seeds"][:s] = sample_keys(last[2], pos + 1)
+        self._decode = (last[0], [(blocks, start + 1, *rest) for blocks, start, *rest in last[1]], last[2], last[3])
+        return True
+
+    def _views(self, t: int, s: int, r: int, width: int, cache: KVCache) -> dict[str, torch.Tensor]:
+        """The step's inputs as fresh views of the buffers (kernels key per-step work on the
+        identity of their input tensors: RopeTables.per_step, attention's layouts), and the
+        cache's layers."""
         v = self.torch
         inputs = {k: v[k][:t] for k in ("tokens", "positions", "slot_mapping")}
         inputs["block_tables"] = v["block_tables"][:s, :width]

@@ -119,7 +119,8 @@ class Engine:
         self.kv = KVCacheManager(self.cache, exact_replay=getattr(c, "swa_replay_exact", False), store=store)
         self.scheduler = Scheduler(self.kv, SchedulerConfig(max_num_tokens, max_num_seqs))
         self.max_model_len = self._max_model_len(max_num_tokens)
-        self.buffers = StepBuffers(max_num_tokens, max_num_seqs, -(-self.max_model_len // self.cache.block_size))
+        self.buffers = StepBuffers(max_num_tokens, max_num_seqs, -(-self.max_model_len // self.cache.block_size),
+                                   incremental=True)
         self.graphed = GraphedDecode(model, self.cache, max_num_seqs, self.buffers.max_blocks) if graphed else None
         self.tokenizer = model.tokenizer
         self.eos = set(model.tokenizer.eos_ids) if model.tokenizer else set()

@@ -83,3 +83,36 @@ def test_fill_rejects_bad_chunks_by_name():
         buffers.fill([SeqChunk([1], 0, [0]), SeqChunk([1, 2, 3], 3, [1])], cache)
     with pytest.raises(ValueError, match="exceeds the buffers"):
         buffers.fill([SeqChunk(list(range(9)), 0, [0, 1, 2])], cache)
+
+
+def test_incremental_decode_fills_write_what_the_reference_writes():
+    """Runs of decode steps through incremental buffers (which write only what moves from one
+    decode step to the next) against the reference, with the runs broken by every change that
+    must make a whole fill: a new block, another sequence set, a sampling change, a prompt chunk."""
+    cache = KVCache(2, 1, 4, torch.float32, CacheConfig(block_size=BS, num_blocks=8))
+    buffers = StepBuffers(64, 8, 128, incremental=True)
+    rng = random.Random(1)
+    seqs = []
+    for step in range(400):
+        if not seqs or rng.random() < 0.05 or max(d["start"] for d in seqs) > 300:  # another sequence set
+            seqs = [dict(start=rng.randint(0, 12), blocks=[rng.randint(0, 40) for _ in range(5)], temperature=rng.random(),
+                         top_k=rng.randint(0, 5), top_p=rng.random(), seed=rng.getrandbits(64))
+                    for _ in range(rng.randint(1, 5))]
+        q = rng.choice(seqs)
+        if rng.random() < 0.05:
+            q["temperature"] = rng.random()
+        if rng.random() < 0.03:
+            q["blocks"].append(rng.randint(0, 40))  # the table grows (in place, as the cache manager does)
+        for d in seqs:
+            while (d["start"] + 2) // BS >= len(d["blocks"]):
+                d["blocks"].append(rng.randint(0, 40))
+        prompt = rng.random() < 0.03
+        chunks = [SeqChunk([rng.randint(0, 100) for _ in range(3 if prompt and i == 0 else 1)], d["start"], d["blocks"],
+                           d["temperature"], d["top_k"], d["top_p"], d["seed"]) for i, d in enumerate(seqs)]
+        got = buffers.fill(chunks, cache)
+        want = reference(chunks)
+        for name, values in want.items():
+            dtype = torch.float32 if name in ("temperature", "top_p") else torch.int64
+            assert torch.equal(got[name], torch.tensor(values, dtype=dtype)), (step, name)
+        for d, c in zip(seqs, chunks):
+            d["start"] += len(c.tokens)

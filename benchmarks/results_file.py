@@ -47,6 +47,7 @@ def write_result(name: str, data: dict) -> str:
     """Writes data plus its provenance to benchmarks/results/<name>; returns the path."""
     os.makedirs(os.path.join(HERE, "results"), exist_ok=True)
     path = os.path.join(HERE, "results", name)
+    record = {"provenance": provenance(), **data}  # before the file is opened (and so changed)
     with open(path, "w") as f:
-        json.dump({"provenance": provenance(), **data}, f, indent=1)
+        json.dump(record, f, indent=1)
     return path

@@ -1,0 +1,80 @@
+"""Where a batch-1 decode step's time goes: timers around the engine's step, the compiled
+model's call, the native step program (every layer), the W8A8 LM head and the input fill, for
+the int4-a8 build of SmolLM2 (decode.py's prompt and engine), in one process.
+
+Per decode step (the prompt's prefill step left out) it reports the medians of each part and
+what is left: Python in the model call (binding the inputs, the sampling tail) and in the
+engine's step (scheduling, outputs). Writes benchmarks/results/decode_split.json.
+
+    python benchmarks/decode_split.py [--runs 3] [--new-tokens 128] [--quant int4-a8]
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections import defaultdict
+
+from results_file import write_result
+
+
+def timed(owner, name: str, key: str, times: dict) -> None:
+    """Wraps owner.name so that each call's seconds go to times[key]."""
+    fn = getattr(owner, name)
+
+    def wrapper(*args, **kwargs):
+        t = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            times[key].append(time.perf_counter() - t)
+
+    setattr(owner, name, wrapper)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--quant", default="int4-a8")
+    a = ap.parse_args()
+
+    from decode import PROMPT, deepfuse_runner
+
+    import deepfuse.codegen.artifact as artifact
+    import deepfuse.codegen.cpu.kernels as kernels
+    import deepfuse.codegen.cpu.program as program
+    import deepfuse.runtime.batch as batch
+    import deepfuse.runtime.engine as engine
+    from deepfuse.models import load_model
+
+    times: dict[str, list[float]] = defaultdict(list)
+    timed(engine.Engine, "step", "step", times)
+    timed(artifact.CompiledModel, "__call__", "model call", times)
+    timed(program.Segments, "run", "native program", times)
+    timed(kernels, "w8a8_logits", "LM head (W8A8)", times)
+    timed(batch.StepBuffers, "fill", "input fill", times)
+
+    model, tok = load_model("smollm2")
+    ids = tok.encode(PROMPT)
+    run = deepfuse_runner("bf16", ids, a.new_tokens, model, a.quant)
+    run()
+    decode: dict[str, list[float]] = defaultdict(list)
+    for _ in range(a.runs):
+        times.clear()
+        run()
+        for k, v in times.items():
+            decode[k] += v[1:]  # the first step of a run is its prompt's prefill
+    ms = {k: statistics.median(v) * 1e3 for k, v in decode.items()}
+    ms["model call, other (Python)"] = ms["model call"] - ms["native program"] - ms.get("LM head (W8A8)", 0.0)
+    ms["step, outside the model call (Python)"] = ms["step"] - ms["model call"]
+    print(f"SmolLM2-135M bf16+{a.quant}, batch-1 decode steps, medians over {a.runs} x {a.new_tokens - 1} steps")
+    for k, v in ms.items():
+        print(f"  {k:40s} {v:7.3f} ms")
+    path = write_result("decode_split.json", {"config": vars(a), "median_ms": ms,
+                                              "steps": len(decode["step"])})
+    print("wrote", path)
+
+
+if __name__ == "__main__":
+    main()

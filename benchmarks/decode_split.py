@@ -67,7 +67,7 @@ def main() -> None:
             decode[k] += v[1:]  # the first step of a run is its prompt's prefill
     ms = {k: statistics.median(v) * 1e3 for k, v in decode.items()}
     ms["model call, other (Python)"] = ms["model call"] - ms["native program"] - ms.get("LM head (W8A8)", 0.0)
-    ms["step, outside the model call (Python)"] = ms["step"] - ms["model call"]
+    ms["step, outside the model call (host)"] = ms["step"] - ms["model call"]
     print(f"SmolLM2-135M bf16+{a.quant}, batch-1 decode steps, medians over {a.runs} x {a.new_tokens - 1} steps")
     for k, v in ms.items():
         print(f"  {k:40s} {v:7.3f} ms")

@@ -14,7 +14,8 @@ resharded: P -> R by all_reduce, S(d) -> R by all_gather, R -> S(d) by take_shar
 partial sum reduced once is replicated for its later users (so a residual add after a partial
 projection reduces the projection, as in Megatron, and the add meets the norm that follows it).
 Graph outputs are made replicated. Params are sliced to the rank's shard (only the shard is kept);
-inputs sharded by the spec (the kv caches) get their local types.
+inputs sharded by the spec (the kv caches) get their local types. An MoE dispatched by all_to_all
+adds one input, `ep_rows` (the rank's token rows, ir/opdefs_ep.py).
 """
 from __future__ import annotations
 

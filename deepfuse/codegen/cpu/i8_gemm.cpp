@@ -43,7 +43,7 @@
 #endif
 
 #include "balanced.h"
-#include "row_ops.h"
+#include "prologue_rows.h"
 
 namespace {
 
@@ -145,8 +145,7 @@ Quantized& quantized(int64_t m, int64_t k, int64_t groups) {
     return buffers;
 }
 
-// row(r, buf) -> a pointer to row r of the activation (X [K]): x's own row, or `buf` (K of X,
-// the thread's) filled with a fused prologue's.
+// row: prologue_rows.h's (each row made by one thread, so that thread writes its sum: first).
 template <typename X, typename T, typename Row>
 void gemm(Row row, int64_t m, int64_t k, const uint8_t* panels, int64_t nb, int64_t n, const float* scale,
           int64_t group, T* y, int64_t ldy) {
@@ -158,7 +157,7 @@ void gemm(Row row, int64_t m, int64_t k, const uint8_t* panels, int64_t nb, int6
     at::parallel_for(0, m, 16, [&](int64_t r0, int64_t r1) {
         std::vector<X> buf(k);
         for (int64_t r = r0; r < r1; ++r)
-            quantize_row(row(r, buf.data()), k, group, q + r * k, d + r * groups, offset + r);
+            quantize_row(row(r, buf.data(), true), k, group, q + r * k, d + r * groups, offset + r);
     });
     // items: (chunk of panels, slab of rows), chunks of equal size holding at most about
     // kChunkBytes, ~16 items a thread, split by work (balanced.h: an even split of the item list
@@ -248,11 +247,6 @@ void dispatch(const torch::Tensor& x, int64_t k, const torch::Tensor& panels, co
 #endif
 }
 
-void check_rows(const torch::Tensor& t, const torch::Tensor& x, const char* what) {
-    TORCH_CHECK(t.dim() == 2 && t.sizes() == x.sizes() && t.scalar_type() == x.scalar_type() && t.stride(1) == 1,
-                "i8_gemm_norm: ", what, " must be [M, K] rows of x's dtype with unit column stride");
-}
-
 }  // namespace
 
 torch::Tensor i8_gemm(torch::Tensor x, const torch::Tensor& panels, const torch::Tensor& scale, int64_t n,
@@ -260,59 +254,27 @@ torch::Tensor i8_gemm(torch::Tensor x, const torch::Tensor& panels, const torch:
     TORCH_CHECK(x.dim() == 2, "i8_gemm: x must be [M, K] float32 or bfloat16");
     auto y = checked_out(x, x.size(1), panels, scale, n, group, out);
     if (x.stride(1) != 1) x = x.contiguous();
-    const int64_t ldx = x.stride(0);
-    dispatch(x, x.size(1), panels, scale, n, group, y, [&](auto zero) {
-        using X = decltype(zero);
-        const X* xp = x.data_ptr<X>();
-        return [xp, ldx](int64_t r, X*) { return xp + r * ldx; };
-    });
+    dispatch(x, x.size(1), panels, scale, n, group, y,
+             [&](auto zero) { return prologue_rows::plain<decltype(zero)>(x); });
     return y;
 }
 
 torch::Tensor i8_gemm_swiglu(torch::Tensor x, const torch::Tensor& panels, const torch::Tensor& scale, int64_t n,
                              int64_t group, std::optional<torch::Tensor> out) {
     TORCH_CHECK(x.dim() == 2 && x.size(1) % 2 == 0, "i8_gemm_swiglu: x must be [M, 2K]");
-    const int64_t k = x.size(1) / 2;
-    auto y = checked_out(x, k, panels, scale, n, group, out);
+    auto y = checked_out(x, x.size(1) / 2, panels, scale, n, group, out);
     if (x.stride(1) != 1) x = x.contiguous();
-    const int64_t ldx = x.stride(0);
-    dispatch(x, k, panels, scale, n, group, y, [&](auto zero) {
-        using X = decltype(zero);
-        const X* xp = x.data_ptr<X>();
-        return [xp, ldx, k](int64_t r, X* buf) {
-            row_ops::swiglu_row(xp + r * ldx, xp + r * ldx + k, buf, k);
-            return static_cast<const X*>(buf);
-        };
-    });
+    dispatch(x, x.size(1) / 2, panels, scale, n, group, y,
+             [&](auto zero) { return prologue_rows::swiglu<decltype(zero)>(x); });
     return y;
 }
 
 torch::Tensor i8_gemm_norm(const torch::Tensor& x, std::optional<torch::Tensor> res, const torch::Tensor& w, double eps,
                            std::optional<torch::Tensor> sum_out, const torch::Tensor& panels, const torch::Tensor& scale,
                            int64_t n, int64_t group, std::optional<torch::Tensor> out) {
-    TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "i8_gemm_norm: x must be [M, K] rows with unit column stride");
-    const int64_t k = x.size(1);
-    TORCH_CHECK(w.dim() == 1 && w.size(0) == k && w.scalar_type() == x.scalar_type() && w.is_contiguous(),
-                "i8_gemm_norm: w must be [K] of x's dtype");
-    TORCH_CHECK(res.has_value() == sum_out.has_value(), "i8_gemm_norm: res and sum_out go together");
-    if (res.has_value()) {
-        check_rows(*res, x, "res");
-        check_rows(*sum_out, x, "sum_out");
-    }
-    auto y = checked_out(x, k, panels, scale, n, group, out);
-    const float e = static_cast<float>(eps);
-    dispatch(x, k, panels, scale, n, group, y, [&](auto zero) {
-        using X = decltype(zero);
-        const X* xp = x.data_ptr<X>();
-        const X* rp = res.has_value() ? res->data_ptr<X>() : nullptr;
-        X* sp = sum_out.has_value() ? sum_out->data_ptr<X>() : nullptr;
-        const X* wp = w.data_ptr<X>();
-        const int64_t lx = x.stride(0), lr = rp != nullptr ? res->stride(0) : 0, ls = sp != nullptr ? sum_out->stride(0) : 0;
-        return [=](int64_t r, X* buf) {
-            row_ops::norm_row(xp + r * lx, rp != nullptr ? rp + r * lr : nullptr, wp, sp != nullptr ? sp + r * ls : nullptr,
-                              buf, k, e);
-            return static_cast<const X*>(buf);
-        };
-    });
+    prologue_rows::check_norm("i8_gemm_norm", x, res, w, sum_out);
+    auto y = checked_out(x, x.size(1), panels, scale, n, group, out);
+    dispatch(x, x.size(1), panels, scale, n, group, y,
+             [&](auto zero) { return prologue_rows::norm<decltype(zero)>(x, res, w, sum_out, eps); });
     return y;
 }

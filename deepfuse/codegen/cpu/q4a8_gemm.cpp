@@ -39,7 +39,7 @@
 #include "vec.h"
 #endif
 
-#include "row_ops.h"
+#include "prologue_rows.h"
 
 namespace {
 
@@ -149,8 +149,8 @@ Quantized& quantized(int64_t m, int64_t k) {
     return buffers;
 }
 
-// row(r, buf, first) -> a pointer to row r of the activation (X [K]): x's own row, or `buf` (2K of
-// X, the thread's) filled with a fused prologue's; first: this thread holds the first panels.
+// row: prologue_rows.h's (buf 2K of X, the thread's; first: this thread holds the first panels, and
+// writes the norm's sum).
 template <typename X, typename T, typename Row>
 void gemm(Row row, int64_t m, int64_t k, const uint8_t* blocks, int64_t nb, int64_t n, T* y, int64_t ldy) {
     const int64_t groups = k / kGroup, stride = groups * kBlock;
@@ -227,71 +227,31 @@ void dispatch(const torch::Tensor& x, int64_t k, const torch::Tensor& blocks, in
 #endif
 }
 
-void check_rows(const torch::Tensor& t, const torch::Tensor& x, const char* what) {
-    TORCH_CHECK(t.dim() == 2 && t.sizes() == x.sizes() && t.scalar_type() == x.scalar_type() && t.stride(1) == 1,
-                "q4a8_gemm_norm: ", what, " must be [M, K] rows of x's dtype with unit column stride");
-}
-
 }  // namespace
 
 torch::Tensor q4a8_gemm(torch::Tensor x, const torch::Tensor& blocks, int64_t n, std::optional<torch::Tensor> out) {
     TORCH_CHECK(x.dim() == 2, "q4a8_gemm: x must be [M, K] float32 or bfloat16");
     auto y = checked_out(x, x.size(1), blocks, n, out);
     if (x.stride(1) != 1) x = x.contiguous();
-    const int64_t ldx = x.stride(0);
-    dispatch(x, x.size(1), blocks, n, y, [&](auto zero) {
-        using X = decltype(zero);
-        const X* xp = x.data_ptr<X>();
-        return [xp, ldx](int64_t r, X*, bool) { return xp + r * ldx; };
-    });
+    dispatch(x, x.size(1), blocks, n, y, [&](auto zero) { return prologue_rows::plain<decltype(zero)>(x); });
     return y;
 }
 
 torch::Tensor q4a8_gemm_swiglu(torch::Tensor x, const torch::Tensor& blocks, int64_t n,
                                std::optional<torch::Tensor> out) {
     TORCH_CHECK(x.dim() == 2 && x.size(1) % 2 == 0, "q4a8_gemm_swiglu: x must be [M, 2K]");
-    const int64_t k = x.size(1) / 2;
-    auto y = checked_out(x, k, blocks, n, out);
+    auto y = checked_out(x, x.size(1) / 2, blocks, n, out);
     if (x.stride(1) != 1) x = x.contiguous();
-    const int64_t ldx = x.stride(0);
-    dispatch(x, k, blocks, n, y, [&](auto zero) {
-        using X = decltype(zero);
-        const X* xp = x.data_ptr<X>();
-        return [xp, ldx, k](int64_t r, X* buf, bool) {
-            row_ops::swiglu_row(xp + r * ldx, xp + r * ldx + k, buf, k);
-            return static_cast<const X*>(buf);
-        };
-    });
+    dispatch(x, x.size(1) / 2, blocks, n, y, [&](auto zero) { return prologue_rows::swiglu<decltype(zero)>(x); });
     return y;
 }
 
 torch::Tensor q4a8_gemm_norm(const torch::Tensor& x, std::optional<torch::Tensor> res, const torch::Tensor& w,
                              double eps, std::optional<torch::Tensor> sum_out, const torch::Tensor& blocks, int64_t n,
                              std::optional<torch::Tensor> out) {
-    TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "q4a8_gemm_norm: x must be [M, K] rows with unit column stride");
-    const int64_t k = x.size(1);
-    TORCH_CHECK(w.dim() == 1 && w.size(0) == k && w.scalar_type() == x.scalar_type() && w.is_contiguous(),
-                "q4a8_gemm_norm: w must be [K] of x's dtype");
-    TORCH_CHECK(res.has_value() == sum_out.has_value(), "q4a8_gemm_norm: res and sum_out go together");
-    if (res.has_value()) {
-        check_rows(*res, x, "res");
-        check_rows(*sum_out, x, "sum_out");
-    }
-    auto y = checked_out(x, k, blocks, n, out);
-    const float e = static_cast<float>(eps);
-    dispatch(x, k, blocks, n, y, [&](auto zero) {
-        using X = decltype(zero);
-        const X* xp = x.data_ptr<X>();
-        const X* rp = res.has_value() ? res->data_ptr<X>() : nullptr;
-        X* sp = sum_out.has_value() ? sum_out->data_ptr<X>() : nullptr;
-        const X* wp = w.data_ptr<X>();
-        const int64_t lx = x.stride(0), lr = rp != nullptr ? res->stride(0) : 0, ls = sp != nullptr ? sum_out->stride(0) : 0;
-        return [=](int64_t r, X* buf, bool first) {
-            // every thread needs the sum for its norm; one writes it out, the others keep it in buf's tail
-            X* sum = sp == nullptr ? nullptr : first ? sp + r * ls : buf + k;
-            row_ops::norm_row(xp + r * lx, rp != nullptr ? rp + r * lr : nullptr, wp, sum, buf, k, e);
-            return static_cast<const X*>(buf);
-        };
-    });
+    prologue_rows::check_norm("q4a8_gemm_norm", x, res, w, sum_out);
+    auto y = checked_out(x, x.size(1), blocks, n, out);
+    dispatch(x, x.size(1), blocks, n, y,
+             [&](auto zero) { return prologue_rows::norm<decltype(zero)>(x, res, w, sum_out, eps); });
     return y;
 }

@@ -1,5 +1,6 @@
-// Row prologues shared by the norm and swiglu kernels (norms.cpp, rows.cpp) and the W8A8 GEMM's
-// fused forms (i8_gemm.cpp), so a fused projection sees bit for bit the rows the unfused ops write.
+// Row prologues shared by the norm and swiglu kernels (norms.cpp, rows.cpp) and the int8-activation
+// GEMMs' fused forms (prologue_rows.h: i8_gemm.cpp, q4a8_gemm.cpp), so a fused projection sees bit for
+// bit the rows the unfused ops write.
 //
 //   norm_row(x, res, w, sum, out, d, eps)  sum = x + res (if res), out = rms_norm(sum or x) * w
 //   swiglu_row(gate, up, dst, f)            dst = silu(gate) * up

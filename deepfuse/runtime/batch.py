@@ -64,6 +64,8 @@ class StepBuffers:
 
     def __init__(self, max_tokens: int, max_seqs: int, max_blocks: int, arrays: dict[str, np.ndarray] | None = None,
                  incremental: bool = False):
+        if incremental and arrays:
+            raise ValueError("incremental buffers must be the fill's own: arrays are written by their owner too")
         self.max_tokens, self.max_seqs, self.max_blocks = max_tokens, max_seqs, max_blocks
         i64 = lambda *shape: np.zeros(shape, dtype=np.int64)
         self.np = {"tokens": i64(max_tokens), "positions": i64(max_tokens), "slot_mapping": i64(max_tokens),
@@ -78,8 +80,8 @@ class StepBuffers:
                 raise ValueError(f"{k}: {a.dtype}{list(a.shape)} given, {self.np[k].dtype}{list(self.np[k].shape)} needed")
             self.np[k] = a
         self.torch = {k: torch.from_numpy(v) for k, v in self.np.items()}
-        # the last fill's decode step: (cache id, per chunk (blocks, start, temperature, top_k,
-        # top_p, seed), seeds uint64[S], table width); None when it was no plain decode step
+        # the last fill's decode step: (cache, per chunk (blocks, temperature, top_k, top_p, seed),
+        # seeds uint64[S], table width); None when it was no plain decode step
         self._decode: tuple | None = None
         self.incremental = incremental
 
@@ -140,23 +142,23 @@ class StepBuffers:
         verify = np.array([c.verify for c in chunks], dtype=bool)
         b["draft_tokens"][:r] = np.where((j < ks[sseq] - 1) & verify[sseq], tokens[np.minimum(rows + 1, t - 1)], -1)
         if self.incremental and t == s == r and len(cache.groups) == 1 and not replay_end.any():  # decode
-            self._decode = (id(cache), [(list(c.blocks), c.start, c.temperature, c.top_k, c.top_p, c.seed)
-                                        for c in chunks], seeds, width)
+            self._decode = (cache, [(list(c.blocks), c.temperature, c.top_k, c.top_p, c.seed) for c in chunks],
+                            seeds, width)
         return self._views(t, s, r, width, cache)
 
     def _next_decode(self, chunks: list[SeqChunk], cache: KVCache) -> bool:
-        """Writes a decode step whose chunks are those of the last fill, each one position on
-        (same blocks, sampling and seed, one token, one sample): tokens, positions, slots,
-        seq_lens and seeds; every other input stays as the last fill wrote it. False (nothing
-        written) for any other step."""
+        """Writes a decode step whose chunks are those of the last fill at any position their
+        tables cover (same blocks, sampling and seed, one token, one sample): tokens, positions,
+        slots, seq_lens and seeds; every other input stays as the last fill wrote it. False
+        (nothing written) for any other step."""
         last = self._decode
-        if last is None or last[0] != id(cache) or len(chunks) != len(last[1]):
+        if last is None or last[0] is not cache or len(cache.groups) != 1 or len(chunks) != len(last[1]):
             return False
         bs = cache.block_size
-        for c, (blocks, start, temperature, top_k, top_p, seed) in zip(chunks, last[1]):
-            if (len(c.tokens) != 1 or c.samples != 1 or c.replay_end or c.start != start + 1
-                    or c.start // bs >= len(blocks) or c.temperature != temperature or c.top_k != top_k
-                    or c.top_p != top_p or c.seed != seed or c.blocks != blocks):
+        for c, (blocks, temperature, top_k, top_p, seed) in zip(chunks, last[1]):
+            if (len(c.tokens) != 1 or c.samples != 1 or c.replay_end or not 0 <= c.start // bs < len(blocks)
+                    or c.temperature != temperature or c.top_k != top_k or c.top_p != top_p or c.seed != seed
+                    or c.blocks != blocks):
                 return False
         self._decode = None  # until the step is written (an interrupted one leaves the next a whole fill)
         b, s = self.np, len(chunks)
@@ -166,7 +168,7 @@ class StepBuffers:
         b["slot_mapping"][:s] = b["block_tables"][np.arange(s), pos // bs] * bs + pos % bs
         b["seq_lens"][:s] = pos + 1
         b["seeds"][:s] = sample_keys(last[2], pos + 1)
-        self._decode = (last[0], [(blocks, start + 1, *rest) for blocks, start, *rest in last[1]], last[2], last[3])
+        self._decode = last
         return True
 
     def _views(self, t: int, s: int, r: int, width: int, cache: KVCache) -> dict[str, torch.Tensor]:

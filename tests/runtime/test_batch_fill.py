@@ -2,6 +2,7 @@
 contract: every input tensor equal, for random ragged steps."""
 import random
 
+import numpy as np
 import pytest
 import torch
 
@@ -88,31 +89,61 @@ def test_fill_rejects_bad_chunks_by_name():
 def test_incremental_decode_fills_write_what_the_reference_writes():
     """Runs of decode steps through incremental buffers (which write only what moves from one
     decode step to the next) against the reference, with the runs broken by every change that
-    must make a whole fill: a new block, another sequence set, a sampling change, a prompt chunk."""
+    must make a whole fill: a new or released block, another sequence set or a dropped sequence,
+    any sampling change, a step repeated (rolled back), a chunk of several tokens or samples, and
+    a table that does not cover its position (refused, as by a whole fill)."""
     cache = KVCache(2, 1, 4, torch.float32, CacheConfig(block_size=BS, num_blocks=8))
     buffers = StepBuffers(64, 8, 128, incremental=True)
     rng = random.Random(1)
-    seqs = []
-    for step in range(400):
-        if not seqs or rng.random() < 0.05 or max(d["start"] for d in seqs) > 300:  # another sequence set
+    seqs, took = [], []
+    whole = buffers._next_decode
+    buffers._next_decode = lambda chunks, cache: took.append(whole(chunks, cache)) or took[-1]
+    for step in range(800):
+        if not seqs or rng.random() < 0.04 or max(d["start"] for d in seqs) > 300:  # another sequence set
             seqs = [dict(start=rng.randint(0, 12), blocks=[rng.randint(0, 40) for _ in range(5)], temperature=rng.random(),
                          top_k=rng.randint(0, 5), top_p=rng.random(), seed=rng.getrandbits(64))
                     for _ in range(rng.randint(1, 5))]
         q = rng.choice(seqs)
-        if rng.random() < 0.05:
-            q["temperature"] = rng.random()
-        if rng.random() < 0.03:
+        change = rng.random()
+        if change < 0.02:
+            q[rng.choice(["temperature", "top_p"])] = rng.random()
+        elif change < 0.04:
+            q["top_k"] = rng.randint(0, 5)
+        elif change < 0.06:
+            q["seed"] = rng.getrandbits(64)
+        elif change < 0.08:
             q["blocks"].append(rng.randint(0, 40))  # the table grows (in place, as the cache manager does)
+        elif change < 0.10:
+            q["blocks"][0] = -1  # released by a window (in place)
+        elif change < 0.12 and len(seqs) > 1:
+            seqs.remove(q)
         for d in seqs:
             while (d["start"] + 2) // BS >= len(d["blocks"]):
                 d["blocks"].append(rng.randint(0, 40))
-        prompt = rng.random() < 0.03
-        chunks = [SeqChunk([rng.randint(0, 100) for _ in range(3 if prompt and i == 0 else 1)], d["start"], d["blocks"],
-                           d["temperature"], d["top_k"], d["top_p"], d["seed"]) for i, d in enumerate(seqs)]
+        several = rng.random() < 0.04
+        chunks = [SeqChunk([rng.randint(0, 100) for _ in range(3 if several and i == 0 else 1)], d["start"], d["blocks"],
+                           d["temperature"], d["top_k"], d["top_p"], d["seed"],
+                           samples=rng.randint(1, 3) if several and i == 0 else 1) for i, d in enumerate(seqs)]
+        if rng.random() < 0.03:  # chunks refused on either path: a table short of the position, 2 samples of 1 token
+            d = seqs[0]
+            params = (d["temperature"], d["top_k"], d["top_p"], d["seed"])
+            refused = [(SeqChunk([1], d["start"], d["blocks"], *params, samples=2), "cannot sample"),
+                       (SeqChunk([1], len(d["blocks"]) * BS, d["blocks"], *params), "has a table of")]
+            for bad, why in refused[::rng.choice([1, -1])]:  # a refused fill ends the run: only the first meets it
+                with pytest.raises(ValueError, match=why):
+                    buffers.fill([bad] + chunks[1:], cache)
         got = buffers.fill(chunks, cache)
         want = reference(chunks)
         for name, values in want.items():
             dtype = torch.float32 if name in ("temperature", "top_p") else torch.int64
             assert torch.equal(got[name], torch.tensor(values, dtype=dtype)), (step, name)
+        if rng.random() < 0.03:
+            continue  # the step is rolled back: the next fill repeats it
         for d, c in zip(seqs, chunks):
             d["start"] += len(c.tokens)
+    assert sum(took) > 300  # the incremental path ran
+
+
+def test_incremental_buffers_refuse_arrays_of_another_owner():
+    with pytest.raises(ValueError, match="incremental buffers must be the fill's own"):
+        StepBuffers(4, 2, 2, arrays={"tokens": np.zeros(4, dtype=np.int64)}, incremental=True)

@@ -50,7 +50,7 @@ def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
 
 @needs_kernel
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 8e-3)])
-@pytest.mark.parametrize("rows,n,k", [(1, 64, 576), (3, 40, 96), (9, 200, 1536)])
+@pytest.mark.parametrize("rows,n,k", [(1, 64, 576), (1, 1000, 576), (2, 1000, 96), (3, 40, 96), (9, 200, 1536)])
 def test_kernel_matches_float64_reference(dtype, tol, rows, n, k):
     packed, scales, mins = weight(n, k)
     x = torch.randn(rows, k).to(dtype)
@@ -76,12 +76,14 @@ def test_wrong_nibble_order_or_missing_min_term_would_fail():
 
 @needs_kernel
 def test_a_rows_result_does_not_depend_on_the_batch():
-    packed, scales, mins = weight(96, 576, seed=2)
+    # 1000 columns: 63 panels, a partial last one; one row goes 8 panels at a time, two rows 4, more 2
+    packed, scales, mins = weight(1000, 576, seed=2)
     blocks, x = pack_q4a8(packed, scales, mins), torch.randn(11, 576).bfloat16()
-    whole = native.q4a8_gemm(x, blocks, 96)
+    whole = native.q4a8_gemm(x, blocks, 1000)
     for r in (0, 4, 10):
-        assert torch.equal(native.q4a8_gemm(x[r:r + 1], blocks, 96)[0], whole[r])
-    assert torch.equal(native.q4a8_gemm(x[3:8], blocks, 96), whole[3:8])
+        assert torch.equal(native.q4a8_gemm(x[r:r + 1], blocks, 1000)[0], whole[r])
+    assert torch.equal(native.q4a8_gemm(x[5:7], blocks, 1000), whole[5:7])
+    assert torch.equal(native.q4a8_gemm(x[3:8], blocks, 1000), whole[3:8])
 
 
 @needs_kernel

@@ -31,7 +31,9 @@ def provenance() -> dict:
     try:
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=HERE, capture_output=True, text=True,
                                 timeout=10).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=HERE, capture_output=True,
+        # changed code, not changed result files, marks a run "+changes"
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", ":(top)",
+                                ":(top,exclude)benchmarks/results"], cwd=HERE, capture_output=True,
                                text=True, timeout=10).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         commit, dirty = "", ""

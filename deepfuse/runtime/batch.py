@@ -1,7 +1,8 @@
 """Step inputs: turns (sequence, new tokens) pairs into the tensors the step graph takes.
 
 Shapes follow models.llama.step_specs: tokens/positions/slot_mapping [T],
-block_tables [S,B] (unused entries 0), per-sequence [S] tensors, and the sampled rows [R]
+block_tables [S,B] (B: the longest table rounded up to a power of two; unused entries 0),
+per-sequence [S] tensors, and the sampled rows [R]
 with their sampling parameters (a chunk samples its last `samples` tokens: 1, k+1 when
 k draft tokens are verified, or every row of a prompt chunk whose prompt logprobs are asked for)
 and draft_tokens [R], the draft each sampled row verifies (-1: none).
@@ -102,6 +103,9 @@ class StepBuffers:
         bad = np.flatnonzero((ks < 1) | (ks > lens))
         if len(bad):
             raise ValueError(f"a chunk of {lens[bad[0]]} tokens cannot sample its last {ks[bad[0]]}")
+        # the table width rounded up to a power of two: a decode step whose sequences gain a block
+        # mostly keeps its layout, and the executor the calls it bound for it (codegen/cpu/bound.py)
+        width = min(self.max_blocks, 1 << (max(width, 1) - 1).bit_length())
         tables = b["block_tables"][:s, :width]
         tables[...] = 0
         tables[np.arange(width) < widths[:, None]] = np.fromiter(

@@ -21,11 +21,14 @@ def sample_key(seed: int, position: int) -> int:
     return (z ^ (z >> 31)) & 0x7FFFFFFFFFFFFFFF
 
 
-def reference(chunks: list[SeqChunk]) -> dict[str, list]:
+def reference(chunks: list[SeqChunk], max_blocks: int) -> dict[str, list]:
     """The step inputs written out one chunk and one token at a time."""
     out = {k: [] for k in ("tokens", "positions", "slot_mapping", "seq_lens", "query_lens", "sample_rows",
                            "temperature", "top_k", "top_p", "seeds", "draft_tokens")}
-    width = max(len(c.blocks) for c in chunks)
+    width = 1  # the longest table's length rounded up to a power of two, at most the buffers' width
+    while width < max(len(c.blocks) for c in chunks):
+        width *= 2
+    width = min(width, max_blocks)
     out["block_tables"] = [[max(b, 0) for b in c.blocks] + [0] * (width - len(c.blocks)) for c in chunks]
     row = 0
     for c in chunks:
@@ -68,7 +71,7 @@ def test_fill_writes_what_the_chunk_by_chunk_reference_writes():
     for _ in range(300):
         chunks = random_step(rng)
         got = buffers.fill(chunks, cache)
-        want = reference(chunks)
+        want = reference(chunks, buffers.max_blocks)
         for name, values in want.items():
             dtype = torch.float32 if name in ("temperature", "top_p") else torch.int64
             assert torch.equal(got[name], torch.tensor(values, dtype=dtype)), name
@@ -133,7 +136,7 @@ def test_incremental_decode_fills_write_what_the_reference_writes():
                 with pytest.raises(ValueError, match=why):
                     buffers.fill([bad] + chunks[1:], cache)
         got = buffers.fill(chunks, cache)
-        want = reference(chunks)
+        want = reference(chunks, buffers.max_blocks)
         for name, values in want.items():
             dtype = torch.float32 if name in ("temperature", "top_p") else torch.int64
             assert torch.equal(got[name], torch.tensor(values, dtype=dtype)), (step, name)

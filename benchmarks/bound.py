@@ -15,7 +15,9 @@ the first goes through the model once; each prompt token once (no prefix is shar
 With --decode, the bandwidth bound of batch-1 decode instead (benchmarks/decode.py's run): the
 bytes one token reads (decode_bytes: an int4 build's projections, its LM head in the engine's
 format, its KV rows) against this machine's read bandwidth (read_bw.cpp), set against each
-int4 engine of decode.json (llama.cpp's Q4_1 file with its Q8_0 head included).
+int4 engine of decode.json (llama.cpp's Q4_1 file with its Q8_0 head included). decode.py reads
+the bandwidth in each of its rounds, beside the engines' runs (this VM's moves by half within an
+hour): each round's tok/s is set against that round's bandwidth, and the median share reported.
 Generous too: every byte at the best measured bandwidth, no arithmetic or dispatch costing time.
 
     python benchmarks/decode.py --engines "deepfuse bf16+int4,llama.cpp Q4_1"   # first
@@ -26,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import tempfile
 
@@ -84,15 +87,26 @@ def head_of(engine: str) -> str | None:
     return "bf16" if "int4" in engine else None
 
 
+class ReadBandwidth:
+    """read_bw.cpp compiled once (g++); meter() -> GB/s read over `threads` threads, best of 7
+    passes over `mib` MiB."""
+
+    def __init__(self, threads: int, mib: int = 1024):
+        self.threads, self.mib = threads, mib
+        self.dir = tempfile.TemporaryDirectory()
+        self.exe = os.path.join(self.dir.name, "read_bw")
+        subprocess.run(["g++", "-O2", "-march=native", "-fopenmp", os.path.join(HERE, "read_bw.cpp"), "-o", self.exe],
+                       check=True)
+
+    def __call__(self) -> float:
+        out = subprocess.run([self.exe, str(self.mib)], check=True, capture_output=True, text=True,
+                             env={**os.environ, "OMP_NUM_THREADS": str(self.threads)}).stdout
+        return float(out.split()[1])
+
+
 def read_bandwidth(threads: int, mib: int = 1024) -> float:
     """GB/s read over `threads` threads (read_bw.cpp, best of 7 passes over `mib` MiB)."""
-    with tempfile.TemporaryDirectory() as tmp:
-        exe = os.path.join(tmp, "read_bw")
-        subprocess.run(["g++", "-O2", "-march=native", "-fopenmp", os.path.join(HERE, "read_bw.cpp"), "-o", exe],
-                       check=True)
-        out = subprocess.run([exe, str(mib)], check=True, capture_output=True, text=True,
-                             env={**os.environ, "OMP_NUM_THREADS": str(threads)}).stdout
-    return float(out.split()[1])
+    return ReadBandwidth(threads, mib)()
 
 
 def decode_bound(path: str) -> None:
@@ -105,8 +119,10 @@ def decode_bound(path: str) -> None:
 
     config, _ = load_gguf(resolve_model_path("smollm2"))
     context = meta["prompt_tokens"] + meta["new_tokens"] / 2
-    bw = read_bandwidth(meta["threads"])
-    print(f"read bandwidth, {meta['threads']} threads: {bw:.1f} GB/s")
+    per_round = meta.get("read_gb_per_s_per_run")  # measured in each of decode.py's rounds
+    bw = statistics.median(per_round) if per_round else read_bandwidth(meta["threads"])
+    print(f"read bandwidth, {meta['threads']} threads: {bw:.1f} GB/s"
+          + (f" (median of {len(per_round)} rounds, {min(per_round):.1f}-{max(per_round):.1f})" if per_round else ""))
     bounds = {}
     for head in ("bf16", "int8", "q8_0"):
         per_token = decode_bytes(config, context, head)
@@ -120,11 +136,18 @@ def decode_bound(path: str) -> None:
         head = head_of(name)
         if head is None:
             continue
-        most = bounds[head]["most_tok_per_s"]
-        engines[name] = {"head": head, "decode_tps": r["decode_tps"], "share_of_bound": r["decode_tps"] / most}
-        print(f"{name:22s} {head:>5s} {r['decode_tps']:12.1f} {r['decode_tps'] / most:11.0%}")
-    write_result("decode_bound.json", {"decode_run": run.get("provenance"), "read_gb_per_s": bw, "bounds": bounds,
-                                       "engines": engines})
+        total = sum(bounds[head]["bytes_per_token"].values())
+        if per_round:  # each round's tok/s against the bandwidth read in that round
+            shares = [run["decode_tps"] / (g * 1e9 / total) for run, g in zip(r["runs"], per_round)]
+            share = statistics.median(shares)
+        else:
+            shares, share = None, r["decode_tps"] / bounds[head]["most_tok_per_s"]
+        engines[name] = {"head": head, "decode_tps": r["decode_tps"], "share_of_bound": share,
+                         "share_of_bound_per_run": shares}
+        print(f"{name:22s} {head:>5s} {r['decode_tps']:12.1f} {share:11.0%}"
+              + (f"  (rounds {min(shares):.0%}-{max(shares):.0%})" if shares else ""))
+    write_result("decode_bound.json", {"decode_run": run.get("provenance"), "read_gb_per_s": bw,
+                                       "read_gb_per_s_per_run": per_round, "bounds": bounds, "engines": engines})
 
 
 def arithmetic_of(engine: str) -> str | None:

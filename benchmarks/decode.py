@@ -8,7 +8,8 @@ build with the LM head int8 and int8 activations (as llama.cpp's Q4 files carry 
 (llama.cpp's Q4_1 x Q8_1 product, native AVX512-VNNI), with the same int8 head;
 "int4 inv." is the bf16+int4 build compiled batch-invariant; llama.cpp (llama-cpp-python, the `bench` extra; skipped without
 it) runs the GGUF as it is. The engines run in `--runs` interleaved rounds (each round one run of
-each); the table shows medians and the per-round ratios go to benchmarks/results/decode.json.
+each, then a read of the machine's memory bandwidth for `bound.py --decode`); the table shows
+medians and the per-round ratios go to benchmarks/results/decode.json.
 
     python benchmarks/decode.py [--runs 3] [--new-tokens 64] [--engines "deepfuse bf16+int4,llama.cpp Q4_1"]
 """
@@ -21,6 +22,7 @@ import statistics
 import time
 
 import torch
+from bound import ReadBandwidth
 from results_file import write_result
 
 PROMPT = ("Write a short story about a lighthouse keeper who finds a message in a bottle. "
@@ -135,9 +137,11 @@ def main() -> None:
             continue
         runners[name] = run
     runs: dict[str, list[dict]] = {name: [] for name in runners}
+    meter, read_gb_per_s = ReadBandwidth(torch.get_num_threads()), []
     for _ in range(args.runs):  # interleaved rounds: every engine sees the same machine noise
         for name, run in runners.items():
             runs[name].append(run())
+        read_gb_per_s.append(meter())  # this round's read bandwidth, for bound.py --decode
     results = {name: {"runs": r, **{k: statistics.median(x[k] for x in r) for k in r[0]}} for name, r in runs.items()}
     peers = [p for p in ("llama.cpp Q4_1", "HF eager bf16") if p in results]
     print(f"\nSmolLM2-135M, batch 1, prompt {len(ids)} tokens, {args.new_tokens} new tokens, "
@@ -148,7 +152,9 @@ def main() -> None:
         print(f"{name:20s} {r['prefill_tps']:14.1f} {r['decode_tps']:13.1f}{vs}")
         for p in peers:  # per-round ratios: the rounds ran side by side
             r[f"decode_vs_{p}_per_run"] = [a["decode_tps"] / b["decode_tps"] for a, b in zip(r["runs"], results[p]["runs"])]
+    print(f"read bandwidth per round (read_bw.cpp): {', '.join(f'{g:.1f}' for g in read_gb_per_s)} GB/s")
     meta = {"prompt_tokens": len(ids), "new_tokens": args.new_tokens, "runs": args.runs,
+            "read_gb_per_s_per_run": read_gb_per_s,
             "threads": torch.get_num_threads(), "torch": torch.__version__, "machine": platform.machine(),
             "allocator": "glibc mallopt(M_MMAP_THRESHOLD=1GiB, M_TRIM_THRESHOLD=2GiB) in-process, for both engines"
             if ALLOCATOR_TUNED else "default"}

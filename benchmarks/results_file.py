@@ -31,10 +31,10 @@ def provenance() -> dict:
     try:
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=HERE, capture_output=True, text=True,
                                 timeout=10).stdout.strip()
-        # changed code, not changed result files, marks a run "+changes"
+        # changed code marks a run "+changes"; changed result files and prose do not
         dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", ":(top)",
-                                ":(top,exclude)benchmarks/results"], cwd=HERE, capture_output=True,
-                               text=True, timeout=10).stdout.strip()
+                                ":(top,exclude)benchmarks/results", ":(top,exclude)docs", ":(top,exclude)README.md"],
+                               cwd=HERE, capture_output=True, text=True, timeout=10).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         commit, dirty = "", ""
     return {"command": "python " + " ".join([os.path.relpath(sys.argv[0])] + sys.argv[1:]),

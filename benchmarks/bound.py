@@ -17,7 +17,8 @@ bytes one token reads (decode_bytes: an int4 build's projections, its LM head in
 format, its KV rows) against this machine's read bandwidth (read_bw.cpp), set against each
 int4 engine of decode.json (llama.cpp's Q4_1 file with its Q8_0 head included). decode.py reads
 the bandwidth in each of its rounds, beside the engines' runs (this VM's moves by half within an
-hour): each round's tok/s is set against that round's bandwidth, and the median share reported.
+hour): each round's tok/s is set against that round's bandwidth, and the median of those shares
+reported (so it need not equal the median tok/s over the bound at the median bandwidth).
 Generous too: every byte at the best measured bandwidth, no arithmetic or dispatch costing time.
 
     python benchmarks/decode.py --engines "deepfuse bf16+int4,llama.cpp Q4_1"   # first
@@ -138,7 +139,7 @@ def decode_bound(path: str) -> None:
             continue
         total = sum(bounds[head]["bytes_per_token"].values())
         if per_round:  # each round's tok/s against the bandwidth read in that round
-            shares = [run["decode_tps"] / (g * 1e9 / total) for run, g in zip(r["runs"], per_round)]
+            shares = [one["decode_tps"] / (g * 1e9 / total) for one, g in zip(r["runs"], per_round)]
             share = statistics.median(shares)
         else:
             shares, share = None, r["decode_tps"] / bounds[head]["most_tok_per_s"]

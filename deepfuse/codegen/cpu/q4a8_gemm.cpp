@@ -173,7 +173,8 @@ template <typename X, typename T, typename Row>
 void gemm(Row row, int64_t m, int64_t k, const uint8_t* blocks, int64_t nb, int64_t n, T* y, int64_t ldy) {
     const int64_t groups = k / kGroup, stride = groups * kBlock;
     const int64_t pairs = (nb + 1) / 2;
-    const int64_t chunk = std::max<int64_t>(1, kChunkBytes / (8 * stride)) * 8;  // panels per sweep
+    // panels per sweep: a chunk stays in L2 across the row blocks (one block: the thread's panels)
+    const int64_t chunk = m <= kRows ? nb : std::max<int64_t>(1, kChunkBytes / (2 * stride)) * 2;
     at::parallel_for(0, pairs, 1, [&](int64_t p0, int64_t p1) {
         Quantized& qa = quantized(m, k);
         static thread_local std::vector<X> buf;  // a prologue's row and, after it, add_rms_norm's sum

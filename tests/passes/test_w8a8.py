@@ -65,8 +65,8 @@ def native_i8(native):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("n", [48, 40])  # 40: a part panel
-@pytest.mark.parametrize("rows", [1, 5, 33])
+@pytest.mark.parametrize("n", [48, 40, 1000])  # 40, 1000: a part panel; 1000: one row goes 8 panels at a time
+@pytest.mark.parametrize("rows", [1, 2, 5, 33])
 def test_native_int8_gemm_matches_the_reference(native, dtype, n, rows):
     nat = native_i8(native)
     torch.manual_seed(rows + n)
@@ -92,6 +92,7 @@ def test_native_int8_gemm_rows_do_not_depend_on_the_batch(native):
     whole = nat.i8_gemm(x, panels, padded, 960, 64)
     for r in (0, 13, 69):
         assert torch.equal(nat.i8_gemm(x[r:r + 1], panels, padded, 960, 64), whole[r:r + 1])
+    assert torch.equal(nat.i8_gemm(x[5:7], panels, padded, 960, 64), whole[5:7])  # two rows: 4 panels at a time
     assert torch.equal(nat.i8_gemm(x[7:40], panels, padded, 960, 64), whole[7:40])
 
 

@@ -21,7 +21,8 @@
 // (one number a row) is taken off at the end, then the column scale applied.
 // A panel's k quad (16 columns x 4 k) is one 64-byte vector and a row's k quad one 32-bit
 // broadcast. A micro-tile of up to 6 rows x 2 panels keeps 12 integer and 12 f32 accumulators in
-// registers; each vpdpbusd reads its row's quad as an embedded broadcast (written as asm: from
+// registers (a lone row takes 8 panels at once, two rows 4: more runs of memory in flight for a
+// decode step's GEMVs and LM head; the int8 SmolLM2 head of one row ~1.0 -> ~0.8 ms, 2-core Zen 4); each vpdpbusd reads its row's quad as an embedded broadcast (written as asm: from
 // the intrinsics GCC 12 copied the accumulators between registers every step; +10-13%). Each
 // row's sums run in one order whatever M is, so a row's result never depends on the batch. Work
 // items are (chunk of panels, slab of rows); within one, each micro-tile's rows stay in L1 while
@@ -50,6 +51,7 @@ namespace {
 constexpr int64_t kCols = 16;  // columns per panel
 constexpr int kRows = 6;       // rows per micro-tile
 constexpr int kPanels = 2;     // panels per micro-tile
+constexpr int kWide = 8;       // panels per micro-tile of a lone row (two rows: 4), as in q4a8_gemm.cpp
 constexpr int64_t kChunkBytes = 128 << 10;
 
 #if DEEPFUSE_I8_DOT
@@ -164,7 +166,8 @@ void gemm(Row row, int64_t m, int64_t k, const uint8_t* panels, int64_t nb, int6
     // left one thread idle up to a third of the time where the last chunk or slab is short)
     const int64_t most = std::max<int64_t>(1, kChunkBytes / (kPanels * k * kCols)) * kPanels;
     const int64_t chunks = (nb + most - 1) / most;
-    const int64_t chunk = ((nb + chunks - 1) / chunks + kPanels - 1) / kPanels * kPanels;
+    const int64_t whole = m == 1 ? kWide : kPanels;  // a chunk holds whole micro-tiles
+    const int64_t chunk = ((nb + chunks - 1) / chunks + whole - 1) / whole * whole;
     const int64_t blocks = (m + kRows - 1) / kRows, threads = at::get_num_threads();
     const int64_t cuts = std::clamp<int64_t>((16 * threads + chunks - 1) / chunks, 1, blocks);
     const int64_t slab = (blocks + cuts - 1) / cuts * kRows, slabs = (m + slab - 1) / slab;
@@ -177,11 +180,18 @@ void gemm(Row row, int64_t m, int64_t k, const uint8_t* panels, int64_t nb, int6
         const int64_t b1 = std::min(nb, (c + 1) * chunk), m1 = std::min(m, (s + 1) * slab);
         for (int64_t m0 = s * slab; m0 < m1; m0 += kRows) {  // a micro-tile's rows stay in L1 for the chunk
             const int64_t rows = std::min<int64_t>(kRows, m1 - m0);
-            for (int64_t b = c * chunk; b < b1; b += kPanels) {
-                const int64_t np = std::min<int64_t>(kPanels, b1 - b);
-                kMicro<T>[np - 1][rows - 1](q + m0 * k, k, d + m0 * groups, offset + m0, groups, group,
-                                            panels + b * k * kCols, k, scale + b * kCols, y + m0 * ldy + b * kCols,
-                                            ldy, n - b * kCols);
+            for (int64_t b = c * chunk, np; b < b1; b += np) {
+                MicroFn<T> fn;
+                if (rows == 1 && b1 - b >= kWide) {
+                    fn = micro<T, 1, kWide>, np = kWide;
+                } else if (rows == 2 && b1 - b >= 4) {
+                    fn = micro<T, 2, 4>, np = 4;
+                } else {
+                    np = std::min<int64_t>(kPanels, b1 - b);
+                    fn = kMicro<T>[np - 1][rows - 1];
+                }
+                fn(q + m0 * k, k, d + m0 * groups, offset + m0, groups, group, panels + b * k * kCols, k,
+                   scale + b * kCols, y + m0 * ldy + b * kCols, ldy, n - b * kCols);
             }
         }
     });

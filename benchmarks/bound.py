@@ -96,8 +96,12 @@ class ReadBandwidth:
         self.threads, self.mib = threads, mib
         self.dir = tempfile.TemporaryDirectory()
         self.exe = os.path.join(self.dir.name, "read_bw")
-        subprocess.run(["g++", "-O2", "-march=native", "-fopenmp", os.path.join(HERE, "read_bw.cpp"), "-o", self.exe],
-                       check=True)
+        try:
+            subprocess.run(["g++", "-O2", "-march=native", "-fopenmp", os.path.join(HERE, "read_bw.cpp"), "-o",
+                            self.exe], check=True, capture_output=True, text=True)
+        except (OSError, subprocess.CalledProcessError) as e:
+            detail = getattr(e, "stderr", None) or str(e)
+            raise SystemExit(f"read_bw.cpp did not compile with g++ -fopenmp: {detail.strip().splitlines()[-1]}") from e
 
     def __call__(self) -> float:
         out = subprocess.run([self.exe, str(self.mib)], check=True, capture_output=True, text=True,

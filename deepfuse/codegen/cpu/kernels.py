@@ -439,7 +439,9 @@ def _sample(attrs: dict) -> Kernel:
     ref = OPS["sample"].reference
 
     def sample(logits, temperature, top_k, top_p, seeds):
-        if not bool((temperature > 0).any()):
+        # the check on numpy's view: after a decode step's weights have swept the caches, each
+        # torch op's first call costs tens of microseconds (its code fetched again)
+        if not (temperature.numpy() > 0).any():
             native = native_rows() if logits.is_cpu and logits.dtype == torch.float32 and logits.dim() == 2 \
                 and logits.stride(1) == 1 and logits.shape[1] > 0 else None
             return native.argmax(logits) if native is not None else logits.argmax(-1)
@@ -454,9 +456,9 @@ def _spec_verify(attrs: dict) -> Kernel:
 
     def spec_verify(tokens: torch.Tensor, draft_tokens: torch.Tensor) -> torch.Tensor:
         """The reference, except that a step without drafts (every row its sequence's last, as in
-        plain decoding) keeps every token in one check instead of the reference's ten ops."""
-        if not bool((draft_tokens >= 0).any()):
-            return tokens.clone()
+        plain decoding) keeps every token after one check instead of the reference's ten ops."""
+        if not (draft_tokens.numpy() >= 0).any():
+            return tokens  # the sampler's fresh tensor, as it is (no torch op: see sample)
         return ref(tokens, draft_tokens)
 
     return spec_verify

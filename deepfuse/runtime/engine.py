@@ -32,19 +32,19 @@ from ..errors import DeepfuseError
 from ..ir import DTYPES
 from ..models.cache_groups import CacheGroup, cache_groups
 from .batch import SeqChunk, StepBuffers
-from .detokenize import IncrementalText, find_stop
+from .drafting import make_drafter, set_drafts
+from .finish import take_token
 from .graphed_decode import GraphedDecode
-from .host_sampling import RowBuffer, drafts_allowed, draw_on_host, needs_host_sampling
+from .host_sampling import RowBuffer, draw_on_host, needs_host_sampling
 from .kv_cache import CacheConfig, KVCache, KVCacheManager
 from .kv_store import DiskKVStore, model_fingerprint
 from .latency import measure_latency
 from .logprobs import RowLogprobs, logprob_rows, take_prompt_logprobs
-from .mtp import MtpDrafter
 from .outputs import RequestOutput, error_output, merge_completions, request_output
 from .overlap import OverlapLoop
 from .request import Request, SamplingParams, completion_seed
 from .scheduler import Scheduler, SchedulerConfig
-from .spec import ModelDrafter, NgramDrafter, SpecConfig, SpecStats, choose_drafts
+from .spec import SpecConfig, SpecStats
 from .structured import Grammars
 
 __all__ = ["Engine", "EngineStats", "RequestOutput", "SamplingParams"]
@@ -127,7 +127,8 @@ class Engine:
         self.requests: dict[str, Request] = {}
         self.stats = EngineStats()
         self.spec = spec
-        self.drafter = self._make_drafter(spec, draft_model) if spec else None
+        self.drafter = make_drafter(spec, draft_model, model, self.kv, self.cache, self.scheduler,
+                                    self.buffers.max_blocks) if spec else None
         self.spec_stats = SpecStats()
         self.latency = measure_latency(self) if spec and spec.schedule == "confidence" else None
         # keep Request.hidden, the hidden state that sampled each request's last token (MTP drafting, training)
@@ -422,88 +423,13 @@ class Engine:
 
     def _draft(self) -> None:
         """Proposes drafts for every running request that is decoding (speculative decoding)."""
-        if self.drafter is None:
-            return
-        k = self.spec.num_draft_tokens
-        decoding, ks, base, others = [], [], 0, 0
-        for req in self.scheduler.running:
-            if req.remaining != 1:
-                base += req.remaining
-                others += 1
-                continue
-            # no drafts past max_tokens or the context: they could never be kept; none where the host
-            # draws the token with penalties that count the output (host_sampling.drafts_allowed)
-            room = min(k, req.params.max_tokens - len(req.generated) - 1, self.max_model_len - len(req.tokens))
-            if self._host_sampled(req) and not drafts_allowed(req.params):
-                room = 0
-            decoding.append(req)
-            ks.append(max(room, 0))
-        drafts = self.drafter.propose_batch(decoding, ks)
-        for req, d in zip(decoding, drafts):  # structured outputs: drafts the grammar forbids are not verified
-            if req.matcher is not None and d.tokens:
-                n = req.matcher.allowed_prefix(d.tokens)
-                d.tokens, d.confidence = d.tokens[:n], d.confidence[:n]
-        if self.latency is None:
-            counts = [len(d.tokens) for d in drafts]
-        else:
-            base = min(base, self.scheduler.config.max_num_tokens) + len(decoding)
-            seqs = min(others + len(decoding), self.scheduler.config.max_num_seqs)
-            counts = choose_drafts(drafts, seqs, base, float(len(decoding)), self.latency)
-        for req, d, n in zip(decoding, drafts, counts):
-            req.draft = d.tokens[:n]
-
-    def _make_drafter(self, spec: SpecConfig, draft_model: CompiledModel | None):
-        if spec.method == "ngram":
-            return NgramDrafter(spec)
-        if spec.method == "mtp":
-            return MtpDrafter(spec.draft_head, self.model)
-        if len(self.cache.groups) > 1:
-            raise DeepfuseError('speculative method "draft" is not supported for models that mix sliding-window and '
-                                'full-attention layers; use "ngram" or "mtp"')
-        if draft_model is None:
-            raise DeepfuseError('speculative method "draft" needs a draft_model (LLM builds one from '
-                                'SpecConfig.draft_layers)')
-        if draft_model.config.vocab_size != self.model.config.vocab_size:
-            raise DeepfuseError(f"the draft model's vocabulary ({draft_model.config.vocab_size} tokens) differs from "
-                                f"the target's ({self.model.config.vocab_size}): its tokens cannot be verified")
-        return ModelDrafter(draft_model, self.kv, self.cache.config, self.scheduler.config.max_num_tokens,
-                            self.scheduler.config.max_num_seqs, self.buffers.max_blocks,
-                            cost=draft_model.config.num_layers / self.model.config.num_layers)
+        if self.drafter is not None:
+            set_drafts(self.drafter, self.spec, self.scheduler, self.max_model_len, self._host_sampled, self.latency)
 
     def _append(self, req: Request, tok: int, now: float, logprobs: dict[int, float] | None) -> None:
-        p = req.params
-        req.tokens.append(tok)
-        req.generated.append(tok)
-        req.token_times.append(now - req.arrival)
+        """req takes tok, and finishes if tok ends it (finish.py)."""
         self.stats.tokens_generated += 1
-        if req.counts is not None:
-            req.counts.add(tok)
-        if p.logprobs is not None:
-            req.logprobs.append(logprobs)
-        if req.matcher is not None:  # structured outputs: the drawn token is one the grammar allowed
-            if not req.matcher.accept(tok):
-                req.finish = "abort"
-                return
-            if req.matcher.done:  # complete, its stop token taken
-                req.finish = "stop"
-                return
-        stoppable = len(req.generated) >= p.min_tokens
-        if stoppable and (tok in p.stop_token_ids or (not p.ignore_eos and tok in self.eos)):
-            req.finish = "stop"
-            req.stop_reason = tok if tok in p.stop_token_ids else None
-        elif p.stop and self.tokenizer is not None:  # the new tokens' text only (detokenize.py)
-            if req.detok is None:
-                req.detok = IncrementalText(self.tokenizer.decode)
-            searched = len(req.detok.text)
-            if req.detok.add(req.generated) and stoppable:
-                at = find_stop(req.detok.text, p.stop, searched)
-                if at >= 0:
-                    stop = next(s for s in p.stop if req.detok.text.startswith(s, at))
-                    if p.include_stop_str_in_output:
-                        at += len(stop)
-                    req.stop_text, req.finish, req.stop_reason = req.detok.text[:at], "stop", stop
-        if req.finish is None and len(req.generated) >= p.max_tokens:
-            req.finish = "length"
+        take_token(req, tok, now, logprobs, self.eos, self.tokenizer)
 
     def _output(self, req: Request) -> RequestOutput:
         text = req.stop_text if req.stop_text is not None else \

@@ -32,7 +32,7 @@ def main() -> None:
     from deepfuse.models.gguf_loader import load_gguf
 
     config, _ = load_gguf(resolve_model_path("smollm2"))
-    swept = int(sum(decode_bytes(config, 130, "int8").values()))
+    swept = int(sum(decode_bytes(config, 97 + 64 / 2, "int8").values()))  # decode.py's mean context
     weights = torch.ones(swept // 8, dtype=torch.int64)  # read by a sum: every byte, on torch's threads
     native = native_rows()
     temperature = torch.zeros(1)

@@ -10,7 +10,7 @@ Metaspace strips a leading space) treats both alike, and the new tokens are deco
 With byte fallback (<0xNN> tokens) a decoder turns a whole run of byte tokens into U+FFFD when
 any of it is not UTF-8; text that came from a run's complete characters is kept here even if
 the run later turns invalid (only random ids do that, not text spelled from a vocabulary).
-Owns no tokenizer state; does not decide when a request stops (engine.py does).
+Owns no tokenizer state; does not decide when a request stops (finish.py does).
 """
 from __future__ import annotations
 

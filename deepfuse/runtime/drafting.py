@@ -25,8 +25,8 @@ if TYPE_CHECKING:
 
 def make_drafter(spec: SpecConfig, draft_model: CompiledModel | None, model: CompiledModel, kv: KVCacheManager,
                  cache: KVCache, scheduler: Scheduler, max_blocks: int):
-    """The drafter of spec.method for `model`; "draft" needs draft_model (same vocabulary, a
-    model whose layers all attend fully)."""
+    """The drafter of spec.method for `model`; "draft" needs draft_model (same vocabulary) and a
+    target whose layers do not mix sliding-window and full attention (one cache group)."""
     if spec.method == "ngram":
         return NgramDrafter(spec)
     if spec.method == "mtp":

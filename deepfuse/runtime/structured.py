@@ -5,7 +5,7 @@ choice of strings or an EBNF grammar, through xgrammar.
 
 A constrained request is drawn on the host (host_sampling.py): before its draw, every token the
 grammar forbids next is set to -inf in its row's logits; each token it takes advances its
-matcher (Engine._append), and once the grammar is complete the request stops. Under
+matcher (finish.take_token), and once the grammar is complete the request stops. Under
 speculative decoding its drafts are cut before the first token the grammar forbids (those are
 never verified), and each verified row is masked by the matcher's state after the drafts before
 it, which the matcher reaches by accepting them and leaves by rolling them back

@@ -89,7 +89,7 @@ def head_of(engine: str) -> str | None:
 
 
 class ReadBandwidth:
-    """read_bw.cpp compiled once (g++); meter() -> GB/s read over `threads` threads, best of 7
+    """read_bw.cpp compiled once (g++); calling it -> GB/s read over `threads` threads, best of 7
     passes over `mib` MiB."""
 
     def __init__(self, threads: int, mib: int = 1024):

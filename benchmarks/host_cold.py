@@ -24,6 +24,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--reps", type=int, default=200)
     a = ap.parse_args()
+    if a.reps < 1:
+        ap.error(f"--reps must be at least 1, got {a.reps}")
 
     from bound import decode_bytes
 

@@ -22,7 +22,8 @@
 // A panel's k quad (16 columns x 4 k) is one 64-byte vector and a row's k quad one 32-bit
 // broadcast. A micro-tile of up to 6 rows x 2 panels keeps 12 integer and 12 f32 accumulators in
 // registers (a lone row takes 8 panels at once, two rows 4: more runs of memory in flight for a
-// decode step's GEMVs and LM head; the int8 SmolLM2 head of one row ~1.0 -> ~0.8 ms, 2-core Zen 4); each vpdpbusd reads its row's quad as an embedded broadcast (written as asm: from
+// decode step's GEMVs and LM head; the int8 SmolLM2 head of one row ~1.0 -> ~0.8 ms, 2-core
+// Zen 4); each vpdpbusd reads its row's quad as an embedded broadcast (written as asm: from
 // the intrinsics GCC 12 copied the accumulators between registers every step; +10-13%). Each
 // row's sums run in one order whatever M is, so a row's result never depends on the batch. Work
 // items are (chunk of panels, slab of rows); within one, each micro-tile's rows stay in L1 while

@@ -55,6 +55,17 @@ def sample_keys(seeds: np.ndarray, positions: np.ndarray) -> np.ndarray:
     return ((z ^ (z >> np.uint64(31))) & np.uint64(0x7FFFFFFFFFFFFFFF)).astype(np.int64)
 
 
+U64 = 0xFFFFFFFFFFFFFFFF
+
+
+def sample_key(seed: int, position: int) -> int:
+    """sample_keys for one row in Python integers (seed taken mod 2^64)."""
+    z = ((seed & U64) * 0x9E3779B97F4A7C15 + position + 1) & U64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & U64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & U64
+    return (z ^ (z >> 31)) & 0x7FFFFFFFFFFFFFFF
+
+
 class StepBuffers:
     """Preallocated step inputs for up to max_tokens tokens, max_seqs sequences and
     max_blocks blocks per sequence; fill() writes one step and returns views. arrays: buffers to
@@ -62,6 +73,11 @@ class StepBuffers:
     and dtypes. incremental: a decode step after one of the same sequences writes only what moves
     (tokens, positions, slots, seq_lens, seeds), for an owner that writes nothing else into the
     buffers between fills."""
+
+    # incremental decode steps of at most this many sequences are written row by row in Python
+    # (memoryview stores, no numpy calls): after a step's weights have swept the caches each numpy
+    # call costs microseconds, and at one sequence the whole-step numpy write took ~75 us
+    ROW_WRITES = 8
 
     def __init__(self, max_tokens: int, max_seqs: int, max_blocks: int, arrays: dict[str, np.ndarray] | None = None,
                  incremental: bool = False):
@@ -85,6 +101,8 @@ class StepBuffers:
         # seeds uint64[S], table width); None when it was no plain decode step
         self._decode: tuple | None = None
         self.incremental = incremental
+        self._rows = {k: memoryview(self.np[k].reshape(-1)) for k in  # flat views of the fill's own buffers
+                      ("tokens", "positions", "slot_mapping", "seq_lens", "seeds", "block_tables")} if incremental else {}
 
     def fill(self, chunks: list[SeqChunk], cache: KVCache) -> dict[str, torch.Tensor]:
         """Writes the step's chunks (whole-step numpy operations, no per-chunk ones: a decode
@@ -165,7 +183,12 @@ class StepBuffers:
                     or c.blocks != blocks):
                 return False
         self._decode = None  # until the step is written (an interrupted one leaves the next a whole fill)
-        b, s = self.np, len(chunks)
+        s = len(chunks)
+        if s <= self.ROW_WRITES:
+            self._write_decode_rows(chunks, bs)
+            self._decode = last
+            return True
+        b = self.np
         pos = np.fromiter((c.start for c in chunks), dtype=np.int64, count=s)
         b["tokens"][:s] = [c.tokens[0] for c in chunks]
         b["positions"][:s] = pos
@@ -174,6 +197,19 @@ class StepBuffers:
         b["seeds"][:s] = sample_keys(last[2], pos + 1)
         self._decode = last
         return True
+
+    def _write_decode_rows(self, chunks: list[SeqChunk], bs: int) -> None:
+        """_next_decode's writes, one sequence at a time (the tables are the last fill's)."""
+        m, width = self._rows, self.max_blocks
+        tokens, positions, slots, seq_lens, seeds, tables = (
+            m["tokens"], m["positions"], m["slot_mapping"], m["seq_lens"], m["seeds"], m["block_tables"])
+        for i, c in enumerate(chunks):
+            p = c.start
+            tokens[i] = c.tokens[0]
+            positions[i] = p
+            slots[i] = tables[i * width + p // bs] * bs + p % bs
+            seq_lens[i] = p + 1
+            seeds[i] = sample_key(c.seed, p + 1)
 
     def _views(self, t: int, s: int, r: int, width: int, cache: KVCache) -> dict[str, torch.Tensor]:
         """The step's inputs as fresh views of the buffers (kernels key per-step work on the

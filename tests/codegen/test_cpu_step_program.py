@@ -1,18 +1,20 @@
 """Native step programs (codegen/cpu/program.py, program.cpp): a bound decode step runs as one
-native call, and every step gives bit for bit what the executor's own Python loop gives (the
-kernels' Python dispatch, binding off), for decode and mixed prefill/decode steps."""
+native call (a W8A8 head's build: the head and the greedy sampling tail included), and every step
+gives bit for bit what the executor's own Python loop gives (the kernels' Python dispatch,
+binding off), for decode and mixed prefill/decode steps, sampled rows and drafts included."""
 import pytest
 import torch
 
 import deepfuse
 from deepfuse.codegen.cpu.bound import StepBinder
-from deepfuse.codegen.cpu.program import NativeGuard, NativeOp
+from deepfuse.codegen.cpu.program import NativeGuard, NativeOp, NativeStop
 from deepfuse.ir import DTYPES
 from deepfuse.runtime.batch import SeqChunk, StepBuffers
 from deepfuse.runtime.kv_cache import CacheConfig, KVCache
 
 BUILDS = {"f32": ("f32", None, None), "bf16": ("bf16", None, None), "int4": ("bf16", "int4", None),
           "w8a8-kv8": ("bf16", "w8a8", "int8"), "int4-a8": ("bf16", "int4-a8", None)}
+W8A8_HEAD = ("w8a8-kv8", "int4-a8")  # builds whose LM head (and so the sampling tail) binds
 
 
 def compiled(tiny_model, native, kind: str):
@@ -22,13 +24,17 @@ def compiled(tiny_model, native, kind: str):
     return deepfuse.compile(tiny_model, dtype=dtype, quant=quant, kv_cache_dtype=kv)
 
 
-def run_step(art, buffers, cache, chunks, bound: bool) -> list[torch.Tensor]:
-    """The step's outputs (copied), through the native program (bound) or the executor's loop."""
+def run_step(art, buffers, cache, chunks, bound: bool, edit=None, copy: bool = True) -> list[torch.Tensor]:
+    """The step's outputs (copied unless told), through the native program (bound) or the
+    executor's loop. edit(inputs): changes the filled inputs before the step runs."""
     runner = art.runner
     kept = runner.binder
     runner.binder = kept if bound else None
     try:
-        return [t.clone() for t in art(buffers.fill(chunks, cache)) if isinstance(t, torch.Tensor)]
+        inputs = buffers.fill(chunks, cache)
+        if edit is not None:
+            edit(inputs)
+        return [t.clone() if copy else t for t in art(inputs) if isinstance(t, torch.Tensor)]
     finally:
         runner.binder = kept
 
@@ -55,9 +61,44 @@ def test_decode_steps_run_as_one_native_call_and_equal_the_executor_loop(tiny_mo
         want = run_step(art, buffers, cache, chunks, bound=False)  # rewrites the same cache rows
         assert all(torch.equal(a, b) for a, b in zip(got, want))
     (prefix,) = art.runner.binder.cache.values()
-    assert prefix.count >= len(art.runner.launches) - 5  # all but the sampling tail
-    assert all(isinstance(c, NativeOp) for c in prefix.calls)
+    if kind in W8A8_HEAD:  # the head, the greedy sample, spec_verify and the sampled rows too
+        assert prefix.count == len(art.runner.launches)
+    else:
+        assert prefix.count >= len(art.runner.launches) - 5  # all but the sampling tail
+    assert all(isinstance(c, (NativeOp, NativeStop)) for c in prefix.calls)
     assert (prefix.segments.programs, prefix.segments.python_calls) == (1, 0)  # one native call
+
+
+@pytest.mark.parametrize("kind", W8A8_HEAD)
+def test_a_bound_tail_gives_fresh_outputs_and_its_stops_hand_sampled_rows_and_drafts_to_python(tiny_model, native,
+                                                                                               kind):
+    """Steps of one decode layout through the bound tail: outputs are new tensors each step (a
+    caller keeps them), and a row with a temperature or a draft holds the program before the
+    sampler or spec_verify, the rest running from Python: the tokens still equal the loop's."""
+    art = compiled(tiny_model, native, kind)
+    art.runner.binder = StepBinder()
+    cache = kv_cache(art)
+    buffers = StepBuffers(16, 4, 8)
+    blocks = [[0, 1, 2], [3, 4, 5], [6, 7, 8]]
+    run_step(art, buffers, cache, [SeqChunk([5, 9, 17], 0, b) for b in blocks], bound=False)
+    sampled = dict(temperature=0.8, top_k=5, top_p=0.9, seed=11)
+    held = []  # each step's outputs as returned, and copies made then
+    for step, (hot, draft) in enumerate([(None, None), (1, None), (None, 0), (0, 2), (None, None)]):
+        chunks = [SeqChunk([(7 * step + i) % 50 + 1], 3 + step, b, **(sampled if i == hot else {}))
+                  for i, b in enumerate(blocks)]
+
+        def edit(inputs, row=draft):
+            if row is not None:  # a draft on a decode row: spec_verify keeps what follows only if it equals the token
+                inputs["draft_tokens"][row] = 3
+
+        got = run_step(art, buffers, cache, chunks, bound=True, edit=edit, copy=False)
+        held.append((got, [t.clone() for t in got]))
+        want = run_step(art, buffers, cache, chunks, bound=False, edit=edit)
+        assert all(torch.equal(a, b) for a, b in zip(got, want)), step
+    for got, copies in held:  # later steps wrote none of an earlier step's outputs
+        assert all(torch.equal(a, b) for a, b in zip(got, copies))
+    (prefix,) = art.runner.binder.cache.values()
+    assert prefix.count == len(art.runner.launches)
 
 
 @pytest.mark.parametrize("kind", list(BUILDS))
@@ -86,6 +127,27 @@ def test_a_failed_guard_runs_nothing(native):
     pos[1] = 10
     assert not prog.run() and not out.any()
     assert not NativeGuard(pos, 10)() and NativeGuard(pos, 11)()
+
+
+def test_a_stop_holds_the_run_and_outputs_are_new_each_run(native):
+    prog = native.StepProgram()
+    x, temperature, drafts = torch.tensor([[0.5, 3.0, -1.0], [2.0, 1.0, 2.0]]), torch.zeros(2), torch.full((2,), -1)
+    logits, tokens = prog.output([2, 3], torch.float32), prog.output([2], torch.int64)
+    prog.index_select_to(x, torch.tensor([0, 1]), logits)
+    prog.stop_unless_at_most(temperature, 0.0)
+    prog.argmax_to(logits, tokens)
+    prog.stop_unless_below(drafts, 0)
+    status, (first, picked) = prog.run_step()
+    assert status == 2 and torch.equal(first, x) and picked.tolist() == [1, 0]
+    status, (second, _) = prog.run_step()
+    assert second.data_ptr() != first.data_ptr() and torch.equal(second, x)
+    temperature[1] = 0.5
+    assert prog.run_step()[0] == 0 and not prog.run()  # held before the argmax
+    temperature[1] = float("nan")  # not above 0: as the kernel's check has it
+    drafts[0] = 4
+    assert prog.run_step()[0] == 1
+    with pytest.raises(RuntimeError, match="no output slot"):
+        prog.argmax_to(logits, 5)
 
 
 def test_the_spec_verify_kernel_equals_its_reference():

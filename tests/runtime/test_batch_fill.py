@@ -89,14 +89,17 @@ def test_fill_rejects_bad_chunks_by_name():
         buffers.fill([SeqChunk(list(range(9)), 0, [0, 1, 2])], cache)
 
 
-def test_incremental_decode_fills_write_what_the_reference_writes():
+@pytest.mark.parametrize("row_writes", [0, StepBuffers.ROW_WRITES])
+def test_incremental_decode_fills_write_what_the_reference_writes(row_writes):
     """Runs of decode steps through incremental buffers (which write only what moves from one
     decode step to the next) against the reference, with the runs broken by every change that
     must make a whole fill: a new or released block, another sequence set or a dropped sequence,
     any sampling change, a step repeated (rolled back), a chunk of several tokens or samples, and
-    a table that does not cover its position (refused, as by a whole fill)."""
+    a table that does not cover its position (refused, as by a whole fill). row_writes: the
+    most sequences written row by row (0: every step by whole-step numpy)."""
     cache = KVCache(2, 1, 4, torch.float32, CacheConfig(block_size=BS, num_blocks=8))
     buffers = StepBuffers(64, 8, 128, incremental=True)
+    buffers.ROW_WRITES = row_writes
     rng = random.Random(1)
     seqs, took = [], []
     whole = buffers._next_decode

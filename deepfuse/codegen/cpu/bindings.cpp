@@ -57,6 +57,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("swiglu", &swiglu, "silu(x[:, :F]) * x[:, F:] for x [T, 2F], into out if given (rows.cpp)", py::arg("x"),
           py::arg("out") = py::none());
     m.def("rope_cache", &rope_cache, "rotary q and k of qkv rows, k and v into the paged cache (rows.cpp)");
-    m.def("argmax", &argmax, "first index of each f32 row's largest value (rows.cpp)");
+    m.def("argmax", &argmax, "first index of each f32 row's largest value, into out if given (rows.cpp)",
+          py::arg("x"), py::arg("out") = py::none());
     bind_program(m);
 }

@@ -15,6 +15,11 @@ calls must do what the kernel's own call does for any contents of those tensors;
 Python decides on tensor contents (attention: which rows decode) binds only where that decision
 follows from the shapes, and returns None elsewhere. A guard is checked once per step before the
 calls run again (rope tables: the step's positions must lie inside the bound ones).
+
+A launch whose outputs have no planned buffer (the step's outputs: logits, sampled tokens, rows)
+binds, with step programs on, through `bind_new(*ins) -> (Bound, outputs) | None`: its outputs are
+RunOutputs that each run allocates, and its calls may begin with a NativeStop, which holds the
+run there unless the step's contents allow the bound calls (every row greedy, no drafts).
 """
 from __future__ import annotations
 
@@ -24,7 +29,8 @@ from functools import partial
 
 import torch
 
-from .program import Segments
+from .native import kernels as native_kernels
+from .program import NativeStop, RunOutput, Segments
 
 
 @dataclass
@@ -76,9 +82,20 @@ class BoundPrefix:
 
     def __post_init__(self):
         self.segments = Segments(self.calls, self.guards, self.programs)
+        self.new_slots = [(s, t) for s, t in enumerate(self.env) if isinstance(t, RunOutput)]
 
-    def run(self) -> bool:
-        return self.segments.run()
+    def run(self) -> tuple[int, list]:
+        """Runs the bound calls -> (done, env): done is how many launches ran (count, or fewer
+        where a stop held the run; -1: a guard failed and nothing ran); env: the slots after
+        them, this run's tensors in place of RunOutputs (a fresh list)."""
+        held, made = self.segments.run()
+        if held == -1:
+            return -1, self.env
+        env = list(self.env)
+        for s, t in self.new_slots:
+            if id(t) in made:
+                env[s] = made[id(t)]
+        return self.count if held is None else held, env
 
 
 class StepBinder:
@@ -111,14 +128,22 @@ class StepBinder:
     @staticmethod
     def bind(launches: list, env: list, views: list, programs: bool = True) -> BoundPrefix:
         env = list(env)
+        programs = programs and hasattr(native_kernels(), "StepProgram")
         calls: list[Callable[[], object]] = []
         guards: dict[object, Callable[[], bool]] = {}
         count = 0
         for (kernel, ins, outs, _), out in zip(launches, views):
-            bind = getattr(kernel, "bind", None)
-            bound = bind(*[env[i] for i in ins], out=out) if out is not None and bind is not None else None
+            bind, bind_new = getattr(kernel, "bind", None), getattr(kernel, "bind_new", None)
+            if out is not None:
+                bound = bind(*[env[i] for i in ins], out=out) if bind is not None else None
+            else:  # a step output: allocated by each run of a step program
+                made = bind_new(*[env[i] for i in ins]) if programs and bind_new is not None else None
+                bound, out = made if made is not None else (None, None)
             if bound is None:
                 break
+            for call in bound.calls:
+                if isinstance(call, NativeStop):
+                    call.launch = count
             calls += bound.calls
             guards.update(bound.guards)
             for s, t in zip(outs, out):

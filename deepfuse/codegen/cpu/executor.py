@@ -190,15 +190,17 @@ class CpuExecutor:
         if self.binder is not None:
             key = (self.buffers.generation, *layout_key([inputs[name] for name in self.inputs]))
             prefix = self.binder.get(key, self.launches, env, views)
-            if prefix.count and not prefix.run():  # a guard failed (nothing ran): bind again
+            done, bound_env = prefix.run() if prefix.count else (0, env)
+            if done < 0:  # a guard failed (nothing ran): bind again
                 prefix = self.binder.get(key, self.launches, env, views, fresh=True)
-                if prefix.count and not prefix.run():
+                done, bound_env = prefix.run() if prefix.count else (0, env)
+                if done < 0:
                     raise DeepfuseError("a freshly bound step failed its own guards")
-            if prefix.count:
-                env = list(prefix.env)
+            if done:  # the first `done` launches ran (a stop may have held the rest: they run below)
+                env = bound_env
                 for name, s in self.inputs.items():  # this step's tensors (kernels may key caches on them)
                     env[s] = inputs[name]
-                start = prefix.count
+                start = done
         for (kernel, ins, outs, frees), out in zip(islice(self.launches, start, None), islice(views, start, None)):
             if out is not None:
                 kernel(*[env[i] for i in ins], out=out)

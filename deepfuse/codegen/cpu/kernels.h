@@ -47,4 +47,4 @@ torch::Tensor swiglu(const torch::Tensor& x, std::optional<torch::Tensor> out);
 void rope_cache(const torch::Tensor& qkv, const torch::Tensor& pos, const torch::Tensor& cos, const torch::Tensor& sin,
                 torch::Tensor cache, const torch::Tensor& slots, int64_t num_heads, torch::Tensor q_out,
                 torch::Tensor k_out);
-torch::Tensor argmax(const torch::Tensor& x);
+torch::Tensor argmax(const torch::Tensor& x, std::optional<torch::Tensor> out);

@@ -22,10 +22,10 @@ from .bound import Bound
 from .generated_build import make_generated
 from .moe_kernels import ExpertWeights, MoeWeights, make_fused_moe, make_moe_experts, moe_local_experts
 from .native import kernels as native_kernels
-from .program import NativeGuard, native_op
+from .program import NativeGuard, NativeStop, RunOutput, native_op, program_op
 from .q4a8_kernels import Q4A8Weights, q4a8_linear, q4a8_norm_linear, q4a8_swiglu_linear
 from .row_kernels import NORM_DTYPES, add_rms_rows, native_rows, rms_rows, swiglu_rows, take_rows
-from .w8a8_kernels import W8A8Weights, w8a8_linear, w8a8_logits, w8a8_norm_linear, w8a8_swiglu_linear
+from .w8a8_kernels import W8A8Weights, w8a8_linear, w8a8_logits_kernel, w8a8_norm_linear, w8a8_swiglu_linear
 
 Kernel = Callable[..., Any]
 FACTORIES: dict[str, Callable[[dict], Kernel]] = {}
@@ -447,6 +447,17 @@ def _sample(attrs: dict) -> Kernel:
             return native.argmax(logits) if native is not None else logits.argmax(-1)
         return ref(logits, temperature, top_k, top_p, seeds)
 
+    def bind_new(logits, temperature, top_k, top_p, seeds) -> tuple[Bound, list[RunOutput]] | None:
+        """In a step program: the argmax of the run's logits where no row has a temperature above
+        0 (a stop holds the run before it otherwise: the draw runs from Python)."""
+        if not isinstance(logits, RunOutput) or logits.dtype != torch.float32 or len(logits.shape) != 2 \
+                or logits.shape[1] == 0 or not isinstance(temperature, torch.Tensor) \
+                or temperature.dtype != torch.float32 or not temperature.is_contiguous() or native_rows() is None:
+            return None
+        tokens = RunOutput(logits.shape[:1], torch.int64)
+        return Bound([NativeStop(temperature, at_most=0.0), program_op("argmax_to", logits, tokens)]), [tokens]
+
+    sample.bind_new = bind_new
     return sample
 
 
@@ -461,7 +472,33 @@ def _spec_verify(attrs: dict) -> Kernel:
             return tokens  # the sampler's fresh tensor, as it is (no torch op: see sample)
         return ref(tokens, draft_tokens)
 
+    def bind_new(tokens, draft_tokens) -> tuple[Bound, list] | None:
+        """In a step program: the tokens as they are, behind a stop that holds the run where a row has a draft."""
+        if not isinstance(draft_tokens, torch.Tensor) or draft_tokens.dtype != torch.int64 \
+                or not draft_tokens.is_contiguous():
+            return None
+        return Bound([NativeStop(draft_tokens, below=0)]), [tokens]
+
+    spec_verify.bind_new = bind_new
     return spec_verify
+
+
+@factory("take_rows")
+def _take_rows(attrs: dict) -> Kernel:
+    ref = OPS["take_rows"].reference
+
+    def take_rows_kernel(x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        return ref(x, rows)
+
+    def bind_new(x, rows) -> tuple[Bound, list[RunOutput]] | None:
+        """In a step program: x[rows] into the run's tensor."""
+        if not isinstance(x, torch.Tensor) or x.dim() != 2 or not isinstance(rows, torch.Tensor):
+            return None
+        out = RunOutput((rows.shape[0], x.shape[1]), x.dtype)
+        return Bound([program_op("index_select_to", x, rows, out)]), [out]
+
+    take_rows_kernel.bind_new = bind_new
+    return take_rows_kernel
 
 
 from . import attention  # noqa: E402,F401  (registers the attention kernel)
@@ -489,8 +526,7 @@ PREPACKED = {
     # 1.6x faster than the bf16 vector GEMM on Zen 4 (docs/quantization.md)
     "linear_w8a8": Prepack((1, 2), W8A8Weights, lambda attrs: lambda x, w: w8a8_linear(x, w, attrs["act_group"]), ALL),
     # the LM head of a W8A8 build (f32 logits; SmolLM2's [64 rows, 576] x [49152, 576]: ~2x the bf16 GEMM)
-    "logits_w8a8": Prepack((1, 2), W8A8Weights,
-                           lambda attrs: lambda x, w, rows: w8a8_logits(x, w, rows, attrs["act_group"]), ALL),
+    "logits_w8a8": Prepack((1, 2), W8A8Weights, lambda attrs: w8a8_logits_kernel(attrs["act_group"]), ALL),
 }
 PREPACKED_Q4 = {  # ops whose projection is int4 (attr group_size): packed for every dtype
     "linear_q4": Prepack((1, 2, 3), Q4Weights, lambda attrs: q4_linear, ALL),

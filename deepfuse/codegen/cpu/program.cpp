@@ -7,11 +7,19 @@
 // Guards (guard_below) are checked first: run() returns false, having run nothing, when one fails
 // (the caller binds the step again). Each op calls the same C++ entry point its Python-bound form
 // calls, or the same ATen op, with the same arguments, so a program computes what those calls do.
+//
+// A step's outputs are tensors its caller keeps, so a program allocates them anew on each run:
+// output(shape, dtype) names one by its slot, and the *_to ops write into a slot. A stop
+// (stop_unless_below, stop_unless_at_most) holds the run at its place unless its tensor's values
+// pass (a sampled row, a draft to verify: the ops from there on run from Python instead).
+// run_step() -> (status, outputs): status -1 when a guard failed (nothing ran), else how many
+// stops held, in order (all of them: every op ran); outputs: this run's slot tensors.
 #include <torch/extension.h>
 
 #include <ATen/Parallel.h>
 
 #include <functional>
+#include <memory>
 #include <optional>
 #include <tuple>
 #include <utility>
@@ -25,9 +33,45 @@ using Tensor = torch::Tensor;
 using Opt = std::optional<torch::Tensor>;
 using Entry = void (*)(const int64_t*);  // a generated kernel's extern "C" entry (generated.py)
 
+using Slots = std::shared_ptr<std::vector<Tensor>>;  // this run's outputs, by slot
+
 class StepProgram {
   public:
     void add(std::function<void()> op) { ops_.push_back(std::move(op)); }
+
+    // a tensor of this shape and dtype allocated by each run; returns its slot
+    int64_t output(std::vector<int64_t> shape, at::ScalarType dtype) {
+        specs_.emplace_back(std::move(shape), dtype);
+        return static_cast<int64_t>(specs_.size()) - 1;
+    }
+    const Slots& slots() const { return slots_; }
+    void check_slot(int64_t k) const {
+        TORCH_CHECK(k >= 0 && k < static_cast<int64_t>(specs_.size()), "StepProgram: no output slot ", k);
+    }
+
+    // the run holds here unless every value of t (int64) is below limit
+    void stop_unless_below(Tensor t, int64_t limit) {
+        TORCH_CHECK(t.scalar_type() == torch::kInt64 && t.is_contiguous() && t.is_cpu(),
+                    "stop_unless_below: a contiguous CPU int64 tensor");
+        stops_.emplace_back(ops_.size(), [t, limit] {
+            const int64_t* v = t.data_ptr<int64_t>();
+            for (int64_t i = 0, n = t.numel(); i < n; ++i)
+                if (v[i] >= limit) return false;
+            return true;
+        });
+    }
+
+    // the run holds here unless no value of t (f32) is above limit (a NaN is not)
+    void stop_unless_at_most(Tensor t, double limit) {
+        TORCH_CHECK(t.scalar_type() == torch::kFloat32 && t.is_contiguous() && t.is_cpu(),
+                    "stop_unless_at_most: a contiguous CPU f32 tensor");
+        stops_.emplace_back(ops_.size(), [t, limit] {
+            const float* v = t.data_ptr<float>();
+            for (int64_t i = 0, n = t.numel(); i < n; ++i)
+                if (v[i] > limit) return false;
+            return true;
+        });
+    }
 
     // run() refuses to start unless every value of t (int64, contiguous) is below limit
     void guard_below(Tensor t, int64_t limit) {
@@ -36,22 +80,35 @@ class StepProgram {
         guards_.emplace_back(std::move(t), limit);
     }
 
-    bool run() {
+    // -1: a guard failed (nothing ran); else how many stops held (every op ran when all did)
+    int64_t run_ops() {
         c10::InferenceMode mode;  // the step's tensors are inference tensors
         for (const auto& [t, limit] : guards_) {
             const int64_t* v = t.data_ptr<int64_t>();
             for (int64_t i = 0, n = t.numel(); i < n; ++i)
-                if (v[i] >= limit) return false;
+                if (v[i] >= limit) return -1;
         }
-        for (auto& op : ops_) op();
-        return true;
+        slots_->clear();
+        for (const auto& [shape, dtype] : specs_) slots_->push_back(at::empty(shape, at::TensorOptions().dtype(dtype)));
+        size_t stop = 0;
+        for (size_t i = 0; i <= ops_.size(); ++i) {
+            for (; stop < stops_.size() && stops_[stop].first == i; ++stop)
+                if (!stops_[stop].second()) return static_cast<int64_t>(stop);
+            if (i < ops_.size()) ops_[i]();
+        }
+        return static_cast<int64_t>(stops_.size());
     }
+
+    bool run() { return run_ops() == static_cast<int64_t>(stops_.size()); }
 
     size_t size() const { return ops_.size(); }
 
   private:
     std::vector<std::function<void()>> ops_;
     std::vector<std::pair<Tensor, int64_t>> guards_;
+    std::vector<std::pair<size_t, std::function<bool()>>> stops_;  // (the op it stands before, its check)
+    std::vector<std::pair<std::vector<int64_t>, at::ScalarType>> specs_;
+    Slots slots_ = std::make_shared<std::vector<Tensor>>();
 };
 
 }  // namespace
@@ -62,8 +119,19 @@ void bind_program(py::module& m) {
         .def(py::init<>())
         .def("__len__", &P::size)
         .def("run", &P::run, py::call_guard<py::gil_scoped_release>(),
-             "runs every op in order; false (nothing run) when a guard fails")
+             "runs every op in order; false when a guard failed (nothing ran) or a stop held the run")
+        .def("run_step", [](P& p) {
+            int64_t status;
+            {
+                py::gil_scoped_release released;
+                status = p.run_ops();
+            }
+            return py::make_tuple(status, *p.slots());
+        }, "runs the ops -> (status, outputs): -1 when a guard failed, else how many stops held")
         .def("guard_below", &P::guard_below)
+        .def("output", &P::output, "a tensor allocated by each run: its slot")
+        .def("stop_unless_below", &P::stop_unless_below)
+        .def("stop_unless_at_most", &P::stop_unless_at_most)
         .def("rms_norm", [](P& p, Tensor x, Tensor w, double eps, Tensor out) {
             p.add([=] { rms_norm(x, w, eps, out); });
         })
@@ -119,6 +187,19 @@ void bind_program(py::module& m) {
             p.add([=]() mutable { at::index_select_out(out, table, 0, ids); });
         })
         .def("add", [](P& p, Tensor a, Tensor b, Tensor out) { p.add([=]() mutable { at::add_out(out, a, b); }); })
+        // ops into an output slot (a tensor of this run)
+        .def("index_select_to", [](P& p, Tensor table, Tensor ids, int64_t to) {
+            p.check_slot(to);
+            p.add([=, s = p.slots()] { at::index_select_out((*s)[to], table, 0, ids); });
+        })
+        .def("i8_gemm_to", [](P& p, Tensor x, Tensor panels, Tensor scale, int64_t n, int64_t group, int64_t to) {
+            p.check_slot(to);
+            p.add([=, s = p.slots()] { i8_gemm(x, panels, scale, n, group, (*s)[to]); });
+        })
+        .def("argmax_to", [](P& p, int64_t from, int64_t to) {
+            p.check_slot(from), p.check_slot(to);
+            p.add([=, s = p.slots()] { argmax((*s)[from], (*s)[to]); });
+        })
         // a generated kernel: its entry on its argument array (threads_at >= 0: that slot gets the
         // thread count before each call); the caller keeps the library and the array alive
         .def("generated", [](P& p, int64_t entry, int64_t args, int64_t threads_at) {

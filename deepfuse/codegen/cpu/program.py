@@ -7,7 +7,13 @@ StepProgram, any other call (a reference op, a torch fallback) a Python call bet
 decode step of the Llama-family builds (f32, bf16, int4, W8A8, int8 KV) is one segment.
 
 Guards whose check is "every value of an int64 tensor below a limit" (NativeGuard) are checked
-by the first program before it runs anything; run() then returns False and nothing has run.
+by the first program before it runs anything; run() then returns -1 and nothing has run.
+
+A step's outputs (its logits, tokens and rows, which the caller keeps) are RunOutputs: each run
+of the program allocates them anew, and ops name them in place of a tensor (program_op). A
+NativeStop holds the run at its place unless its tensor passes its check (a row to sample with a
+temperature, a draft to verify): run() then says how many launches ran, and the executor runs
+the rest from Python. Both exist only in programs: a bound step binds them only with programs on.
 """
 from __future__ import annotations
 
@@ -64,6 +70,42 @@ def aten_op(name: str, *args) -> NativeOp:
     return NativeOp(call, name, *args)
 
 
+class RunOutput:
+    """A tensor of this shape and dtype that each run of a step program allocates (a step output):
+    bound calls name it where a tensor goes; Segments.run gives this run's tensor of each."""
+
+    __slots__ = ("shape", "dtype")
+
+    def __init__(self, shape: tuple[int, ...], dtype: torch.dtype):
+        self.shape, self.dtype = tuple(shape), dtype
+
+
+def _in_programs_only():
+    raise RuntimeError("this bound call names a RunOutput: it runs only in a step program")
+
+
+def program_op(name: str, *args) -> NativeOp:
+    """The StepProgram method `name` on args, where some are RunOutputs (index_select_to,
+    i8_gemm_to, argmax_to): a call with no Python form."""
+    return NativeOp(_in_programs_only, name, *args)
+
+
+class NativeStop:
+    """A bound call that holds a program's run at its place unless every value of t is below
+    `below` (int64) or none is above `at_most` (f32). launch: the launch it stands before (set by
+    StepBinder.bind); the executor runs that one and the rest from Python when it holds."""
+
+    __slots__ = ("t", "below", "at_most", "launch")
+
+    def __init__(self, t: torch.Tensor, below: int | None = None, at_most: float | None = None):
+        if (below is None) == (at_most is None):
+            raise ValueError("a NativeStop checks one of: below (int64), at_most (f32)")
+        self.t, self.below, self.at_most, self.launch = t, below, at_most, -1
+
+    def __call__(self):
+        _in_programs_only()
+
+
 class NativeGuard:
     """A guard (bound.py) that holds while every value of t (int64, contiguous) is below limit."""
 
@@ -78,7 +120,7 @@ class NativeGuard:
 
 class Segments:
     """A bound step's calls as native programs and the Python calls between them. run() returns
-    False, having run nothing, when a guard fails."""
+    -1, having run nothing, when a guard fails (see run)."""
 
     def __init__(self, calls: list[Callable[[], object]], guards: list[Callable[[], bool]], programs: bool = True):
         """programs=False: every call from Python, as bound calls ran before step programs
@@ -87,13 +129,38 @@ class Segments:
         self.parts: list = []  # StepProgram or a Python call
         self.python_guards = [g for g in guards if program_type is None or not isinstance(g, NativeGuard)]
         native_guards = [g for g in guards if g not in self.python_guards]
+        self.stops: list[list[int]] = []  # per part: the launches its stops stand before, in order
+        self.outputs: list[tuple[int, int, RunOutput]] = []  # (part, slot, output)
+        slots: dict[int, tuple[int, int]] = {}  # id(RunOutput) -> (part, slot)
         for call in calls:
-            if program_type is not None and isinstance(call, NativeOp):
+            if program_type is not None and isinstance(call, (NativeOp, NativeStop)):
                 if not self.parts or not isinstance(self.parts[-1], program_type):
                     self.parts.append(program_type())
-                getattr(self.parts[-1], call.name)(*call.args)
+                    self.stops.append([])
+                program, part = self.parts[-1], len(self.parts) - 1
+                if isinstance(call, NativeStop):
+                    if call.below is not None:
+                        program.stop_unless_below(call.t, call.below)
+                    else:
+                        program.stop_unless_at_most(call.t, call.at_most)
+                    self.stops[-1].append(call.launch)
+                    continue
+                args = []
+                for a in call.args:
+                    if isinstance(a, RunOutput):
+                        if id(a) not in slots:
+                            slots[id(a)] = (part, program.output(list(a.shape), a.dtype))
+                            self.outputs.append((part, slots[id(a)][1], a))
+                        if slots[id(a)][0] != part:
+                            raise ValueError("a RunOutput is named by two step programs")
+                        a = slots[id(a)][1]
+                    args.append(a)
+                getattr(program, call.name)(*args)
+            elif isinstance(call, NativeStop) or any(isinstance(a, RunOutput) for a in getattr(call, "args", ())):
+                raise ValueError("a bound call with a stop or a RunOutput needs step programs")
             else:
                 self.parts.append(call)
+                self.stops.append([])
         if native_guards:
             if not self.parts or not isinstance(self.parts[0], program_type):
                 self.parts.insert(0, program_type())
@@ -102,12 +169,22 @@ class Segments:
         self.programs = sum(isinstance(p, program_type) for p in self.parts) if program_type else 0
         self.python_calls = len(self.parts) - self.programs
 
-    def run(self) -> bool:
+    def run(self) -> tuple[int | None, dict[int, torch.Tensor]]:
+        """-> (held, made): held is -1 when a guard failed (nothing ran), the launch a stop held
+        the run before, or None (every call ran); made: id(RunOutput) -> this run's tensor."""
+        made: dict[int, torch.Tensor] = {}
         if not all(check() for check in self.python_guards):
-            return False
-        for part in self.parts:
-            if not hasattr(part, "run"):
+            return -1, made
+        for i, (part, stops) in enumerate(zip(self.parts, self.stops)):
+            if not hasattr(part, "run_step"):
                 part()
-            elif not part.run():  # only the first part has guards: when one fails nothing has run
-                return False
-        return True
+                continue
+            status, tensors = part.run_step()
+            if status < 0:  # only the first part has guards: when one fails nothing has run
+                return -1, made
+            for p, slot, output in self.outputs:
+                if p == i:
+                    made[id(output)] = tensors[slot]
+            if status < len(stops):
+                return stops[status], made
+        return None, made

@@ -7,7 +7,7 @@
 //       slots; q_out and k_out get the rotated rows (f32 / bf16 rows; cos and sin f32; sin
 //       sign-folded: [-sin | sin], so rotate_half(x) * sin == swap_halves(x) * sin_folded); an int8
 //       cache [2, NB, BS, Hkv, hd + 4] gets each head's row quantized (quantize_kv_row)
-//   argmax(x [T, V] f32)                     -> [T] int64, the first index of each row's largest
+//   argmax(x [T, V] f32, out)                -> [T] int64 (into out if given), the first index of each row's largest
 //       value (a NaN counts as largest, as torch.argmax has it)
 //
 // Every value is computed in float and rounded once to the row dtype.
@@ -216,11 +216,13 @@ void rope_cache(const torch::Tensor& qkv, const torch::Tensor& pos, const torch:
         run(qkv.data_ptr<c10::BFloat16>());
 }
 
-torch::Tensor argmax(const torch::Tensor& x) {
+torch::Tensor argmax(const torch::Tensor& x, std::optional<torch::Tensor> out) {
     TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.scalar_type() == torch::kFloat32 && x.size(1) > 0,
                 "argmax: x must be f32 [T, V] (V >= 1) with unit column stride");
     const int64_t t = x.size(0), v = x.size(1), ld = x.stride(0);
-    auto idx = torch::empty({t}, x.options().dtype(torch::kInt64));
+    auto idx = out ? *out : torch::empty({t}, x.options().dtype(torch::kInt64));
+    TORCH_CHECK(idx.scalar_type() == torch::kInt64 && idx.is_contiguous() && idx.numel() == t,
+                "argmax: out must be a contiguous int64 [T]");
     const float* xp = x.data_ptr<float>();
     int64_t* ip = idx.data_ptr<int64_t>();
     at::parallel_for(0, t, 1, [&](int64_t begin, int64_t end) {

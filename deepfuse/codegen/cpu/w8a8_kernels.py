@@ -9,8 +9,9 @@ import torch
 import torch.nn.functional as F
 
 from ...ir.opdefs_quant import linear_w8a8, w8a8_product
+from .bound import Bound
 from .native import kernels as native_kernels
-from .program import native_op
+from .program import RunOutput, aten_op, native_op, program_op
 from .row_kernels import add_rms_rows, rms_rows, swiglu_rows, take_rows
 
 
@@ -55,6 +56,26 @@ def w8a8_logits(x: torch.Tensor, w: W8A8Weights, rows: torch.Tensor, act_group: 
         out = torch.empty(x.shape[0], w.n, dtype=torch.float32)
         return w.native.i8_gemm(x, w.panels, w.padded_scale, w.n, act_group, out)
     return w8a8_product(x, w.wq, w.scale, act_group)
+
+
+def w8a8_logits_kernel(act_group: int) -> Callable:
+    """logits_w8a8's kernel (x, w, rows) -> [R,V] f32, with bind_new: in a step program, the rows
+    gathered into a buffer of the binding, then the native GEMM into the run's logits."""
+
+    def logits(x: torch.Tensor, w: W8A8Weights, rows: torch.Tensor) -> torch.Tensor:
+        return w8a8_logits(x, w, rows, act_group)
+
+    def bind_new(x, w: W8A8Weights, rows) -> tuple[Bound, list[RunOutput]] | None:
+        if w.native is None or not isinstance(x, torch.Tensor) or x.dtype not in NATIVE_W8A8 or x.dim() != 2 \
+                or not isinstance(rows, torch.Tensor):
+            return None
+        picked = torch.empty(rows.shape[0], x.shape[1], dtype=x.dtype)  # x[rows], rewritten by each run
+        out = RunOutput((rows.shape[0], w.n), torch.float32)
+        return Bound([aten_op("index_select", x, rows, picked),
+                      program_op("i8_gemm_to", picked, w.panels, w.padded_scale, w.n, act_group, out)]), [out]
+
+    logits.bind_new = bind_new
+    return logits
 
 
 def native_swiglu_linear(x: torch.Tensor, w: W8A8Weights, act_group: int,

@@ -101,6 +101,7 @@ class StepBuffers:
         # seeds uint64[S], table width); None when it was no plain decode step
         self._decode: tuple | None = None
         self.incremental = incremental
+        self._kv_names: list[str] = []  # "kv_cache.{i}" for each layer of the last cache filled
         self._rows = {k: memoryview(self.np[k].reshape(-1)) for k in  # flat views of the fill's own buffers
                       ("tokens", "positions", "slot_mapping", "seq_lens", "seeds", "block_tables")} if incremental else {}
 
@@ -224,8 +225,9 @@ class StepBuffers:
             inputs.update({"slot_mapping.sliding": v["slot_mapping.sliding"][:t],
                            "block_tables.sliding": v["block_tables.sliding"][:s, :width],
                            "seq_lens.sliding": v["seq_lens.sliding"][:s]})
-        for i, layer in enumerate(cache.layers):
-            inputs[f"kv_cache.{i}"] = layer
+        if len(self._kv_names) != len(cache.layers):
+            self._kv_names = [f"kv_cache.{i}" for i in range(len(cache.layers))]
+        inputs.update(zip(self._kv_names, cache.layers))
         return inputs
 
     def _fill_sliding(self, chunks: list[SeqChunk], pos: np.ndarray, seq: np.ndarray, ends: np.ndarray, width: int,

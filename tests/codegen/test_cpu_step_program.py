@@ -161,3 +161,20 @@ def test_the_spec_verify_kernel_equals_its_reference():
         for drafts in (torch.full((r,), -1), torch.where(torch.rand(r, generator=g) < 0.3, -1,
                                                          torch.randint(0, 3, (r,), generator=g))):
             assert torch.equal(kernel(tokens, drafts), ref(tokens, drafts))
+
+
+def test_the_native_layout_key_tells_layouts_apart_as_the_python_key_does(native):
+    """bound.layout_key's native form against its Python form on the same lists of tensors: two
+    lists get equal keys exactly when their Python keys are equal."""
+    base, other = torch.zeros(4, 6), torch.zeros(4, 6)
+    variants = [base, other, base[1:], base.t(), base.view(24), base.view(2, 12), base.view(torch.int32),
+                base[:, :3], base[:, ::2], torch.zeros(()), base.clone()]
+    lists = [[a, b] for a in variants for b in variants[:4]]
+
+    def python_key(ts):
+        return tuple((t.data_ptr(), t.dtype, *t.shape, *t.stride()) for t in ts)
+
+    keys = [(native.layout_key(ts), python_key(ts)) for ts in lists]
+    for nk, pk in keys:
+        for nk2, pk2 in keys:
+            assert (nk == nk2) == (pk == pk2)

@@ -60,9 +60,13 @@ def bind_as_is(kernel: Callable) -> Callable:
     return kernel
 
 
-def layout_key(tensors: list[torch.Tensor]) -> tuple:
+def layout_key(tensors: list[torch.Tensor]) -> tuple | bytes:
     """What a binding depends on in the step inputs: where each tensor's memory is and how it
-    is laid out (the bound calls hold the tensors, so an address cannot be reused meanwhile)."""
+    is laid out (the bound calls hold the tensors, so an address cannot be reused meanwhile).
+    The native kernels' one call where they are built (~170 Python calls fewer for a step's 42 inputs)."""
+    native = native_kernels()
+    if native is not None and hasattr(native, "layout_key"):
+        return native.layout_key(tensors)
     return tuple((t.data_ptr(), t.dtype, *t.shape, *t.stride()) for t in tensors)
 
 
@@ -115,8 +119,8 @@ class StepBinder:
         layout: the one bound before (unless fresh: its guards failed), else bound now from env
         (the slots with this step's inputs) and views (the launches' planned outputs, the same
         memory for the same key). Its count is 0 where the first launch does not bind."""
-        prefix = self.cache.get(key)
-        if prefix is not None and prefix.launches is launches and not fresh:
+        prefix = self.cached(key, launches)
+        if prefix is not None and not fresh:
             return prefix
         prefix = self.bind(launches, env, views, self.programs)
         self.cache.pop(key, None)
@@ -124,6 +128,11 @@ class StepBinder:
             self.cache.pop(next(iter(self.cache)))
         self.cache[key] = prefix
         return prefix
+
+    def cached(self, key: tuple, launches: list) -> BoundPrefix | None:
+        """The prefix bound before for this layout of these launches, if any."""
+        prefix = self.cache.get(key)
+        return prefix if prefix is not None and prefix.launches is launches else None
 
     @staticmethod
     def bind(launches: list, env: list, views: list, programs: bool = True) -> BoundPrefix:

@@ -180,27 +180,40 @@ class CpuExecutor:
             self.launches.append((kernel, ins, p["out"], p["free"]))
         self.binder = StepBinder() if bind_steps and use_buffers else None
 
-    @torch.inference_mode()
-    def __call__(self, inputs: dict[str, torch.Tensor]) -> list[torch.Tensor]:
+    def _env(self, inputs: dict[str, torch.Tensor]) -> list:
         env = list(self.base)
         for name, s in self.inputs.items():
             env[s] = inputs[name]
+        return env
+
+    @torch.inference_mode()
+    def __call__(self, inputs: dict[str, torch.Tensor]) -> list[torch.Tensor]:
         views = self.buffers.views_for(inputs, self.planned)
-        start = 0
-        if self.binder is not None:
-            key = (self.buffers.generation, *layout_key([inputs[name] for name in self.inputs]))
-            prefix = self.binder.get(key, self.launches, env, views)
-            done, bound_env = prefix.run() if prefix.count else (0, env)
-            if done < 0:  # a guard failed (nothing ran): bind again
-                prefix = self.binder.get(key, self.launches, env, views, fresh=True)
-                done, bound_env = prefix.run() if prefix.count else (0, env)
-                if done < 0:
-                    raise DeepfuseError("a freshly bound step failed its own guards")
-            if done:  # the first `done` launches ran (a stop may have held the rest: they run below)
-                env = bound_env
-                for name, s in self.inputs.items():  # this step's tensors (kernels may key caches on them)
-                    env[s] = inputs[name]
-                start = done
+        if self.binder is None:
+            return self._loop(self._env(inputs), views, 0)
+        key = (self.buffers.generation, layout_key([inputs[name] for name in self.inputs]))
+        prefix, env, done = self.binder.cached(key, self.launches), None, 0
+        for fresh in (False, True):  # a guard failed (nothing ran): bind again
+            if prefix is None or fresh:
+                env = self._env(inputs) if env is None else env
+                prefix = self.binder.get(key, self.launches, env, views, fresh=fresh)
+            if not prefix.count:
+                break
+            done, bound_env = prefix.run()
+            if done >= 0:
+                break
+        else:
+            raise DeepfuseError("a freshly bound step failed its own guards")
+        if done and done == len(self.launches):  # the whole step ran bound
+            return [bound_env[s] for s in self.outputs]
+        if done:  # the first `done` launches ran (a stop may have held the rest: they run below)
+            env = bound_env
+            for name, s in self.inputs.items():  # this step's tensors (kernels may key caches on them)
+                env[s] = inputs[name]
+        return self._loop(self._env(inputs) if env is None else env, views, done)
+
+    def _loop(self, env: list, views: list, start: int) -> list[torch.Tensor]:
+        """Runs the launches from `start` on, each from Python; returns the step's outputs."""
         for (kernel, ins, outs, frees), out in zip(islice(self.launches, start, None), islice(views, start, None)):
             if out is not None:
                 kernel(*[env[i] for i in ins], out=out)

@@ -111,9 +111,25 @@ class StepProgram {
     Slots slots_ = std::make_shared<std::vector<Tensor>>();
 };
 
+// What a bound step depends on in its inputs (codegen/cpu/bound.py, layout_key): each tensor's
+// address, dtype, rank, sizes and strides, as the bytes of one int64 array.
+py::bytes layout_key(const std::vector<Tensor>& tensors) {
+    std::vector<int64_t> key;
+    key.reserve(tensors.size() * 8);
+    for (const auto& t : tensors) {
+        key.push_back(reinterpret_cast<int64_t>(t.data_ptr()));
+        key.push_back(static_cast<int64_t>(t.scalar_type()));
+        key.push_back(t.dim());
+        key.insert(key.end(), t.sizes().begin(), t.sizes().end());
+        key.insert(key.end(), t.strides().begin(), t.strides().end());
+    }
+    return py::bytes(reinterpret_cast<const char*>(key.data()), key.size() * sizeof(int64_t));
+}
+
 }  // namespace
 
 void bind_program(py::module& m) {
+    m.def("layout_key", &layout_key, "each tensor's address, dtype, rank, sizes and strides, as bytes (program.cpp)");
     using P = StepProgram;
     py::class_<P>(m, "StepProgram", "a step's bound launches, run in order by one native call (program.cpp)")
         .def(py::init<>())

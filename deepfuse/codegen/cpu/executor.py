@@ -126,7 +126,9 @@ class CpuExecutor:
     A plan with "batch_invariant" runs one kernel per op for every batch shape (see
     check_batch_invariant), so a request's tokens do not depend on what shares its steps.
     bind_steps: steps whose inputs have the layout (memory, shapes, strides) of an earlier one
-    run that one's launches as bound calls (bound.py), as far as they bind (decode steps: all
+    run that one's launches as bound calls (bound.py), as far as they bind (decode steps: every
+    launch where the LM head's GEMM is native, the step's outputs allocated by each run and the
+    sampler and spec_verify run from Python for a step with a sampled row or a draft; else all
     but the sampling tail)."""
 
     def __init__(self, plan: dict, weights: dict[str, torch.Tensor], prepack: bool = True, use_buffers: bool = True,

@@ -22,7 +22,7 @@ from .bound import Bound
 from .generated_build import make_generated
 from .moe_kernels import ExpertWeights, MoeWeights, make_fused_moe, make_moe_experts, moe_local_experts
 from .native import kernels as native_kernels
-from .program import NativeGuard, NativeStop, RunOutput, native_op, program_op
+from .program import NativeGuard, NativeStop, RunOutput, aten_op, native_op, program_op
 from .q4a8_kernels import Q4A8Weights, q4a8_linear, q4a8_norm_linear, q4a8_swiglu_linear
 from .row_kernels import NORM_DTYPES, add_rms_rows, native_rows, rms_rows, swiglu_rows, take_rows
 from .w8a8_kernels import W8A8Weights, w8a8_linear, w8a8_logits_kernel, w8a8_norm_linear, w8a8_swiglu_linear
@@ -434,6 +434,32 @@ def _logits(attrs: dict) -> Kernel:
     return logits
 
 
+def packed_logits_kernel(attrs: dict) -> Kernel:
+    """The prepacked head's kernel (packed_logits), with bind_new: in a step program, the rows
+    gathered into a buffer of the binding, the GEMM the Python call runs into another, then
+    converted into the run's f32 logits."""
+    def logits(x: torch.Tensor, packed, rows: torch.Tensor) -> torch.Tensor:
+        return packed_logits(x, packed, rows)
+
+    def bind_new(x, packed, rows) -> tuple[Bound, list[RunOutput]] | None:
+        from .native_binds import project
+
+        if not isinstance(x, torch.Tensor) or x.dim() != 2 or not isinstance(rows, torch.Tensor) \
+                or not writes_in_place(packed):  # native panels or a dense f32 weight, not oneDNN's layout
+            return None
+        n = packed.n if isinstance(packed, PanelWeight) else packed.shape[0]
+        picked = torch.empty(rows.shape[0], x.shape[1], dtype=x.dtype)  # rewritten by each run
+        y = torch.empty(rows.shape[0], n, dtype=x.dtype)
+        ops = project(picked, packed, y)
+        if ops is None:
+            return None
+        out = RunOutput((rows.shape[0], n), torch.float32)
+        return Bound([aten_op("index_select", x, rows, picked), *ops, program_op("copy_to", y, out)]), [out]
+
+    logits.bind_new = bind_new
+    return logits
+
+
 @factory("sample")
 def _sample(attrs: dict) -> Kernel:
     ref = OPS["sample"].reference
@@ -515,7 +541,7 @@ PREPACKED = {
     # 8 / 64 / 1,000 rows in 0.20 / 1.18 / 19.0 ms against oneDNN's 0.39 / 1.36 / 18.4;
     # elsewhere, and f16: oneDNN's packed GEMM beats its unpacked one (15 vs 11 GB/s at one row)
     "linear": Prepack((1,), _DENSE, lambda attrs: packed_linear, ALL),
-    "logits": Prepack((1,), _DENSE, lambda attrs: packed_logits, ALL),
+    "logits": Prepack((1,), _DENSE, packed_logits_kernel, ALL),
     "fused_moe": Prepack((1, 2, 3), MoeWeights, make_fused_moe, ALL),
     "moe_experts": Prepack((2, 3), ExpertWeights, make_moe_experts, ALL),
     "moe_local_experts": Prepack((3, 4), ExpertWeights, lambda attrs: moe_local_experts, ALL),

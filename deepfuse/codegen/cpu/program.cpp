@@ -212,6 +212,10 @@ void bind_program(py::module& m) {
             p.check_slot(to);
             p.add([=, s = p.slots()] { i8_gemm(x, panels, scale, n, group, (*s)[to]); });
         })
+        .def("copy_to", [](P& p, Tensor src, int64_t to) {  // src converted to the slot's dtype
+            p.check_slot(to);
+            p.add([=, s = p.slots()] { (*s)[to].copy_(src); });
+        })
         .def("argmax_to", [](P& p, int64_t from, int64_t to) {
             p.check_slot(from), p.check_slot(to);
             p.add([=, s = p.slots()] { argmax((*s)[from], (*s)[to]); });

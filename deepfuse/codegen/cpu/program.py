@@ -86,7 +86,7 @@ def _in_programs_only():
 
 def program_op(name: str, *args) -> NativeOp:
     """The StepProgram method `name` on args, where some are RunOutputs (index_select_to,
-    i8_gemm_to, argmax_to): a call with no Python form."""
+    i8_gemm_to, copy_to, argmax_to): a call with no Python form."""
     return NativeOp(_in_programs_only, name, *args)
 
 

@@ -136,6 +136,20 @@ def test_a_failed_guard_runs_nothing(native):
     assert not NativeGuard(pos, 10)() and NativeGuard(pos, 11)()
 
 
+def test_guards_go_before_every_part_when_the_first_call_is_python(native):
+    """Segments whose first bound call is a Python call: the guard program goes first, and every
+    part still runs, in order (or none, when the guard fails)."""
+    from deepfuse.codegen.cpu.program import Segments, aten_op
+
+    ran, pos = [], torch.tensor([1, 2])
+    a, out = torch.ones(3), torch.zeros(3)
+    calls = [lambda: ran.append("first"), aten_op("add", a, a, out), lambda: ran.append(float(out[0]))]
+    segments = Segments(calls, [NativeGuard(pos, 5)])
+    assert segments.run() == (None, {}) and ran == ["first", 2.0]
+    pos[0], out[0] = 5, 0.0
+    assert segments.run()[0] == -1 and ran == ["first", 2.0] and out[0] == 0.0
+
+
 def test_a_stop_holds_the_run_and_outputs_are_new_each_run(native):
     prog = native.StepProgram()
     x, temperature, drafts = torch.tensor([[0.5, 3.0, -1.0], [2.0, 1.0, 2.0]]), torch.zeros(2), torch.full((2,), -1)

@@ -73,9 +73,8 @@ def layout_key(tensors: list[torch.Tensor]) -> tuple | bytes:
 @dataclass
 class BoundPrefix:
     """The first `count` of `launches`, bound. env: the executor's slots after them (the
-    outputs are planned buffer views). segments: the calls as native programs with any Python
-    calls between them (program.py); run() runs them, or returns False, having run nothing,
-    when a guard fails."""
+    outputs are planned buffer views, or RunOutputs for the step's outputs). segments: the calls
+    as native programs with any Python calls between them (program.py); see run()."""
 
     launches: list
     count: int
@@ -91,10 +90,10 @@ class BoundPrefix:
     def run(self) -> tuple[int, list]:
         """Runs the bound calls -> (done, env): done is how many launches ran (count, or fewer
         where a stop held the run; -1: a guard failed and nothing ran); env: the slots after
-        them, this run's tensors in place of RunOutputs (a fresh list)."""
+        them, this run's tensors in place of RunOutputs (a fresh list; None when a guard failed)."""
         held, made = self.segments.run()
         if held == -1:
-            return -1, self.env
+            return -1, None
         env = list(self.env)
         for s, t in self.new_slots:
             if id(t) in made:
@@ -143,8 +142,9 @@ class StepBinder:
         count = 0
         for (kernel, ins, outs, _), out in zip(launches, views):
             bind, bind_new = getattr(kernel, "bind", None), getattr(kernel, "bind_new", None)
-            if out is not None:
-                bound = bind(*[env[i] for i in ins], out=out) if bind is not None else None
+            if out is not None:  # (a planned kernel's bind takes tensors: none of a run's outputs)
+                bound = bind(*[env[i] for i in ins], out=out) \
+                    if bind is not None and not any(isinstance(env[i], RunOutput) for i in ins) else None
             else:  # a step output: allocated by each run of a step program
                 made = bind_new(*[env[i] for i in ins]) if programs and bind_new is not None else None
                 bound, out = made if made is not None else (None, None)

@@ -200,6 +200,7 @@ class CpuExecutor:
                 env = self._env(inputs) if env is None else env
                 prefix = self.binder.get(key, self.launches, env, views, fresh=fresh)
             if not prefix.count:
+                done = 0
                 break
             done, bound_env = prefix.run()
             if done >= 0:

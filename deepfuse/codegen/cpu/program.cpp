@@ -2,10 +2,10 @@
 // tensors (planned buffers, weights, step inputs), and runs them in order with no Python between
 // them (program.py builds it from a bound step, codegen/cpu/bound.py).
 //
-//   p = StepProgram(); p.q4_gemm(x, nibbles, scales, mins, n, out, amx); ...; p.run() -> bool
+//   p = StepProgram(); p.q4_gemm(x, nibbles, scales, mins, n, out, amx); ...; p.run_step()
 //
-// Guards (guard_below) are checked first: run() returns false, having run nothing, when one fails
-// (the caller binds the step again). Each op calls the same C++ entry point its Python-bound form
+// Guards (guard_below) are checked first: run_step() says so, having run nothing, when one fails
+// (the caller binds the step again); run() -> bool is true when every op ran. Each op calls the same C++ entry point its Python-bound form
 // calls, or the same ATen op, with the same arguments, so a program computes what those calls do.
 //
 // A step's outputs are tensors its caller keeps, so a program allocates them anew on each run:
@@ -48,6 +48,11 @@ class StepProgram {
     void check_slot(int64_t k) const {
         TORCH_CHECK(k >= 0 && k < static_cast<int64_t>(specs_.size()), "StepProgram: no output slot ", k);
     }
+    void check_slot(int64_t k, at::IntArrayRef sizes) const {
+        check_slot(k);
+        TORCH_CHECK(sizes.vec() == specs_[k].first, "StepProgram: slot ", k, " is ", at::IntArrayRef(specs_[k].first), ", not ", sizes);
+    }
+    void release_slots() { slots_->clear(); }  // the run's outputs are the caller's now
 
     // the run holds here unless every value of t (int64) is below limit
     void stop_unless_below(Tensor t, int64_t limit) {
@@ -142,7 +147,9 @@ void bind_program(py::module& m) {
                 py::gil_scoped_release released;
                 status = p.run_ops();
             }
-            return py::make_tuple(status, *p.slots());
+            auto outputs = py::make_tuple(status, *p.slots());
+            p.release_slots();
+            return outputs;
         }, "runs the ops -> (status, outputs): -1 when a guard failed, else how many stops held")
         .def("guard_below", &P::guard_below)
         .def("output", &P::output, "a tensor allocated by each run: its slot")
@@ -213,7 +220,7 @@ void bind_program(py::module& m) {
             p.add([=, s = p.slots()] { i8_gemm(x, panels, scale, n, group, (*s)[to]); });
         })
         .def("copy_to", [](P& p, Tensor src, int64_t to) {  // src converted to the slot's dtype
-            p.check_slot(to);
+            p.check_slot(to, src.sizes());
             p.add([=, s = p.slots()] { (*s)[to].copy_(src); });
         })
         .def("argmax_to", [](P& p, int64_t from, int64_t to) {

@@ -132,6 +132,11 @@ class Segments:
         self.stops: list[list[int]] = []  # per part: the launches its stops stand before, in order
         self.outputs: list[tuple[int, int, RunOutput]] = []  # (part, slot, output)
         slots: dict[int, tuple[int, int]] = {}  # id(RunOutput) -> (part, slot)
+        if native_guards:  # checked by the first part, before anything runs
+            self.parts.append(program_type())
+            self.stops.append([])
+            for g in native_guards:
+                self.parts[0].guard_below(g.t, g.limit)
         for call in calls:
             if program_type is not None and isinstance(call, (NativeOp, NativeStop)):
                 if not self.parts or not isinstance(self.parts[-1], program_type):
@@ -139,6 +144,8 @@ class Segments:
                     self.stops.append([])
                 program, part = self.parts[-1], len(self.parts) - 1
                 if isinstance(call, NativeStop):
+                    if call.launch < 0:
+                        raise ValueError("a NativeStop needs the launch it stands before (StepBinder.bind sets it)")
                     if call.below is not None:
                         program.stop_unless_below(call.t, call.below)
                     else:
@@ -161,11 +168,6 @@ class Segments:
             else:
                 self.parts.append(call)
                 self.stops.append([])
-        if native_guards:
-            if not self.parts or not isinstance(self.parts[0], program_type):
-                self.parts.insert(0, program_type())
-            for g in native_guards:
-                self.parts[0].guard_below(g.t, g.limit)
         self.programs = sum(isinstance(p, program_type) for p in self.parts) if program_type else 0
         self.python_calls = len(self.parts) - self.programs
 

@@ -171,9 +171,8 @@ def adjust(logits: torch.Tensor, params: list[SamplingParams], counts: list[Toke
 def draw(logits: torch.Tensor, params: list[SamplingParams], keys: list[int]) -> list[int]:
     """The step's sampler over adjusted rows [P, V] f32, row i with params[i] and RNG key keys[i]
     (greedy rows alone: the native argmax where it is built, as the CPU step's sampler does)."""
-    if all(p.temperature == 0 for p in params):
-        native = native_rows()
-        return (native.argmax(logits) if native is not None else logits.argmax(-1)).tolist()
+    if all(p.temperature == 0 for p in params) and native_rows() is not None:
+        return native_rows().argmax(logits).tolist()
     col = lambda attr, dtype: torch.tensor([getattr(p, attr) for p in params], dtype=dtype)
     return OPS["sample"].reference(logits, col("temperature", torch.float32), col("top_k", torch.long),
                                    col("top_p", torch.float32), torch.tensor(keys, dtype=torch.long)).tolist()

@@ -21,16 +21,27 @@ def test_swiglu_matches_float64_silu_times_up(native, dtype):
         native.swiglu(x[:, :5])
 
 
-def test_argmax_is_torchs_including_ties_nan_and_infinities(native):
+def test_argmax_is_the_sample_ops_greedy_rule_including_ties_nan_and_infinities(native):
+    """The first largest value, a NaN counting as -inf: the sample op's reference on greedy rows."""
+    from deepfuse.ir import OPS
+
     torch.manual_seed(0)
-    x = torch.randn(9, 1000)
+    x = torch.randn(12, 1000)
     x[1, [10, 500]] = 7.0  # a tie: the first wins
     x[2, 999] = 9.0  # in the scalar tail
-    x[3, [4, 600]] = float("nan")  # the first NaN
+    x[3, [4, 600]] = float("nan")  # NaNs are passed over
     x[4] = float("-inf")
     x[5, 3] = float("inf")
-    assert torch.equal(native.argmax(x), x.argmax(-1))
-    assert torch.equal(native.argmax(x[:, :17]), x[:, :17].argmax(-1))
+    x[6] = float("nan")  # NaN only: index 0, as for -inf only
+    x[7, :] = float("-inf")
+    x[7, 0], x[7, 998] = float("nan"), float("-inf")
+    x[8, 995:] = float("nan")
+    x[9, 999] = float("nan")
+    x[9, 998] = 12.0
+    greedy = lambda t: OPS["sample"].reference(t, torch.zeros(t.shape[0]), torch.zeros(t.shape[0], dtype=torch.long),
+                                               torch.ones(t.shape[0]), torch.zeros(t.shape[0], dtype=torch.long))
+    assert torch.equal(native.argmax(x), greedy(x))
+    assert torch.equal(native.argmax(x[:, :17]), greedy(x[:, :17]))
     with pytest.raises(RuntimeError, match="f32"):
         native.argmax(x.double())
 

@@ -470,7 +470,7 @@ def _sample(attrs: dict) -> Kernel:
         if not (temperature.numpy() > 0).any():
             native = native_rows() if logits.is_cpu and logits.dtype == torch.float32 and logits.dim() == 2 \
                 and logits.stride(1) == 1 and logits.shape[1] > 0 else None
-            return native.argmax(logits) if native is not None else logits.argmax(-1)
+            return native.argmax(logits) if native is not None else ref(logits, temperature, top_k, top_p, seeds)
         return ref(logits, temperature, top_k, top_p, seeds)
 
     def bind_new(logits, temperature, top_k, top_p, seeds) -> tuple[Bound, list[RunOutput]] | None:

@@ -8,7 +8,7 @@
 //       sign-folded: [-sin | sin], so rotate_half(x) * sin == swap_halves(x) * sin_folded); an int8
 //       cache [2, NB, BS, Hkv, hd + 4] gets each head's row quantized (quantize_kv_row)
 //   argmax(x [T, V] f32, out)                -> [T] int64 (into out if given), the first index of each row's largest
-//       value (a NaN counts as largest, as torch.argmax has it)
+//       value, a NaN counting as -inf (the sample op's greedy rule: torch.argmax of nan_to_num(x, nan=-inf))
 //
 // Every value is computed in float and rounded once to the row dtype.
 #include <torch/extension.h>
@@ -126,26 +126,21 @@ void rope_cache_rows(const T* qkv, const int64_t* pos, const float* cos, const f
 }
 
 int64_t argmax_row(const float* x, int64_t v) {
+    // the sample op's greedy rule: the first largest value, a NaN counting as -inf
     int64_t i = 0;
     float best = -std::numeric_limits<float>::infinity();
 #if defined(__AVX512F__)
     __m512 top = _mm512_set1_ps(best);
-    __mmask16 nan = 0;
-    for (; i + 16 <= v; i += 16) {
-        const __m512 a = _mm512_loadu_ps(x + i);
-        nan |= _mm512_cmp_ps_mask(a, a, _CMP_UNORD_Q);
-        top = _mm512_max_ps(top, a);
-    }
-    if (nan) i = 0;  // a NaN: the plain loop below finds the first one
-    else best = _mm512_reduce_max_ps(top);
+    for (; i + 16 <= v; i += 16)
+        top = _mm512_max_ps(_mm512_loadu_ps(x + i), top);  // a NaN in the first operand gives the second
+    best = _mm512_reduce_max_ps(top);
 #endif
-    for (; i < v; ++i) {
-        if (std::isnan(x[i])) return i;
-        best = std::max(best, x[i]);
-    }
+    for (; i < v; ++i)
+        if (x[i] > best) best = x[i];  // false for a NaN
+    if (best == -std::numeric_limits<float>::infinity()) return 0;  // -inf and NaN only: all tie at -inf
     for (int64_t j = 0; j < v; ++j)
         if (x[j] == best) return j;
-    return 0;  // a row of -inf only: torch answers 0 as well
+    return 0;
 }
 
 void check_rows(const torch::Tensor& x, const char* what) {

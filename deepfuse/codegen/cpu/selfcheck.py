@@ -3,7 +3,7 @@
 Every entry point runs once on small random data (fixed seed, ~0.1 s in all) against a reference
 that shares no code with it: float64 matmuls of the (dequantized) weights, a softmax over the
 cache rows each query may read (the window rule), the RMS norm, silu(gate) * up and RoPE
-formulas, torch's argmax. Packing helpers (pack_q4_vnni, RopeTables' tables, quantize_kv_rows)
+formulas, torch's argmax (of nan_to_num(x, nan=-inf)). Packing helpers (pack_q4_vnni, RopeTables' tables, quantize_kv_rows)
 only lay data out. Errors and tolerances are relative to the output's scale (max |reference|):
 1e-4 for f32 outputs, 1e-2 for bf16 ones (int8 cache rows: one step of the row's scale; argmax:
 exact). W8A8 references quantize the activations as the op
@@ -218,8 +218,10 @@ def _argmax(m, g):
     x = torch.randn(4, 100, generator=g)
     x[1, [7, 60]] = 9.0  # a tie: the first wins
     x[2, 99] = 9.0  # the last column
+    x[3, [5, 40]] = float("nan")  # counts as -inf, as the sample op has it
     got = m.argmax(x)
-    return float((got != x.argmax(-1)).sum()) if got.shape == (4,) else math.inf, 0.0
+    want = torch.nan_to_num(x, nan=-math.inf, posinf=math.inf, neginf=-math.inf).argmax(-1)
+    return float((got != want).sum()) if got.shape == (4,) else math.inf, 0.0
 
 
 def _rope_cache(m, g, dtype, cache_kind: str):

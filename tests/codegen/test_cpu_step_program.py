@@ -199,3 +199,18 @@ def test_the_native_layout_key_tells_layouts_apart_as_the_python_key_does(native
     for nk, pk in keys:
         for nk2, pk2 in keys:
             assert (nk == nk2) == (pk == pk2)
+
+
+def test_an_op_that_raises_mid_run_leaves_the_program_runnable(native):
+    """An out-of-range row id raises from inside the run (a clear error, not a crash), and the next
+    run with good ids gives fresh, right outputs."""
+    prog = native.StepProgram()
+    x, ids = torch.arange(6.0).view(3, 2), torch.tensor([2, 0])
+    rows = prog.output([2, 2], torch.float32)
+    prog.index_select_to(x, ids, rows)
+    ids[0] = 7
+    with pytest.raises((RuntimeError, IndexError), match="out of range|index"):
+        prog.run_step()
+    ids[0] = 2
+    status, (got,) = prog.run_step()
+    assert status == 0 and torch.equal(got, x[[2, 0]])

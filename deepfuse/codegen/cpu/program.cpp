@@ -143,9 +143,12 @@ void bind_program(py::module& m) {
              "runs every op in order; false when a guard failed (nothing ran) or a stop held the run")
         .def("run_step", [](P& p) {
             int64_t status;
-            {
+            try {
                 py::gil_scoped_release released;
                 status = p.run_ops();
+            } catch (...) {  // an op raised: this run's outputs go with it
+                p.release_slots();
+                throw;
             }
             auto outputs = py::make_tuple(status, *p.slots());
             p.release_slots();

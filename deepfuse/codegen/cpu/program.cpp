@@ -35,6 +35,15 @@ using Entry = void (*)(const int64_t*);  // a generated kernel's extern "C" entr
 
 using Slots = std::shared_ptr<std::vector<Tensor>>;  // this run's outputs, by slot
 
+// whether pass(v) holds for every value v of t (contiguous, of type T): guards and stops
+template <typename T, typename Pass>
+bool every(const Tensor& t, Pass pass) {
+    const T* v = t.data_ptr<T>();
+    for (int64_t i = 0, n = t.numel(); i < n; ++i)
+        if (!pass(v[i])) return false;
+    return true;
+}
+
 class StepProgram {
   public:
     void add(std::function<void()> op) { ops_.push_back(std::move(op)); }
@@ -58,24 +67,16 @@ class StepProgram {
     void stop_unless_below(Tensor t, int64_t limit) {
         TORCH_CHECK(t.scalar_type() == torch::kInt64 && t.is_contiguous() && t.is_cpu(),
                     "stop_unless_below: a contiguous CPU int64 tensor");
-        stops_.emplace_back(ops_.size(), [t, limit] {
-            const int64_t* v = t.data_ptr<int64_t>();
-            for (int64_t i = 0, n = t.numel(); i < n; ++i)
-                if (v[i] >= limit) return false;
-            return true;
-        });
+        stops_.emplace_back(ops_.size(),
+                            [t, limit] { return every<int64_t>(t, [limit](int64_t v) { return v < limit; }); });
     }
 
     // the run holds here unless no value of t (f32) is above limit (a NaN is not)
     void stop_unless_at_most(Tensor t, double limit) {
         TORCH_CHECK(t.scalar_type() == torch::kFloat32 && t.is_contiguous() && t.is_cpu(),
                     "stop_unless_at_most: a contiguous CPU f32 tensor");
-        stops_.emplace_back(ops_.size(), [t, limit] {
-            const float* v = t.data_ptr<float>();
-            for (int64_t i = 0, n = t.numel(); i < n; ++i)
-                if (v[i] > limit) return false;
-            return true;
-        });
+        stops_.emplace_back(ops_.size(),
+                            [t, limit] { return every<float>(t, [limit](float v) { return !(v > limit); }); });
     }
 
     // run() refuses to start unless every value of t (int64, contiguous) is below limit
@@ -88,11 +89,8 @@ class StepProgram {
     // -1: a guard failed (nothing ran); else how many stops held (every op ran when all did)
     int64_t run_ops() {
         c10::InferenceMode mode;  // the step's tensors are inference tensors
-        for (const auto& [t, limit] : guards_) {
-            const int64_t* v = t.data_ptr<int64_t>();
-            for (int64_t i = 0, n = t.numel(); i < n; ++i)
-                if (v[i] >= limit) return -1;
-        }
+        for (const auto& [t, limit] : guards_)
+            if (!every<int64_t>(t, [limit = limit](int64_t v) { return v < limit; })) return -1;
         slots_->clear();
         for (const auto& [shape, dtype] : specs_) slots_->push_back(at::empty(shape, at::TensorOptions().dtype(dtype)));
         size_t stop = 0;

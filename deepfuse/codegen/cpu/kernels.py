@@ -22,7 +22,7 @@ from .bound import Bound
 from .generated_build import make_generated
 from .moe_kernels import ExpertWeights, MoeWeights, make_fused_moe, make_moe_experts, moe_local_experts
 from .native import kernels as native_kernels
-from .program import NativeGuard, NativeStop, RunOutput, aten_op, native_op, program_op
+from .program import NativeGuard, RunOutput, aten_op, native_op, program_op
 from .q4a8_kernels import Q4A8Weights, q4a8_linear, q4a8_norm_linear, q4a8_swiglu_linear
 from .row_kernels import NORM_DTYPES, add_rms_rows, native_rows, rms_rows, swiglu_rows, take_rows
 from .w8a8_kernels import W8A8Weights, w8a8_linear, w8a8_logits_kernel, w8a8_norm_linear, w8a8_swiglu_linear
@@ -460,74 +460,7 @@ def packed_logits_kernel(attrs: dict) -> Kernel:
     return logits
 
 
-@factory("sample")
-def _sample(attrs: dict) -> Kernel:
-    ref = OPS["sample"].reference
-
-    def sample(logits, temperature, top_k, top_p, seeds):
-        # the check on numpy's view: after a decode step's weights have swept the caches, each
-        # torch op's first call costs tens of microseconds (its code fetched again)
-        if not (temperature.numpy() > 0).any():
-            native = native_rows() if logits.is_cpu and logits.dtype == torch.float32 and logits.dim() == 2 \
-                and logits.stride(1) == 1 and logits.shape[1] > 0 else None
-            return native.argmax(logits) if native is not None else ref(logits, temperature, top_k, top_p, seeds)
-        return ref(logits, temperature, top_k, top_p, seeds)
-
-    def bind_new(logits, temperature, top_k, top_p, seeds) -> tuple[Bound, list[RunOutput]] | None:
-        """In a step program: the argmax of the run's logits where no row has a temperature above
-        0 (a stop holds the run before it otherwise: the draw runs from Python)."""
-        if not isinstance(logits, RunOutput) or logits.dtype != torch.float32 or len(logits.shape) != 2 \
-                or logits.shape[1] == 0 or not isinstance(temperature, torch.Tensor) \
-                or temperature.dtype != torch.float32 or not temperature.is_contiguous() or native_rows() is None:
-            return None
-        tokens = RunOutput(logits.shape[:1], torch.int64)
-        return Bound([NativeStop(temperature, at_most=0.0), program_op("argmax_to", logits, tokens)]), [tokens]
-
-    sample.bind_new = bind_new
-    return sample
-
-
-@factory("spec_verify")
-def _spec_verify(attrs: dict) -> Kernel:
-    ref = OPS["spec_verify"].reference
-
-    def spec_verify(tokens: torch.Tensor, draft_tokens: torch.Tensor) -> torch.Tensor:
-        """The reference, except that a step without drafts (every row its sequence's last, as in
-        plain decoding) keeps every token after one check instead of the reference's ten ops."""
-        if not (draft_tokens.numpy() >= 0).any():
-            return tokens  # the sampler's fresh tensor, as it is (no torch op: see sample)
-        return ref(tokens, draft_tokens)
-
-    def bind_new(tokens, draft_tokens) -> tuple[Bound, list] | None:
-        """In a step program: the tokens as they are, behind a stop that holds the run where a row has a draft."""
-        if not isinstance(draft_tokens, torch.Tensor) or draft_tokens.dtype != torch.int64 \
-                or not draft_tokens.is_contiguous():
-            return None
-        return Bound([NativeStop(draft_tokens, below=0)]), [tokens]
-
-    spec_verify.bind_new = bind_new
-    return spec_verify
-
-
-@factory("take_rows")
-def _take_rows(attrs: dict) -> Kernel:
-    ref = OPS["take_rows"].reference
-
-    def take_rows_kernel(x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-        return ref(x, rows)
-
-    def bind_new(x, rows) -> tuple[Bound, list[RunOutput]] | None:
-        """In a step program: x[rows] into the run's tensor."""
-        if not isinstance(x, torch.Tensor) or x.dim() != 2 or not isinstance(rows, torch.Tensor):
-            return None
-        out = RunOutput((rows.shape[0], x.shape[1]), x.dtype)
-        return Bound([program_op("index_select_to", x, rows, out)]), [out]
-
-    take_rows_kernel.bind_new = bind_new
-    return take_rows_kernel
-
-
-from . import attention  # noqa: E402,F401  (registers the attention kernel)
+from . import attention, tail_kernels  # noqa: E402,F401  (register the attention and sampling-tail kernels)
 
 _DENSE = lambda dtype, w: prepack_linear_weight(w)
 _PACKED_NORM_LINEAR = _norm_linear_kernels(packed_linear)

@@ -5,8 +5,9 @@ presence and frequency penalties, and min_p; and the grammar of structured outpu
 The compiled step samples every row (argmax for these rows: the engine sends them at
 temperature 0); for the requests with these settings, the engine then copies their rows'
 logits, adjusts them here, all rows at once, and draws their tokens with the step's own sampler
-(the `sample` op's reference) under each row's key (request seed, position). So a request's
-tokens still do not depend on its batch, and requests without these settings pay nothing.
+(the `sample` op: its native kernel, else its reference) under each row's key (request seed,
+position). So a request's tokens still do not depend on its batch, and requests without these
+settings pay nothing.
 In vLLM's order (after structured outputs' mask: what the grammar forbids is -inf):
   1. allowed_token_ids: every other token is masked out;
   2. logit_bias: logit[t] += bias[t];
@@ -37,8 +38,7 @@ import math
 import numpy as np
 import torch
 
-from ..codegen.cpu.row_kernels import native_rows
-from ..ir import OPS
+from ..codegen.cpu.row_kernels import native_rows, sample_rows
 from .request import SamplingParams
 
 
@@ -174,8 +174,8 @@ def draw(logits: torch.Tensor, params: list[SamplingParams], keys: list[int]) ->
     if all(p.temperature == 0 for p in params) and native_rows() is not None:
         return native_rows().argmax(logits).tolist()
     col = lambda attr, dtype: torch.tensor([getattr(p, attr) for p in params], dtype=dtype)
-    return OPS["sample"].reference(logits, col("temperature", torch.float32), col("top_k", torch.long),
-                                   col("top_p", torch.float32), torch.tensor(keys, dtype=torch.long)).tolist()
+    return sample_rows(logits.contiguous(), col("temperature", torch.float32), col("top_k", torch.long),
+                       col("top_p", torch.float32), torch.tensor(keys, dtype=torch.long)).tolist()
 
 
 def draw_on_host(scheduled: list, chunks: list, host: list[bool], logits: torch.Tensor, keys: torch.Tensor,

@@ -1,5 +1,5 @@
 """Native step programs (codegen/cpu/program.py, program.cpp): a bound decode step runs as one
-native call (the LM head and the greedy sampling tail included where the head is native), and every step
+native call (the LM head and the sampling tail included where the head is native), and every step
 gives bit for bit what the executor's own Python loop gives (the kernels' Python dispatch,
 binding off), for decode and mixed prefill/decode steps, sampled rows and drafts included."""
 import pytest
@@ -74,14 +74,19 @@ def test_decode_steps_run_as_one_native_call_and_equal_the_executor_loop(tiny_mo
     assert (prefix.segments.programs, prefix.segments.python_calls) == (1, 0)  # one native call
 
 
+@pytest.mark.parametrize("sampler", ["native", "refused"])
 @pytest.mark.parametrize("kind", list(BUILDS))
-def test_a_bound_tail_gives_fresh_outputs_and_its_stops_hand_sampled_rows_and_drafts_to_python(tiny_model, native,
-                                                                                               kind):
+def test_a_bound_tail_gives_fresh_outputs_with_sampled_rows_and_drafts(tiny_model, native, kind, sampler,
+                                                                       monkeypatch):
     """Steps of one decode layout through the bound tail: outputs are new tensors each step (a
-    caller keeps them), and a row with a temperature or a draft holds the program before the
-    sampler or spec_verify, the rest running from Python: the tokens still equal the loop's."""
+    caller keeps them), and rows with a temperature or a draft give the loop's tokens. The native
+    sampler draws and verifies them inside the program; where the self-check refused it
+    ("refused"), such a row holds the program before the sampler or spec_verify (its stops), and
+    the rest runs from Python."""
     if not head_binds(native, kind):
         pytest.skip("this CPU runs bf16 heads on oneDNN, whose GEMM allocates: the tail runs from Python")
+    if sampler == "refused":
+        monkeypatch.setattr(native, "sample_available", lambda: False)
     art = compiled(tiny_model, native, kind)
     art.runner.binder = StepBinder()
     cache = kv_cache(art)
@@ -106,6 +111,7 @@ def test_a_bound_tail_gives_fresh_outputs_and_its_stops_hand_sampled_rows_and_dr
         assert all(torch.equal(a, b) for a, b in zip(got, copies))
     (prefix,) = art.runner.binder.cache.values()
     assert prefix.count == len(art.runner.launches)
+    assert [len(s) for s in prefix.segments.stops] == ([0] if sampler == "native" else [2])
 
 
 @pytest.mark.parametrize("kind", list(BUILDS))

@@ -1,7 +1,8 @@
 """The native CPU kernels build here, and their AMX paths, which only CPUs with AMX execute,
 compile here too: each source that holds AMX code is compiled for Sapphire Rapids (AMX tiles,
 AMX-BF16, AVX512-BF16) with the flags of the real build, so a change that breaks them fails
-CI on a machine without AMX. (Executing them is the self-check's job on machines that have AMX.)"""
+CI on a machine without AMX. (Executing them is the self-check's job on machines that have AMX.)
+The sampler's scalar paths compile for an AVX2 CPU."""
 import os
 import shutil
 import subprocess
@@ -48,6 +49,17 @@ def test_amx_paths_compile_for_an_amx_cpu():
     with ThreadPoolExecutor(max_workers=2) as pool:
         for name, r in pool.map(build, AMX_SOURCES):
             assert r.returncode == 0, f"{name} does not compile for an AMX CPU:\n{r.stderr[-3000:]}"
+
+
+def test_the_sampler_compiles_for_a_cpu_without_avx512():
+    """sample.cpp's scalar paths (exp and log from the C library), which this machine does not run."""
+    from torch.utils.cpp_extension import include_paths
+
+    flags = ["-std=c++17", "-fsyntax-only", "-march=x86-64-v3", "-Werror=unused-variable", "-DTORCH_EXTENSION_NAME=check",
+             "-DTORCH_API_INCLUDE_EXTENSION_H", f"-I{sysconfig.get_paths()['include']}", f"-I{HERE}"]
+    flags += [f"-I{p}" for p in include_paths()]
+    r = subprocess.run([compiler(), *flags, os.path.join(HERE, "sample.cpp")], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-3000:]
 
 
 def test_a_failed_build_is_reported_by_the_compilers_error_lines():

@@ -65,7 +65,8 @@ def one_line_naming(messages: list[str], pattern: str) -> bool:
 
 
 def expected_names(m) -> set[str]:
-    names = {"panel_gemm", "argmax", "rope_cache[f32]", "rope_cache[bf16]", "rope_cache[bf16,int8 cache]",
+    names = {"panel_gemm", "argmax", "sample", "spec_verify", "rope_cache[f32]", "rope_cache[bf16]",
+             "rope_cache[bf16,int8 cache]",
              "paged_decode[f32]", "paged_decode[bf16,amx_rows=0]", "paged_decode[bf16,amx_rows=1,window]",
              "paged_decode[bf16,amx_rows=2]", "paged_decode[f32,int8 cache,window]", "paged_decode[bf16,int8 cache]"}
     names |= {f"{op}[{t}]" for op in ("rms_norm", "add_rms_norm", "swiglu") for t in ("f32", "bf16")}
@@ -166,6 +167,20 @@ def test_a_wrong_int4_int8_gemm_turns_its_flag_off(module):
     assert one_line_naming(said, r"q4a8_gemm\[f32\] .* q4a8_gemm_available\(\) reads False")
     assert checked.refused == {"q4a8_gemm"} and checked.q4a8_gemm_available() is False
     assert checked.i8_gemm_available() == module.i8_gemm_available()
+
+
+def test_a_wrong_sampler_turns_its_flag_off_and_sampled_rows_run_the_reference(module, monkeypatch):
+    from deepfuse.codegen.cpu import row_kernels
+    from deepfuse.ir import OPS
+
+    checked, said = warned(lambda: selfcheck.check(Sabotaged(module, "sample", 2)))
+    assert one_line_naming(said, r"sample .* sample_available\(\) reads False")
+    assert checked.refused == {"sample"} and checked.sample_available() is False
+    monkeypatch.setattr(row_kernels, "native_kernels", lambda: checked)
+    x, t = torch.randn(3, 50), torch.tensor([0.0, 0.9, 1.2])
+    k, p, seeds = torch.tensor([0, 4, 0]), torch.tensor([1.0, 1.0, 0.8]), torch.tensor([1, 2, 3])
+    assert row_kernels.native_sampler() is None
+    assert torch.equal(row_kernels.sample_rows(x, t, k, p, seeds), OPS["sample"].reference(x, t, k, p, seeds))
 
 
 def test_a_wrong_amx_path_turns_amx_off_and_the_vector_paths_run(module):

@@ -59,5 +59,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("rope_cache", &rope_cache, "rotary q and k of qkv rows, k and v into the paged cache (rows.cpp)");
     m.def("argmax", &argmax, "first index of each f32 row's largest value, into out if given (rows.cpp)",
           py::arg("x"), py::arg("out") = py::none());
+    m.def("sample_available", &sample_available, "whether sample runs here (the self-check may refuse it; sample.cpp)");
+    m.def("sample", &sample,
+          "the sample op on f32 logits rows: argmax, or the seeded top-k/top-p draw, into out if given (sample.cpp)",
+          py::arg("x"), py::arg("temperature"), py::arg("top_k"), py::arg("top_p"), py::arg("seeds"),
+          py::arg("out") = py::none());
+    m.def("spec_verify", &spec_verify, "the spec_verify op: tokens, -1 after a sequence's first rejected draft (sample.cpp)",
+          py::arg("tokens"), py::arg("drafts"), py::arg("out") = py::none());
     bind_program(m);
 }

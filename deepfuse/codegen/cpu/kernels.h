@@ -48,3 +48,8 @@ void rope_cache(const torch::Tensor& qkv, const torch::Tensor& pos, const torch:
                 torch::Tensor cache, const torch::Tensor& slots, int64_t num_heads, torch::Tensor q_out,
                 torch::Tensor k_out);
 torch::Tensor argmax(const torch::Tensor& x, std::optional<torch::Tensor> out);
+int64_t argmax_row(const float* x, int64_t v);  // one row of argmax (sample.cpp's greedy rows)
+bool sample_available();
+torch::Tensor sample(const torch::Tensor& x, const torch::Tensor& temperature, const torch::Tensor& top_k,
+                     const torch::Tensor& top_p, const torch::Tensor& seeds, std::optional<torch::Tensor> out);
+torch::Tensor spec_verify(const torch::Tensor& tokens, const torch::Tensor& drafts, std::optional<torch::Tensor> out);

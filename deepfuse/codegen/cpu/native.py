@@ -34,7 +34,7 @@ def build_tag() -> str:
 
 
 SOURCES = ("paged_decode.cpp", "decode_amx.cpp", "prefill_attention.cpp", "panel_gemm.cpp", "bf16_gemm.cpp",
-           "vec_gemm.cpp", "i8_gemm.cpp", "q4a8_gemm.cpp", "norms.cpp", "rows.cpp", "program.cpp", "bindings.cpp")
+           "vec_gemm.cpp", "i8_gemm.cpp", "q4a8_gemm.cpp", "norms.cpp", "rows.cpp", "sample.cpp", "program.cpp", "bindings.cpp")
 HEADERS = ("kernels.h", "vec.h", "amx.h", "q4.h", "row_ops.h", "prologue_rows.h", "balanced.h")
 
 
@@ -63,7 +63,7 @@ def kernels():
     """The native kernels (paged_decode, paged_prefill; pack_panels, panel_gemm; amx_available,
     bf16_gemm_available, pack_vnni, bf16_gemm, q4_gemm; i8_gemm_available, pack_w8, i8_gemm,
     i8_gemm_swiglu, i8_gemm_norm; q4a8_gemm_available, q4a8_gemm, q4a8_gemm_swiglu, q4a8_gemm_norm;
-    rms_norm, add_rms_norm; swiglu, rope_cache, argmax; see the .cpp files) as the self-check leaves
+    rms_norm, add_rms_norm; swiglu, rope_cache, argmax; sample_available, sample; see the .cpp files) as the self-check leaves
     them (CheckedKernels: the module's attributes, refused groups' flags False, the report in
     .selfcheck), or None where they cannot be built or an always-used one failed its check.
     Loaded and checked once per process."""
@@ -138,7 +138,7 @@ def _build_lock(where: str):
 
 
 FLAGS = {"bf16_gemm": "bf16_gemm_available", "amx": "amx_available", "i8_gemm": "i8_gemm_available",
-         "q4a8_gemm": "q4a8_gemm_available",
+         "q4a8_gemm": "q4a8_gemm_available", "sample": "sample_available",
          "paged_prefill": "paged_prefill_available"}  # a group of entry points the check may refuse -> its flag
 
 

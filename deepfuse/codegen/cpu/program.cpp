@@ -228,6 +228,15 @@ void bind_program(py::module& m) {
             p.check_slot(from), p.check_slot(to);
             p.add([=, s = p.slots()] { argmax((*s)[from], (*s)[to]); });
         })
+        .def("sample_to", [](P& p, int64_t from, Tensor temperature, Tensor top_k, Tensor top_p, Tensor seeds,
+                             int64_t to) {
+            p.check_slot(from), p.check_slot(to);
+            p.add([=, s = p.slots()] { sample((*s)[from], temperature, top_k, top_p, seeds, (*s)[to]); });
+        })
+        .def("spec_verify_to", [](P& p, int64_t from, Tensor drafts, int64_t to) {
+            p.check_slot(from), p.check_slot(to);
+            p.add([=, s = p.slots()] { spec_verify((*s)[from], drafts, (*s)[to]); });
+        })
         // a generated kernel: its entry on its argument array (threads_at >= 0: that slot gets the
         // thread count before each call); the caller keeps the library and the array alive
         .def("generated", [](P& p, int64_t entry, int64_t args, int64_t threads_at) {

@@ -1,6 +1,7 @@
 """Row-wise CPU kernels shared by the op kernels (kernels.py), their planned-buffer forms
 (out_kernels.py) and the W8A8 projections (w8a8_kernels.py): RMS norms (norms.cpp), SwiGLU
-(rows.cpp) and row selection, each native where it applies (CPU tensors), else torch's."""
+(rows.cpp), row selection and the sampler (sample.cpp), each native where it applies (CPU
+tensors), else torch's or the op's reference."""
 from __future__ import annotations
 
 import torch
@@ -55,3 +56,27 @@ def swiglu_rows(x: torch.Tensor) -> torch.Tensor:
             return native.swiglu(x)
     gate, up = x.chunk(2, dim=-1)
     return F.silu(gate).mul_(up)
+
+
+def native_sampler():
+    """The native kernels where their sample and spec_verify passed the self-check (sample.cpp), or None."""
+    native = native_kernels()
+    return native if native is not None and native.sample_available() else None
+
+
+def sample_rows(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                seeds: torch.Tensor) -> torch.Tensor:
+    """The sample op on logits[S,V] f32 (temperature[S] f32, top_k[S] i64, top_p[S] f32, seeds[S]
+    i64) -> tokens[S] i64: the native kernel where it takes these tensors, else the op's reference."""
+    native = native_sampler()
+    if native is not None and logits.is_cpu and logits.dtype == torch.float32 and logits.dim() == 2 \
+            and logits.stride(1) == 1 and logits.shape[1] > 0 and _vectors(temperature, top_p, torch.float32) \
+            and _vectors(top_k, seeds, torch.int64):
+        return native.sample(logits, temperature, top_k, top_p, seeds)
+    from ...ir import OPS
+
+    return OPS["sample"].reference(logits, temperature, top_k, top_p, seeds)
+
+
+def _vectors(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> bool:
+    return all(t.is_cpu and t.dtype == dtype and t.dim() == 1 and t.is_contiguous() for t in (a, b))

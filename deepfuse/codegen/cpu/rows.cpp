@@ -125,6 +125,13 @@ void rope_cache_rows(const T* qkv, const int64_t* pos, const float* cos, const f
     });
 }
 
+void check_rows(const torch::Tensor& x, const char* what) {
+    TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, what, ": rows must be [T, N] with unit column stride");
+    TORCH_CHECK(x.scalar_type() == torch::kFloat32 || x.scalar_type() == torch::kBFloat16, what, ": f32 or bf16 only");
+}
+
+}  // namespace
+
 int64_t argmax_row(const float* x, int64_t v) {
     // the sample op's greedy rule: the first largest value, a NaN counting as -inf
     int64_t i = 0;
@@ -142,13 +149,6 @@ int64_t argmax_row(const float* x, int64_t v) {
         if (x[j] == best) return j;
     return 0;
 }
-
-void check_rows(const torch::Tensor& x, const char* what) {
-    TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, what, ": rows must be [T, N] with unit column stride");
-    TORCH_CHECK(x.scalar_type() == torch::kFloat32 || x.scalar_type() == torch::kBFloat16, what, ": f32 or bf16 only");
-}
-
-}  // namespace
 
 torch::Tensor swiglu(const torch::Tensor& x, std::optional<torch::Tensor> out) {
     check_rows(x, "swiglu");

@@ -3,10 +3,11 @@
 Every entry point runs once on small random data (fixed seed, ~0.1 s in all) against a reference
 that shares no code with it: float64 matmuls of the (dequantized) weights, a softmax over the
 cache rows each query may read (the window rule), the RMS norm, silu(gate) * up and RoPE
-formulas, torch's argmax (of nan_to_num(x, nan=-inf)). Packing helpers (pack_q4_vnni, RopeTables' tables, quantize_kv_rows)
+formulas, torch's argmax (of nan_to_num(x, nan=-inf)), the sample and spec_verify ops' references.
+Packing helpers (pack_q4_vnni, RopeTables' tables, quantize_kv_rows)
 only lay data out. Errors and tolerances are relative to the output's scale (max |reference|):
 1e-4 for f32 outputs, 1e-2 for bf16 ones (int8 cache rows: one step of the row's scale; argmax:
-exact). W8A8 references quantize the activations as the op
+exact; sample and spec_verify: every token equal). W8A8 references quantize the activations as the op
 documents (ir.opdefs_quant.quantize_rows_i8); where the kernel makes the activation itself (norm,
 SwiGLU prologues, f32 arithmetic) an element next to a quantization boundary may land a step
 away, and its step is allowed on top. An entry point that disagrees or raises is refused, with
@@ -14,7 +15,7 @@ one warning naming it:
 - always-used ones (paged_decode, panel_gemm, norms, swiglu, rope_cache, argmax): the whole
   library (check() returns None: every call site takes its torch path);
 - a gated group: its flag reads False (bf16_gemm_available, i8_gemm_available,
-  q4a8_gemm_available, paged_prefill_available);
+  q4a8_gemm_available, paged_prefill_available, sample_available);
 - the AMX paths: amx_available reads False and bf16_gemm, q4_gemm, paged_prefill and
   paged_decode run their vector paths whatever the caller asks (amx=False, amx_rows=0).
 """
@@ -38,6 +39,7 @@ CONSEQUENCE = {
     "i8_gemm": "i8_gemm_available() reads False: W8A8 projections run the op's reference",
     "q4a8_gemm": "q4a8_gemm_available() reads False: int4 x int8 projections run the op's reference",
     "paged_prefill": "paged_prefill_available() reads False: prefill chunks run SDPA",
+    "sample": "sample_available() reads False: sampled rows and draft verification run the ops' references",
 }
 
 
@@ -224,6 +226,36 @@ def _argmax(m, g):
     return float((got != want).sum()) if got.shape == (4,) else math.inf, 0.0
 
 
+def _sample(m, g):
+    """Greedy and sampled rows (top-k 1, small, over V; top-p 0 .. 1; NaN and infinite logits) against
+    the op's reference: the count of tokens that differ (rows whose choice rests on float rounding
+    are avoided by the data: scores spread by 3 over 300 tokens)."""
+    from ...ir import OPS
+
+    r, v = 16, 300
+    x = torch.randn(r, v, generator=g) * 3
+    x[3, 7] = x[5, 11] = float("nan")
+    x[9, 100] = math.inf
+    x[10] = -math.inf
+    t = torch.tensor([0.0, 0.7, 1.0, 1.5] * 4)
+    k = torch.tensor([0, 5, 50, 0, 1, v + 100, 0, 2] * 2)
+    p = torch.tensor([1.0, 0.9, 0.5, 0.3, 0.95, 1.0, 0.0, 0.999] * 2)
+    seeds = torch.randint(-2 ** 62, 2 ** 62, (r,), generator=g)
+    got = m.sample(x, t, k, p, seeds)
+    want = OPS["sample"].reference(x, t, k, p, seeds)
+    return float((got != want).sum()) if got.shape == (r,) else math.inf, 0.0
+
+
+def _spec_verify(m, g):
+    from ...ir import OPS
+
+    drafts = torch.randint(-1, 4, (40,), generator=g)
+    drafts[-1] = -1
+    tokens = torch.where(torch.rand(40, generator=g) < 0.7, drafts.clamp(min=0), torch.randint(0, 4, (40,), generator=g))
+    got, want = m.spec_verify(tokens, drafts), OPS["spec_verify"].reference(tokens, drafts)
+    return float((got != want).sum()) if got.shape == want.shape else math.inf, 0.0
+
+
 def _rope_cache(m, g, dtype, cache_kind: str):
     from ...ir.opdefs_llm import dequantize_kv_rows
     from .kernels import RopeTables
@@ -351,6 +383,7 @@ def checks(m) -> dict[str, tuple[str, Callable]]:
             for dt, t in ((F32, "f32"), (BF16, "bf16")):
                 key = f"{name}[{t}{',res' if form == 'add_norm' else ''}]"
                 out[key] = ("i8_gemm", partial(_i8_gemm, dtype=dt, form=form))
+    out["sample"], out["spec_verify"] = ("sample", _sample), ("sample", _spec_verify)
     if m.q4a8_gemm_available():
         for dt, t in ((F32, "f32"), (BF16, "bf16")):
             out[f"q4a8_gemm[{t}]"] = ("q4a8_gemm", partial(_q4a8_gemm, dtype=dt))

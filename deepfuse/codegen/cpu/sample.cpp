@@ -1,0 +1,339 @@
+// The `sample` op's kernel for f32 logits rows (ir/sampling.py defines the draw, which every target computes):
+//
+//   sample(x [S, V] f32, temperature [S] f32, top_k [S] int64, top_p [S] f32, seeds [S] int64, out)
+//       -> [S] int64 (into out if given). A row with temperature T > 0: z = x / T; the top-k and
+//       top-p thresholds found exactly by radix selection, byte by byte from the top, over the
+//       order-preserving keys of z (a count) and over the bits of p = exp(z - max z) (a mass);
+//       then Gumbel-max over the kept tokens with the counter-based hash of the row's seed, the
+//       noise computed only for tokens that could still win. Any other row: argmax_row (rows.cpp).
+//       A NaN logit counts as -inf. The top-p masses are summed in double (the op's reference sums
+//       in f32): the kept sets can differ only where a head's mass lies within rounding of its target.
+//   sample_available() -> true (the self-check may refuse it: sampled rows then run the op's reference)
+//   spec_verify(tokens [R] int64, drafts [R] int64, out) -> [R] int64 (into out if given): the
+//       spec_verify op, tokens with -1 at every row after its sequence's first rejected draft (a
+//       sequence's rows are consecutive, its last one has draft -1; a row keeps its token while
+//       every earlier row of its sequence had a draft equal to its token)
+//
+// Rows run in parallel; each thread keeps its scratch (z, p, candidate lists) between calls.
+#include <torch/extension.h>
+
+#include "kernels.h"
+#include <ATen/Parallel.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#include <sleef.h>  // torch's own vector exp and log (the op's reference computes with them)
+#endif
+
+namespace {
+
+constexpr float kInf = std::numeric_limits<float>::infinity();
+constexpr float kGumbelMax = 17.0f;  // above every -log(-log(u)) for u <= 1 - 2^-24 (16.64)
+
+inline uint32_t fmix32(uint32_t h) {
+    h ^= h >> 16;
+    h *= 0x85EBCA6Bu;
+    h ^= h >> 13;
+    h *= 0xC2B2AE35u;
+    return h ^ (h >> 16);
+}
+
+inline uint32_t bits_of(float f) {
+    uint32_t b;
+    std::memcpy(&b, &f, sizeof b);
+    return b;
+}
+
+// the order-preserving u32 image of z: negative values have all bits flipped, others the sign bit set
+inline uint32_t order_key(float z) {
+    const uint32_t b = bits_of(z);
+    return (b >> 31) ? ~b : (b | 0x80000000u);
+}
+
+inline float gumbel(uint32_t row_key, int64_t v) {
+    const uint32_t h = fmix32(row_key ^ (static_cast<uint32_t>(v) * 0x9E3779B1u));
+    const float u = static_cast<float>(((h >> 9) << 1) | 1u) * 0x1p-24f;  // exact, in (0, 1)
+    return -std::log(-std::log(u));
+}
+
+struct Item {
+    uint32_t key;
+    float weight;
+};
+
+// The largest t such that the items with key >= t weigh enough (enough(sum) over weights summed in
+// double), found one byte at a time from the top: each pass keeps the items of the byte where the
+// sum gets there. Where no t gets there, a t at or below every key (every item kept).
+template <typename Enough>
+uint32_t threshold(std::vector<Item>& items, Enough enough) {
+    double above = 0;  // the weight of the items above the current bucket
+    uint32_t t = 0;
+    for (int shift = 24; shift >= 0 && !items.empty(); shift -= 8) {
+        double hist[256] = {};
+        for (const Item& it : items) hist[(it.key >> shift) & 255u] += it.weight;
+        uint32_t b = 255;
+        while (b > 0 && !enough(above + hist[b])) above += hist[b--];
+        t |= b << shift;
+        size_t kept = 0;
+        for (const Item& it : items)
+            if (((it.key >> shift) & 255u) == b) items[kept++] = it;
+        items.resize(kept);
+    }
+    return t;
+}
+
+struct Scratch {
+    std::vector<float> z, p;
+    std::vector<Item> items;
+};
+
+#if defined(__AVX512F__)
+// 16 lanes of order_key
+inline __m512i order_key16(__m512 z) {
+    const __m512i b = _mm512_castps_si512(z);
+    return _mm512_xor_si512(b, _mm512_or_si512(_mm512_srai_epi32(b, 31), _mm512_set1_epi32(INT32_MIN)));
+}
+
+inline __mmask16 lanes_below(int64_t i, int64_t v) {
+    return v - i >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (v - i)) - 1);
+}
+
+inline __m512 negate(__m512 x) { return _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(x), _mm512_set1_epi32(INT32_MIN))); }
+
+// the noise of tokens v0 .. v0 + 15: torch's own log (SLEEF, as the op's reference computes it)
+inline __m512 gumbel16(uint32_t row_key, int64_t v0) {
+    const __m512i v = _mm512_add_epi32(_mm512_set1_epi32(static_cast<int>(v0)),
+                                       _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
+    __m512i h = _mm512_xor_si512(_mm512_set1_epi32(static_cast<int>(row_key)),
+                                 _mm512_mullo_epi32(v, _mm512_set1_epi32(static_cast<int>(0x9E3779B1u))));
+    h = _mm512_xor_si512(h, _mm512_srli_epi32(h, 16));
+    h = _mm512_mullo_epi32(h, _mm512_set1_epi32(static_cast<int>(0x85EBCA6Bu)));
+    h = _mm512_xor_si512(h, _mm512_srli_epi32(h, 13));
+    h = _mm512_mullo_epi32(h, _mm512_set1_epi32(static_cast<int>(0xC2B2AE35u)));
+    h = _mm512_xor_si512(h, _mm512_srli_epi32(h, 16));
+    const __m512i odd = _mm512_or_si512(_mm512_slli_epi32(_mm512_srli_epi32(h, 9), 1), _mm512_set1_epi32(1));
+    const __m512 u = _mm512_mul_ps(_mm512_cvtepi32_ps(odd), _mm512_set1_ps(0x1p-24f));  // < 2^24: exact
+    return negate(Sleef_logf16_u10(negate(Sleef_logf16_u10(u))));
+}
+
+inline double sum16(__m512 x) {
+    return _mm512_reduce_add_pd(_mm512_add_pd(_mm512_cvtps_pd(_mm512_castps512_ps256(x)),
+                                              _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(x), 1)))));
+}
+#endif
+
+// z = x / t (NaN -> -inf) into z; returns max z
+float scaled(const float* x, float t, int64_t v, float* z) {
+    int64_t i = 0;
+    float m = -kInf;
+#if defined(__AVX512F__)
+    const __m512 tv = _mm512_set1_ps(t), ninf = _mm512_set1_ps(-kInf);
+    __m512 top = ninf;
+    for (; i + 16 <= v; i += 16) {
+        const __m512 xv = _mm512_loadu_ps(x + i);
+        const __mmask16 nan = _mm512_cmp_ps_mask(xv, xv, _CMP_UNORD_Q);
+        const __m512 zv = _mm512_mask_mov_ps(_mm512_div_ps(xv, tv), nan, ninf);
+        _mm512_storeu_ps(z + i, zv);
+        top = _mm512_max_ps(top, zv);
+    }
+    m = _mm512_reduce_max_ps(top);
+#endif
+    for (; i < v; ++i) {
+        z[i] = std::isnan(x[i]) ? -kInf : x[i] / t;
+        if (z[i] > m) m = z[i];
+    }
+    return m;
+}
+
+int64_t count_at_least(const float* z, int64_t v, float c) {
+    int64_t n = 0, i = 0;
+#if defined(__AVX512F__)
+    const __m512 cv = _mm512_set1_ps(c);
+    for (; i + 16 <= v; i += 16) n += __builtin_popcount(_mm512_cmp_ps_mask(_mm512_loadu_ps(z + i), cv, _CMP_GE_OQ));
+#endif
+    for (; i < v; ++i) n += z[i] >= c;
+    return n;
+}
+
+// top-k: the key of the k-th largest z (0 < k < v). Only the tokens at or above a guess c that
+// k tokens reach take part in the selection (c = m - 1, m - 4, m - 16, ..., then -inf).
+uint32_t key_threshold(const float* z, int64_t v, float m, int64_t k, std::vector<Item>& items) {
+    float c = m - 1.f;
+    for (float d = 4.f; c != -kInf && count_at_least(z, v, c) < k; d *= 4.f) c = m - d;  // d reaches inf
+    items.clear();
+    for (int64_t i = 0; i < v; ++i)
+        if (z[i] >= c) items.push_back({order_key(z[i]), 1.f});
+    return threshold(items, [k](double count) { return count >= static_cast<double>(k); });
+}
+
+// p = exp(z - m) where key(z) >= tk, else 0, into p; returns the sum of p (double)
+double probabilities(const float* z, float m, uint32_t tk, int64_t v, float* p) {
+    int64_t i = 0;
+    double total = 0;
+#if defined(__AVX512F__)
+    const __m512 mv = _mm512_set1_ps(m);
+    const __m512i tkv = _mm512_set1_epi32(static_cast<int>(tk));
+    for (; i < v; i += 16) {
+        const __mmask16 lanes = lanes_below(i, v);
+        const __m512 zv = _mm512_maskz_loadu_ps(lanes, z + i);
+        const __mmask16 kept = lanes & _mm512_cmpge_epu32_mask(order_key16(zv), tkv);
+        const __m512 e = _mm512_maskz_mov_ps(kept, Sleef_expf16_u10(_mm512_sub_ps(zv, mv)));  // torch's exp
+        _mm512_mask_storeu_ps(p + i, lanes, e);
+        total += sum16(e);
+    }
+#else
+    for (; i < v; ++i) {
+        p[i] = (tk == 0 || order_key(z[i]) >= tk) ? std::exp(z[i] - m) : 0.f;
+        total += p[i];
+    }
+#endif
+    return total;
+}
+
+double mass_at_least(const float* p, int64_t v, float c) {
+    double mass = 0;
+    int64_t i = 0;
+#if defined(__AVX512F__)
+    const __m512 cv = _mm512_set1_ps(c);
+    for (; i + 16 <= v; i += 16) {
+        const __m512 pv = _mm512_loadu_ps(p + i);
+        mass += sum16(_mm512_maskz_mov_ps(_mm512_cmp_ps_mask(pv, cv, _CMP_GE_OQ), pv));
+    }
+#endif
+    for (; i < v; ++i)
+        if (p[i] >= c) mass += p[i];
+    return mass;
+}
+
+// top-p: the bits of the smallest p kept. Only the tokens at or above a guess c whose mass reaches
+// the target take part in the selection (c = 2^-4, 2^-8, ..., then every p > 0).
+uint32_t mass_threshold(const float* p, int64_t v, double target, std::vector<Item>& items) {
+    auto enough = [target](double mass) { return mass >= target && mass > 0; };
+    float c = 0x1p-4f;
+    while (c > 0.f && !enough(mass_at_least(p, v, c))) c = c > 0x1p-120f ? c * 0x1p-4f : 0.f;
+    items.clear();
+    for (int64_t i = 0; i < v; ++i)
+        if (p[i] > 0.f && p[i] >= c) items.push_back({bits_of(p[i]), p[i]});
+    return threshold(items, enough);
+}
+
+// Gumbel-max over the kept tokens (key(z) >= tk, bits(p) >= tp; a threshold 0 keeps all) whose
+// z reaches `floor`: the first token of the largest z + noise
+int64_t gumbel_max(const float* z, const float* p, int64_t v, uint32_t tk, uint32_t tp, float floor, uint32_t key,
+                   int64_t best) {
+#if defined(__AVX512F__)
+    const __m512 fv = _mm512_set1_ps(floor);
+    const __m512i tkv = _mm512_set1_epi32(static_cast<int>(tk)), tpv = _mm512_set1_epi32(static_cast<int>(tp));
+    __m512 top = _mm512_set1_ps(-kInf);
+    __m512i where = _mm512_set1_epi32(static_cast<int>(best));
+    for (int64_t i = 0; i < v; i += 16) {
+        const __mmask16 lanes = lanes_below(i, v);
+        const __m512 zv = _mm512_maskz_loadu_ps(lanes, z + i);
+        __mmask16 cand = lanes & _mm512_cmp_ps_mask(zv, fv, _CMP_GE_OQ);
+        if (tk != 0) cand &= _mm512_cmpge_epu32_mask(order_key16(zv), tkv);
+        if (tp != 0) cand &= _mm512_cmpge_epu32_mask(_mm512_castps_si512(_mm512_maskz_loadu_ps(lanes, p + i)), tpv);
+        if (!cand) continue;
+        const __m512 score = _mm512_add_ps(zv, gumbel16(key, i));
+        const __mmask16 better = cand & _mm512_cmp_ps_mask(score, top, _CMP_GT_OQ);
+        top = _mm512_mask_mov_ps(top, better, score);
+        where = _mm512_mask_mov_epi32(where, better, _mm512_add_epi32(_mm512_set1_epi32(static_cast<int>(i)),
+                                                                   _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)));
+    }
+    const float m = _mm512_reduce_max_ps(top);
+    if (m == -kInf) return best;
+    return _mm512_mask_reduce_min_epi32(_mm512_cmp_ps_mask(top, _mm512_set1_ps(m), _CMP_EQ_OQ), where);
+#else
+    float top = -kInf;
+    int64_t where = best;
+    for (int64_t i = 0; i < v; ++i) {
+        if (!(z[i] >= floor) || (tk != 0 && order_key(z[i]) < tk) || (tp != 0 && bits_of(p[i]) < tp)) continue;
+        const float score = z[i] + gumbel(key, i);
+        if (score > top) top = score, where = i;
+    }
+    return where;
+#endif
+}
+
+int64_t draw_row(const float* x, int64_t v, float t, int64_t k, float top_p, int64_t seed, Scratch& s) {
+    s.z.resize(v);
+    const float* z = s.z.data();
+    const float m = scaled(x, t, v, s.z.data());
+    if (m == kInf) {  // an infinite logit: the first one wins every draw
+        for (int64_t i = 0; i < v; ++i)
+            if (z[i] == kInf) return i;
+    }
+    if (m == -kInf) return 0;  // -inf and NaN only: every score is -inf
+    const uint32_t tk = k > 0 && k < v ? key_threshold(z, v, m, k, s.items) : 0;  // keep key(z) >= tk
+    uint32_t tp = 0;                                                              // keep bits(p) >= tp
+    if (top_p < 1.f) {
+        s.p.resize(v);
+        const double target = static_cast<double>(top_p) * probabilities(z, m, tk, v, s.p.data());
+        tp = mass_threshold(s.p.data(), v, target, s.items);
+    }
+    const uint64_t u = static_cast<uint64_t>(seed);
+    const uint32_t key = fmix32(fmix32(static_cast<uint32_t>(u)) ^ static_cast<uint32_t>(u >> 32));
+    int64_t best = 0;  // the first largest z: always kept (the largest key; p = 1)
+    while (z[best] != m) ++best;
+    // a token below the best one's score minus the largest noise cannot win: only the rest draw noise
+    const float floor = z[best] + gumbel(key, best) - kGumbelMax - 1.0f;
+    return gumbel_max(z, s.p.data(), v, tk, tp, floor, key, best);
+}
+
+}  // namespace
+
+bool sample_available() { return true; }
+
+torch::Tensor sample(const torch::Tensor& x, const torch::Tensor& temperature, const torch::Tensor& top_k,
+                     const torch::Tensor& top_p, const torch::Tensor& seeds, std::optional<torch::Tensor> out) {
+    TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.scalar_type() == torch::kFloat32 && x.size(1) > 0,
+                "sample: logits must be f32 [S, V] (V >= 1) with unit column stride");
+    const int64_t rows = x.size(0), v = x.size(1), ld = x.stride(0);
+    auto vec = [rows](const torch::Tensor& t, torch::ScalarType dt) {
+        return t.dim() == 1 && t.size(0) == rows && t.is_contiguous() && t.scalar_type() == dt;
+    };
+    TORCH_CHECK(vec(temperature, torch::kFloat32) && vec(top_p, torch::kFloat32) && vec(top_k, torch::kInt64) &&
+                    vec(seeds, torch::kInt64),
+                "sample: temperature and top_p must be contiguous f32 [S], top_k and seeds contiguous int64 [S]");
+    auto idx = out ? *out : torch::empty({rows}, x.options().dtype(torch::kInt64));
+    TORCH_CHECK(idx.scalar_type() == torch::kInt64 && idx.is_contiguous() && idx.numel() == rows,
+                "sample: out must be a contiguous int64 [S]");
+    const float* xp = x.data_ptr<float>();
+    const float* tp = temperature.data_ptr<float>();
+    const float* pp = top_p.data_ptr<float>();
+    const int64_t* kp = top_k.data_ptr<int64_t>();
+    const int64_t* sp = seeds.data_ptr<int64_t>();
+    int64_t* ip = idx.data_ptr<int64_t>();
+    at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+        thread_local Scratch scratch;
+        for (int64_t r = begin; r < end; ++r)
+            ip[r] = tp[r] > 0.f ? draw_row(xp + r * ld, v, tp[r], kp[r], pp[r], sp[r], scratch)
+                                : argmax_row(xp + r * ld, v);
+    });
+    return idx;
+}
+
+torch::Tensor spec_verify(const torch::Tensor& tokens, const torch::Tensor& drafts, std::optional<torch::Tensor> out) {
+    auto vec = [](const torch::Tensor& t, int64_t n) {
+        return t.dim() == 1 && t.size(0) == n && t.is_contiguous() && t.scalar_type() == torch::kInt64;
+    };
+    const int64_t rows = tokens.numel();
+    TORCH_CHECK(vec(tokens, rows) && vec(drafts, rows), "spec_verify: tokens and drafts must be contiguous int64 [R]");
+    auto kept = out ? *out : torch::empty_like(tokens);
+    TORCH_CHECK(vec(kept, rows), "spec_verify: out must be a contiguous int64 [R]");
+    const int64_t* tok = tokens.data_ptr<int64_t>();
+    const int64_t* draft = drafts.data_ptr<int64_t>();
+    int64_t* o = kept.data_ptr<int64_t>();
+    bool keep = true;  // no earlier row of this row's sequence broke off
+    for (int64_t i = 0; i < rows; ++i) {
+        o[i] = keep ? tok[i] : -1;
+        const bool last = draft[i] < 0;
+        keep = last || (keep && tok[i] == draft[i]);  // the next row starts a sequence after a last row
+    }
+    return kept;
+}

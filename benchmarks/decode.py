@@ -11,7 +11,12 @@ it) runs the GGUF as it is. The engines run in `--runs` interleaved rounds (each
 each, then a read of the machine's memory bandwidth for `bound.py --decode`); the table shows
 medians and the per-round ratios go to benchmarks/results/decode.json.
 
+With --sampled every engine draws (temperature 0.8, top-k 40, top-p 0.9; deepfuse seeded) and
+"int4-a8 ref. sampler" joins: the int4-a8 build with its native sampler off, so its program stops
+before the sampler and the op's reference draws from Python (the results go to decode_sampled.json).
+
     python benchmarks/decode.py [--runs 3] [--new-tokens 64] [--engines "deepfuse bf16+int4,llama.cpp Q4_1"]
+    python benchmarks/decode.py --sampled --engines "deepfuse int4-a8,deepfuse int4-a8 ref. sampler,llama.cpp Q4_1"
 """
 from __future__ import annotations
 
@@ -29,20 +34,45 @@ PROMPT = ("Write a short story about a lighthouse keeper who finds a message in 
           "The story should be warm, a little mysterious, and end with a surprise. ") * 3
 
 
+SAMPLED = dict(temperature=0.8, top_k=40, top_p=0.9)  # --sampled: every engine draws with these
+
+
 def deepfuse_runner(dtype: str, ids: list[int], n: int, model, quant: str | None = None,
-                    batch_invariant: bool = False):
-    """One run of a deepfuse build (compiled and warmed up here): {"prefill_tps", "decode_tps"}."""
+                    batch_invariant: bool = False, sampled: bool = False, native_sampler: bool = True):
+    """One run of a deepfuse build (compiled and warmed up here): {"prefill_tps", "decode_tps"}.
+    sampled: seeded draws with SAMPLED, else greedy. native_sampler=False: this engine's steps
+    run as if the self-check had refused the native sampler (the program stops before the
+    sampler, which runs the op's reference from Python), for an A/B in one run."""
+    import contextlib
+
     import deepfuse
+    from deepfuse.codegen.cpu import row_kernels, tail_kernels
     from deepfuse.runtime.engine import Engine, SamplingParams
     from deepfuse.runtime.kv_cache import CacheConfig
 
     art = deepfuse.compile(model, dtype=dtype, quant=quant, batch_invariant=batch_invariant)
     eng = Engine(art, CacheConfig(enable_prefix_caching=False))  # every run prefills the whole prompt
-    p = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
-    eng.generate([ids], [SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)])  # warm-up
+    how = dict(SAMPLED, seed=1) if sampled else dict(temperature=0)
+    p = SamplingParams(max_tokens=n, ignore_eos=True, **how)
+
+    @contextlib.contextmanager
+    def sampler():
+        if native_sampler:
+            yield
+            return
+        kept = row_kernels.native_sampler
+        row_kernels.native_sampler = tail_kernels.native_sampler = lambda: None
+        try:
+            yield
+        finally:
+            row_kernels.native_sampler = tail_kernels.native_sampler = kept
+
+    with sampler():
+        eng.generate([ids], [SamplingParams(max_tokens=4, ignore_eos=True, **how)])  # warm-up
 
     def run() -> dict:
-        r = eng.generate([ids], [p])[0]
+        with sampler():
+            r = eng.generate([ids], [p])[0]
         return {"prefill_tps": len(ids) / r.metrics.ttft_s,
                 "decode_tps": (n - 1) / (r.metrics.total_s - r.metrics.ttft_s)}
 
@@ -77,9 +107,11 @@ def hf_runner(dtype: torch.dtype, ids: list[int], n: int):
     return run
 
 
-def llama_cpp_runner(ids: list[int], n: int):
-    """llama.cpp (llama-cpp-python) on the same Q4_1 GGUF, greedy, token by token (its generate()
-    never stops on its own, so EOS is ignored as for the others); None without the bench extra."""
+def llama_cpp_runner(ids: list[int], n: int, sampled: bool = False):
+    """llama.cpp (llama-cpp-python) on the same Q4_1 GGUF, greedy (sampled: its sampler with
+    SAMPLED's temperature, top-k and top-p, no min-p or repeat penalty), token by token (its
+    generate() never stops on its own, so EOS is ignored as for the others); None without the
+    bench extra."""
     try:
         from llama_cpp import Llama
     except ImportError:
@@ -92,7 +124,9 @@ def llama_cpp_runner(ids: list[int], n: int):
     def gen(k: int) -> list[float]:
         llm.reset()  # no prefix kept from the run before: every run prefills the whole prompt
         times = [time.perf_counter()]
-        for _ in llm.generate(ids, temp=0.0):
+        how = dict(temp=SAMPLED["temperature"], top_k=SAMPLED["top_k"], top_p=SAMPLED["top_p"], min_p=0.0,
+                   repeat_penalty=1.0) if sampled else dict(temp=0.0)
+        for _ in llm.generate(ids, **how):
             times.append(time.perf_counter())
             if len(times) == k + 1:
                 break
@@ -112,6 +146,9 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--engines", default="", help="comma-separated names from the table (default: all)")
+    ap.add_argument("--sampled", action="store_true",
+                    help=f"seeded draws at {SAMPLED} instead of greedy (HF not run; adds 'int4-a8 ref. sampler')")
+    ap.add_argument("--result", default=None, help="result file (default: decode.json, decode_sampled.json)")
     args = ap.parse_args()
     from deepfuse.codegen.cpu.executor import ALLOCATOR_TUNED
     from deepfuse.models import load_model
@@ -119,15 +156,21 @@ def main() -> None:
     model, tok = load_model("smollm2")
     ids = tok.encode(PROMPT)
     n = args.new_tokens
-    makers = {"deepfuse f32": lambda: deepfuse_runner("f32", ids, n, model),
-              "deepfuse bf16": lambda: deepfuse_runner("bf16", ids, n, model),
-              "deepfuse bf16+int4": lambda: deepfuse_runner("bf16", ids, n, model, "int4"),
-              "deepfuse int4-head8": lambda: deepfuse_runner("bf16", ids, n, model, "int4-head8"),
-              "deepfuse int4-a8": lambda: deepfuse_runner("bf16", ids, n, model, "int4-a8"),
-              "deepfuse int4 inv.": lambda: deepfuse_runner("bf16", ids, n, model, "int4", batch_invariant=True),
-              "llama.cpp Q4_1": lambda: llama_cpp_runner(ids, n),
-              "HF eager f32": lambda: hf_runner(torch.float32, ids, n),
-              "HF eager bf16": lambda: hf_runner(torch.bfloat16, ids, n)}
+    sampled = dict(sampled=args.sampled)
+    makers = {"deepfuse f32": lambda: deepfuse_runner("f32", ids, n, model, **sampled),
+              "deepfuse bf16": lambda: deepfuse_runner("bf16", ids, n, model, **sampled),
+              "deepfuse bf16+int4": lambda: deepfuse_runner("bf16", ids, n, model, "int4", **sampled),
+              "deepfuse int4-head8": lambda: deepfuse_runner("bf16", ids, n, model, "int4-head8", **sampled),
+              "deepfuse int4-a8": lambda: deepfuse_runner("bf16", ids, n, model, "int4-a8", **sampled),
+              "deepfuse int4 inv.": lambda: deepfuse_runner("bf16", ids, n, model, "int4", batch_invariant=True,
+                                                            **sampled),
+              "llama.cpp Q4_1": lambda: llama_cpp_runner(ids, n, **sampled)}
+    if args.sampled:
+        makers["deepfuse int4-a8 ref. sampler"] = lambda: deepfuse_runner("bf16", ids, n, model, "int4-a8",
+                                                                          sampled=True, native_sampler=False)
+    else:
+        makers["HF eager f32"] = lambda: hf_runner(torch.float32, ids, n)
+        makers["HF eager bf16"] = lambda: hf_runner(torch.bfloat16, ids, n)
     wanted = [e.strip() for e in args.engines.split(",")] if args.engines else list(makers)
     runners = {}
     for name in wanted:
@@ -144,21 +187,24 @@ def main() -> None:
         read_gb_per_s.append(meter())  # this round's read bandwidth, for bound.py --decode
     results = {name: {"runs": r, **{k: statistics.median(x[k] for x in r) for k in r[0]}} for name, r in runs.items()}
     peers = [p for p in ("llama.cpp Q4_1", "HF eager bf16") if p in results]
-    print(f"\nSmolLM2-135M, batch 1, prompt {len(ids)} tokens, {args.new_tokens} new tokens, "
+    print(f"\nSmolLM2-135M, batch 1, {'sampled ' + str(SAMPLED) if args.sampled else 'greedy'}, "
+          f"prompt {len(ids)} tokens, {args.new_tokens} new tokens, "
           f"median of {args.runs} interleaved runs, {torch.get_num_threads()} threads")
-    print(f"{'engine':20s} {'prefill tok/s':>14s} {'decode tok/s':>13s}" + "".join(f" {'vs ' + p:>18s}" for p in peers))
+    print(f"{'engine':30s} {'prefill tok/s':>14s} {'decode tok/s':>13s}" + "".join(f" {'vs ' + p:>18s}" for p in peers))
     for name, r in results.items():
         vs = "".join(f" {r['decode_tps'] / results[p]['decode_tps']:17.2f}x" for p in peers)
-        print(f"{name:20s} {r['prefill_tps']:14.1f} {r['decode_tps']:13.1f}{vs}")
+        print(f"{name:30s} {r['prefill_tps']:14.1f} {r['decode_tps']:13.1f}{vs}")
         for p in peers:  # per-round ratios: the rounds ran side by side
             r[f"decode_vs_{p}_per_run"] = [a["decode_tps"] / b["decode_tps"] for a, b in zip(r["runs"], results[p]["runs"])]
     print(f"read bandwidth per round (read_bw.cpp): {', '.join(f'{g:.1f}' for g in read_gb_per_s)} GB/s")
     meta = {"prompt_tokens": len(ids), "new_tokens": args.new_tokens, "runs": args.runs,
+            "sampling": dict(SAMPLED, seed=1) if args.sampled else "greedy",
             "read_gb_per_s_per_run": read_gb_per_s,
             "threads": torch.get_num_threads(), "torch": torch.__version__, "machine": platform.machine(),
             "allocator": "glibc mallopt(M_MMAP_THRESHOLD=1GiB, M_TRIM_THRESHOLD=2GiB) in-process, for both engines"
             if ALLOCATOR_TUNED else "default"}
-    write_result("decode.json", {"meta": meta, "results": results})
+    write_result(args.result or ("decode_sampled.json" if args.sampled else "decode.json"),
+                 {"meta": meta, "results": results})
 
 
 if __name__ == "__main__":

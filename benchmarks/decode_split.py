@@ -1,6 +1,6 @@
 """Where a batch-1 decode step's time goes: timers around the engine's step, the compiled
 model's call, the native step program (every layer; for a build with a W8A8 head, the head and
-the greedy sampling tail too), the W8A8 LM head where it runs from Python, and the input fill,
+the sampling tail too), the W8A8 LM head where it runs from Python, and the input fill,
 for the int4-a8 build of SmolLM2 (decode.py's prompt and engine), in one process.
 
 Per decode step (the prompt's prefill step left out) it reports the medians of each part and

@@ -83,9 +83,11 @@ def top_p_mask(z: torch.Tensor, kept: torch.Tensor, top_p: torch.Tensor) -> torc
     m = zr.masked_fill(~kr, float("-inf")).amax(-1, keepdim=True)
     p = torch.where(kr, torch.exp(zr - m), torch.zeros_like(zr))
     bits = p.view(torch.int32)
-    target = top_p[rows, None] * p.sum(-1, keepdim=True)
     sorted_p, order = p.sort(dim=-1, descending=True, stable=True)
     mass = sorted_p.cumsum(-1)
+    # the total as the prefix sums reach it (p.sum's own order could put it out of their reach with
+    # top_p just under 1, and depends on the batch's layout)
+    target = top_p[rows, None] * mass[:, -1:]
     first = ((mass >= target) & (mass > 0)).int().argmax(-1, keepdim=True)  # the first token that reaches it
     t = bits.gather(1, order.gather(1, first))
     out = kept.clone()

@@ -61,6 +61,16 @@ def test_special_values_give_the_references_tokens(native):
     assert got[1] == 20 and got[2] == 5 and got[3] == 0 and got[0] not in (3, 9)
 
 
+def test_top_p_just_under_one_gives_the_references_tokens(native):
+    """top_p = 1 - 2^-24: the kept head is thousands of tokens, its cut within rounding of the
+    total; the draws (likely tokens) are the reference's."""
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(6, 49152, generator=g) * 3
+    t, k, p = torch.full((6,), 0.417), torch.zeros(6, dtype=torch.int64), torch.full((6,), 0.99999994)
+    seeds = torch.arange(6) * 7 + 1
+    assert torch.equal(native.sample(x, t, k, p, seeds), sample_ref(x, t, k, p, seeds))
+
+
 def test_sampled_rows_run_in_parallel_and_each_keeps_its_own_draw(native):
     """A batch of rows gives each row's single-row token (rows are independent of their batch)."""
     ins = rows(64, 3000, 7)

@@ -66,7 +66,7 @@ def test_decode_steps_run_as_one_native_call_and_equal_the_executor_loop(tiny_mo
         want = run_step(art, buffers, cache, chunks, bound=False)  # rewrites the same cache rows
         assert all(torch.equal(a, b) for a, b in zip(got, want))
     (prefix,) = art.runner.binder.cache.values()
-    if head_binds(native, kind):  # the head, the greedy sample, spec_verify and the sampled rows too
+    if head_binds(native, kind):  # the head, the sampler, spec_verify and the sampled rows too
         assert prefix.count == len(art.runner.launches)
     else:
         assert prefix.count >= len(art.runner.launches) - 5  # all but the sampling tail

@@ -173,14 +173,19 @@ def test_a_wrong_sampler_turns_its_flag_off_and_sampled_rows_run_the_reference(m
     from deepfuse.codegen.cpu import row_kernels
     from deepfuse.ir import OPS
 
-    checked, said = warned(lambda: selfcheck.check(Sabotaged(module, "sample", 2)))
+    bad = Sabotaged(module, "sample", 2)
+    checked, said = warned(lambda: selfcheck.check(bad))
     assert one_line_naming(said, r"sample .* sample_available\(\) reads False")
     assert checked.refused == {"sample"} and checked.sample_available() is False
     monkeypatch.setattr(row_kernels, "native_kernels", lambda: checked)
-    x, t = torch.randn(3, 50), torch.tensor([0.0, 0.9, 1.2])
+    x, t = torch.randn(3, 50, generator=torch.Generator().manual_seed(0)), torch.tensor([0.0, 0.9, 1.2])
     k, p, seeds = torch.tensor([0, 4, 0]), torch.tensor([1.0, 1.0, 0.8]), torch.tensor([1, 2, 3])
     assert row_kernels.native_sampler() is None
+    bad.calls.clear()
     assert torch.equal(row_kernels.sample_rows(x, t, k, p, seeds), OPS["sample"].reference(x, t, k, p, seeds))
+    greedy = torch.zeros(3)
+    assert torch.equal(row_kernels.sample_rows(x, greedy, k, p, seeds), x.argmax(-1))
+    assert [name for name, _, _ in bad.calls] == ["argmax"]  # never the refused sampler
 
 
 def test_a_wrong_amx_path_turns_amx_off_and_the_vector_paths_run(module):

@@ -65,6 +65,24 @@ def test_top_p_keeps_the_smallest_head_with_the_mass():
     assert checked > 120
 
 
+def test_top_p_just_under_one_keeps_the_long_tail_in_any_batch():
+    """top_p = 1 - 2^-24 over 49,152 tokens: the kept head is thousands of tokens (float64 counts
+    the tokens it needs), the same alone or in a batch of other rows. The f32 prefix sums round by
+    about as much as the tail top_p leaves out, so the cut may move by a share of that count; what
+    must not happen is that no prefix reaches its target and a single token is kept."""
+    g = torch.Generator().manual_seed(5)
+    z = torch.randn(8, 49152, generator=g) * 3 / 0.417
+    top_p = torch.full((8,), 0.99999994)
+    kept = torch.ones_like(z, dtype=torch.bool)
+    batch = top_p_mask(z, kept, top_p)
+    for r in (0, 5):
+        alone = top_p_mask(z[r:r + 1], kept[r:r + 1], top_p[r:r + 1])[0]
+        assert torch.equal(alone, batch[r])
+        p = torch.exp(z[r].double() - z[r].max().double()).sort(descending=True).values
+        need = int(torch.searchsorted(p.cumsum(0), 0.99999994 * p.sum()).item()) + 1
+        assert need > 5000 and alone.sum() > need // 2, (int(alone.sum()), need)
+
+
 def test_the_draw_follows_softmax_over_the_kept_tokens():
     """20000 seeds of one row: counts against softmax(z / T) restricted to the kept tokens, within a
     chi-square bound (p ~ 1e-4 for 5 degrees of freedom at 26), and nothing outside them drawn."""

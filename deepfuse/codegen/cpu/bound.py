@@ -19,7 +19,8 @@ calls run again (rope tables: the step's positions must lie inside the bound one
 A launch whose outputs have no planned buffer (the step's outputs: logits, sampled tokens, rows)
 binds, with step programs on, through `bind_new(*ins) -> (Bound, outputs) | None`: its outputs are
 RunOutputs that each run allocates, and its calls may begin with a NativeStop, which holds the
-run there unless the step's contents allow the bound calls (every row greedy, no drafts).
+run there unless the step's contents allow the bound calls (where the self-check refused the
+native sampler: every row greedy, no drafts).
 """
 from __future__ import annotations
 

@@ -127,9 +127,9 @@ class CpuExecutor:
     check_batch_invariant), so a request's tokens do not depend on what shares its steps.
     bind_steps: steps whose inputs have the layout (memory, shapes, strides) of an earlier one
     run that one's launches as bound calls (bound.py), as far as they bind (decode steps: every
-    launch where the LM head's GEMM is native, the step's outputs allocated by each run and the
-    sampler and spec_verify run from Python for a step with a sampled row or a draft; else all
-    but the sampling tail)."""
+    launch where the LM head's GEMM is native, the step's outputs allocated by each run; where
+    the self-check refused the native sampler, the sampler and spec_verify run from Python for a
+    step with a sampled row or a draft; else all but the sampling tail)."""
 
     def __init__(self, plan: dict, weights: dict[str, torch.Tensor], prepack: bool = True, use_buffers: bool = True,
                  bind_steps: bool = True):

@@ -11,7 +11,8 @@
 // A step's outputs are tensors its caller keeps, so a program allocates them anew on each run:
 // output(shape, dtype) names one by its slot, and the *_to ops write into a slot. A stop
 // (stop_unless_below, stop_unless_at_most) holds the run at its place unless its tensor's values
-// pass (a sampled row, a draft to verify: the ops from there on run from Python instead).
+// pass (where the native sampler is refused: a sampled row, a draft to verify; the ops from there
+// on run from Python instead).
 // run_step() -> (status, outputs): status -1 when a guard failed (nothing ran), else how many
 // stops held, in order (all of them: every op ran); outputs: this run's slot tensors.
 #include <torch/extension.h>

@@ -11,9 +11,10 @@ by the first program before it runs anything; run() then returns -1 and nothing 
 
 A step's outputs (its logits, tokens and rows, which the caller keeps) are RunOutputs: each run
 of the program allocates them anew, and ops name them in place of a tensor (program_op). A
-NativeStop holds the run at its place unless its tensor passes its check (a row to sample with a
-temperature, a draft to verify): run() then says how many launches ran, and the executor runs
-the rest from Python. Both exist only in programs: a bound step binds them only with programs on.
+NativeStop holds the run at its place unless its tensor passes its check (where the self-check
+refused the native sampler: a row to sample with a temperature, a draft to verify): run() then
+says how many launches ran, and the executor runs the rest from Python. Both exist only in
+programs: a bound step binds them only with programs on.
 """
 from __future__ import annotations
 

@@ -67,12 +67,16 @@ def native_sampler():
 def sample_rows(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
                 seeds: torch.Tensor) -> torch.Tensor:
     """The sample op on logits[S,V] f32 (temperature[S] f32, top_k[S] i64, top_p[S] f32, seeds[S]
-    i64) -> tokens[S] i64: the native kernel where it takes these tensors, else the op's reference."""
-    native = native_sampler()
+    i64) -> tokens[S] i64: the native kernel where it takes these tensors, else the op's reference
+    (greedy rows alone: the native argmax where the self-check refused the sampler)."""
+    native = native_kernels()
     if native is not None and logits.is_cpu and logits.dtype == torch.float32 and logits.dim() == 2 \
             and logits.stride(1) == 1 and logits.shape[1] > 0 and _vectors(temperature, top_p, torch.float32) \
             and _vectors(top_k, seeds, torch.int64):
-        return native.sample(logits, temperature, top_k, top_p, seeds)
+        if native.sample_available():
+            return native.sample(logits, temperature, top_k, top_p, seeds)
+        if not (temperature.numpy() > 0).any():
+            return native.argmax(logits)
     from ...ir import OPS
 
     return OPS["sample"].reference(logits, temperature, top_k, top_p, seeds)

@@ -6,8 +6,11 @@
 //       order-preserving keys of z (a count) and over the bits of p = exp(z - max z) (a mass);
 //       then Gumbel-max over the kept tokens with the counter-based hash of the row's seed, the
 //       noise computed only for tokens that could still win. Any other row: argmax_row (rows.cpp).
-//       A NaN logit counts as -inf. The top-p masses are summed in double (the op's reference sums
-//       in f32): the kept sets can differ only where a head's mass lies within rounding of its target.
+//       A NaN logit counts as -inf. exp and log are torch's own (SLEEF's, lane by lane, where
+//       AVX-512 is built; else the C library's), so the tokens are the reference's but where two
+//       scores tie within rounding. The top-p masses are summed in double (the reference sums in
+//       f32): the kept sets can differ only where a head's mass lies within rounding of its target.
+//       With top-k, top-p and the draw run over the list of the k kept tokens (ties included).
 //   sample_available() -> true (the self-check may refuse it: sampled rows then run the op's reference)
 //   spec_verify(tokens [R] int64, drafts [R] int64, out) -> [R] int64 (into out if given): the
 //       spec_verify op, tokens with -1 at every row after its sequence's first rejected draft (a
@@ -20,6 +23,7 @@
 #include "kernels.h"
 #include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -56,10 +60,10 @@ inline uint32_t order_key(float z) {
     return (b >> 31) ? ~b : (b | 0x80000000u);
 }
 
-inline float gumbel(uint32_t row_key, int64_t v) {
-    const uint32_t h = fmix32(row_key ^ (static_cast<uint32_t>(v) * 0x9E3779B1u));
-    const float u = static_cast<float>(((h >> 9) << 1) | 1u) * 0x1p-24f;  // exact, in (0, 1)
-    return -std::log(-std::log(u));
+// u in (0, 1) of token v under the row's key (exact in f32)
+inline float uniform(uint32_t row_key, uint32_t v) {
+    const uint32_t h = fmix32(row_key ^ (v * 0x9E3779B1u));
+    return static_cast<float>(((h >> 9) << 1) | 1u) * 0x1p-24f;
 }
 
 struct Item {
@@ -69,7 +73,8 @@ struct Item {
 
 // The largest t such that the items with key >= t weigh enough (enough(sum) over weights summed in
 // double), found one byte at a time from the top: each pass keeps the items of the byte where the
-// sum gets there. Where no t gets there, a t at or below every key (every item kept).
+// sum gets there. Where no t gets there (a sum within rounding of its target), the smallest key
+// (every item kept).
 template <typename Enough>
 uint32_t threshold(std::vector<Item>& items, Enough enough) {
     double above = 0;  // the weight of the items above the current bucket
@@ -79,6 +84,11 @@ uint32_t threshold(std::vector<Item>& items, Enough enough) {
         for (const Item& it : items) hist[(it.key >> shift) & 255u] += it.weight;
         uint32_t b = 255;
         while (b > 0 && !enough(above + hist[b])) above += hist[b--];
+        if (b == 0 && !enough(above + hist[0])) {
+            uint32_t smallest = items[0].key;
+            for (const Item& it : items) smallest = std::min(smallest, it.key);
+            return smallest;
+        }
         t |= b << shift;
         size_t kept = 0;
         for (const Item& it : items)
@@ -89,33 +99,34 @@ uint32_t threshold(std::vector<Item>& items, Enough enough) {
 }
 
 struct Scratch {
-    std::vector<float> z, p;
+    std::vector<float> z, p, g;       // z and p over the vocabulary; g (and p) over a list
+    std::vector<int32_t> list;        // token ids, increasing
     std::vector<Item> items;
 };
 
 #if defined(__AVX512F__)
-// 16 lanes of order_key
-inline __m512i order_key16(__m512 z) {
-    const __m512i b = _mm512_castps_si512(z);
-    return _mm512_xor_si512(b, _mm512_or_si512(_mm512_srai_epi32(b, 31), _mm512_set1_epi32(INT32_MIN)));
-}
-
 inline __mmask16 lanes_below(int64_t i, int64_t v) {
     return v - i >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (v - i)) - 1);
 }
 
-inline __m512 negate(__m512 x) { return _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(x), _mm512_set1_epi32(INT32_MIN))); }
+inline __m512i iota16(int64_t v0) {
+    return _mm512_add_epi32(_mm512_set1_epi32(static_cast<int>(v0)),
+                            _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
+}
 
-// the noise of tokens v0 .. v0 + 15: torch's own log (SLEEF, as the op's reference computes it)
-inline __m512 gumbel16(uint32_t row_key, int64_t v0) {
-    const __m512i v = _mm512_add_epi32(_mm512_set1_epi32(static_cast<int>(v0)),
-                                       _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
-    __m512i h = _mm512_xor_si512(_mm512_set1_epi32(static_cast<int>(row_key)),
-                                 _mm512_mullo_epi32(v, _mm512_set1_epi32(static_cast<int>(0x9E3779B1u))));
+inline __m512i mul32(__m512i a, uint32_t b) { return _mm512_mullo_epi32(a, _mm512_set1_epi32(static_cast<int>(b))); }
+
+inline __m512 negate(__m512 x) {
+    return _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(x), _mm512_set1_epi32(INT32_MIN)));
+}
+
+// the noise of 16 tokens: -log(-log(u)) with torch's own log (SLEEF, as the op's reference computes it)
+inline __m512 gumbel16(uint32_t row_key, __m512i v) {
+    __m512i h = _mm512_xor_si512(_mm512_set1_epi32(static_cast<int>(row_key)), mul32(v, 0x9E3779B1u));
     h = _mm512_xor_si512(h, _mm512_srli_epi32(h, 16));
-    h = _mm512_mullo_epi32(h, _mm512_set1_epi32(static_cast<int>(0x85EBCA6Bu)));
+    h = mul32(h, 0x85EBCA6Bu);
     h = _mm512_xor_si512(h, _mm512_srli_epi32(h, 13));
-    h = _mm512_mullo_epi32(h, _mm512_set1_epi32(static_cast<int>(0xC2B2AE35u)));
+    h = mul32(h, 0xC2B2AE35u);
     h = _mm512_xor_si512(h, _mm512_srli_epi32(h, 16));
     const __m512i odd = _mm512_or_si512(_mm512_slli_epi32(_mm512_srli_epi32(h, 9), 1), _mm512_set1_epi32(1));
     const __m512 u = _mm512_mul_ps(_mm512_cvtepi32_ps(odd), _mm512_set1_ps(0x1p-24f));  // < 2^24: exact
@@ -123,12 +134,16 @@ inline __m512 gumbel16(uint32_t row_key, int64_t v0) {
 }
 
 inline double sum16(__m512 x) {
-    return _mm512_reduce_add_pd(_mm512_add_pd(_mm512_cvtps_pd(_mm512_castps512_ps256(x)),
-                                              _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(x), 1)))));
+    const __m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(x), 1));
+    return _mm512_reduce_add_pd(_mm512_add_pd(_mm512_cvtps_pd(_mm512_castps512_ps256(x)), _mm512_cvtps_pd(hi)));
 }
 #endif
 
-// z = x / t (NaN -> -inf) into z; returns max z
+inline float gumbel(uint32_t row_key, int64_t v) {  // one token's noise (a bound here, not a score)
+    return -std::log(-std::log(uniform(row_key, static_cast<uint32_t>(v))));
+}
+
+// z = x / t (a NaN, from x or from inf / inf, -> -inf) into z; returns max z
 float scaled(const float* x, float t, int64_t v, float* z) {
     int64_t i = 0;
     float m = -kInf;
@@ -136,114 +151,139 @@ float scaled(const float* x, float t, int64_t v, float* z) {
     const __m512 tv = _mm512_set1_ps(t), ninf = _mm512_set1_ps(-kInf);
     __m512 top = ninf;
     for (; i + 16 <= v; i += 16) {
-        const __m512 xv = _mm512_loadu_ps(x + i);
-        const __mmask16 nan = _mm512_cmp_ps_mask(xv, xv, _CMP_UNORD_Q);
-        const __m512 zv = _mm512_mask_mov_ps(_mm512_div_ps(xv, tv), nan, ninf);
+        __m512 zv = _mm512_div_ps(_mm512_loadu_ps(x + i), tv);
+        zv = _mm512_mask_mov_ps(zv, _mm512_cmp_ps_mask(zv, zv, _CMP_UNORD_Q), ninf);  // NaN (also inf / inf)
         _mm512_storeu_ps(z + i, zv);
         top = _mm512_max_ps(top, zv);
     }
     m = _mm512_reduce_max_ps(top);
 #endif
     for (; i < v; ++i) {
-        z[i] = std::isnan(x[i]) ? -kInf : x[i] / t;
+        z[i] = x[i] / t;
+        if (std::isnan(z[i])) z[i] = -kInf;
         if (z[i] > m) m = z[i];
     }
     return m;
 }
 
-int64_t count_at_least(const float* z, int64_t v, float c) {
-    int64_t n = 0, i = 0;
-#if defined(__AVX512F__)
-    const __m512 cv = _mm512_set1_ps(c);
-    for (; i + 16 <= v; i += 16) n += __builtin_popcount(_mm512_cmp_ps_mask(_mm512_loadu_ps(z + i), cv, _CMP_GE_OQ));
-#endif
-    for (; i < v; ++i) n += z[i] >= c;
-    return n;
-}
-
-// top-k: the key of the k-th largest z (0 < k < v). Only the tokens at or above a guess c that
-// k tokens reach take part in the selection (c = m - 1, m - 4, m - 16, ..., then -inf).
-uint32_t key_threshold(const float* z, int64_t v, float m, int64_t k, std::vector<Item>& items) {
-    float c = m - 1.f;
-    for (float d = 4.f; c != -kInf && count_at_least(z, v, c) < k; d *= 4.f) c = m - d;  // d reaches inf
-    items.clear();
-    for (int64_t i = 0; i < v; ++i)
-        if (z[i] >= c) items.push_back({order_key(z[i]), 1.f});
-    return threshold(items, [k](double count) { return count >= static_cast<double>(k); });
-}
-
-// p = exp(z - m) where key(z) >= tk, else 0, into p; returns the sum of p (double)
-double probabilities(const float* z, float m, uint32_t tk, int64_t v, float* p) {
-    int64_t i = 0;
+// y[i] = exp(x[i] - m) for n values; returns their sum (double)
+double exp_sum(const float* x, float m, int64_t n, float* y) {
     double total = 0;
 #if defined(__AVX512F__)
-    const __m512 mv = _mm512_set1_ps(m);
-    const __m512i tkv = _mm512_set1_epi32(static_cast<int>(tk));
-    for (; i < v; i += 16) {
-        const __mmask16 lanes = lanes_below(i, v);
-        const __m512 zv = _mm512_maskz_loadu_ps(lanes, z + i);
-        const __mmask16 kept = lanes & _mm512_cmpge_epu32_mask(order_key16(zv), tkv);
-        const __m512 e = _mm512_maskz_mov_ps(kept, Sleef_expf16_u10(_mm512_sub_ps(zv, mv)));  // torch's exp
-        _mm512_mask_storeu_ps(p + i, lanes, e);
+    for (int64_t i = 0; i < n; i += 16) {
+        const __mmask16 lanes = lanes_below(i, n);
+        const __m512 e = _mm512_maskz_mov_ps(
+            lanes, Sleef_expf16_u10(_mm512_sub_ps(_mm512_maskz_loadu_ps(lanes, x + i), _mm512_set1_ps(m))));
+        _mm512_mask_storeu_ps(y + i, lanes, e);
         total += sum16(e);
     }
 #else
-    for (; i < v; ++i) {
-        p[i] = (tk == 0 || order_key(z[i]) >= tk) ? std::exp(z[i] - m) : 0.f;
-        total += p[i];
-    }
+    for (int64_t i = 0; i < n; ++i) total += y[i] = std::exp(x[i] - m);
 #endif
     return total;
 }
 
-double mass_at_least(const float* p, int64_t v, float c) {
-    double mass = 0;
-    int64_t i = 0;
-#if defined(__AVX512F__)
-    const __m512 cv = _mm512_set1_ps(c);
-    for (; i + 16 <= v; i += 16) {
-        const __m512 pv = _mm512_loadu_ps(p + i);
-        mass += sum16(_mm512_maskz_mov_ps(_mm512_cmp_ps_mask(pv, cv, _CMP_GE_OQ), pv));
-    }
-#endif
-    for (; i < v; ++i)
-        if (p[i] >= c) mass += p[i];
-    return mass;
-}
-
-// top-p: the bits of the smallest p kept. Only the tokens at or above a guess c whose mass reaches
-// the target take part in the selection (c = 2^-4, 2^-8, ..., then every p > 0).
-uint32_t mass_threshold(const float* p, int64_t v, double target, std::vector<Item>& items) {
-    auto enough = [target](double mass) { return mass >= target && mass > 0; };
-    float c = 0x1p-4f;
-    while (c > 0.f && !enough(mass_at_least(p, v, c))) c = c > 0x1p-120f ? c * 0x1p-4f : 0.f;
-    items.clear();
+// the ids i with pred(i), in order, into list
+template <typename Pred>
+void list_where(int64_t v, Pred pred, std::vector<int32_t>& list) {
+    list.clear();
     for (int64_t i = 0; i < v; ++i)
-        if (p[i] > 0.f && p[i] >= c) items.push_back({bits_of(p[i]), p[i]});
-    return threshold(items, enough);
+        if (pred(i)) list.push_back(static_cast<int32_t>(i));
 }
 
-// Gumbel-max over the kept tokens (key(z) >= tk, bits(p) >= tp; a threshold 0 keeps all) whose
-// z reaches `floor`: the first token of the largest z + noise
-int64_t gumbel_max(const float* z, const float* p, int64_t v, uint32_t tk, uint32_t tp, float floor, uint32_t key,
-                   int64_t best) {
+// top-k (0 < k < v): the ids whose key(z) reaches the k-th largest, ties included, into list.
+// Only the tokens at or above a cut c that k tokens reach take part (c = m - d, d doubling from
+// max(1, |m| 2^-20), so that c < m from the first).
+void top_k_list(const float* z, int64_t v, float m, int64_t k, Scratch& s) {
+    const float d0 = std::max(1.f, std::fabs(m) * 0x1p-20f);
+    float c = m - d0;
+    for (float d = 2.f * d0; c != -kInf; d *= 2.f) {  // d reaches inf, c then -inf
+        int64_t n = 0, i = 0;
 #if defined(__AVX512F__)
-    const __m512 fv = _mm512_set1_ps(floor);
-    const __m512i tkv = _mm512_set1_epi32(static_cast<int>(tk)), tpv = _mm512_set1_epi32(static_cast<int>(tp));
+        for (; i + 16 <= v; i += 16)
+            n += __builtin_popcount(_mm512_cmp_ps_mask(_mm512_loadu_ps(z + i), _mm512_set1_ps(c), _CMP_GE_OQ));
+#endif
+        for (; i < v; ++i) n += z[i] >= c;
+        if (n >= k) break;
+        c = m - d;
+    }
+    list_where(v, [&](int64_t i) { return z[i] >= c; }, s.list);
+    s.items.clear();
+    for (int32_t i : s.list) s.items.push_back({order_key(z[i]), 1.f});
+    const uint32_t tk = threshold(s.items, [k](double count) { return count >= static_cast<double>(k); });
+    size_t kept = 0;
+    for (int32_t i : s.list)
+        if (order_key(z[i]) >= tk) s.list[kept++] = i;
+    s.list.resize(kept);
+}
+
+// top-p over the listed tokens: keeps those whose p = exp(z - m) is at or above the smallest p of
+// the head that holds top_p of their mass
+void top_p_of_list(const float* z, float m, float top_p, Scratch& s) {
+    const int64_t n = static_cast<int64_t>(s.list.size());
+    s.g.resize(n);
+    s.p.resize(n);
+    for (int64_t j = 0; j < n; ++j) s.g[j] = z[s.list[j]];
+    const double target = static_cast<double>(top_p) * exp_sum(s.g.data(), m, n, s.p.data());
+    s.items.clear();
+    for (int64_t j = 0; j < n; ++j)
+        if (s.p[j] > 0.f) s.items.push_back({bits_of(s.p[j]), s.p[j]});
+    const uint32_t tp = threshold(s.items, [target](double mass) { return mass >= target && mass > 0; });
+    size_t kept = 0;
+    for (int64_t j = 0; j < n; ++j)
+        if (bits_of(s.p[j]) >= tp) s.list[kept++] = s.list[j];
+    s.list.resize(kept);
+}
+
+// top-p over the whole vocabulary: the ids kept, into list (false: every token kept). Only the
+// tokens at or above a cut c whose mass reaches the target take part (c = 2^-2, 2^-4, ...).
+bool top_p_list(const float* z, int64_t v, float m, float top_p, Scratch& s) {
+    s.p.resize(v);
+    const float* p = s.p.data();
+    const double target = static_cast<double>(top_p) * exp_sum(z, m, v, s.p.data());
+    auto enough = [target](double mass) { return mass >= target && mass > 0; };
+    auto mass_at_least = [&](float c) {
+        double mass = 0;
+        int64_t i = 0;
+#if defined(__AVX512F__)
+        for (; i + 16 <= v; i += 16) {
+            const __m512 pv = _mm512_loadu_ps(p + i);
+            mass += sum16(_mm512_maskz_mov_ps(_mm512_cmp_ps_mask(pv, _mm512_set1_ps(c), _CMP_GE_OQ), pv));
+        }
+#endif
+        for (; i < v; ++i)
+            if (p[i] >= c) mass += p[i];
+        return mass;
+    };
+    float c = 0x1p-2f;
+    while (c > 0.f && !enough(mass_at_least(c))) c = c > 0x1p-120f ? c * 0x1p-2f : 0.f;
+    list_where(v, [&](int64_t i) { return p[i] > 0.f && p[i] >= c; }, s.list);
+    s.items.clear();
+    for (int32_t i : s.list) s.items.push_back({bits_of(p[i]), p[i]});
+    const uint32_t tp = threshold(s.items, enough);
+    if (tp == 0) return false;  // the mass is not reached above 0 (rounding): every token
+    size_t kept = 0;
+    for (int32_t i : s.list)
+        if (bits_of(p[i]) >= tp) s.list[kept++] = i;
+    s.list.resize(kept);
+    return true;
+}
+
+// Gumbel-max over every token whose z reaches floor: the first of the largest z + noise
+int64_t gumbel_max(const float* z, int64_t v, float floor, uint32_t key, int64_t best) {
+#if defined(__AVX512F__)
     __m512 top = _mm512_set1_ps(-kInf);
     __m512i where = _mm512_set1_epi32(static_cast<int>(best));
     for (int64_t i = 0; i < v; i += 16) {
         const __mmask16 lanes = lanes_below(i, v);
         const __m512 zv = _mm512_maskz_loadu_ps(lanes, z + i);
-        __mmask16 cand = lanes & _mm512_cmp_ps_mask(zv, fv, _CMP_GE_OQ);
-        if (tk != 0) cand &= _mm512_cmpge_epu32_mask(order_key16(zv), tkv);
-        if (tp != 0) cand &= _mm512_cmpge_epu32_mask(_mm512_castps_si512(_mm512_maskz_loadu_ps(lanes, p + i)), tpv);
+        const __mmask16 cand = lanes & _mm512_cmp_ps_mask(zv, _mm512_set1_ps(floor), _CMP_GE_OQ);
         if (!cand) continue;
-        const __m512 score = _mm512_add_ps(zv, gumbel16(key, i));
+        const __m512i ids = iota16(i);
+        const __m512 score = _mm512_add_ps(zv, gumbel16(key, ids));
         const __mmask16 better = cand & _mm512_cmp_ps_mask(score, top, _CMP_GT_OQ);
         top = _mm512_mask_mov_ps(top, better, score);
-        where = _mm512_mask_mov_epi32(where, better, _mm512_add_epi32(_mm512_set1_epi32(static_cast<int>(i)),
-                                                                   _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)));
+        where = _mm512_mask_mov_epi32(where, better, ids);
     }
     const float m = _mm512_reduce_max_ps(top);
     if (m == -kInf) return best;
@@ -252,12 +292,35 @@ int64_t gumbel_max(const float* z, const float* p, int64_t v, uint32_t tk, uint3
     float top = -kInf;
     int64_t where = best;
     for (int64_t i = 0; i < v; ++i) {
-        if (!(z[i] >= floor) || (tk != 0 && order_key(z[i]) < tk) || (tp != 0 && bits_of(p[i]) < tp)) continue;
+        if (!(z[i] >= floor)) continue;
         const float score = z[i] + gumbel(key, i);
         if (score > top) top = score, where = i;
     }
     return where;
 #endif
+}
+
+// the same over the listed tokens (ids increasing)
+int64_t gumbel_max_of_list(const float* z, float floor, uint32_t key, int64_t best, Scratch& s) {
+    size_t n = 0;
+    for (int32_t i : s.list)
+        if (z[i] >= floor) s.list[n++] = i;
+    s.g.resize(n);
+#if defined(__AVX512F__)
+    for (size_t j = 0; j < n; j += 16) {
+        const __mmask16 lanes = lanes_below(static_cast<int64_t>(j), static_cast<int64_t>(n));
+        _mm512_mask_storeu_ps(s.g.data() + j, lanes, gumbel16(key, _mm512_maskz_loadu_epi32(lanes, s.list.data() + j)));
+    }
+#else
+    for (size_t j = 0; j < n; ++j) s.g[j] = gumbel(key, s.list[j]);
+#endif
+    float top = -kInf;
+    int64_t where = best;
+    for (size_t j = 0; j < n; ++j) {
+        const float score = z[s.list[j]] + s.g[j];
+        if (score > top) top = score, where = s.list[j];
+    }
+    return where;
 }
 
 int64_t draw_row(const float* x, int64_t v, float t, int64_t k, float top_p, int64_t seed, Scratch& s) {
@@ -269,12 +332,13 @@ int64_t draw_row(const float* x, int64_t v, float t, int64_t k, float top_p, int
             if (z[i] == kInf) return i;
     }
     if (m == -kInf) return 0;  // -inf and NaN only: every score is -inf
-    const uint32_t tk = k > 0 && k < v ? key_threshold(z, v, m, k, s.items) : 0;  // keep key(z) >= tk
-    uint32_t tp = 0;                                                              // keep bits(p) >= tp
-    if (top_p < 1.f) {
-        s.p.resize(v);
-        const double target = static_cast<double>(top_p) * probabilities(z, m, tk, v, s.p.data());
-        tp = mass_threshold(s.p.data(), v, target, s.items);
+    bool listed = false;       // the kept tokens are s.list (else every token)
+    if (k > 0 && k < v) {
+        top_k_list(z, v, m, k, s);
+        listed = true;
+        if (top_p < 1.f) top_p_of_list(z, m, top_p, s);
+    } else if (top_p < 1.f) {
+        listed = top_p_list(z, v, m, top_p, s);
     }
     const uint64_t u = static_cast<uint64_t>(seed);
     const uint32_t key = fmix32(fmix32(static_cast<uint32_t>(u)) ^ static_cast<uint32_t>(u >> 32));
@@ -282,7 +346,7 @@ int64_t draw_row(const float* x, int64_t v, float t, int64_t k, float top_p, int
     while (z[best] != m) ++best;
     // a token below the best one's score minus the largest noise cannot win: only the rest draw noise
     const float floor = z[best] + gumbel(key, best) - kGumbelMax - 1.0f;
-    return gumbel_max(z, s.p.data(), v, tk, tp, floor, key, best);
+    return listed ? gumbel_max_of_list(z, floor, key, best, s) : gumbel_max(z, v, floor, key, best);
 }
 
 }  // namespace
@@ -294,6 +358,7 @@ torch::Tensor sample(const torch::Tensor& x, const torch::Tensor& temperature, c
     TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.scalar_type() == torch::kFloat32 && x.size(1) > 0,
                 "sample: logits must be f32 [S, V] (V >= 1) with unit column stride");
     const int64_t rows = x.size(0), v = x.size(1), ld = x.stride(0);
+    TORCH_CHECK(v < std::numeric_limits<int32_t>::max(), "sample: at most 2^31 - 2 logits a row");
     auto vec = [rows](const torch::Tensor& t, torch::ScalarType dt) {
         return t.dim() == 1 && t.size(0) == rows && t.is_contiguous() && t.scalar_type() == dt;
     };

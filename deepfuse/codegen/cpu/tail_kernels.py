@@ -24,8 +24,8 @@ def _sample(attrs: dict) -> Kernel:
         stop that holds the run where a row has a temperature above 0 (the draw then runs from Python)."""
         if not isinstance(logits, RunOutput) or logits.dtype != torch.float32 or len(logits.shape) != 2 \
                 or logits.shape[1] == 0 or native_rows() is None \
-                or not all(isinstance(t, torch.Tensor) and t.dim() == 1 and t.is_contiguous()
-                           for t in (temperature, top_k, top_p, seeds)) \
+                or not all(isinstance(t, torch.Tensor) and t.is_cpu and t.shape == tuple(logits.shape[:1])
+                           and t.is_contiguous() for t in (temperature, top_k, top_p, seeds)) \
                 or (temperature.dtype, top_p.dtype, top_k.dtype, seeds.dtype) != (torch.float32,) * 2 + (torch.int64,) * 2:
             return None
         tokens = RunOutput(logits.shape[:1], torch.int64)
@@ -57,8 +57,8 @@ def _spec_verify(attrs: dict) -> Kernel:
         """In a step program: the verified tokens into the run's tensor (sample.cpp); where the
         self-check refused it, the tokens as they are, behind a stop that holds the run where a row
         has a draft."""
-        if not isinstance(draft_tokens, torch.Tensor) or draft_tokens.dtype != torch.int64 \
-                or not draft_tokens.is_contiguous() or draft_tokens.dim() != 1:
+        if not isinstance(draft_tokens, torch.Tensor) or draft_tokens.dtype != torch.int64 or not draft_tokens.is_cpu \
+                or not draft_tokens.is_contiguous() or draft_tokens.shape != tuple(tokens.shape):
             return None
         if isinstance(tokens, RunOutput) and native_sampler() is not None:
             kept = RunOutput(tokens.shape, torch.int64)

@@ -29,6 +29,7 @@ import time
 import torch
 from bound import ReadBandwidth
 from results_file import write_result
+from sampler_switch import reference_sampler
 
 PROMPT = ("Write a short story about a lighthouse keeper who finds a message in a bottle. "
           "The story should be warm, a little mysterious, and end with a surprise. ") * 3
@@ -43,10 +44,7 @@ def deepfuse_runner(dtype: str, ids: list[int], n: int, model, quant: str | None
     sampled: seeded draws with SAMPLED, else greedy. native_sampler=False: this engine's steps
     run as if the self-check had refused the native sampler (the program stops before the
     sampler, which runs the op's reference from Python), for an A/B in one run."""
-    import contextlib
-
     import deepfuse
-    from deepfuse.codegen.cpu import row_kernels, tail_kernels
     from deepfuse.runtime.engine import Engine, SamplingParams
     from deepfuse.runtime.kv_cache import CacheConfig
 
@@ -54,19 +52,7 @@ def deepfuse_runner(dtype: str, ids: list[int], n: int, model, quant: str | None
     eng = Engine(art, CacheConfig(enable_prefix_caching=False))  # every run prefills the whole prompt
     how = dict(SAMPLED, seed=1) if sampled else dict(temperature=0)
     p = SamplingParams(max_tokens=n, ignore_eos=True, **how)
-
-    @contextlib.contextmanager
-    def sampler():
-        if native_sampler:
-            yield
-            return
-        kept = row_kernels.native_sampler
-        row_kernels.native_sampler = tail_kernels.native_sampler = lambda: None
-        try:
-            yield
-        finally:
-            row_kernels.native_sampler = tail_kernels.native_sampler = kept
-
+    sampler = lambda: reference_sampler(not native_sampler)  # noqa: E731
     with sampler():
         eng.generate([ids], [SamplingParams(max_tokens=4, ignore_eos=True, **how)])  # warm-up
 

@@ -8,15 +8,15 @@ tok/s and its ratio to the plain run of the same round (medians over rounds). Th
   min_p          0.05 (host_sampling.py)
   logit_bias     ten ids (host_sampling.py)
   logprobs 5     the top 5 of every token (a log_softmax per token)
-  top-k, top-p   top-k 40 and top-p 0.9 (the step's own sampler, sample.cpp)
-With --reference-sampler, "plain" and "top-k, top-p" run again on a second engine of the same
+  top-k+top-p    top-k 40 and top-p 0.9 (the step's own sampler, sample.cpp)
+With --reference-sampler, "plain" and "top-k+top-p" run again on a second engine of the same
 build whose native sampler is off (benchmarks/sampler_switch.py: its steps stop before the
 sampler and the op's reference draws from Python), as "... ref. sampler".
 The prefix cache is off, so every round computes the same prompts. Writes
 benchmarks/results/sampling.json (or --result).
 
     python benchmarks/sampling.py [--runs 3] [--tokens 256] [--dtype bf16] [--quant int4]
-    python benchmarks/sampling.py --settings "plain,top-k, top-p" --reference-sampler --result sampling_native.json
+    python benchmarks/sampling.py --settings "plain,top-k+top-p" --reference-sampler --result sampling_native.json
 """
 from __future__ import annotations
 
@@ -35,7 +35,7 @@ SETTINGS = {
     "min_p": {"min_p": 0.05},
     "logit_bias": {"logit_bias": {i: 0.5 for i in range(100, 110)}},
     "logprobs 5": {"logprobs": 5},
-    "top-k, top-p": {"top_k": 40, "top_p": 0.9},
+    "top-k+top-p": {"top_k": 40, "top_p": 0.9},
 }
 REF = " ref. sampler"  # the suffix of a setting run with the native sampler off
 
@@ -47,12 +47,12 @@ def main() -> None:
     ap.add_argument("--dtype", default="bf16")
     ap.add_argument("--quant", default="int4")
     ap.add_argument("--settings", default=",".join(SETTINGS), help="comma-separated names (plain always runs)")
-    ap.add_argument("--reference-sampler", action="store_true", help="adds plain and top-k, top-p with it")
+    ap.add_argument("--reference-sampler", action="store_true", help="adds plain and top-k+top-p with it")
     ap.add_argument("--result", default="sampling.json")
     args = ap.parse_args()
     wanted = ["plain"] + [n for n in SETTINGS if n != "plain" and n in args.settings.split(",")]
     if args.reference_sampler:
-        wanted += [n + REF for n in ("plain", "top-k, top-p") if n in wanted]
+        wanted += [n + REF for n in ("plain", "top-k+top-p") if n in wanted]
     import deepfuse
     from deepfuse.models import load_model
     from deepfuse.runtime.engine import Engine, SamplingParams

@@ -73,7 +73,7 @@ def sample_rows(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Te
     if native is not None and logits.is_cpu and logits.dtype == torch.float32 and logits.dim() == 2 \
             and logits.stride(1) == 1 and logits.shape[1] > 0 and _vectors(temperature, top_p, torch.float32) \
             and _vectors(top_k, seeds, torch.int64):
-        if native.sample_available():
+        if native_sampler() is not None:
             return native.sample(logits, temperature, top_k, top_p, seeds)
         if not (temperature.numpy() > 0).any():
             return native.argmax(logits)

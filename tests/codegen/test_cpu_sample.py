@@ -71,6 +71,26 @@ def test_top_p_just_under_one_gives_the_references_tokens(native):
     assert torch.equal(native.sample(x, t, k, p, seeds), sample_ref(x, t, k, p, seeds))
 
 
+def test_top_k_edges_give_the_references_tokens(native):
+    """Top-k where fewer than k tokens are finite (a grammar or min_p masked the rest), over
+    logits a million times larger than usual, followed by top_p just under 1, and over a maximum
+    of -0.0 tied with +0.0 (top-k keeps only +0.0, the larger key)."""
+    g = torch.Generator().manual_seed(13)
+    x = torch.randn(5, 4096, generator=g) * 3
+    x[0, 20:] = -math.inf  # 20 finite, k = 40
+    x[1] *= 1e6
+    x[3] = -1.0
+    x[3, [7, 30, 31]] = torch.tensor([-0.0, 0.0, 0.0])
+    x[4, 100:] = -math.inf
+    t = torch.tensor([0.8, 0.8, 0.6, 1.0, 1.0])
+    k = torch.tensor([40, 5, 50, 2, 100])
+    p = torch.tensor([1.0, 0.9, 0.99999994, 1.0, 0.95])
+    seeds = torch.arange(5) * 31 + 2
+    got, want = native.sample(x, t, k, p, seeds), sample_ref(x, t, k, p, seeds)
+    assert torch.equal(got, want), (got, want)
+    assert got[0] < 20 and got[3] in (30, 31) and got[4] < 100
+
+
 def test_sampled_rows_run_in_parallel_and_each_keeps_its_own_draw(native):
     """A batch of rows gives each row's single-row token (rows are independent of their batch)."""
     ins = rows(64, 3000, 7)

@@ -193,20 +193,20 @@ void list_where(int64_t v, Pred pred, std::vector<int32_t>& list) {
 
 // top-k (0 < k < v): the ids whose key(z) reaches the k-th largest, ties included, into list.
 // Only the tokens at or above a cut c that k tokens reach take part (c = m - d, d doubling from
-// max(1, |m| 2^-20), so that c < m from the first).
+// max(1, |m| 2^-20), so that c < m from the first; -inf at once where fewer than k are finite).
 void top_k_list(const float* z, int64_t v, float m, int64_t k, Scratch& s) {
-    const float d0 = std::max(1.f, std::fabs(m) * 0x1p-20f);
-    float c = m - d0;
-    for (float d = 2.f * d0; c != -kInf; d *= 2.f) {  // d reaches inf, c then -inf
+    auto count_at_least = [z, v](float c) {
         int64_t n = 0, i = 0;
 #if defined(__AVX512F__)
         for (; i + 16 <= v; i += 16)
             n += __builtin_popcount(_mm512_cmp_ps_mask(_mm512_loadu_ps(z + i), _mm512_set1_ps(c), _CMP_GE_OQ));
 #endif
         for (; i < v; ++i) n += z[i] >= c;
-        if (n >= k) break;
-        c = m - d;
-    }
+        return n;
+    };
+    const float d0 = std::max(1.f, std::fabs(m) * 0x1p-20f);
+    float c = count_at_least(std::numeric_limits<float>::lowest()) < k ? -kInf : m - d0;
+    for (float d = 2.f * d0; c != -kInf && count_at_least(c) < k; d *= 2.f) c = m - d;  // d reaches inf
     list_where(v, [&](int64_t i) { return z[i] >= c; }, s.list);
     s.items.clear();
     for (int32_t i : s.list) s.items.push_back({order_key(z[i]), 1.f});
@@ -235,9 +235,9 @@ void top_p_of_list(const float* z, float m, float top_p, Scratch& s) {
     s.list.resize(kept);
 }
 
-// top-p over the whole vocabulary: the ids kept, into list (false: every token kept). Only the
-// tokens at or above a cut c whose mass reaches the target take part (c = 2^-2, 2^-4, ...).
-bool top_p_list(const float* z, int64_t v, float m, float top_p, Scratch& s) {
+// top-p over the whole vocabulary: the ids kept, into list. Only the tokens at or above a cut c
+// whose mass reaches the target take part (c = 2^-2, 2^-4, ...).
+void top_p_list(const float* z, int64_t v, float m, float top_p, Scratch& s) {
     s.p.resize(v);
     const float* p = s.p.data();
     const double target = static_cast<double>(top_p) * exp_sum(z, m, v, s.p.data());
@@ -260,13 +260,11 @@ bool top_p_list(const float* z, int64_t v, float m, float top_p, Scratch& s) {
     list_where(v, [&](int64_t i) { return p[i] > 0.f && p[i] >= c; }, s.list);
     s.items.clear();
     for (int32_t i : s.list) s.items.push_back({bits_of(p[i]), p[i]});
-    const uint32_t tp = threshold(s.items, enough);
-    if (tp == 0) return false;  // the mass is not reached above 0 (rounding): every token
+    const uint32_t tp = threshold(s.items, enough);  // p = 1 (the largest z) is an item: tp > 0
     size_t kept = 0;
     for (int32_t i : s.list)
         if (bits_of(p[i]) >= tp) s.list[kept++] = i;
     s.list.resize(kept);
-    return true;
 }
 
 // Gumbel-max over every token whose z reaches floor: the first of the largest z + noise
@@ -338,12 +336,23 @@ int64_t draw_row(const float* x, int64_t v, float t, int64_t k, float top_p, int
         listed = true;
         if (top_p < 1.f) top_p_of_list(z, m, top_p, s);
     } else if (top_p < 1.f) {
-        listed = top_p_list(z, v, m, top_p, s);
+        top_p_list(z, v, m, top_p, s);
+        listed = true;
     }
     const uint64_t u = static_cast<uint64_t>(seed);
     const uint32_t key = fmix32(fmix32(static_cast<uint32_t>(u)) ^ static_cast<uint32_t>(u >> 32));
-    int64_t best = 0;  // the first largest z: always kept (the largest key; p = 1)
-    while (z[best] != m) ++best;
+    // the first kept token of the largest z (its p is 1; top-k may drop a -0.0 maximum whose +0.0
+    // ties it keeps): its score bounds the winner's from below
+    int64_t best = 0;
+    if (listed) {
+        for (int32_t i : s.list)
+            if (z[i] == m) {
+                best = i;
+                break;
+            }
+    } else {
+        while (z[best] != m) ++best;
+    }
     // a token below the best one's score minus the largest noise cannot win: only the rest draw noise
     const float floor = z[best] + gumbel(key, best) - kGumbelMax - 1.0f;
     return listed ? gumbel_max_of_list(z, floor, key, best, s) : gumbel_max(z, v, floor, key, best);

@@ -123,10 +123,21 @@ void micro(const int8_t* q, int64_t ldq, const float* d, const float* offset, in
 template <typename T>
 using MicroFn = void (*)(const int8_t*, int64_t, const float*, const float*, int64_t, int64_t, const uint8_t*,
                          int64_t, const float*, T*, int64_t, int64_t);
+
+// micro<T, rows, P> for rows 1..kRows. A switch, not a table: GCC 12 at -O3 -march=sapphirerapids
+// read a two-level constexpr table of variable templates (kMicro<T>[P - 1][R - 1]) wrongly in
+// one of the instantiations using it, calling a 2-panel tile for a lone last panel.
 template <typename T, int P>
-constexpr MicroFn<T> kByRows[kRows] = {micro<T, 1, P>, micro<T, 2, P>, micro<T, 3, P>, micro<T, 4, P>, micro<T, 5, P>, micro<T, 6, P>};
-template <typename T>
-constexpr const MicroFn<T>* kMicro[kPanels] = {kByRows<T, 1>, kByRows<T, 2>};
+MicroFn<T> micro_rows(int64_t rows) {
+    switch (rows) {
+        case 1: return micro<T, 1, P>;
+        case 2: return micro<T, 2, P>;
+        case 3: return micro<T, 3, P>;
+        case 4: return micro<T, 4, P>;
+        case 5: return micro<T, 5, P>;
+        default: return micro<T, 6, P>;
+    }
+}
 
 // The quantized activation of one call: q [M, K] s8, d [M, K/group] f32, offset [M] f32. One per
 // calling thread, grown and never shrunk: allocating and zeroing them per call ran on the calling
@@ -189,7 +200,7 @@ void gemm(Row row, int64_t m, int64_t k, const uint8_t* panels, int64_t nb, int6
                     fn = micro<T, 2, 4>, np = 4;
                 } else {
                     np = std::min<int64_t>(kPanels, b1 - b);
-                    fn = kMicro<T>[np - 1][rows - 1];
+                    fn = np == 1 ? micro_rows<T, 1>(rows) : micro_rows<T, 2>(rows);
                 }
                 fn(q + m0 * k, k, d + m0 * groups, offset + m0, groups, group, panels + b * k * kCols, k,
                    scale + b * kCols, y + m0 * ldy + b * kCols, ldy, n - b * kCols);

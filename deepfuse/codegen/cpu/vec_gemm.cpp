@@ -66,11 +66,30 @@ void micro(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t kp, at::BF
     }
 }
 
-// micro<R, P> for R = rows, P = panels: kMicro[P - 1][R - 1]
+// micro<rows, panels> for rows 1..kRows, panels 1..kPanels. Switches, not a two-level constexpr
+// table of variable templates, which GCC 12 at -O3 -march=sapphirerapids read wrongly in
+// i8_gemm.cpp (a 2-panel tile called for one panel).
 using MicroFn = void (*)(const uint16_t*, int64_t, const uint16_t*, int64_t, at::BFloat16*, int64_t, int64_t);
 template <int P>
-constexpr MicroFn kByRows[kRows] = {micro<1, P>, micro<2, P>, micro<3, P>, micro<4, P>, micro<5, P>, micro<6, P>};
-constexpr const MicroFn* kMicro[kPanels] = {kByRows<1>, kByRows<2>, kByRows<3>, kByRows<4>};
+MicroFn micro_rows(int64_t rows) {
+    switch (rows) {
+        case 1: return micro<1, P>;
+        case 2: return micro<2, P>;
+        case 3: return micro<3, P>;
+        case 4: return micro<4, P>;
+        case 5: return micro<5, P>;
+        default: return micro<6, P>;
+    }
+}
+
+MicroFn micro_for(int64_t rows, int64_t panels) {
+    switch (panels) {
+        case 1: return micro_rows<1>(rows);
+        case 2: return micro_rows<2>(rows);
+        case 3: return micro_rows<3>(rows);
+        default: return micro_rows<4>(rows);
+    }
+}
 
 // Rows r0 .. r1-1 of x through panels b0 .. b1-1 (at w, kp * 16 elements apart) into y's columns from 16 * b0.
 void through_panels(const uint16_t* x, int64_t ldx, int64_t r0, int64_t r1, const uint16_t* w, int64_t kp, int64_t b0,
@@ -79,8 +98,8 @@ void through_panels(const uint16_t* x, int64_t ldx, int64_t r0, int64_t r1, cons
         const int64_t rows = std::min<int64_t>(kRows, r1 - m0);
         for (int64_t b = b0; b < b1; b += kPanels) {
             const int64_t np = std::min<int64_t>(kPanels, b1 - b);
-            kMicro[np - 1][rows - 1](x + m0 * ldx, ldx, w + (b - b0) * kp * kCols, kp, y + m0 * ldy + b * kCols, ldy,
-                                     n - b * kCols);
+            micro_for(rows, np)(x + m0 * ldx, ldx, w + (b - b0) * kp * kCols, kp, y + m0 * ldy + b * kCols, ldy,
+                                n - b * kCols);
         }
     }
 }

@@ -115,7 +115,8 @@ def read_bandwidth(threads: int, mib: int = 1024) -> float:
 
 
 def decode_bound(path: str) -> None:
-    """The batch-1 decode bandwidth bound against decode.json's engines; writes decode_bound.json."""
+    """The batch-1 decode bandwidth bound against the engines of decode.py's file at path; writes
+    decode_bound.json for decode.json, else <its name>_bound.json (decode_xeon.json: decode_xeon_bound.json)."""
     with open(path) as f:
         run = json.load(f)
     meta, results = run["meta"], run["results"]
@@ -151,8 +152,10 @@ def decode_bound(path: str) -> None:
                          "share_of_bound_per_run": shares}
         print(f"{name:22s} {head:>5s} {r['decode_tps']:12.1f} {share:11.0%}"
               + (f"  (rounds {min(shares):.0%}-{max(shares):.0%})" if shares else ""))
-    write_result("decode_bound.json", {"decode_run": run.get("provenance"), "read_gb_per_s": bw,
-                                       "read_gb_per_s_per_run": per_round, "bounds": bounds, "engines": engines})
+    stem = os.path.splitext(os.path.basename(path))[0]
+    write_result("decode_bound.json" if stem == "decode" else f"{stem}_bound.json",
+                 {"decode_run": run.get("provenance"), "read_gb_per_s": bw, "read_gb_per_s_per_run": per_round,
+                  "bounds": bounds, "engines": engines})
 
 
 def arithmetic_of(engine: str) -> str | None:

@@ -12,7 +12,7 @@ from deepfuse.compiler import trace_model
 from deepfuse.ir import OPS, TensorType, interpret, verify
 from deepfuse.ir.opdefs_quant import W8_ZERO, linear_w8a8, logits_w8a8, quantize_rows_i8, quantize_w8
 from deepfuse.passes import PassManager, cleanup_passes, fusion_passes, quant_passes
-from tests.helpers import greedy_with
+from tests.helpers import forced_logits, greedy_with
 
 
 def test_w8_weights_are_within_half_a_step_and_a_zero_row_is_zero():
@@ -257,7 +257,8 @@ def test_quantize_pass_rewrites_projections_whose_k_fits_the_group(tiny_model):
 def test_smollm2_w8a8_cpu_matches_the_interpreter_and_survives_an_artifact(smollm2, tmp_path):
     """The compiled CPU step (native int8 GEMM where the CPU has AVX512-VNNI) against the
     interpreter running every op's reference over the same quantized graph: every projection
-    call matches the reference on its own inputs, and the greedy tokens agree. The whole-model
+    call matches the reference on its own inputs, and fed the interpreter's greedy tokens the
+    compiled step picks the same ones, but at near ties (below). The whole-model
     logits are not compared tightly: rounding activations to 8 bits makes them jump where an
     input moves by a rounding error (embeddings scaled by 1 + 1e-6 move the interpreter's own
     logits by 12% here, int4's by 2e-6), and the other ops' kernels differ from their references
@@ -305,10 +306,24 @@ def test_smollm2_w8a8_cpu_matches_the_interpreter_and_survives_an_artifact(smoll
     got, got_logits = greedy_with(art, model.config, prompt, 6)
     assert len(worst) == 6 * layers and max(worst) < 1e-5
     assert len(unfused) == 6 * 3 * layers and all(unfused)
-    want, want_logits = greedy_with(lambda inputs: interpret(art.graph, inputs), model.config, prompt, 6)
-    assert got == want
+    reference = lambda inputs: interpret(art.graph, inputs)  # noqa: E731
+    want, want_logits = greedy_with(reference, model.config, prompt, 6)
     assert int(got_logits.argmax()) == int(want_logits.argmax())
     assert tok.decode(got).startswith(" Paris")
+    # Step by step on the interpreter's tokens: the same pick wherever the interpreter's top two
+    # are 0.5 apart or more; at a near tie (0.008 apart at this prompt's sixth token, which the
+    # int8 activations' rounding decides either way: the interpreter's own decode and whole-prompt
+    # paths disagree there) the compiled pick is one of the two.
+    decided = 0
+    for mine, ref in zip(forced_logits(art, model.config, prompt, want),
+                         forced_logits(reference, model.config, prompt, want)):
+        top = ref.topk(2)
+        if float(top.values[0] - top.values[1]) >= 0.5:
+            decided += 1
+            assert int(mine.argmax()) == int(top.indices[0])
+        else:
+            assert int(mine.argmax()) in top.indices.tolist()
+    assert decided >= 4  # most steps are not near ties: the comparison has teeth
     loaded = deepfuse.load(art.save(str(tmp_path / "w8a8")))
     assert loaded.quant == "w8a8"
     assert greedy_with(loaded, model.config, prompt, 6)[0] == got

@@ -7,7 +7,7 @@ Per decode step (the prompt's prefill step left out) it reports the medians of e
 what is left: Python in the model call (binding the inputs, any launches run from Python) and in
 the engine's step (scheduling, outputs). Writes benchmarks/results/decode_split.json.
 
-    python benchmarks/decode_split.py [--runs 3] [--new-tokens 128] [--quant int4-a8]
+    python benchmarks/decode_split.py [--runs 3] [--new-tokens 128] [--quant int4-a8] [--result decode_split.json]
 """
 from __future__ import annotations
 
@@ -38,6 +38,7 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--quant", default="int4-a8")
+    ap.add_argument("--result", default="decode_split.json", help="the file under benchmarks/results/ to write")
     a = ap.parse_args()
 
     from decode import PROMPT, deepfuse_runner
@@ -72,7 +73,7 @@ def main() -> None:
     print(f"SmolLM2-135M bf16+{a.quant}, batch-1 decode steps, medians over {a.runs} x {a.new_tokens - 1} steps")
     for k, v in ms.items():
         print(f"  {k:40s} {v:7.3f} ms")
-    path = write_result("decode_split.json", {"config": vars(a), "median_ms": ms,
+    path = write_result(a.result, {"config": {k: v for k, v in vars(a).items() if k != "result"}, "median_ms": ms,
                                               "steps": len(decode["step"])})
     print("wrote", path)
 

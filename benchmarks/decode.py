@@ -8,7 +8,8 @@ build with the LM head int8 and int8 activations (as llama.cpp's Q4 files carry 
 (llama.cpp's Q4_1 x Q8_1 product, native AVX512-VNNI), with the same int8 head;
 "int4 inv." is the bf16+int4 build compiled batch-invariant; llama.cpp (llama-cpp-python, the `bench` extra; skipped without
 it) runs the GGUF as it is. The engines run in `--runs` interleaved rounds (each round one run of
-each, then a read of the machine's memory bandwidth for `bound.py --decode`); the table shows
+each, then reads of the machine's read bandwidth for `bound.py --decode`, over 1 GiB and over
+the bytes one token reads); the table shows
 medians and the per-round ratios go to benchmarks/results/decode.json.
 
 With --sampled every engine draws (temperature 0.8, top-k 40, top-p 0.9; deepfuse seeded) and
@@ -21,13 +22,14 @@ before the sampler and the op's reference draws from Python (the results go to d
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import platform
 import statistics
 import time
 
 import torch
-from bound import ReadBandwidth
+from bound import HEAD_BYTES, ReadBandwidth, decode_bytes
 from results_file import write_result
 from sampler_switch import reference_sampler
 
@@ -167,10 +169,15 @@ def main() -> None:
         runners[name] = run
     runs: dict[str, list[dict]] = {name: [] for name in runners}
     meter, read_gb_per_s = ReadBandwidth(torch.get_num_threads()), []
+    working_mib = {head: math.ceil(sum(decode_bytes(model.config, len(ids) + n / 2, head).values()) / 2**20)
+                   for head in HEAD_BYTES}  # one token's bytes, per LM-head format
+    working: dict[str, list[float]] = {head: [] for head in working_mib}
     for _ in range(args.runs):  # interleaved rounds: every engine sees the same machine noise
         for name, run in runners.items():
             runs[name].append(run())
-        read_gb_per_s.append(meter())  # this round's read bandwidth, for bound.py --decode
+        read_gb_per_s.append(meter())  # this round's read bandwidth, for bound.py --decode: over 1 GiB
+        for head, mib in working_mib.items():  # and over a token's working set
+            working[head].append(meter(mib))
     results = {name: {"runs": r, **{k: statistics.median(x[k] for x in r) for k in r[0]}} for name, r in runs.items()}
     peers = [p for p in ("llama.cpp Q4_1", "HF eager bf16") if p in results]
     print(f"\nSmolLM2-135M, batch 1, {'sampled ' + str(SAMPLED) if args.sampled else 'greedy'}, "
@@ -182,10 +189,12 @@ def main() -> None:
         print(f"{name:30s} {r['prefill_tps']:14.1f} {r['decode_tps']:13.1f}{vs}")
         for p in peers:  # per-round ratios: the rounds ran side by side
             r[f"decode_vs_{p}_per_run"] = [a["decode_tps"] / b["decode_tps"] for a, b in zip(r["runs"], results[p]["runs"])]
-    print(f"read bandwidth per round (read_bw.cpp): {', '.join(f'{g:.1f}' for g in read_gb_per_s)} GB/s")
+    print(f"read bandwidth per round (read_bw.cpp): {', '.join(f'{g:.1f}' for g in read_gb_per_s)} GB/s over 1 GiB; "
+          f"over {working_mib['int8']} MiB (an int8-head token's bytes): {', '.join(f'{g:.1f}' for g in working['int8'])}")
     meta = {"prompt_tokens": len(ids), "new_tokens": args.new_tokens, "runs": args.runs,
             "sampling": dict(SAMPLED, seed=1) if args.sampled else "greedy",
-            "read_gb_per_s_per_run": read_gb_per_s,
+            "read_gb_per_s_per_run": read_gb_per_s, "read_gb_per_s_working_set_per_run": working,
+            "working_set_mib": working_mib,
             "threads": torch.get_num_threads(), "torch": torch.__version__, "machine": platform.machine(),
             "allocator": "glibc mallopt(M_MMAP_THRESHOLD=1GiB, M_TRIM_THRESHOLD=2GiB) in-process, for both engines"
             if ALLOCATOR_TUNED else "default"}

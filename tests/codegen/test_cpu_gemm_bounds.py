@@ -11,8 +11,11 @@ from deepfuse.codegen.cpu.q4a8_kernels import pack_q4a8
 from deepfuse.ir.opdefs_quant import W8_ZERO, dequantize_q4, quantize_w8, unpack_q4
 
 SENTINEL = 12345.0
-ROWS = (1, 2, 3, 5, 7, 13)
-N = 40  # two whole panels of 16 and a partial one
+ROWS = (1, 2, 3, 4, 5, 7, 10, 13)  # each micro-tile height, alone and after full tiles
+# columns: 3 panels of 16 (the last partial), 5 and 6 (a 4-panel tile and a lone or paired last
+# panel), 9 (one row's 8-panel tile and a partial last panel)
+COLUMNS = (40, 72, 88, 136)
+CASES = [(rows, n) for rows in ROWS for n in COLUMNS]
 
 
 def guarded(rows: int, n: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -39,14 +42,14 @@ def norm64(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return h * w.double()
 
 
-def act(form: str, rows: int, k: int, g: torch.Generator) -> tuple[dict, torch.Tensor]:
-    """(the call's activation arguments, the float64 activation the projection sees)."""
+def act(form: str, rows: int, k: int, g: torch.Generator, dtype=torch.float32) -> tuple[dict, torch.Tensor]:
+    """(the call's activation arguments in dtype, the float64 activation the projection sees)."""
     if form == "swiglu":
-        x = torch.randn(rows, 2 * k, generator=g)
+        x = torch.randn(rows, 2 * k, generator=g).to(dtype)
         return {"x": x}, swiglu64(x)
-    x = torch.randn(rows, k, generator=g)
+    x = torch.randn(rows, k, generator=g).to(dtype)
     if form == "norm":
-        w = 0.5 + torch.rand(k, generator=g)
+        w = (0.5 + torch.rand(k, generator=g)).to(dtype)
         return {"x": x, "w": w}, norm64(x, w)
     return {"x": x}, x.double()
 
@@ -55,70 +58,76 @@ def close(got: torch.Tensor, want: torch.Tensor, tol: float) -> bool:
     return float((got.double() - want).abs().max() / want.abs().max()) < tol
 
 
+# (x's dtype, out's dtype): every instantiation the kernels have
+DTYPES = [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16), (torch.bfloat16, torch.float32)]
+
+
 @pytest.mark.parametrize("form", ["plain", "swiglu", "norm"])
-@pytest.mark.parametrize("rows", ROWS)
-def test_i8_gemm_writes_only_its_out(native, form, rows):
+@pytest.mark.parametrize("dtypes", DTYPES, ids=["f32", "bf16", "bf16-f32out"])
+def test_i8_gemm_writes_only_its_out(native, form, dtypes):
     if not native.i8_gemm_available():
         pytest.skip("no AVX512-VNNI on this CPU")
-    g = torch.Generator().manual_seed(rows)
     k, group = 128, 64
-    wq, scale = quantize_w8(torch.randn(N, k, generator=g))
-    panels, padded = native.pack_w8(wq), F.pad(scale, (0, -N % 16))
-    args, a = act(form, rows, k, g)
-    whole, out = guarded(rows, N, torch.float32)
-    if form == "plain":
-        native.i8_gemm(args["x"], panels, padded, N, group, out)
-    elif form == "swiglu":
-        native.i8_gemm_swiglu(args["x"], panels, padded, N, group, out)
-    else:
-        native.i8_gemm_norm(args["x"], None, args["w"], 1e-5, None, panels, padded, N, group, out)
-    assert outside_untouched(whole, out)
-    w = (wq.double() - W8_ZERO) * scale.double()[:, None]
-    assert close(out, a @ w.T, 0.03)  # int8 activations per group of 64: ~1% error
+    for rows, n in CASES:
+        g = torch.Generator().manual_seed(rows * 1000 + n)
+        wq, scale = quantize_w8(torch.randn(n, k, generator=g))
+        panels, padded = native.pack_w8(wq), F.pad(scale, (0, -n % 16))
+        args, a = act(form, rows, k, g, dtypes[0])
+        whole, out = guarded(rows, n, dtypes[1])
+        if form == "plain":
+            native.i8_gemm(args["x"], panels, padded, n, group, out)
+        elif form == "swiglu":
+            native.i8_gemm_swiglu(args["x"], panels, padded, n, group, out)
+        else:
+            native.i8_gemm_norm(args["x"], None, args["w"], 1e-5, None, panels, padded, n, group, out)
+        assert outside_untouched(whole, out), (rows, n)
+        w = (wq.double() - W8_ZERO) * scale.double()[:, None]
+        assert close(out, a @ w.T, 0.03), (rows, n)  # int8 activations per group of 64: ~1% error
 
 
 @pytest.mark.parametrize("form", ["plain", "swiglu", "norm"])
-@pytest.mark.parametrize("rows", ROWS)
-def test_q4a8_gemm_writes_only_its_out(native, form, rows):
+@pytest.mark.parametrize("dtypes", DTYPES, ids=["f32", "bf16", "bf16-f32out"])
+def test_q4a8_gemm_writes_only_its_out(native, form, dtypes):
     if not native.q4a8_gemm_available():
         pytest.skip("no AVX512-VNNI on this CPU")
-    g = torch.Generator().manual_seed(100 + rows)
     k = 96
-    packed = torch.randint(0, 256, (N, k // 2), dtype=torch.uint8, generator=g)
-    scales, mins = torch.rand(N, k // 32, generator=g) * 0.02, -torch.rand(N, k // 32, generator=g) * 0.1
-    blocks = pack_q4a8(packed, scales, mins)
-    args, a = act(form, rows, k, g)
-    whole, out = guarded(rows, N, torch.float32)
-    if form == "plain":
-        native.q4a8_gemm(args["x"], blocks, N, out)
-    elif form == "swiglu":
-        native.q4a8_gemm_swiglu(args["x"], blocks, N, out)
-    else:
-        native.q4a8_gemm_norm(args["x"], None, args["w"], 1e-5, None, blocks, N, out)
-    assert outside_untouched(whole, out)
-    w = unpack_q4(packed).double() * scales.half().double().repeat_interleave(32, 1) + \
-        mins.half().double().repeat_interleave(32, 1)  # Q4_1 with f16 scales and mins, as packed
-    assert close(out, a @ w.T, 0.03)  # int8 activations per group of 32: ~1% error
+    for rows, n in CASES:
+        g = torch.Generator().manual_seed(rows * 1000 + n)
+        packed = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=g)
+        scales, mins = torch.rand(n, k // 32, generator=g) * 0.02, -torch.rand(n, k // 32, generator=g) * 0.1
+        blocks = pack_q4a8(packed, scales, mins)
+        args, a = act(form, rows, k, g, dtypes[0])
+        whole, out = guarded(rows, n, dtypes[1])
+        if form == "plain":
+            native.q4a8_gemm(args["x"], blocks, n, out)
+        elif form == "swiglu":
+            native.q4a8_gemm_swiglu(args["x"], blocks, n, out)
+        else:
+            native.q4a8_gemm_norm(args["x"], None, args["w"], 1e-5, None, blocks, n, out)
+        assert outside_untouched(whole, out), (rows, n)
+        w = unpack_q4(packed).double() * scales.half().double().repeat_interleave(32, 1) + \
+            mins.half().double().repeat_interleave(32, 1)  # Q4_1 with f16 scales and mins, as packed
+        assert close(out, a @ w.T, 0.03), (rows, n)  # int8 activations per group of 32: ~1% error
 
 
 @pytest.mark.parametrize("amx", [False, True])
-@pytest.mark.parametrize("rows", ROWS + (37,))
-def test_bf16_gemms_write_only_their_out(native, amx, rows):
+def test_bf16_gemms_write_only_their_out(native, amx):
     if not native.bf16_gemm_available():
         pytest.skip("neither AMX nor AVX512-BF16 on this CPU")
     from deepfuse.codegen.cpu.kernels import pack_q4_vnni
 
-    g = torch.Generator().manual_seed(200 + rows)
     k = 96
-    x, w = torch.randn(rows, k, generator=g).bfloat16(), torch.randn(N, k, generator=g).bfloat16()
-    whole, out = guarded(rows, N, torch.bfloat16)
-    native.bf16_gemm(x, native.pack_vnni(w), N, out, amx)
-    assert outside_untouched(whole, out)
-    assert close(out, x.double() @ w.double().T, 0.02)
+    for rows, n in [*CASES, (37, 40), (37, 136)]:  # 37: a whole 32-row block of AMX tiles and a ragged one
+        g = torch.Generator().manual_seed(rows * 1000 + n)
+        x, w = torch.randn(rows, k, generator=g).bfloat16(), torch.randn(n, k, generator=g).bfloat16()
+        whole, out = guarded(rows, n, torch.bfloat16)
+        native.bf16_gemm(x, native.pack_vnni(w), n, out, amx)
+        assert outside_untouched(whole, out), (rows, n)
+        assert close(out, x.double() @ w.double().T, 0.02), (rows, n)
 
-    packed = torch.randint(0, 256, (N, k // 2), dtype=torch.uint8, generator=g)
-    scales, mins = torch.rand(N, k // 32, generator=g) * 0.02, -torch.rand(N, k // 32, generator=g) * 0.1
-    whole, out = guarded(rows, N, torch.bfloat16)
-    native.q4_gemm(x, *pack_q4_vnni(packed, scales, mins), N, out, amx)
-    assert outside_untouched(whole, out)
-    assert close(out, x.double() @ dequantize_q4(packed, scales, mins).double().T, 0.02)
+        packed = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=g)
+        scales, mins = torch.rand(n, k // 32, generator=g) * 0.02, -torch.rand(n, k // 32, generator=g) * 0.1
+        whole, out = guarded(rows, n, torch.bfloat16)
+        native.q4_gemm(x, *pack_q4_vnni(packed, scales, mins), n, out, amx)
+        assert outside_untouched(whole, out), (rows, n)
+        assert close(out, x.double() @ dequantize_q4(packed, scales, mins).double().T, 0.02), (rows, n)

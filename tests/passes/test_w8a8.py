@@ -258,7 +258,8 @@ def test_smollm2_w8a8_cpu_matches_the_interpreter_and_survives_an_artifact(smoll
     """The compiled CPU step (native int8 GEMM where the CPU has AVX512-VNNI) against the
     interpreter running every op's reference over the same quantized graph: every projection
     call matches the reference on its own inputs, and fed the interpreter's greedy tokens the
-    compiled step picks the same ones, but at near ties (below). The whole-model
+    compiled step picks the same ones, except at near ties, where either of the top two may be
+    picked (below); its own greedy tokens equal the interpreter's up to the first near tie. The whole-model
     logits are not compared tightly: rounding activations to 8 bits makes them jump where an
     input moves by a rounding error (embeddings scaled by 1 + 1e-6 move the interpreter's own
     logits by 12% here, int4's by 2e-6), and the other ops' kernels differ from their references
@@ -314,16 +315,18 @@ def test_smollm2_w8a8_cpu_matches_the_interpreter_and_survives_an_artifact(smoll
     # are 0.5 apart or more; at a near tie (0.008 apart at this prompt's sixth token, which the
     # int8 activations' rounding decides either way: the interpreter's own decode and whole-prompt
     # paths disagree there) the compiled pick is one of the two.
-    decided = 0
+    decided = []
     for mine, ref in zip(forced_logits(art, model.config, prompt, want),
                          forced_logits(reference, model.config, prompt, want)):
         top = ref.topk(2)
-        if float(top.values[0] - top.values[1]) >= 0.5:
-            decided += 1
+        decided.append(float(top.values[0] - top.values[1]) >= 0.5)
+        if decided[-1]:
             assert int(mine.argmax()) == int(top.indices[0])
         else:
             assert int(mine.argmax()) in top.indices.tolist()
-    assert decided >= 4  # most steps are not near ties: the comparison has teeth
+    assert sum(decided) >= 4  # most steps are not near ties: the comparison has teeth
+    first_tie = decided.index(False) if False in decided else len(decided)
+    assert got[:first_tie] == want[:first_tie]  # the step's own picks (its sampler), not only its logits
     loaded = deepfuse.load(art.save(str(tmp_path / "w8a8")))
     assert loaded.quant == "w8a8"
     assert greedy_with(loaded, model.config, prompt, 6)[0] == got

@@ -129,6 +129,7 @@ using MicroFn = void (*)(const int8_t*, int64_t, const float*, const float*, int
 // one of the instantiations using it, calling a 2-panel tile for a lone last panel.
 template <typename T, int P>
 MicroFn<T> micro_rows(int64_t rows) {
+    static_assert(kRows == 6 && kPanels == 2, "micro_rows and its caller spell out every tile");
     switch (rows) {
         case 1: return micro<T, 1, P>;
         case 2: return micro<T, 2, P>;

@@ -72,6 +72,7 @@ void micro(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t kp, at::BF
 using MicroFn = void (*)(const uint16_t*, int64_t, const uint16_t*, int64_t, at::BFloat16*, int64_t, int64_t);
 template <int P>
 MicroFn micro_rows(int64_t rows) {
+    static_assert(kRows == 6 && kPanels == 4, "micro_rows and micro_for spell out every tile");
     switch (rows) {
         case 1: return micro<1, P>;
         case 2: return micro<2, P>;

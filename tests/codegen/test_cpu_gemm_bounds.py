@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from deepfuse.codegen.cpu.q4a8_kernels import pack_q4a8
+from deepfuse.codegen.cpu.selfcheck import rms_ref, swiglu_ref
 from deepfuse.ir.opdefs_quant import W8_ZERO, dequantize_q4, quantize_w8, unpack_q4
 
 SENTINEL = 12345.0
@@ -32,26 +33,24 @@ def outside_untouched(whole: torch.Tensor, out: torch.Tensor) -> bool:
     return bool((whole[~inside] == SENTINEL).all())
 
 
-def swiglu64(x: torch.Tensor) -> torch.Tensor:
-    gate, up = x.double().chunk(2, dim=-1)
-    return gate * torch.sigmoid(gate) * up
-
-
-def norm64(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    h = x.double() * (x.double().pow(2).mean(-1, keepdim=True) + 1e-5).rsqrt()
-    return h * w.double()
-
-
 def act(form: str, rows: int, k: int, g: torch.Generator, dtype=torch.float32) -> tuple[dict, torch.Tensor]:
     """(the call's activation arguments in dtype, the float64 activation the projection sees)."""
     if form == "swiglu":
         x = torch.randn(rows, 2 * k, generator=g).to(dtype)
-        return {"x": x}, swiglu64(x)
+        return {"x": x}, swiglu_ref(x)
     x = torch.randn(rows, k, generator=g).to(dtype)
     if form == "norm":
         w = (0.5 + torch.rand(k, generator=g)).to(dtype)
-        return {"x": x, "w": w}, norm64(x, w)
+        return {"x": x, "w": w}, rms_ref(x, w, 1e-5)
     return {"x": x}, x.double()
+
+
+def project(native, kernel: str, form: str, args: dict, weight: tuple, out: torch.Tensor) -> None:
+    """native.<kernel>[_swiglu | _norm](activation, *weight, out), as form says."""
+    if form == "norm":
+        getattr(native, kernel + "_norm")(args["x"], None, args["w"], 1e-5, None, *weight, out)
+    else:
+        getattr(native, kernel + ("_swiglu" if form == "swiglu" else ""))(args["x"], *weight, out)
 
 
 def close(got: torch.Tensor, want: torch.Tensor, tol: float) -> bool:
@@ -74,12 +73,7 @@ def test_i8_gemm_writes_only_its_out(native, form, dtypes):
         panels, padded = native.pack_w8(wq), F.pad(scale, (0, -n % 16))
         args, a = act(form, rows, k, g, dtypes[0])
         whole, out = guarded(rows, n, dtypes[1])
-        if form == "plain":
-            native.i8_gemm(args["x"], panels, padded, n, group, out)
-        elif form == "swiglu":
-            native.i8_gemm_swiglu(args["x"], panels, padded, n, group, out)
-        else:
-            native.i8_gemm_norm(args["x"], None, args["w"], 1e-5, None, panels, padded, n, group, out)
+        project(native, "i8_gemm", form, args, (panels, padded, n, group), out)
         assert outside_untouched(whole, out), (rows, n)
         w = (wq.double() - W8_ZERO) * scale.double()[:, None]
         assert close(out, a @ w.T, 0.03), (rows, n)  # int8 activations per group of 64: ~1% error
@@ -98,12 +92,7 @@ def test_q4a8_gemm_writes_only_its_out(native, form, dtypes):
         blocks = pack_q4a8(packed, scales, mins)
         args, a = act(form, rows, k, g, dtypes[0])
         whole, out = guarded(rows, n, dtypes[1])
-        if form == "plain":
-            native.q4a8_gemm(args["x"], blocks, n, out)
-        elif form == "swiglu":
-            native.q4a8_gemm_swiglu(args["x"], blocks, n, out)
-        else:
-            native.q4a8_gemm_norm(args["x"], None, args["w"], 1e-5, None, blocks, n, out)
+        project(native, "q4a8_gemm", form, args, (blocks, n), out)
         assert outside_untouched(whole, out), (rows, n)
         w = unpack_q4(packed).double() * scales.half().double().repeat_interleave(32, 1) + \
             mins.half().double().repeat_interleave(32, 1)  # Q4_1 with f16 scales and mins, as packed

@@ -5,7 +5,10 @@ for the int4-a8 build of SmolLM2 (decode.py's prompt and engine), in one process
 
 Per decode step (the prompt's prefill step left out) it reports the medians of each part and
 what is left: Python in the model call (binding the inputs, any launches run from Python) and in
-the engine's step (scheduling, outputs). Writes benchmarks/results/decode_split.json.
+the engine's step (scheduling, outputs). Then, in as many runs again with each step program
+timing its ops (StepProgram.profile), the decode program's mean time per step by op kind (the
+kernel and its parallel region: a thread's fork and join are in its op's time). Writes
+benchmarks/results/decode_split.json.
 
     python benchmarks/decode_split.py [--runs 3] [--new-tokens 128] [--quant int4-a8] [--result decode_split.json]
 """
@@ -50,6 +53,14 @@ def main() -> None:
     import deepfuse.runtime.engine as engine
     from deepfuse.models import load_model
 
+    segments: list[program.Segments] = []  # every bound step's, to profile
+    make_segments = program.Segments.__init__
+
+    def kept(self, *args, **kwargs):
+        make_segments(self, *args, **kwargs)
+        segments.append(self)
+
+    program.Segments.__init__ = kept
     times: dict[str, list[float]] = defaultdict(list)
     timed(engine.Engine, "step", "step", times)
     timed(artifact.CompiledModel, "__call__", "model call", times)
@@ -73,8 +84,23 @@ def main() -> None:
     print(f"SmolLM2-135M bf16+{a.quant}, batch-1 decode steps, medians over {a.runs} x {a.new_tokens - 1} steps")
     for k, v in ms.items():
         print(f"  {k:40s} {v:7.3f} ms")
+    for s in segments:
+        s.profile(True)
+    for _ in range(a.runs):
+        run()
+    steps, by_op = max((s.op_seconds() for s in segments), key=lambda r: r[0])  # the decode step's program
+    ops: dict[str, dict] = {}
+    for name, sec in by_op:
+        op = ops.setdefault(name, {"ms": 0.0, "per_step": 0})
+        op["ms"] += sec * 1e3
+        op["per_step"] += 1
+    print(f"decode program by op, mean ms per step over {steps} steps (the op and its parallel region):")
+    for name, op in sorted(ops.items(), key=lambda kv: -kv[1]["ms"]):
+        print(f"  {name:24s} {op['ms']:7.3f} ms  {op['per_step']:4d} per step, {op['ms'] / op['per_step'] * 1e3:7.1f} us each")
+    print(f"  {'all ops':24s} {sum(op['ms'] for op in ops.values()):7.3f} ms")
     path = write_result(a.result, {"config": {k: v for k, v in vars(a).items() if k != "result"}, "median_ms": ms,
-                                              "steps": len(decode["step"])})
+                                   "steps": len(decode["step"]), "program_by_op_mean_ms": ops,
+                                   "profiled_steps": steps})
     print("wrote", path)
 
 

@@ -220,3 +220,29 @@ def test_an_op_that_raises_mid_run_leaves_the_program_runnable(native):
     ids[0] = 2
     status, (got,) = prog.run_step()
     assert status == 0 and torch.equal(got, x[[2, 0]])
+
+
+def test_a_profiled_program_times_each_op_in_order(native):
+    """profile(True): each op's nanoseconds over the runs since (the big add, ~2,000x the work of
+    the small one, takes longer, whichever order they stand in); Segments names them in order and
+    averages over the runs; profile(False) clears; runs before profile(True) are not counted."""
+    from deepfuse.codegen.cpu.program import Segments, aten_op
+
+    big, small = torch.ones(4_000_000), torch.ones(2_000)
+    big_out, small_out = torch.empty_like(big), torch.empty_like(small)
+    for order in ((small, big), (big, small)):
+        calls = [aten_op("add", t, t, big_out if t is big else small_out) for t in order]
+        segments = Segments(calls, [])
+        segments.run()  # not profiled
+        segments.profile(True)
+        for _ in range(3):
+            assert segments.run() == (None, {})
+        runs, timed = segments.op_seconds()
+        assert runs == 3 and [name for name, _ in timed] == ["add", "add"]
+        seconds = {id(t): s for t, (_, s) in zip(order, timed)}
+        assert seconds[id(big)] > 5 * seconds[id(small)] > 0
+        (program,) = segments.parts
+        ns, count = program.op_ns()
+        assert count == 3 and sum(ns) / 3 / 1e9 == pytest.approx(sum(s for _, s in timed))
+        segments.profile(False)
+        assert program.op_ns() == ([], 0) and segments.op_seconds() == (0, [])

@@ -15,10 +15,13 @@
 // on run from Python instead).
 // run_step() -> (status, outputs): status -1 when a guard failed (nothing ran), else how many
 // stops held, in order (all of them: every op ran); outputs: this run's slot tensors.
+// profile(True) times each op from then on: op_ns() -> (nanoseconds per op, summed over the runs
+// since, in the order added; how many runs); profile(False) stops and clears it.
 #include <torch/extension.h>
 
 #include <ATen/Parallel.h>
 
+#include <chrono>
 #include <functional>
 #include <memory>
 #include <optional>
@@ -98,16 +101,35 @@ class StepProgram {
         for (size_t i = 0; i <= ops_.size(); ++i) {
             for (; stop < stops_.size() && stops_[stop].first == i; ++stop)
                 if (!stops_[stop].second()) return static_cast<int64_t>(stop);
-            if (i < ops_.size()) ops_[i]();
+            if (i < ops_.size()) run_op(i);
         }
+        if (profile_) ++profiled_runs_;
         return static_cast<int64_t>(stops_.size());
     }
+
+    void profile(bool on) {
+        profile_ = on;
+        op_ns_.assign(on ? ops_.size() : 0, 0);
+        profiled_runs_ = 0;
+    }
+    std::pair<std::vector<int64_t>, int64_t> op_ns() const { return {op_ns_, profiled_runs_}; }
 
     bool run() { return run_ops() == static_cast<int64_t>(stops_.size()); }
 
     size_t size() const { return ops_.size(); }
 
   private:
+    void run_op(size_t i) {
+        if (!profile_) return ops_[i]();
+        const auto start = std::chrono::steady_clock::now();
+        ops_[i]();
+        if (op_ns_.size() < ops_.size()) op_ns_.resize(ops_.size(), 0);  // ops added after profile(True)
+        op_ns_[i] += std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - start).count();
+    }
+
+    bool profile_ = false;
+    std::vector<int64_t> op_ns_;
+    int64_t profiled_runs_ = 0;
     std::vector<std::function<void()>> ops_;
     std::vector<std::pair<Tensor, int64_t>> guards_;
     std::vector<std::pair<size_t, std::function<bool()>>> stops_;  // (the op it stands before, its check)
@@ -153,6 +175,8 @@ void bind_program(py::module& m) {
             p.release_slots();
             return outputs;
         }, "runs the ops -> (status, outputs): -1 when a guard failed, else how many stops held")
+        .def("profile", &P::profile, "on: time each op from now on (op_ns); off: stop and clear")
+        .def("op_ns", &P::op_ns, "(nanoseconds per op summed over the runs since profile(True), runs)")
         .def("guard_below", &P::guard_below)
         .def("output", &P::output, "a tensor allocated by each run: its slot")
         .def("stop_unless_below", &P::stop_unless_below)

@@ -132,10 +132,12 @@ class Segments:
         native_guards = [g for g in guards if g not in self.python_guards]
         self.stops: list[list[int]] = []  # per part: the launches its stops stand before, in order
         self.outputs: list[tuple[int, int, RunOutput]] = []  # (part, slot, output)
+        self.names: list[list[str]] = []  # per part: its ops' names, in order (none for a Python call)
         slots: dict[int, tuple[int, int]] = {}  # id(RunOutput) -> (part, slot)
         if native_guards:  # checked by the first part, before anything runs
             self.parts.append(program_type())
             self.stops.append([])
+            self.names.append([])
             for g in native_guards:
                 self.parts[0].guard_below(g.t, g.limit)
         for call in calls:
@@ -143,6 +145,7 @@ class Segments:
                 if not self.parts or not isinstance(self.parts[-1], program_type):
                     self.parts.append(program_type())
                     self.stops.append([])
+                    self.names.append([])
                 program, part = self.parts[-1], len(self.parts) - 1
                 if isinstance(call, NativeStop):
                     if call.launch < 0:
@@ -164,13 +167,32 @@ class Segments:
                         a = slots[id(a)][1]
                     args.append(a)
                 getattr(program, call.name)(*args)
+                self.names[-1].append(call.name)
             elif isinstance(call, NativeStop) or any(isinstance(a, RunOutput) for a in getattr(call, "args", ())):
                 raise ValueError("a bound call with a stop or a RunOutput needs step programs")
             else:
                 self.parts.append(call)
                 self.stops.append([])
+                self.names.append([])
         self.programs = sum(isinstance(p, program_type) for p in self.parts) if program_type else 0
         self.python_calls = len(self.parts) - self.programs
+
+    def profile(self, on: bool) -> None:
+        """on: every program times each of its ops from now on (op_seconds); off: stops and clears."""
+        for part in self.parts:
+            if hasattr(part, "op_ns"):
+                part.profile(on)
+
+    def op_seconds(self) -> tuple[int, list[tuple[str, float]]]:
+        """-> (runs, timed): how many runs since profile(True) (of the first program), and (name,
+        mean seconds per run) of every program op in order (ops a stop held back count 0 s in a run)."""
+        timed, counts = [], []
+        for part, names in zip(self.parts, self.names):
+            if hasattr(part, "op_ns"):
+                ns, runs = part.op_ns()
+                counts.append(runs)
+                timed += [(name, t / 1e9 / max(runs, 1)) for name, t in zip(names, ns)]
+        return (counts[0] if counts else 0), timed
 
     def run(self) -> tuple[int | None, dict[int, torch.Tensor]]:
         """-> (held, made): held is -1 when a guard failed (nothing ran), the launch a stop held

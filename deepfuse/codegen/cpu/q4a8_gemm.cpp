@@ -46,6 +46,7 @@ namespace {
 
 constexpr int64_t kCols = 16, kGroup = 32, kBlock = 320;  // columns per panel, k per group, bytes per block
 constexpr int kRows = 4;                                   // rows per micro-tile
+constexpr int64_t kPrefetchGroups = 2;                     // decode tiles: blocks prefetched this many groups ahead
 constexpr int64_t kChunkBytes = 256 << 10;                 // weight bytes swept per row block
 
 #if DEEPFUSE_Q4A8
@@ -83,6 +84,11 @@ void micro(const int8_t* q, int64_t ldq, const float* d, const float* s, int64_t
         for (int p = 0; p < P; ++p) f[r][p] = _mm512_setzero_ps();
     const __m512i low = _mm512_set1_epi8(0x0F);
     for (int64_t g = 0; g < groups; ++g) {
+        if constexpr (R <= 2 && kPrefetchGroups > 0)  // decode rows: each panel's block kPrefetchGroups on (past a
+            for (int p = 0; p < P; ++p)                 // panel's end: the next panel's first, read next)
+                for (int line = 0; line < kBlock; line += 64)
+                    _mm_prefetch(reinterpret_cast<const char*>(w + p * stride + (g + kPrefetchGroups) * kBlock + line),
+                                 _MM_HINT_T0);
         __m512i a[R][P];
         for (int r = 0; r < R; ++r)
             for (int p = 0; p < P; ++p) a[r][p] = _mm512_setzero_si512();

@@ -35,14 +35,16 @@ def mapping_of(address: int) -> dict[str, str]:
     return fields
 
 
-def test_the_buffer_is_2mib_aligned_and_advised_for_huge_pages():
-    buf = huge_page_buffer(3 << 20)
-    assert buf.dtype == torch.uint8 and buf.numel() == 3 << 20 and buf.data_ptr() % (2 << 20) == 0
-    buf.fill_(7)
-    assert int(buf.sum()) == 7 * (3 << 20)
+def test_the_buffer_is_2mib_aligned_and_advised_for_huge_pages_or_not():
+    buf, small = huge_page_buffer(3 << 20), huge_page_buffer(3 << 20, huge=False)
+    for b in (buf, small):
+        assert b.dtype == torch.uint8 and b.numel() == 3 << 20 and b.data_ptr() % (2 << 20) == 0
+        b.fill_(7)
+        assert int(b.sum()) == 7 * (3 << 20)
     if thp_mode() not in ("always", "madvise"):
         pytest.skip(f"transparent huge pages are {thp_mode() or 'absent'} on this machine")
     assert mapping_of(buf.data_ptr()).get("THPeligible") == "1"
+    assert mapping_of(small.data_ptr()).get("THPeligible") == "0"
 
 
 def test_packed_tensors_move_shared_params_stay_and_results_are_unchanged(native):

@@ -21,9 +21,10 @@ MIN_BYTES = 64 << 10  # smaller tensors stay where they are (norm weights, scale
 DEPTH = 3  # packed objects nest (an int4 weight's dense panels hold a tuple of tensors)
 
 
-def huge_page_buffer(nbytes: int) -> torch.Tensor | None:
+def huge_page_buffer(nbytes: int, huge: bool = True) -> torch.Tensor | None:
     """uint8 [nbytes], 2 MiB aligned, of anonymous memory advised MADV_HUGEPAGE before its first
-    touch; None where Python's mmap has no MADV_HUGEPAGE (not Linux)."""
+    touch (huge=False: MADV_NOHUGEPAGE, 4 KiB pages, for A/B runs); None where Python's mmap has
+    no MADV_HUGEPAGE (not Linux)."""
     if not hasattr(mmap, "MADV_HUGEPAGE") or nbytes <= 0:
         return None
     # private: shared anonymous memory is shmem, which THP leaves alone unless shmem_enabled says so
@@ -31,7 +32,7 @@ def huge_page_buffer(nbytes: int) -> torch.Tensor | None:
     whole = torch.frombuffer(region, dtype=torch.uint8)  # keeps the mapping alive
     skip = -whole.data_ptr() % HUGE_PAGE  # a multiple of the 4 KiB page: mmap's start is one
     length = min(-(-nbytes // HUGE_PAGE) * HUGE_PAGE, len(region) - skip)
-    region.madvise(mmap.MADV_HUGEPAGE, skip, length)
+    region.madvise(mmap.MADV_HUGEPAGE if huge else mmap.MADV_NOHUGEPAGE, skip, length)
     return whole[skip:skip + nbytes]
 
 
@@ -72,12 +73,12 @@ def _swap(v, depth: int, moved: dict[int, torch.Tensor]):
     return v
 
 
-def into_huge_pages(objects: list, keep: set[int]) -> tuple[list, int]:
+def into_huge_pages(objects: list, keep: set[int], huge: bool = True) -> tuple[list, int]:
     """Copies the packed tensors among `objects` (tensors, and the attributes, tuples and lists
     of packed objects, nested too: contiguous CPU tensors of at least MIN_BYTES whose data_ptr is
     not in `keep`, the params shared with others) into one huge-page buffer, 64-byte aligned.
     -> (objects with the copies in place of those tensors, objects changed in place; bytes moved,
-    0 where no buffer could be made)."""
+    0 where no buffer could be made). huge=False: the buffer in 4 KiB pages (huge_page_buffer)."""
     found: dict[int, torch.Tensor] = {}
     for obj in objects:
         _tensors(obj, DEPTH, found, keep)
@@ -87,7 +88,7 @@ def into_huge_pages(objects: list, keep: set[int]) -> tuple[list, int]:
     for ptr, t in found.items():
         offsets[ptr] = end
         end += -(-t.nbytes // 64) * 64
-    buffer = huge_page_buffer(end)
+    buffer = huge_page_buffer(end, huge)
     if buffer is None:
         return objects, 0
     moved = {}

@@ -6,10 +6,8 @@ the projections in 4-bit groups, which reproduce Q4_1 up to bf16 rounding; "int4
 build with the LM head int8 and int8 activations (as llama.cpp's Q4 files carry a Q8_0 head);
 "int4-a8" is the same int4 weights times activations quantized to int8 per row and group of 32
 (llama.cpp's Q4_1 x Q8_1 product, native AVX512-VNNI), with the same int8 head;
-"int4 inv." is the bf16+int4 build compiled batch-invariant; "int4-a8 4K pages" is int4-a8 with
-its packed weights in one buffer of 4 KiB pages instead of 2 MiB ones, "int4-a8 unmoved" with
-them where packing put them (A/Bs of codegen/cpu/huge_pages.py); llama.cpp (llama-cpp-python,
-the `bench` extra; skipped without it) runs the GGUF as it is. The engines run in `--runs`
+"int4 inv." is the bf16+int4 build compiled batch-invariant; llama.cpp (llama-cpp-python, the
+`bench` extra; skipped without it) runs the GGUF as it is. The engines run in `--runs`
 interleaved rounds (each round one run of each, then reads of the machine's read bandwidth for
 `bound.py --decode`, over 1 GiB and over the bytes one token reads); the table shows medians and
 the per-round ratios go to benchmarks/results/decode.json.
@@ -32,7 +30,6 @@ import time
 
 import torch
 from bound import HEAD_BYTES, ReadBandwidth, decode_bytes
-from page_switch import small_pages, unmoved_weights
 from results_file import write_result
 from sampler_switch import reference_sampler
 
@@ -44,21 +41,17 @@ SAMPLED = dict(temperature=0.8, top_k=40, top_p=0.9)  # --sampled: every engine 
 
 
 def deepfuse_runner(dtype: str, ids: list[int], n: int, model, quant: str | None = None,
-                    batch_invariant: bool = False, sampled: bool = False, native_sampler: bool = True,
-                    weights: str = "huge pages"):
+                    batch_invariant: bool = False, sampled: bool = False, native_sampler: bool = True):
     """One run of a deepfuse build (compiled and warmed up here): {"prefill_tps", "decode_tps"}.
     sampled: seeded draws with SAMPLED, else greedy. native_sampler=False: this engine's steps
     run as if the self-check had refused the native sampler (the program stops before the
-    sampler, which runs the op's reference from Python), for an A/B in one run. weights: where its
-    packed weights go, "huge pages" (the executor's way), "4K pages" (page_switch.small_pages) or
-    "unmoved" (page_switch.unmoved_weights)."""
+    sampler, which runs the op's reference from Python), for an A/B in one run."""
     import deepfuse
     from deepfuse.runtime.engine import Engine, SamplingParams
     from deepfuse.runtime.kv_cache import CacheConfig
 
-    with small_pages(weights == "4K pages"), unmoved_weights(weights == "unmoved"):
-        art = deepfuse.compile(model, dtype=dtype, quant=quant, batch_invariant=batch_invariant)
-        eng = Engine(art, CacheConfig(enable_prefix_caching=False))  # every run prefills the whole prompt
+    art = deepfuse.compile(model, dtype=dtype, quant=quant, batch_invariant=batch_invariant)
+    eng = Engine(art, CacheConfig(enable_prefix_caching=False))  # every run prefills the whole prompt
     how = dict(SAMPLED, seed=1) if sampled else dict(temperature=0)
     p = SamplingParams(max_tokens=n, ignore_eos=True, **how)
     sampler = lambda: reference_sampler(not native_sampler)  # noqa: E731
@@ -157,10 +150,6 @@ def main() -> None:
               "deepfuse bf16+int4": lambda: deepfuse_runner("bf16", ids, n, model, "int4", **sampled),
               "deepfuse int4-head8": lambda: deepfuse_runner("bf16", ids, n, model, "int4-head8", **sampled),
               "deepfuse int4-a8": lambda: deepfuse_runner("bf16", ids, n, model, "int4-a8", **sampled),
-              "deepfuse int4-a8 4K pages": lambda: deepfuse_runner("bf16", ids, n, model, "int4-a8", weights="4K pages",
-                                                                   **sampled),
-              "deepfuse int4-a8 unmoved": lambda: deepfuse_runner("bf16", ids, n, model, "int4-a8", weights="unmoved",
-                                                                  **sampled),
               "deepfuse int4 inv.": lambda: deepfuse_runner("bf16", ids, n, model, "int4", batch_invariant=True,
                                                             **sampled),
               "llama.cpp Q4_1": lambda: llama_cpp_runner(ids, n, **sampled)}

@@ -13,7 +13,6 @@ import torch
 from ...errors import DeepfuseError
 from ...ir import DTYPES
 from .bound import StepBinder, layout_key
-from .huge_pages import into_huge_pages
 from .kernels import Q4Weights, can_prepack, make_kernel, prepack_for, writes_in_place
 from .native import kernels as native_kernels
 from .out_kernels import OUT_FACTORIES
@@ -130,9 +129,7 @@ class CpuExecutor:
     run that one's launches as bound calls (bound.py), as far as they bind (decode steps: every
     launch where the LM head's GEMM is native, the step's outputs allocated by each run; where
     the self-check refused the native sampler, the sampler and spec_verify run from Python for a
-    step with a sampled row or a draft; else all but the sampling tail).
-    The packed weights then move into one buffer of 2 MiB pages (huge_pages.py; huge_pages_moved:
-    its bytes, 0 where the OS gives none)."""
+    step with a sampled row or a draft; else all but the sampling tail)."""
 
     def __init__(self, plan: dict, weights: dict[str, torch.Tensor], prepack: bool = True, use_buffers: bool = True,
                  bind_steps: bool = True):
@@ -184,8 +181,6 @@ class CpuExecutor:
             self.planned.append(None)
             self.launches.append((kernel, ins, p["out"], p["free"]))
         self.binder = StepBinder() if bind_steps and use_buffers else None
-        shared = {t.data_ptr() for t in weights.values() if isinstance(t, torch.Tensor)}
-        self.base[self.num_slots:], self.huge_pages_moved = into_huge_pages(self.base[self.num_slots:], keep=shared)
 
     def _env(self, inputs: dict[str, torch.Tensor]) -> list:
         env = list(self.base)

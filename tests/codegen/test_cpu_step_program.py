@@ -224,25 +224,39 @@ def test_an_op_that_raises_mid_run_leaves_the_program_runnable(native):
 
 def test_a_profiled_program_times_each_op_in_order(native):
     """profile(True): each op's nanoseconds over the runs since (the big add, ~2,000x the work of
-    the small one, takes longer, whichever order they stand in); Segments names them in order and
-    averages over the runs; profile(False) clears; runs before profile(True) are not counted."""
+    the small index_select, takes longer, whichever order they stand in); Segments names them in
+    order and averages over the runs; profile(False) clears; runs before profile(True) are not
+    counted."""
     from deepfuse.codegen.cpu.program import Segments, aten_op
 
-    big, small = torch.ones(4_000_000), torch.ones(2_000)
-    big_out, small_out = torch.empty_like(big), torch.empty_like(small)
-    for order in ((small, big), (big, small)):
-        calls = [aten_op("add", t, t, big_out if t is big else small_out) for t in order]
+    big, small = torch.ones(4_000_000), torch.arange(2_000.0)
+    big_out, small_out, ids = torch.empty_like(big), torch.empty(2), torch.tensor([5, 7])
+    add, select = aten_op("add", big, big, big_out), aten_op("index_select", small, ids, small_out)
+    for calls, names in (([select, add], ["index_select", "add"]), ([add, select], ["add", "index_select"])):
         segments = Segments(calls, [])
         segments.run()  # not profiled
         segments.profile(True)
-        for _ in range(3):
+        for _ in range(10):
             assert segments.run() == (None, {})
         runs, timed = segments.op_seconds()
-        assert runs == 3 and [name for name, _ in timed] == ["add", "add"]
-        seconds = {id(t): s for t, (_, s) in zip(order, timed)}
-        assert seconds[id(big)] > 5 * seconds[id(small)] > 0
-        (program,) = segments.parts
-        ns, count = program.op_ns()
-        assert count == 3 and sum(ns) / 3 / 1e9 == pytest.approx(sum(s for _, s in timed))
+        assert runs == 10 and [name for name, _ in timed] == names
+        seconds = dict(timed)
+        assert seconds["add"] > 5 * seconds["index_select"] > 0
         segments.profile(False)
-        assert program.op_ns() == ([], 0) and segments.op_seconds() == (0, [])
+        assert segments.parts[0].op_ns() == ([], 0) and segments.op_seconds() == (0, [])
+
+
+def test_a_run_a_stop_holds_counts_with_nothing_for_the_ops_after_it(native):
+    prog = native.StepProgram()
+    a, out, limit = torch.ones(1000), torch.empty(1000), torch.tensor([0])
+    prog.add(a, a, out)
+    prog.stop_unless_below(limit, 1)
+    prog.profile(True)
+    prog.add(a, a, out)  # added while profiling
+    assert prog.run_step()[0] == 1  # every op ran
+    (first, second), runs = prog.op_ns()
+    assert runs == 1 and first > 0 and second > 0
+    limit[0] = 5
+    assert prog.run_step()[0] == 0  # held before the second add
+    ns, runs = prog.op_ns()
+    assert runs == 2 and ns[0] > first and ns[1] == second

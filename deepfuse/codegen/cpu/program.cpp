@@ -16,7 +16,9 @@
 // run_step() -> (status, outputs): status -1 when a guard failed (nothing ran), else how many
 // stops held, in order (all of them: every op ran); outputs: this run's slot tensors.
 // profile(True) times each op from then on: op_ns() -> (nanoseconds per op, summed over the runs
-// since, in the order added; how many runs); profile(False) stops and clears it.
+// since, in the order added; how many runs got past the guards, a run a stop held counting with
+// 0 ns for the ops after the stop, one whose op threw not counted); profile(False) stops and clears
+// it. Not while a run is in progress (run() releases the GIL).
 #include <torch/extension.h>
 
 #include <ATen/Parallel.h>
@@ -50,7 +52,10 @@ bool every(const Tensor& t, Pass pass) {
 
 class StepProgram {
   public:
-    void add(std::function<void()> op) { ops_.push_back(std::move(op)); }
+    void add(std::function<void()> op) {
+        ops_.push_back(std::move(op));
+        if (profile_) op_ns_.push_back(0);
+    }
 
     // a tensor of this shape and dtype allocated by each run; returns its slot
     int64_t output(std::vector<int64_t> shape, at::ScalarType dtype) {
@@ -97,13 +102,25 @@ class StepProgram {
             if (!every<int64_t>(t, [limit = limit](int64_t v) { return v < limit; })) return -1;
         slots_->clear();
         for (const auto& [shape, dtype] : specs_) slots_->push_back(at::empty(shape, at::TensorOptions().dtype(dtype)));
+        std::vector<int64_t> took(profile_ ? ops_.size() : 0, 0);  // profiling: this run's ns per op
         size_t stop = 0;
         for (size_t i = 0; i <= ops_.size(); ++i) {
             for (; stop < stops_.size() && stops_[stop].first == i; ++stop)
-                if (!stops_[stop].second()) return static_cast<int64_t>(stop);
-            if (i < ops_.size()) run_op(i);
+                if (!stops_[stop].second()) {
+                    finish_profile(took);
+                    return static_cast<int64_t>(stop);
+                }
+            if (i < ops_.size()) {
+                if (!profile_) {
+                    ops_[i]();
+                    continue;
+                }
+                const auto start = std::chrono::steady_clock::now();
+                ops_[i]();
+                took[i] = std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - start).count();
+            }
         }
-        if (profile_) ++profiled_runs_;
+        finish_profile(took);
         return static_cast<int64_t>(stops_.size());
     }
 
@@ -119,12 +136,10 @@ class StepProgram {
     size_t size() const { return ops_.size(); }
 
   private:
-    void run_op(size_t i) {
-        if (!profile_) return ops_[i]();
-        const auto start = std::chrono::steady_clock::now();
-        ops_[i]();
-        if (op_ns_.size() < ops_.size()) op_ns_.resize(ops_.size(), 0);  // ops added after profile(True)
-        op_ns_[i] += std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - start).count();
+    void finish_profile(const std::vector<int64_t>& took) {  // the run's times, once it ended without throwing
+        if (!profile_) return;
+        for (size_t i = 0; i < took.size(); ++i) op_ns_[i] += took[i];
+        ++profiled_runs_;
     }
 
     bool profile_ = false;

@@ -168,6 +168,7 @@ class Segments:
                     args.append(a)
                 getattr(program, call.name)(*args)
                 self.names[-1].append(call.name)
+                assert len(program) == len(self.names[-1]), f"{call.name} added more than one op"
             elif isinstance(call, NativeStop) or any(isinstance(a, RunOutput) for a in getattr(call, "args", ())):
                 raise ValueError("a bound call with a stop or a RunOutput needs step programs")
             else:
@@ -184,8 +185,9 @@ class Segments:
                 part.profile(on)
 
     def op_seconds(self) -> tuple[int, list[tuple[str, float]]]:
-        """-> (runs, timed): how many runs since profile(True) (of the first program), and (name,
-        mean seconds per run) of every program op in order (ops a stop held back count 0 s in a run)."""
+        """-> (runs, timed): how many runs of the first program since profile(True), and (name, mean
+        seconds per run of its program) of every program op in order (in a run a stop held, the ops
+        after it count 0 s; a run in which an op raised is not counted)."""
         timed, counts = [], []
         for part, names in zip(self.parts, self.names):
             if hasattr(part, "op_ns"):

@@ -84,11 +84,13 @@ void micro(const int8_t* q, int64_t ldq, const float* d, const float* s, int64_t
         for (int p = 0; p < P; ++p) f[r][p] = _mm512_setzero_ps();
     const __m512i low = _mm512_set1_epi8(0x0F);
     for (int64_t g = 0; g < groups; ++g) {
-        if constexpr (R <= 2 && kPrefetchGroups > 0)  // decode rows: each panel's block kPrefetchGroups on (past a
-            for (int p = 0; p < P; ++p)                 // panel's end: the next panel's first, read next)
-                for (int line = 0; line < kBlock; line += 64)
-                    _mm_prefetch(reinterpret_cast<const char*>(w + p * stride + (g + kPrefetchGroups) * kBlock + line),
-                                 _MM_HINT_T0);
+        if constexpr (R <= 2 && kPrefetchGroups > 0)  // decode rows: each panel's block kPrefetchGroups on; past a
+            for (int p = 0; p < P; ++p)                 // panel's end, the next panel's first blocks (for the tile's
+                for (int line = 0; line < kBlock; line += 64) {  // last panel, the next tile's), or past the weights
+                    // the address as an integer: it may lie past the weights (a prefetch never faults)
+                    const uintptr_t at = reinterpret_cast<uintptr_t>(w) + p * stride + (g + kPrefetchGroups) * kBlock + line;
+                    _mm_prefetch(reinterpret_cast<const char*>(at), _MM_HINT_T0);
+                }
         __m512i a[R][P];
         for (int r = 0; r < R; ++r)
             for (int p = 0; p < P; ++p) a[r][p] = _mm512_setzero_si512();

@@ -135,17 +135,13 @@ class Segments:
         self.names: list[list[str]] = []  # per part: its ops' names, in order (none for a Python call)
         slots: dict[int, tuple[int, int]] = {}  # id(RunOutput) -> (part, slot)
         if native_guards:  # checked by the first part, before anything runs
-            self.parts.append(program_type())
-            self.stops.append([])
-            self.names.append([])
+            self._start(program_type())
             for g in native_guards:
                 self.parts[0].guard_below(g.t, g.limit)
         for call in calls:
             if program_type is not None and isinstance(call, (NativeOp, NativeStop)):
                 if not self.parts or not isinstance(self.parts[-1], program_type):
-                    self.parts.append(program_type())
-                    self.stops.append([])
-                    self.names.append([])
+                    self._start(program_type())
                 program, part = self.parts[-1], len(self.parts) - 1
                 if isinstance(call, NativeStop):
                     if call.launch < 0:
@@ -172,11 +168,15 @@ class Segments:
             elif isinstance(call, NativeStop) or any(isinstance(a, RunOutput) for a in getattr(call, "args", ())):
                 raise ValueError("a bound call with a stop or a RunOutput needs step programs")
             else:
-                self.parts.append(call)
-                self.stops.append([])
-                self.names.append([])
+                self._start(call)
         self.programs = sum(isinstance(p, program_type) for p in self.parts) if program_type else 0
         self.python_calls = len(self.parts) - self.programs
+
+    def _start(self, part) -> None:
+        """A new part (a StepProgram or a Python call), with no stops or op names yet."""
+        self.parts.append(part)
+        self.stops.append([])
+        self.names.append([])
 
     def profile(self, on: bool) -> None:
         """on: every program times each of its ops from now on (op_seconds); off: stops and clears."""

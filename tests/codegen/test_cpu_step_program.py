@@ -260,3 +260,66 @@ def test_a_run_a_stop_holds_counts_with_nothing_for_the_ops_after_it(native):
     assert prog.run_step()[0] == 0  # held before the second add
     ns, runs = prog.op_ns()
     assert runs == 2 and ns[0] > first and ns[1] == second
+
+
+def expected_chunks(n: int, grain: int, threads: int) -> list[int]:
+    """at::parallel_for's split (its OpenMP backend): items 0..n-1 -> the thread that runs each."""
+    if n <= grain or n == 1 or threads == 1:
+        return [0] * n
+    parts = min(threads, -(-n // grain)) if grain > 0 else threads
+    step = -(-n // parts)
+    return [i // step for i in range(n)]
+
+
+@pytest.mark.parametrize("n,grain", [(8, 1), (5, 1), (9, 4), (3, 8), (1, 1), (64, 16)])
+def test_a_programs_native_ops_fork_to_its_team_as_at_parallel_for_splits(native, n, grain):
+    """Inside a program the native ops' parallel parts run on the program's thread team: every
+    item on the thread at::parallel_for gives it outside a program (the same split), the other
+    threads doing their share; an ATen op between two runs of native ops opens a team for each."""
+    threads = torch.get_num_threads()
+    if threads < 2:
+        pytest.skip("one thread: no team to fork to")
+    want = expected_chunks(n, grain, threads)
+    eager = torch.full((n,), -1)
+    native.thread_map(grain, eager)
+    prog = native.StepProgram()
+    first, second, copied = torch.full((n,), -1), torch.full((n,), -1), torch.empty(n, dtype=torch.int64)
+    prog.thread_map(grain, first)
+    prog.index_select(first, torch.arange(n), copied)  # ATen: outside the team
+    prog.thread_map(grain, second)
+    assert prog.run()
+    assert eager.tolist() == first.tolist() == second.tolist() == copied.tolist() == want
+    assert (max(want) > 0) == (n > grain and n > 1)
+
+
+@pytest.mark.parametrize("fail_at", [1, 6])
+def test_an_error_in_a_team_thread_raises_from_the_run_and_leaves_no_team_behind(native, fail_at):
+    """A chunk that raises on the team's thread 0 (item 1) or on another thread (item 6): the run
+    raises that error once every thread has left the op, the ops after it do not run, and the
+    same program (it raises again) and a new one run as before."""
+    if torch.get_num_threads() < 2:
+        pytest.skip("one thread: no team")
+    where, after = torch.full((8,), -1), torch.full((8,), -1)
+    prog = native.StepProgram()
+    prog.thread_map(1, where, fail_at)
+    prog.thread_map(1, after)
+    for _ in range(2):
+        with pytest.raises(RuntimeError, match=f"item {fail_at} fails, as asked"):
+            prog.run()
+        assert after.tolist() == [-1] * 8  # the op after the failed one never ran
+    ok = native.StepProgram()
+    ok.thread_map(1, where)
+    ok.thread_map(1, after)
+    assert ok.run() and where.tolist() == after.tolist() == expected_chunks(8, 1, torch.get_num_threads())
+
+
+def test_one_thread_runs_a_program_without_a_team(native):
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        where = torch.full((8,), -1)
+        prog = native.StepProgram()
+        prog.thread_map(1, where)
+        assert prog.run() and where.tolist() == [0] * 8
+    finally:
+        torch.set_num_threads(threads)

@@ -18,6 +18,7 @@
 #pragma once
 
 #include <ATen/Parallel.h>
+#include "team.h"
 
 #include <algorithm>
 #include <atomic>
@@ -52,7 +53,7 @@ struct alignas(64) Run {
 template <typename Cost, typename Body>
 void balanced_for(int64_t items, Cost cost, Body body) {
     if (items <= 0) return;
-    const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), items));
+    const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(team::threads(), items));
     std::vector<int64_t> start(threads + 1, items);  // run t: items start[t] .. start[t+1]-1
     int64_t total = 0;
     for (int64_t i = 0; i < items; ++i) total += cost(i);
@@ -66,7 +67,7 @@ void balanced_for(int64_t items, Cost cost, Body body) {
         runs[t].span.store(Run::pack(start[t], start[t + 1]), std::memory_order_relaxed);
         runs[t].end = start[t + 1];
     }
-    at::parallel_for(0, threads, 1, [&](int64_t t0, int64_t t1) {
+    team::parallel_for(0, threads, 1, [&](int64_t t0, int64_t t1) {
         for (int64_t t = t0; t < t1; ++t)
             for (int64_t v = 0; v < threads; ++v) {  // its own run first, then the others'
                 Run& run = runs[(t + v) % threads];

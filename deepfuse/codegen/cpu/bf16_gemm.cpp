@@ -26,6 +26,7 @@
 
 #include "kernels.h"
 #include <ATen/Parallel.h>
+#include "team.h"
 
 #include <algorithm>
 #include <cstdint>
@@ -191,7 +192,7 @@ torch::Tensor bf16_gemm(torch::Tensor x, const torch::Tensor& panels, int64_t n,
     const int64_t ldx = x.stride(0), ldy = y.stride(0), pairs = (nb + 1) / 2;
     // weight panels in chunks of about 512 KB (they stay in L2 while every row block passes)
     const int64_t chunk = std::max<int64_t>(1, (512 << 10) / (2 * kp * kCols * 2));
-    at::parallel_for(0, pairs, 1, [&](int64_t begin, int64_t end) {
+    team::parallel_for(0, pairs, 1, [&](int64_t begin, int64_t end) {
         int shape = -1;
         alignas(64) float acc[2][4 * 256];
         PendingRows pending;
@@ -245,7 +246,7 @@ torch::Tensor q4_gemm(torch::Tensor x, const torch::Tensor& nibbles, const torch
     // panel pairs in chunks of about 512 KB of bf16, each dequantized once per call into a
     // per-thread buffer that every 32-row block then passes through (as bf16_gemm walks its chunks)
     const int64_t chunk = std::max<int64_t>(1, (512 << 10) / (2 * kp * kCols * 2));
-    at::parallel_for(0, pairs, 1, [&](int64_t begin, int64_t end) {
+    team::parallel_for(0, pairs, 1, [&](int64_t begin, int64_t end) {
         const int64_t span = std::min(chunk, end - begin);
         auto* w = static_cast<uint16_t*>(std::aligned_alloc(64, span * 2 * kp * kCols * sizeof(uint16_t)));
         int shape = -1;

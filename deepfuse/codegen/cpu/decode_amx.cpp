@@ -16,6 +16,7 @@
 // the positions, so rows computed alone or in a span, in any batch, give the same bits.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include "team.h"
 
 #include <algorithm>
 #include <cmath>
@@ -273,7 +274,7 @@ void decode_all(const bf16* q, const bf16* cache, const int64_t* tables, const i
                 const std::vector<Span>& spans, int64_t g, int64_t hkv, int64_t bs, int64_t nb, int64_t tb,
                 int64_t window, float scale) {
     const int64_t items = static_cast<int64_t>(spans.size()) * hkv;
-    at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
+    team::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
         configure_decode();
         alignas(64) uint16_t qpack[D / 32 * 512];
         alignas(64) float ctmp[kSeg * 16];

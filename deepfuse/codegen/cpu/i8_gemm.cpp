@@ -33,6 +33,7 @@
 
 #include "kernels.h"
 #include <ATen/Parallel.h>
+#include "team.h"
 
 #include <algorithm>
 #include <cstdint>
@@ -169,7 +170,7 @@ void gemm(Row row, int64_t m, int64_t k, const uint8_t* panels, int64_t nb, int6
     int8_t* q = qa.q.data();
     float* d = qa.d.data();
     float* offset = qa.offset.data();
-    at::parallel_for(0, m, 16, [&](int64_t r0, int64_t r1) {
+    team::parallel_for(0, m, 16, [&](int64_t r0, int64_t r1) {
         std::vector<X> buf(k);
         for (int64_t r = r0; r < r1; ++r)
             quantize_row(row(r, buf.data(), true), k, group, q + r * k, d + r * groups, offset + r);
@@ -181,7 +182,7 @@ void gemm(Row row, int64_t m, int64_t k, const uint8_t* panels, int64_t nb, int6
     const int64_t chunks = (nb + most - 1) / most;
     const int64_t whole = m == 1 ? kWide : kPanels;  // a chunk holds whole micro-tiles
     const int64_t chunk = ((nb + chunks - 1) / chunks + whole - 1) / whole * whole;
-    const int64_t blocks = (m + kRows - 1) / kRows, threads = at::get_num_threads();
+    const int64_t blocks = (m + kRows - 1) / kRows, threads = team::threads();
     const int64_t cuts = std::clamp<int64_t>((16 * threads + chunks - 1) / chunks, 1, blocks);
     const int64_t slab = (blocks + cuts - 1) / cuts * kRows, slabs = (m + slab - 1) / slab;
     auto cost = [&](int64_t item) {

@@ -35,7 +35,7 @@ def build_tag() -> str:
 
 SOURCES = ("paged_decode.cpp", "decode_amx.cpp", "prefill_attention.cpp", "panel_gemm.cpp", "bf16_gemm.cpp",
            "vec_gemm.cpp", "i8_gemm.cpp", "q4a8_gemm.cpp", "norms.cpp", "rows.cpp", "sample.cpp", "program.cpp", "bindings.cpp")
-HEADERS = ("kernels.h", "vec.h", "amx.h", "q4.h", "row_ops.h", "prologue_rows.h", "balanced.h")
+HEADERS = ("kernels.h", "vec.h", "amx.h", "q4.h", "row_ops.h", "prologue_rows.h", "balanced.h", "team.h")
 
 
 @functools.cache

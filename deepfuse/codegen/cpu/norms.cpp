@@ -9,6 +9,7 @@
 
 #include "kernels.h"
 #include <ATen/Parallel.h>
+#include "team.h"
 
 #include <cmath>
 #include <optional>
@@ -30,7 +31,7 @@ void norm_rows(const torch::Tensor& x, const torch::Tensor* res, const torch::Te
     const int64_t lx = x.stride(0), lr = res != nullptr ? res->stride(0) : 0, ls = sum != nullptr ? sum->stride(0) : 0,
                   lo = out.stride(0);
     const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(d, 1));
-    at::parallel_for(0, t, grain, [&](int64_t begin, int64_t end) {
+    team::parallel_for(0, t, grain, [&](int64_t begin, int64_t end) {
         for (int64_t i = begin; i < end; ++i)
             row_ops::norm_row<T>(xp + i * lx, rp != nullptr ? rp + i * lr : nullptr, wp, sp != nullptr ? sp + i * ls : nullptr,
                         op + i * lo, d, static_cast<float>(eps));

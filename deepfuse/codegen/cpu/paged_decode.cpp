@@ -32,6 +32,7 @@
 
 #include "kernels.h"
 #include <ATen/Parallel.h>
+#include "team.h"
 
 #include <algorithm>
 #include <cmath>
@@ -424,7 +425,7 @@ static void decode_avx512(const T* q, const C* cache, const int64_t* tables, con
 // are the only parallel work). A head's result does not depend on it (the same operations in the
 // same order either way).
 static int64_t heads_per_item(int64_t n, int64_t g, int64_t hkv) {
-    if (n < 8 * at::get_num_threads()) return 1;
+    if (n < 8 * team::threads()) return 1;
     int64_t kh = hkv;
     while (kh > 1 && (hkv % kh != 0 || g * kh > kMaxHeads)) --kh;
     return kh;
@@ -464,7 +465,7 @@ static void decode_plain(const T* q, const C* cache, const int64_t* tables, cons
                    float scale) {
     const int64_t g = h / hkv;
     const int64_t r = row_elems<C>(d), half = nb * bs * hkv * r;  // elements of the k half; the v half follows
-    at::parallel_for(0, n * hkv, 1, [&](int64_t begin, int64_t end) {
+    team::parallel_for(0, n * hkv, 1, [&](int64_t begin, int64_t end) {
         std::vector<float> qf(g * d), acc(g * d), score(g * bs), m(g), l(g), row(d);
         for (int64_t item = begin; item < end; ++item) {
             const int64_t s = rows != nullptr ? rows[item / hkv] : item / hkv, kv = item % hkv, len = lens[s];

@@ -13,6 +13,7 @@
 
 #include "kernels.h"
 #include <ATen/Parallel.h>
+#include "team.h"
 
 #include <algorithm>
 #include <optional>
@@ -110,7 +111,7 @@ torch::Tensor panel_gemm(torch::Tensor x, const torch::Tensor& panels, int64_t n
     float* yp = y.data_ptr<float>();
     const int64_t ldy = y.stride(0);
     const int64_t groups = (nb + kPanels - 1) / kPanels;
-    at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
+    team::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
         for (int64_t g = begin; g < end; ++g) {
             const int64_t b = g * kPanels, col = b * kLanes, np = std::min<int64_t>(kPanels, nb - b);
             const float* w = wp + b * k * kLanes;

@@ -19,6 +19,10 @@
 // since, in the order added; how many runs got past the guards, a run a stop held counting with
 // 0 ns for the ops after the stop, one whose op threw not counted); profile(False) stops and clears
 // it. Not while a run is in progress (run() releases the GIL).
+// A run of consecutive native ops (every op but the ATen ones and generated kernels) runs in one
+// OpenMP region: this thread runs the ops as the team's thread 0 and the kernels' parallel parts
+// fork to the other threads through team::parallel_for (team.h), ~0.2 µs a fork and join in place
+// of a region per kernel call. The chunks are those of the same calls outside a program.
 #include <torch/extension.h>
 
 #include <ATen/Parallel.h>
@@ -32,6 +36,9 @@
 #include <vector>
 
 #include "kernels.h"
+#include "team.h"
+
+#include <omp.h>
 
 namespace {
 
@@ -52,8 +59,11 @@ bool every(const Tensor& t, Pass pass) {
 
 class StepProgram {
   public:
-    void add(std::function<void()> op) {
+    // on_team: the op's kernels fork through team::parallel_for (ours), so a run of such ops
+    // shares one thread team; ATen ops and generated kernels open their own regions
+    void add(std::function<void()> op, bool on_team = true) {
         ops_.push_back(std::move(op));
+        on_team_.push_back(on_team);
         if (profile_) op_ns_.push_back(0);
     }
 
@@ -104,24 +114,27 @@ class StepProgram {
         for (const auto& [shape, dtype] : specs_) slots_->push_back(at::empty(shape, at::TensorOptions().dtype(dtype)));
         std::vector<int64_t> took(profile_ ? ops_.size() : 0, 0);  // profiling: this run's ns per op
         size_t stop = 0;
-        for (size_t i = 0; i <= ops_.size(); ++i) {
+        // the stops before op i, then op i (none at the end): false when a stop held
+        auto step = [&](size_t i) {
             for (; stop < stops_.size() && stops_[stop].first == i; ++stop)
-                if (!stops_[stop].second()) {
-                    finish_profile(took);
-                    return static_cast<int64_t>(stop);
-                }
-            if (i < ops_.size()) {
-                if (!profile_) {
-                    ops_[i]();
-                    continue;
-                }
-                const auto start = std::chrono::steady_clock::now();
-                ops_[i]();
-                took[i] = std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - start).count();
+                if (!stops_[stop].second()) return false;
+            if (i < ops_.size()) run_op(i, took);
+            return true;
+        };
+        const bool teams = at::get_num_threads() > 1 && !at::in_parallel_region();
+        bool held = false;
+        for (size_t i = 0; i <= ops_.size() && !held;) {
+            if (teams && i < ops_.size() && on_team_[i]) {
+                size_t end = i;
+                while (end < ops_.size() && on_team_[end]) ++end;
+                held = !on_team(i, end, step);
+                i = end;
+            } else {
+                held = !step(i++);
             }
         }
         finish_profile(took);
-        return static_cast<int64_t>(stops_.size());
+        return static_cast<int64_t>(stop);
     }
 
     void profile(bool on) {
@@ -136,6 +149,40 @@ class StepProgram {
     size_t size() const { return ops_.size(); }
 
   private:
+    void run_op(size_t i, std::vector<int64_t>& took) {
+        if (!profile_) {
+            ops_[i]();
+            return;
+        }
+        const auto start = std::chrono::steady_clock::now();
+        ops_[i]();
+        took[i] = std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - start).count();
+    }
+
+    // step(from) .. step(to - 1) on this thread as thread 0 of a team (one OpenMP region): false
+    // when a stop held; an op's exception is rethrown once the region has closed
+    template <typename Step>
+    bool on_team(size_t from, size_t to, Step& step) {
+        team::Team crew;
+        bool passed = true;
+        std::exception_ptr error;
+#pragma omp parallel
+        {
+            if (omp_get_thread_num() == 0) {
+                team::Lead lead(crew, omp_get_num_threads());
+                try {
+                    for (size_t i = from; i < to && passed; ++i) passed = step(i);
+                } catch (...) {
+                    error = std::current_exception();
+                }
+            } else {
+                crew.serve(omp_get_thread_num());
+            }
+        }
+        if (error) std::rethrow_exception(error);
+        return passed;
+    }
+
     void finish_profile(const std::vector<int64_t>& took) {  // the run's times, once it ended without throwing
         if (!profile_) return;
         for (size_t i = 0; i < took.size(); ++i) op_ns_[i] += took[i];
@@ -146,6 +193,7 @@ class StepProgram {
     std::vector<int64_t> op_ns_;
     int64_t profiled_runs_ = 0;
     std::vector<std::function<void()>> ops_;
+    std::vector<bool> on_team_;  // by op: see add
     std::vector<std::pair<Tensor, int64_t>> guards_;
     std::vector<std::pair<size_t, std::function<bool()>>> stops_;  // (the op it stands before, its check)
     std::vector<std::pair<std::vector<int64_t>, at::ScalarType>> specs_;
@@ -167,10 +215,27 @@ py::bytes layout_key(const std::vector<Tensor>& tensors) {
     return py::bytes(reinterpret_cast<const char*>(key.data()), key.size() * sizeof(int64_t));
 }
 
+// Which thread runs each item of team::parallel_for(0, n, grain) (where: int64 [n], each item's
+// at::get_thread_num()); the item fail_at raises where it runs. A diagnostic of the split (the
+// same in a program, on its team, and outside one, on at::parallel_for) and of a chunk's error.
+void thread_map(int64_t grain, const Tensor& where, int64_t fail_at) {
+    TORCH_CHECK(where.scalar_type() == torch::kInt64 && where.dim() == 1 && where.is_contiguous(),
+                "thread_map: where must be a contiguous int64 [n]");
+    int64_t* w = where.data_ptr<int64_t>();
+    team::parallel_for(0, where.size(0), grain, [&](int64_t begin, int64_t end) {
+        for (int64_t i = begin; i < end; ++i) {
+            TORCH_CHECK(i != fail_at, "thread_map: item ", i, " fails, as asked");
+            w[i] = at::get_thread_num();
+        }
+    });
+}
+
 }  // namespace
 
 void bind_program(py::module& m) {
     m.def("layout_key", &layout_key, "each tensor's address, dtype, rank, sizes and strides, as bytes (program.cpp)");
+    m.def("thread_map", &thread_map, "which thread runs each item of a parallel_for: a diagnostic (program.cpp)",
+          py::arg("grain"), py::arg("where"), py::arg("fail_at") = -1);
     using P = StepProgram;
     py::class_<P>(m, "StepProgram", "a step's bound launches, run in order by one native call (program.cpp)")
         .def(py::init<>())
@@ -196,6 +261,9 @@ void bind_program(py::module& m) {
         .def("output", &P::output, "a tensor allocated by each run: its slot")
         .def("stop_unless_below", &P::stop_unless_below)
         .def("stop_unless_at_most", &P::stop_unless_at_most)
+        .def("thread_map", [](P& p, int64_t grain, Tensor where, int64_t fail_at) {
+            p.add([=] { thread_map(grain, where, fail_at); });
+        }, py::arg("grain"), py::arg("where"), py::arg("fail_at") = -1)
         .def("rms_norm", [](P& p, Tensor x, Tensor w, double eps, Tensor out) {
             p.add([=] { rms_norm(x, w, eps, out); });
         })
@@ -242,19 +310,19 @@ void bind_program(py::module& m) {
         })
         // ATen ops, as the Python-bound forms call them (torch's int4 GEMM for steps of a few rows)
         .def("int4_mm", [](P& p, Tensor x, Tensor w, int64_t group, Tensor scale_zero, Tensor out) {
-            p.add([=]() mutable { out.copy_(at::_weight_int4pack_mm_for_cpu(x, w, group, scale_zero)); });
+            p.add([=]() mutable { out.copy_(at::_weight_int4pack_mm_for_cpu(x, w, group, scale_zero)); }, false);
         })
         .def("mm", [](P& p, Tensor x, Tensor w, Tensor out) {
-            p.add([=]() mutable { at::mm_out(out, x, w.t()); });
+            p.add([=]() mutable { at::mm_out(out, x, w.t()); }, false);
         })
         .def("index_select", [](P& p, Tensor table, Tensor ids, Tensor out) {
-            p.add([=]() mutable { at::index_select_out(out, table, 0, ids); });
+            p.add([=]() mutable { at::index_select_out(out, table, 0, ids); }, false);
         })
-        .def("add", [](P& p, Tensor a, Tensor b, Tensor out) { p.add([=]() mutable { at::add_out(out, a, b); }); })
+        .def("add", [](P& p, Tensor a, Tensor b, Tensor out) { p.add([=]() mutable { at::add_out(out, a, b); }, false); })
         // ops into an output slot (a tensor of this run)
         .def("index_select_to", [](P& p, Tensor table, Tensor ids, int64_t to) {
             p.check_slot(to);
-            p.add([=, s = p.slots()] { at::index_select_out((*s)[to], table, 0, ids); });
+            p.add([=, s = p.slots()] { at::index_select_out((*s)[to], table, 0, ids); }, false);
         })
         .def("i8_gemm_to", [](P& p, Tensor x, Tensor panels, Tensor scale, int64_t n, int64_t group, int64_t to) {
             p.check_slot(to);
@@ -262,7 +330,7 @@ void bind_program(py::module& m) {
         })
         .def("copy_to", [](P& p, Tensor src, int64_t to) {  // src converted to the slot's dtype
             p.check_slot(to, src.sizes());
-            p.add([=, s = p.slots()] { (*s)[to].copy_(src); });
+            p.add([=, s = p.slots()] { (*s)[to].copy_(src); }, false);
         })
         .def("argmax_to", [](P& p, int64_t from, int64_t to) {
             p.check_slot(from), p.check_slot(to);
@@ -285,6 +353,6 @@ void bind_program(py::module& m) {
             p.add([=] {
                 if (threads_at >= 0) a[threads_at] = at::get_num_threads();
                 fn(a);
-            });
+            }, false);
         });
 }

@@ -28,6 +28,7 @@
 
 #include "kernels.h"
 #include <ATen/Parallel.h>
+#include "team.h"
 
 #include <algorithm>
 #include <cstdint>
@@ -183,7 +184,7 @@ void gemm(Row row, int64_t m, int64_t k, const uint8_t* blocks, int64_t nb, int6
     const int64_t pairs = (nb + 1) / 2;
     // panels per sweep: a chunk stays in L2 across the row blocks (one block: the thread's panels)
     const int64_t chunk = m <= kRows ? nb : std::max<int64_t>(1, kChunkBytes / (2 * stride)) * 2;
-    at::parallel_for(0, pairs, 1, [&](int64_t p0, int64_t p1) {
+    team::parallel_for(0, pairs, 1, [&](int64_t p0, int64_t p1) {
         Quantized& qa = quantized(m, k);
         static thread_local std::vector<X> buf;  // a prologue's row and, after it, add_rms_norm's sum
         if (static_cast<int64_t>(buf.size()) < 2 * k) buf.resize(2 * k);

@@ -15,6 +15,7 @@
 
 #include "kernels.h"
 #include <ATen/Parallel.h>
+#include "team.h"
 
 #include <algorithm>
 #include <cmath>
@@ -31,7 +32,7 @@ inline float to_float(c10::BFloat16 x) { return static_cast<float>(x); }
 
 template <typename T>
 void swiglu_rows(const T* x, T* y, int64_t t, int64_t f, int64_t ldx, int64_t ldy) {
-    at::parallel_for(0, t, 1, [&](int64_t begin, int64_t end) {
+    team::parallel_for(0, t, 1, [&](int64_t begin, int64_t end) {
         for (int64_t r = begin; r < end; ++r) {
             row_ops::swiglu_row(x + r * ldx, x + r * ldx + f, y + r * ldy, f);
         }
@@ -103,7 +104,7 @@ template <typename T, typename C>
 void rope_cache_rows(const T* qkv, const int64_t* pos, const float* cos, const float* sin, C* cache, const int64_t* slots,
                      T* q_out, T* k_out, int64_t t, int64_t h, int64_t hkv, int64_t hd, int64_t ldqkv, int64_t row,
                      int64_t cache_half) {
-    at::parallel_for(0, t, 1, [&](int64_t begin, int64_t end) {
+    team::parallel_for(0, t, 1, [&](int64_t begin, int64_t end) {
         for (int64_t r = begin; r < end; ++r) {
             const T* src = qkv + r * ldqkv;
             const float* c = cos + pos[r] * hd;
@@ -220,7 +221,7 @@ torch::Tensor argmax(const torch::Tensor& x, std::optional<torch::Tensor> out) {
                 "argmax: out must be a contiguous int64 [T]");
     const float* xp = x.data_ptr<float>();
     int64_t* ip = idx.data_ptr<int64_t>();
-    at::parallel_for(0, t, 1, [&](int64_t begin, int64_t end) {
+    team::parallel_for(0, t, 1, [&](int64_t begin, int64_t end) {
         for (int64_t r = begin; r < end; ++r) ip[r] = argmax_row(xp + r * ld, v);
     });
     return idx;

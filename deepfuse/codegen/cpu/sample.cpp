@@ -22,6 +22,7 @@
 
 #include "kernels.h"
 #include <ATen/Parallel.h>
+#include "team.h"
 
 #include <algorithm>
 #include <cmath>
@@ -383,7 +384,7 @@ torch::Tensor sample(const torch::Tensor& x, const torch::Tensor& temperature, c
     const int64_t* kp = top_k.data_ptr<int64_t>();
     const int64_t* sp = seeds.data_ptr<int64_t>();
     int64_t* ip = idx.data_ptr<int64_t>();
-    at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    team::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
         thread_local Scratch scratch;
         for (int64_t r = begin; r < end; ++r)
             ip[r] = tp[r] > 0.f ? draw_row(xp + r * ld, v, tp[r], kp[r], pp[r], sp[r], scratch)

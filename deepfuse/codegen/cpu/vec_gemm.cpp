@@ -17,6 +17,7 @@
 // is dequantized into a per-thread buffer when a thread first takes it, to the dense copy's values.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include "team.h"
 
 #include <algorithm>
 #include <cstdint>
@@ -113,7 +114,7 @@ struct Split {
     Split(int64_t m, int64_t nb, int64_t kp) {
         chunk = std::max<int64_t>(1, kChunkBytes / (kPanels * kp * kCols * 2)) * kPanels;
         chunks = (nb + chunk - 1) / chunk;
-        const int64_t want = 8 * at::get_num_threads(), blocks = (m + kRows - 1) / kRows;
+        const int64_t want = 8 * team::threads(), blocks = (m + kRows - 1) / kRows;
         const int64_t cuts = std::clamp<int64_t>((want + chunks - 1) / chunks, 1, std::max<int64_t>(1, blocks));
         slab = std::max<int64_t>(1, (blocks + cuts - 1) / cuts) * kRows;
         slabs = (m + slab - 1) / slab;
@@ -127,7 +128,7 @@ template <typename Panels>
 void run_items(const Split& split, const uint16_t* x, int64_t ldx, int64_t m, int64_t kp, int64_t nb, int64_t n,
                at::BFloat16* y, int64_t ldy, const Panels& panels) {
     using Source = decltype(panels());
-    std::vector<std::optional<Source>> sources(at::get_num_threads());  // each thread's, made on its first item
+    std::vector<std::optional<Source>> sources(team::threads());  // each thread's, made on its first item
     auto cost = [&](int64_t item) {
         const int64_t c = item / split.slabs, s = item % split.slabs;
         return (std::min(nb, (c + 1) * split.chunk) - c * split.chunk) *

@@ -23,7 +23,9 @@
 // (a block's rows are then read front to back), a row and one kv head otherwise (batch 1).
 // The thread's next work item is prefetched into L2 while this one computes, a block of it per
 // block of this one: a step's time is mostly waiting on memory (the cache is far larger than
-// L3); see decode_avx512 for the measurements.
+// L3); see decode_avx512 for the measurements. In a step program each thread also warms its share
+// of the next op's weights (team::warm, kWarmLines per tile and block): the kernel computes more
+// than it reads, so those loads overlap its arithmetic.
 // bf16 rows in runs of at least `amx_rows` rows of one sequence (a verify chunk's, a prompt
 // chunk's) go to the AMX path (decode_amx.cpp), which reads each key and value once for all of
 // the run's query vectors: amx_rows 2 (the default) keeps lone rows on the vector path (faster
@@ -215,6 +217,7 @@ constexpr int64_t kSegment = 512;  // positions whose scores are held at once
 constexpr int64_t kAhead = 2;      // blocks prefetched ahead within an item
 constexpr int64_t kItemsAhead = 1;  // the work item whose blocks go to L2 while this one computes
 constexpr int64_t kMaxHeads = 16;   // query heads one work item may cover
+constexpr int64_t kWarmLines = 32;   // lines of the next op's weights warmed per tile of scores and block of values
 
 // G query heads per kv head, DV: the head size in 16-float vectors (4, 8 or 16); a work item is one
 // row and `kh` consecutive kv heads (kh divides hkv, G * kh <= kMaxHeads). Same contract as
@@ -359,6 +362,7 @@ static void decode_avx512(const T* q, const C* cache, const int64_t* tables, con
                         _mm512_storeu_ps(&score[kk * G + j][p0 - s0], sc);  // dead lanes: overwritten or never read
                     }
                 }
+                team::warm(kWarmLines);  // in a program: this thread's share of the next op's weights
                 p0 += cnt;
             }
             const int64_t cnt = s1 - s0;
@@ -387,6 +391,7 @@ static void decode_avx512(const T* q, const C* cache, const int64_t* tables, con
             for (int64_t p0 = s0; p0 < s1;) {  // values, a block at a time: each row converted once, added to G accumulators
                 const int64_t b = p0 / bs, p1 = std::min(s1, (b + 1) * bs);
                 prefetch_next_item(b, 1);
+                team::warm(kWarmLines);
                 if (const int64_t ahead_b = b + kAhead; ahead_b * bs < s1)
                     prefetch_rows<_MM_HINT_T1>(vbase + table[ahead_b] * bs * stride, std::min(s1 - ahead_b * bs, bs), pitch, run);
                 for (int64_t kk = 0; kk < kh; ++kk) {

@@ -64,7 +64,16 @@ class StepProgram {
     void add(std::function<void()> op, bool on_team = true) {
         ops_.push_back(std::move(op));
         on_team_.push_back(on_team);
+        streams_.emplace_back();
         if (profile_) op_ns_.push_back(0);
+    }
+
+    // the op last added streams `weights` in `items` work items of `item_bytes` (the last one
+    // may be shorter) split as team::parallel_for(0, items, grain) splits them: the op before it
+    // warms each thread's share (team.h)
+    void streams(const Tensor& weights, int64_t item_bytes, int64_t items, int64_t grain) {
+        streams_.back() = team::Stream{static_cast<const char*>(weights.data_ptr()), item_bytes, items, grain,
+                                       static_cast<int64_t>(weights.nbytes())};
     }
 
     // a tensor of this shape and dtype allocated by each run; returns its slot
@@ -171,7 +180,10 @@ class StepProgram {
             if (omp_get_thread_num() == 0) {
                 team::Lead lead(crew, omp_get_num_threads());
                 try {
-                    for (size_t i = from; i < to && passed; ++i) passed = step(i);
+                    for (size_t i = from; i < to && passed; ++i) {
+                        crew.warm_next(i + 1 < to && streams_[i + 1] ? &*streams_[i + 1] : nullptr);
+                        passed = step(i);
+                    }
                 } catch (...) {
                     error = std::current_exception();
                 }
@@ -194,6 +206,7 @@ class StepProgram {
     int64_t profiled_runs_ = 0;
     std::vector<std::function<void()>> ops_;
     std::vector<bool> on_team_;  // by op: see add
+    std::vector<std::optional<team::Stream>> streams_;  // by op: see streams
     std::vector<std::pair<Tensor, int64_t>> guards_;
     std::vector<std::pair<size_t, std::function<bool()>>> stops_;  // (the op it stands before, its check)
     std::vector<std::pair<std::vector<int64_t>, at::ScalarType>> specs_;
@@ -213,6 +226,12 @@ py::bytes layout_key(const std::vector<Tensor>& tensors) {
         key.insert(key.end(), t.strides().begin(), t.strides().end());
     }
     return py::bytes(reinterpret_cast<const char*>(key.data()), key.size() * sizeof(int64_t));
+}
+
+// A q4a8 op's weights as its threads read them: pairs of panels (q4a8_gemm.cpp)
+void q4a8_streams(StepProgram& p, const Tensor& blocks) {
+    if (blocks.dim() == 3 && blocks.is_contiguous())
+        p.streams(blocks, 2 * blocks.size(1) * blocks.size(2), (blocks.size(0) + 1) / 2, 1);
 }
 
 // Which thread runs each item of team::parallel_for(0, n, grain) (where: int64 [n], each item's
@@ -285,13 +304,16 @@ void bind_program(py::module& m) {
         })
         .def("q4a8_gemm", [](P& p, Tensor x, Tensor blocks, int64_t n, Tensor out) {
             p.add([=] { q4a8_gemm(x, blocks, n, out); });
+            q4a8_streams(p, blocks);
         })
         .def("q4a8_gemm_swiglu", [](P& p, Tensor x, Tensor blocks, int64_t n, Tensor out) {
             p.add([=] { q4a8_gemm_swiglu(x, blocks, n, out); });
+            q4a8_streams(p, blocks);
         })
         .def("q4a8_gemm_norm", [](P& p, Tensor x, Opt res, Tensor w, double eps, Opt sum_out, Tensor blocks, int64_t n,
                                   Tensor out) {
             p.add([=] { q4a8_gemm_norm(x, res, w, eps, sum_out, blocks, n, out); });
+            q4a8_streams(p, blocks);
         })
         .def("i8_gemm_swiglu", [](P& p, Tensor x, Tensor panels, Tensor scale, int64_t n, int64_t group, Tensor out) {
             p.add([=] { i8_gemm_swiglu(x, panels, scale, n, group, out); });

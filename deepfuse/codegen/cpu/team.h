@@ -10,6 +10,12 @@
 //   team::parallel_for(begin, end, grain, f)   f(chunk_begin, chunk_end) on each thread's chunk
 //   team::threads()                            the threads a parallel_for splits over
 //
+// A team's threads also warm the next op's weights: the program names, before an op, the bytes
+// the op after it streams (Team::warm_next), and each thread pulls its own share of them (what
+// its chunk of that op will read) toward its L2 while it waits for work or for the others, and
+// where a kernel that computes more than it reads calls team::warm() in its loops (decode
+// attention).
+//
 //   team::Team crew;                  // shared by the region's threads
 //   #pragma omp parallel
 //   if (omp_get_thread_num() == 0) { team::Lead lead(crew, omp_get_num_threads()); ...; }   // closes it
@@ -25,16 +31,59 @@
 #include <cstdint>
 #include <exception>
 #include <utility>
+#include <vector>
 
 namespace team {
 
 using Chunk = void (*)(const void* body, int64_t begin, int64_t end);
 
+// Bytes a thread pulls toward its L2, a line at a time: [at, end)
+struct Span {
+    const char* at = nullptr;
+    const char* end = nullptr;
+};
+
+// The calling thread's share of the next op's weights not yet warmed
+inline thread_local Span warming;
+
+// Prefetches up to `lines` more cache lines of the calling thread's share into L2; false when
+// none was left
+inline bool warm(int64_t lines) {
+    Span& w = warming;
+    if (w.at >= w.end) return false;
+    for (int64_t i = 0; i < lines && w.at < w.end; ++i, w.at += 64) _mm_prefetch(w.at, _MM_HINT_T1);
+    return true;
+}
+
+// What an op streams: `items` work items of `item_bytes` each from `base` (the last one may be
+// shorter: `bytes` in all), split over threads as team::parallel_for(0, items, grain) splits them
+struct Stream {
+    const char* base;
+    int64_t item_bytes, items, grain, bytes;
+};
+
 class Team {
   public:
     // thread 0: the team's size (threads 0 .. size-1), before its first job
-    void open(int64_t size) { size_ = size; }
+    void open(int64_t size) {
+        size_ = size;
+        next_.assign(size, Span{});
+    }
     int64_t size() const { return size_; }
+
+    // thread 0, between jobs: each thread's share of what the next op streams (nullptr: none),
+    // which its following jobs warm
+    void warm_next(const Stream* s) {
+        for (int64_t t = 0; t < size_; ++t) {
+            next_[t] = Span{};
+            if (s == nullptr) continue;
+            const int64_t n = s->items, parts = n <= s->grain || n == 1 ? 1 : std::min(size_, (n + s->grain - 1) / s->grain);
+            const int64_t step = (n + parts - 1) / parts, first = t * step;
+            if (first >= n) continue;
+            const int64_t from = first * s->item_bytes, to = std::min(s->bytes, (first + step) * s->item_bytes);
+            next_[t] = Span{s->base + from, s->base + to};
+        }
+    }
 
     // thread 0: [begin, end) in at::parallel_for's chunks, its own here, the others' on their
     // threads; returns once every chunk ran, rethrowing the first exception one raised
@@ -53,7 +102,8 @@ class Team {
         running_ = true;
         work(0);
         running_ = false;
-        while (pending_.load(std::memory_order_acquire) != 0) _mm_pause();
+        while (pending_.load(std::memory_order_acquire) != 0)
+            if (!warm(1)) _mm_pause();
         if (failed_.load(std::memory_order_relaxed)) {
             failed_.store(false, std::memory_order_relaxed);
             std::rethrow_exception(std::exchange(error_, nullptr));
@@ -65,9 +115,13 @@ class Team {
         at::internal::ThreadIdGuard id(static_cast<int>(tid));
         for (uint64_t seen = 0;;) {
             uint64_t e;
-            while ((e = epoch_.load(std::memory_order_acquire)) == seen) _mm_pause();
+            while ((e = epoch_.load(std::memory_order_acquire)) == seen)
+                if (!warm(1)) _mm_pause();
             seen = e;
-            if (closed_) return;
+            if (closed_) {
+                warming = Span{};
+                return;
+            }
             work(tid);
             pending_.fetch_sub(1, std::memory_order_release);
         }
@@ -81,6 +135,7 @@ class Team {
 
   private:
     void work(int64_t tid) {
+        warming = next_[tid];
         const int64_t b = begin_ + tid * step_;
         if (b >= end_) return;
         try {
@@ -99,6 +154,7 @@ class Team {
     bool running_ = false, closed_ = false;  // running_: thread 0 is in its chunk (a nested call runs inline)
     std::atomic<bool> failed_{false};
     std::exception_ptr error_;
+    std::vector<Span> next_;  // by thread: its share of the next op's weights
 };
 
 // The team the calling thread leads, if any
@@ -113,6 +169,7 @@ class Lead {
     }
     ~Lead() {
         led = outer_;
+        warming = Span{};
         crew_.close();
     }
     Lead(const Lead&) = delete;

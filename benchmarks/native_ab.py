@@ -1,0 +1,158 @@
+"""A/B of the native CPU kernels: this checkout's build against the kernels' sources at an earlier
+commit, in alternating processes on the same machine. Only the native sources differ
+(deepfuse/codegen/cpu/*.cpp and *.h at --base, built as their own extension module); the Python
+is this checkout's for both, so --base must be a commit whose kernels this Python can call.
+
+Each process loads SmolLM2 and its Q4_1 GGUF, compiles the int4-a8 build, warms it up and then
+measures batch-1 decode tok/s (decode.py's runner, --new-tokens, median of --runs runs) and,
+in as many runs again with each step program timing its ops (StepProgram.profile), the decode
+program's mean ms per step by op. Rounds run base, then this checkout; the table shows medians
+over the rounds and the per-round ratios go to benchmarks/results/<--result>.
+
+    python benchmarks/native_ab.py --base cbe7833 [--rounds 5] [--runs 3] [--result native_ab.json]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+from collections import defaultdict
+
+from results_file import write_result
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+CPU = "deepfuse/codegen/cpu"
+
+
+def base_sources(commit: str) -> str:
+    """The native sources at commit, in a directory of their own (made once): its path."""
+    sha = subprocess.run(["git", "rev-parse", "--short=12", commit], cwd=HERE, capture_output=True, text=True,
+                         check=True).stdout.strip()
+    where = os.path.join(os.path.expanduser("~"), ".cache", "deepfuse", "ab", sha)
+    if not os.path.exists(os.path.join(where, "complete")):
+        os.makedirs(where, exist_ok=True)
+        names = subprocess.run(["git", "ls-tree", "--name-only", f"{sha}:{CPU}"], cwd=HERE, capture_output=True,
+                               text=True, check=True).stdout.split()
+        for name in names:
+            if name.endswith((".cpp", ".h")):
+                data = subprocess.run(["git", "show", f"{sha}:{CPU}/{name}"], cwd=HERE, capture_output=True,
+                                      check=True).stdout
+                with open(os.path.join(where, name), "wb") as f:
+                    f.write(data)
+        open(os.path.join(where, "complete"), "w").close()
+    return where
+
+
+def use_sources(where: str) -> None:
+    """Makes deepfuse's native kernels the module built from the sources in `where`."""
+    from torch.utils.cpp_extension import load
+
+    from deepfuse.codegen.cpu import native
+
+    missing = [s for s in native.SOURCES if not os.path.exists(os.path.join(where, s))]
+    if missing:
+        raise SystemExit(f"the base commit lacks {missing}: pick a commit whose kernels this checkout's Python calls")
+    name = "deepfuse_ab_" + os.path.basename(where)
+    os.makedirs(os.path.join(where, "build"), exist_ok=True)
+    module = load(name=name, sources=[os.path.join(where, s) for s in native.SOURCES],
+                  build_directory=os.path.join(where, "build"),
+                  extra_cflags=["-O3", "-march=native", "-fopenmp", f"-DDEEPFUSE_SOURCES={name}"],
+                  extra_ldflags=["-fopenmp"], verbose=False)
+    native.build = lambda: module
+
+
+def measure(new_tokens: int, runs: int) -> dict:
+    """One process's figures: decode tok/s per run, and the decode program's mean ms per step by op."""
+    from decode import PROMPT, deepfuse_runner
+
+    import deepfuse.codegen.cpu.program as program
+    from deepfuse.models import load_model
+
+    segments: list[program.Segments] = []
+    make_segments = program.Segments.__init__
+
+    def kept(self, *args, **kwargs):
+        make_segments(self, *args, **kwargs)
+        segments.append(self)
+
+    program.Segments.__init__ = kept
+    model, tok = load_model("smollm2")
+    run = deepfuse_runner("bf16", tok.encode(PROMPT), new_tokens, model, "int4-a8")
+    run()
+    tps = [run()["decode_tps"] for _ in range(runs)]
+    for s in segments:
+        s.profile(True)
+    for _ in range(runs):
+        run()
+    _, by_op = max((s.op_seconds() for s in segments), key=lambda r: r[0])  # the decode step's program
+    ops: dict[str, float] = defaultdict(float)
+    for name, sec in by_op:
+        ops[name] += sec * 1e3
+    return {"decode_tps": tps, "ops_ms": dict(ops)}
+
+
+def child(a) -> None:
+    if a.child != "tree":
+        use_sources(a.child)
+    print("RESULT " + json.dumps(measure(a.new_tokens, a.runs)), flush=True)
+
+
+def parent(a) -> None:
+    base = base_sources(a.base)
+    sides = {a.base: base, "this checkout": "tree"}
+    got: dict[str, list[dict]] = {side: [] for side in sides}
+    for r in range(a.rounds):
+        for side, spec in sides.items():
+            out = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", spec, "--runs", str(a.runs),
+                                  "--new-tokens", str(a.new_tokens)], capture_output=True, text=True)
+            line = next((ln for ln in out.stdout.splitlines() if ln.startswith("RESULT ")), None)
+            if line is None:
+                raise SystemExit(f"the {side} process failed:\n{out.stderr[-3000:]}")
+            got[side].append(json.loads(line[len("RESULT "):]))
+            print(f"round {r + 1} {side:14s} decode {statistics.median(got[side][-1]['decode_tps']):6.1f} tok/s, "
+                  f"program {sum(got[side][-1]['ops_ms'].values()):.3f} ms", flush=True)
+    summary = {}
+    for side, rounds in got.items():
+        tps = [statistics.median(x["decode_tps"]) for x in rounds]
+        names = list(rounds[0]["ops_ms"])
+        summary[side] = {"decode_tps_median": statistics.median(tps), "decode_tps_rounds": tps,
+                         "program_ms_median": statistics.median(sum(x["ops_ms"].values()) for x in rounds),
+                         "ops_ms_median": {n: statistics.median(x["ops_ms"].get(n, 0.0) for x in rounds) for n in names}}
+    old, new = summary[a.base], summary["this checkout"]
+    ratios = [n / o for n, o in zip(new["decode_tps_rounds"], old["decode_tps_rounds"])]
+    print(f"\nint4-a8 batch-1 decode, medians over {a.rounds} rounds:")
+    print(f"  {'':28s} {a.base:>12s} {'this checkout':>14s}")
+    print(f"  {'decode tok/s':28s} {old['decode_tps_median']:12.1f} {new['decode_tps_median']:14.1f}")
+    print(f"  {'decode program ms':28s} {old['program_ms_median']:12.3f} {new['program_ms_median']:14.3f}")
+    for n in new["ops_ms_median"]:
+        print(f"  {n:28s} {old['ops_ms_median'].get(n, 0.0):12.3f} {new['ops_ms_median'][n]:14.3f}")
+    print(f"  per-round tok/s ratio (this checkout / base): {', '.join(f'{x:.3f}' for x in ratios)}")
+    path = write_result(a.result, {"config": {"base": a.base, "rounds": a.rounds, "runs": a.runs,
+                                              "new_tokens": a.new_tokens, "build": "int4-a8"},
+                                   "sides": summary, "tps_ratio_rounds": ratios,
+                                   "tps_ratio_median": statistics.median(ratios)})
+    print("wrote", path)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--base", help="the commit whose native sources to compare against")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--result", default="native_ab.json", help="the file under benchmarks/results/ to write")
+    ap.add_argument("--child", help=argparse.SUPPRESS)  # a measuring process: "tree" or a sources directory
+    a = ap.parse_args()
+    if a.child:
+        child(a)
+    elif not a.base:
+        ap.error("--base is required")
+    else:
+        parent(a)
+
+
+if __name__ == "__main__":
+    main()

@@ -24,21 +24,22 @@ from collections import defaultdict
 from results_file import write_result
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
 CPU = "deepfuse/codegen/cpu"
 
 
 def base_sources(commit: str) -> str:
     """The native sources at commit, in a directory of their own (made once): its path."""
-    sha = subprocess.run(["git", "rev-parse", "--short=12", commit], cwd=HERE, capture_output=True, text=True,
+    sha = subprocess.run(["git", "rev-parse", "--short=12", commit], cwd=ROOT, capture_output=True, text=True,
                          check=True).stdout.strip()
     where = os.path.join(os.path.expanduser("~"), ".cache", "deepfuse", "ab", sha)
     if not os.path.exists(os.path.join(where, "complete")):
         os.makedirs(where, exist_ok=True)
-        names = subprocess.run(["git", "ls-tree", "--name-only", f"{sha}:{CPU}"], cwd=HERE, capture_output=True,
+        names = subprocess.run(["git", "ls-tree", "--name-only", f"{sha}:{CPU}"], cwd=ROOT, capture_output=True,
                                text=True, check=True).stdout.split()
         for name in names:
             if name.endswith((".cpp", ".h")):
-                data = subprocess.run(["git", "show", f"{sha}:{CPU}/{name}"], cwd=HERE, capture_output=True,
+                data = subprocess.run(["git", "show", f"{sha}:{CPU}/{name}"], cwd=ROOT, capture_output=True,
                                       check=True).stdout
                 with open(os.path.join(where, name), "wb") as f:
                     f.write(data)

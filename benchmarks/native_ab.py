@@ -6,7 +6,7 @@ is this checkout's for both, so --base must be a commit whose kernels this Pytho
 Each process loads SmolLM2 and its Q4_1 GGUF, compiles the int4-a8 build, warms it up and then
 measures batch-1 decode tok/s (decode.py's runner, --new-tokens, median of --runs runs) and,
 in as many runs again with each step program timing its ops (StepProgram.profile), the decode
-program's mean ms per step by op. Rounds run base, then this checkout; the table shows medians
+program's mean ms per step by op. Rounds alternate which side runs first; the table shows medians
 over the rounds and the per-round ratios go to benchmarks/results/<--result>.
 
     python benchmarks/native_ab.py --base cbe7833 [--rounds 5] [--runs 3] [--result native_ab.json]
@@ -106,7 +106,7 @@ def parent(a) -> None:
     sides = {a.base: base, "this checkout": "tree"}
     got: dict[str, list[dict]] = {side: [] for side in sides}
     for r in range(a.rounds):
-        for side, spec in sides.items():
+        for side, spec in list(sides.items())[::1 if r % 2 == 0 else -1]:  # each side first in every other round
             out = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", spec, "--runs", str(a.runs),
                                   "--new-tokens", str(a.new_tokens)], capture_output=True, text=True)
             line = next((ln for ln in out.stdout.splitlines() if ln.startswith("RESULT ")), None)

@@ -3,13 +3,14 @@ commit, in alternating processes on the same machine. Only the native sources di
 (deepfuse/codegen/cpu/*.cpp and *.h at --base, built as their own extension module); the Python
 is this checkout's for both, so --base must be a commit whose kernels this Python can call.
 
-Each process loads SmolLM2 and its Q4_1 GGUF, compiles the int4-a8 build, warms it up and then
+Each process loads SmolLM2 and its Q4_1 GGUF, compiles a bf16 build (--quant: int4-a8 by
+default), warms it up and then
 measures batch-1 decode tok/s (decode.py's runner, --new-tokens, median of --runs runs) and,
 in as many runs again with each step program timing its ops (StepProgram.profile), the decode
 program's mean ms per step by op. Rounds alternate which side runs first; the table shows medians
 over the rounds and the per-round ratios go to benchmarks/results/<--result>.
 
-    python benchmarks/native_ab.py --base cbe7833 [--rounds 5] [--runs 3] [--result native_ab.json]
+    python benchmarks/native_ab.py --base cbe7833 [--quant int4] [--rounds 5] [--runs 3] [--result native_ab.json]
 """
 from __future__ import annotations
 
@@ -32,7 +33,9 @@ def base_sources(commit: str) -> str:
     """The native sources at commit, in a directory of their own (made once): its path."""
     sha = subprocess.run(["git", "rev-parse", "--short=12", commit], cwd=ROOT, capture_output=True, text=True,
                          check=True).stdout.strip()
-    where = os.path.join(os.path.expanduser("~"), ".cache", "deepfuse", "ab", sha)
+    from deepfuse.codegen.cpu.native import build_tag
+
+    where = os.path.join(os.path.expanduser("~"), ".cache", "deepfuse", "ab", f"{build_tag()}_{sha}")
     if not os.path.exists(os.path.join(where, "complete")):
         os.makedirs(where, exist_ok=True)
         names = subprocess.run(["git", "ls-tree", "--name-only", f"{sha}:{CPU}"], cwd=ROOT, capture_output=True,
@@ -56,7 +59,7 @@ def use_sources(where: str) -> None:
     missing = [s for s in native.SOURCES if not os.path.exists(os.path.join(where, s))]
     if missing:
         raise SystemExit(f"the base commit lacks {missing}: pick a commit whose kernels this checkout's Python calls")
-    name = "deepfuse_ab_" + os.path.basename(where)
+    name = "deepfuse_ab_" + os.path.basename(where).replace("-", "_")
     os.makedirs(os.path.join(where, "build"), exist_ok=True)
     module = load(name=name, sources=[os.path.join(where, s) for s in native.SOURCES],
                   build_directory=os.path.join(where, "build"),
@@ -65,7 +68,7 @@ def use_sources(where: str) -> None:
     native.build = lambda: module
 
 
-def measure(new_tokens: int, runs: int) -> dict:
+def measure(quant: str, new_tokens: int, runs: int) -> dict:
     """One process's figures: decode tok/s per run, and the decode program's mean ms per step by op."""
     from decode import PROMPT, deepfuse_runner
 
@@ -81,7 +84,7 @@ def measure(new_tokens: int, runs: int) -> dict:
 
     program.Segments.__init__ = kept
     model, tok = load_model("smollm2")
-    run = deepfuse_runner("bf16", tok.encode(PROMPT), new_tokens, model, "int4-a8")
+    run = deepfuse_runner("bf16", tok.encode(PROMPT), new_tokens, model, quant)
     run()
     tps = [run()["decode_tps"] for _ in range(runs)]
     for s in segments:
@@ -98,7 +101,7 @@ def measure(new_tokens: int, runs: int) -> dict:
 def child(a) -> None:
     if a.child != "tree":
         use_sources(a.child)
-    print("RESULT " + json.dumps(measure(a.new_tokens, a.runs)), flush=True)
+    print("RESULT " + json.dumps(measure(a.quant, a.new_tokens, a.runs)), flush=True)
 
 
 def parent(a) -> None:
@@ -108,7 +111,7 @@ def parent(a) -> None:
     for r in range(a.rounds):
         for side, spec in list(sides.items())[::1 if r % 2 == 0 else -1]:  # each side first in every other round
             out = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", spec, "--runs", str(a.runs),
-                                  "--new-tokens", str(a.new_tokens)], capture_output=True, text=True)
+                                  "--new-tokens", str(a.new_tokens), "--quant", a.quant], capture_output=True, text=True)
             line = next((ln for ln in out.stdout.splitlines() if ln.startswith("RESULT ")), None)
             if line is None:
                 raise SystemExit(f"the {side} process failed:\n{out.stderr[-3000:]}")
@@ -124,7 +127,8 @@ def parent(a) -> None:
                          "ops_ms_median": {n: statistics.median(x["ops_ms"].get(n, 0.0) for x in rounds) for n in names}}
     old, new = summary[a.base], summary["this checkout"]
     ratios = [n / o for n, o in zip(new["decode_tps_rounds"], old["decode_tps_rounds"])]
-    print(f"\nint4-a8 batch-1 decode, medians over {a.rounds} rounds:")
+    print(f"\nbf16 + {a.quant} batch-1 decode, medians over {a.rounds} rounds (the op times: each op's own, as the"
+          " program times it; entering and leaving a team's region falls between them, so compare the tok/s):")
     print(f"  {'':28s} {a.base:>12s} {'this checkout':>14s}")
     print(f"  {'decode tok/s':28s} {old['decode_tps_median']:12.1f} {new['decode_tps_median']:14.1f}")
     print(f"  {'decode program ms':28s} {old['program_ms_median']:12.3f} {new['program_ms_median']:14.3f}")
@@ -132,7 +136,7 @@ def parent(a) -> None:
         print(f"  {n:28s} {old['ops_ms_median'].get(n, 0.0):12.3f} {new['ops_ms_median'][n]:14.3f}")
     print(f"  per-round tok/s ratio (this checkout / base): {', '.join(f'{x:.3f}' for x in ratios)}")
     path = write_result(a.result, {"config": {"base": a.base, "rounds": a.rounds, "runs": a.runs,
-                                              "new_tokens": a.new_tokens, "build": "int4-a8"},
+                                              "new_tokens": a.new_tokens, "quant": a.quant},
                                    "sides": summary, "tps_ratio_rounds": ratios,
                                    "tps_ratio_median": statistics.median(ratios)})
     print("wrote", path)
@@ -144,6 +148,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--quant", default="int4-a8", help="the build's quant: int4-a8, int4 (bf16+int4), int4-head8, ...")
     ap.add_argument("--result", default="native_ab.json", help="the file under benchmarks/results/ to write")
     ap.add_argument("--child", help=argparse.SUPPRESS)  # a measuring process: "tree" or a sources directory
     a = ap.parse_args()

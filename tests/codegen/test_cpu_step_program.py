@@ -280,26 +280,29 @@ def test_a_programs_native_ops_fork_to_its_team_as_at_parallel_for_splits(native
     if threads < 2:
         pytest.skip("one thread: no team to fork to")
     want = expected_chunks(n, grain, threads)
-    eager = torch.full((n,), -1)
-    native.thread_map(grain, eager)
+    eager, eager_teamed = torch.full((n,), -1), torch.full((1,), -1)
+    native.thread_map(grain, eager, teamed=eager_teamed)
     prog = native.StepProgram()
     first, second, copied = torch.full((n,), -1), torch.full((n,), -1), torch.empty(n, dtype=torch.int64)
-    prog.thread_map(grain, first)
+    teamed = torch.full((2,), -1)
+    prog.thread_map(grain, first, teamed=teamed[:1])
     prog.index_select(first, torch.arange(n), copied)  # ATen: outside the team
-    prog.thread_map(grain, second)
+    prog.thread_map(grain, second, teamed=teamed[1:])
     assert prog.run()
     assert eager.tolist() == first.tolist() == second.tolist() == copied.tolist() == want
     assert (max(want) > 0) == (n > grain and n > 1)
+    assert eager_teamed.tolist() == [0] and teamed.tolist() == [1, 1]
 
 
-@pytest.mark.parametrize("fail_at", [1, 6])
+@pytest.mark.parametrize("fail_at", [0, 7])
 def test_an_error_in_a_team_thread_raises_from_the_run_and_leaves_no_team_behind(native, fail_at):
-    """A chunk that raises on the team's thread 0 (item 1) or on another thread (item 6): the run
+    """A chunk that raises on the team's thread 0 (item 0) or on its last thread (item 7): the run
     raises that error once every thread has left the op, the ops after it do not run, and the
     same program (it raises again) and a new one run as before."""
     if torch.get_num_threads() < 2:
         pytest.skip("one thread: no team")
     where, after = torch.full((8,), -1), torch.full((8,), -1)
+    assert (expected_chunks(8, 1, torch.get_num_threads())[fail_at] == 0) == (fail_at == 0)
     prog = native.StepProgram()
     prog.thread_map(1, where, fail_at)
     prog.thread_map(1, after)

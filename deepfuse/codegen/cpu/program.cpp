@@ -60,7 +60,8 @@ bool every(const Tensor& t, Pass pass) {
 class StepProgram {
   public:
     // on_team: the op's kernels fork through team::parallel_for (ours), so a run of such ops
-    // shares one thread team; ATen ops and generated kernels open their own regions
+    // shares one thread team; ATen ops, generated kernels and any kernel with its own OpenMP
+    // region (prefill_attention.cpp's) open their own regions: on_team false
     void add(std::function<void()> op, bool on_team = true) {
         ops_.push_back(std::move(op));
         on_team_.push_back(on_team);
@@ -72,6 +73,7 @@ class StepProgram {
     // may be shorter) split as team::parallel_for(0, items, grain) splits them: the op before it
     // warms each thread's share (team.h)
     void streams(const Tensor& weights, int64_t item_bytes, int64_t items, int64_t grain) {
+        TORCH_CHECK(!streams_.empty(), "StepProgram.streams: no op yet");
         streams_.back() = team::Stream{static_cast<const char*>(weights.data_ptr()), item_bytes, items, grain,
                                        static_cast<int64_t>(weights.nbytes())};
     }
@@ -172,7 +174,7 @@ class StepProgram {
     // when a stop held; an op's exception is rethrown once the region has closed
     template <typename Step>
     bool on_team(size_t from, size_t to, Step& step) {
-        team::Team crew;
+        team::Team crew(omp_get_max_threads());
         bool passed = true;
         std::exception_ptr error;
 #pragma omp parallel
@@ -235,11 +237,15 @@ void q4a8_streams(StepProgram& p, const Tensor& blocks) {
 }
 
 // Which thread runs each item of team::parallel_for(0, n, grain) (where: int64 [n], each item's
-// at::get_thread_num()); the item fail_at raises where it runs. A diagnostic of the split (the
-// same in a program, on its team, and outside one, on at::parallel_for) and of a chunk's error.
-void thread_map(int64_t grain, const Tensor& where, int64_t fail_at) {
+// at::get_thread_num()); the item fail_at raises where it runs; teamed (int64 [1], if given) gets 1
+// when the call led a program's team, else 0. A diagnostic of the split (the same in a program,
+// on its team, and outside one, on at::parallel_for) and of a chunk's error.
+void thread_map(int64_t grain, const Tensor& where, int64_t fail_at, const Opt& teamed) {
     TORCH_CHECK(where.scalar_type() == torch::kInt64 && where.dim() == 1 && where.is_contiguous(),
                 "thread_map: where must be a contiguous int64 [n]");
+    TORCH_CHECK(!teamed || (teamed->scalar_type() == torch::kInt64 && teamed->numel() == 1 && teamed->is_contiguous()),
+                "thread_map: teamed must be a contiguous int64 [1]");
+    if (teamed) teamed->data_ptr<int64_t>()[0] = team::led != nullptr;
     int64_t* w = where.data_ptr<int64_t>();
     team::parallel_for(0, where.size(0), grain, [&](int64_t begin, int64_t end) {
         for (int64_t i = begin; i < end; ++i) {
@@ -254,7 +260,7 @@ void thread_map(int64_t grain, const Tensor& where, int64_t fail_at) {
 void bind_program(py::module& m) {
     m.def("layout_key", &layout_key, "each tensor's address, dtype, rank, sizes and strides, as bytes (program.cpp)");
     m.def("thread_map", &thread_map, "which thread runs each item of a parallel_for: a diagnostic (program.cpp)",
-          py::arg("grain"), py::arg("where"), py::arg("fail_at") = -1);
+          py::arg("grain"), py::arg("where"), py::arg("fail_at") = -1, py::arg("teamed") = py::none());
     using P = StepProgram;
     py::class_<P>(m, "StepProgram", "a step's bound launches, run in order by one native call (program.cpp)")
         .def(py::init<>())
@@ -280,9 +286,9 @@ void bind_program(py::module& m) {
         .def("output", &P::output, "a tensor allocated by each run: its slot")
         .def("stop_unless_below", &P::stop_unless_below)
         .def("stop_unless_at_most", &P::stop_unless_at_most)
-        .def("thread_map", [](P& p, int64_t grain, Tensor where, int64_t fail_at) {
-            p.add([=] { thread_map(grain, where, fail_at); });
-        }, py::arg("grain"), py::arg("where"), py::arg("fail_at") = -1)
+        .def("thread_map", [](P& p, int64_t grain, Tensor where, int64_t fail_at, Opt teamed) {
+            p.add([=] { thread_map(grain, where, fail_at, teamed); });
+        }, py::arg("grain"), py::arg("where"), py::arg("fail_at") = -1, py::arg("teamed") = py::none())
         .def("rms_norm", [](P& p, Tensor x, Tensor w, double eps, Tensor out) {
             p.add([=] { rms_norm(x, w, eps, out); });
         })

@@ -16,7 +16,7 @@
 // where a kernel that computes more than it reads calls team::warm() in its loops (decode
 // attention).
 //
-//   team::Team crew;                  // shared by the region's threads
+//   team::Team crew(omp_get_max_threads());   // one region's, shared by its threads
 //   #pragma omp parallel
 //   if (omp_get_thread_num() == 0) { team::Lead lead(crew, omp_get_num_threads()); ...; }   // closes it
 //   else crew.serve(omp_get_thread_num());
@@ -30,6 +30,7 @@
 #include <atomic>
 #include <cstdint>
 #include <exception>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -37,22 +38,44 @@ namespace team {
 
 using Chunk = void (*)(const void* body, int64_t begin, int64_t end);
 
-// Bytes a thread pulls toward its L2, a line at a time: [at, end)
+constexpr int64_t kWarmBytes = 256 << 10;  // the most of its share a thread warms (of a 1-2 MB L2)
+constexpr int64_t kSpinsBeforeYield = 1 << 16;  // a waiting thread then yields its core on each try
+
+// Bytes a thread pulls toward its L2, a line at a time: addresses [at, end), as integers (a
+// prefetch never faults; no pointer is formed past the weights)
 struct Span {
-    const char* at = nullptr;
-    const char* end = nullptr;
+    uintptr_t at = 0, end = 0;
 };
 
-// The calling thread's share of the next op's weights not yet warmed
+// The calling thread's share of the next op's weights not yet warmed, and the warm_next call it
+// came from
 inline thread_local Span warming;
+inline thread_local uint64_t warming_from = 0;
 
 // Prefetches up to `lines` more cache lines of the calling thread's share into L2; false when
 // none was left
 inline bool warm(int64_t lines) {
     Span& w = warming;
     if (w.at >= w.end) return false;
-    for (int64_t i = 0; i < lines && w.at < w.end; ++i, w.at += 64) _mm_prefetch(w.at, _MM_HINT_T1);
+    for (int64_t i = 0; i < lines && w.at < w.end; ++i, w.at += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(w.at), _MM_HINT_T1);
     return true;
+}
+
+// How many chunks at::parallel_for cuts n items into with `grain` on `threads` threads (its
+// OpenMP backend; 1: it runs them inline)
+inline int64_t parts(int64_t n, int64_t grain, int64_t threads) {
+    if (n <= grain || n == 1 || threads == 1) return 1;
+    return grain > 0 ? std::min(threads, (n + grain - 1) / grain) : threads;
+}
+
+// One wait-loop turn: warm a line of the thread's share, else pause (yield after long waits)
+inline void idle(int64_t& spins) {
+    if (warm(1)) return;
+    if (++spins < kSpinsBeforeYield)
+        _mm_pause();
+    else
+        std::this_thread::yield();
 }
 
 // What an op streams: `items` work items of `item_bytes` each from `base` (the last one may be
@@ -62,26 +85,31 @@ struct Stream {
     int64_t item_bytes, items, grain, bytes;
 };
 
+// One region's team (a Team is not reused: made before the region, its threads leave at close())
 class Team {
   public:
+    // capacity: the most threads the region may have (omp_get_max_threads(), before it opens)
+    explicit Team(int64_t capacity) : next_(std::max<int64_t>(1, capacity)) {}
+
     // thread 0: the team's size (threads 0 .. size-1), before its first job
-    void open(int64_t size) {
-        size_ = size;
-        next_.assign(size, Span{});
-    }
+    void open(int64_t size) noexcept { size_ = std::min<int64_t>(size, static_cast<int64_t>(next_.size())); }
     int64_t size() const { return size_; }
 
     // thread 0, between jobs: each thread's share of what the next op streams (nullptr: none),
     // which its following jobs warm
     void warm_next(const Stream* s) {
+        static std::atomic<uint64_t> calls{0};  // tells a thread's later jobs of the same op from a new op's
+        warm_from_ = calls.fetch_add(1, std::memory_order_relaxed) + 1;
         for (int64_t t = 0; t < size_; ++t) {
             next_[t] = Span{};
             if (s == nullptr) continue;
-            const int64_t n = s->items, parts = n <= s->grain || n == 1 ? 1 : std::min(size_, (n + s->grain - 1) / s->grain);
-            const int64_t step = (n + parts - 1) / parts, first = t * step;
+            const int64_t n = s->items, step = (n + parts(n, s->grain, size_) - 1) / parts(n, s->grain, size_);
+            const int64_t first = t * step;
             if (first >= n) continue;
-            const int64_t from = first * s->item_bytes, to = std::min(s->bytes, (first + step) * s->item_bytes);
-            next_[t] = Span{s->base + from, s->base + to};
+            const int64_t from = first * s->item_bytes;
+            const int64_t to = std::min({s->bytes, (first + step) * s->item_bytes, from + kWarmBytes});
+            const uintptr_t base = reinterpret_cast<uintptr_t>(s->base);
+            next_[t] = Span{base + from, base + to};
         }
     }
 
@@ -95,15 +123,14 @@ class Team {
             chunk(body, begin, end);
             return;
         }
-        const int64_t parts = grain > 0 ? std::min(size_, (n + grain - 1) / grain) : size_;
-        begin_ = begin, end_ = end, step_ = (n + parts - 1) / parts, chunk_ = chunk, body_ = body;
+        const int64_t cuts = parts(n, grain, size_);
+        begin_ = begin, end_ = end, step_ = (n + cuts - 1) / cuts, chunk_ = chunk, body_ = body;
         pending_.store(size_ - 1, std::memory_order_relaxed);
-        epoch_.fetch_add(1, std::memory_order_release);
         running_ = true;
+        epoch_.fetch_add(1, std::memory_order_release);
         work(0);
         running_ = false;
-        while (pending_.load(std::memory_order_acquire) != 0)
-            if (!warm(1)) _mm_pause();
+        for (int64_t spins = 0; pending_.load(std::memory_order_acquire) != 0;) idle(spins);
         if (failed_.load(std::memory_order_relaxed)) {
             failed_.store(false, std::memory_order_relaxed);
             std::rethrow_exception(std::exchange(error_, nullptr));
@@ -115,8 +142,7 @@ class Team {
         at::internal::ThreadIdGuard id(static_cast<int>(tid));
         for (uint64_t seen = 0;;) {
             uint64_t e;
-            while ((e = epoch_.load(std::memory_order_acquire)) == seen)
-                if (!warm(1)) _mm_pause();
+            for (int64_t spins = 0; (e = epoch_.load(std::memory_order_acquire)) == seen;) idle(spins);
             seen = e;
             if (closed_) {
                 warming = Span{};
@@ -135,7 +161,10 @@ class Team {
 
   private:
     void work(int64_t tid) {
-        warming = next_[tid];
+        if (warming_from != warm_from_) {  // the first job of an op: its thread's share of the next op's weights
+            warming = tid < static_cast<int64_t>(next_.size()) ? next_[tid] : Span{};
+            warming_from = warm_from_;
+        }
         const int64_t b = begin_ + tid * step_;
         if (b >= end_) return;
         try {
@@ -151,10 +180,12 @@ class Team {
     alignas(64) int64_t size_ = 1, begin_ = 0, end_ = 0, step_ = 1;
     Chunk chunk_ = nullptr;
     const void* body_ = nullptr;
-    bool running_ = false, closed_ = false;  // running_: thread 0 is in its chunk (a nested call runs inline)
+    bool closed_ = false;
+    uint64_t warm_from_ = 0;  // the warm_next call next_ came from
+    alignas(64) bool running_ = false;  // thread 0 is in its chunk (a nested call runs inline)
     std::atomic<bool> failed_{false};
     std::exception_ptr error_;
-    std::vector<Span> next_;  // by thread: its share of the next op's weights
+    std::vector<Span> next_;  // by thread (capacity): its share of the next op's weights
 };
 
 // The team the calling thread leads, if any

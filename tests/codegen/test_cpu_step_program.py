@@ -273,9 +273,9 @@ def expected_chunks(n: int, grain: int, threads: int) -> list[int]:
 
 @pytest.mark.parametrize("n,grain", [(8, 1), (5, 1), (9, 4), (3, 8), (1, 1), (64, 16)])
 def test_a_programs_native_ops_fork_to_its_team_as_at_parallel_for_splits(native, n, grain):
-    """Inside a program the native ops' parallel parts run on the program's thread team: every
+    """Inside a program a run of three or more native ops shares the program's thread team: every
     item on the thread at::parallel_for gives it outside a program (the same split), the other
-    threads doing their share; an ATen op between two runs of native ops opens a team for each."""
+    threads doing their share. A shorter run (here one op after an ATen op) forks as outside."""
     threads = torch.get_num_threads()
     if threads < 2:
         pytest.skip("one thread: no team to fork to")
@@ -283,15 +283,16 @@ def test_a_programs_native_ops_fork_to_its_team_as_at_parallel_for_splits(native
     eager, eager_teamed = torch.full((n,), -1), torch.full((1,), -1)
     native.thread_map(grain, eager, teamed=eager_teamed)
     prog = native.StepProgram()
-    first, second, copied = torch.full((n,), -1), torch.full((n,), -1), torch.empty(n, dtype=torch.int64)
-    teamed = torch.full((2,), -1)
-    prog.thread_map(grain, first, teamed=teamed[:1])
-    prog.index_select(first, torch.arange(n), copied)  # ATen: outside the team
-    prog.thread_map(grain, second, teamed=teamed[1:])
+    maps = [torch.full((n,), -1) for _ in range(4)]
+    copied, teamed = torch.empty(n, dtype=torch.int64), torch.full((4,), -1)
+    for k in range(3):  # a run of three: one team
+        prog.thread_map(grain, maps[k], teamed=teamed[k:k + 1])
+    prog.index_select(maps[0], torch.arange(n), copied)  # ATen: outside any team
+    prog.thread_map(grain, maps[3], teamed=teamed[3:])  # a run of one: no team
     assert prog.run()
-    assert eager.tolist() == first.tolist() == second.tolist() == copied.tolist() == want
+    assert all(m.tolist() == want for m in maps) and eager.tolist() == copied.tolist() == want
     assert (max(want) > 0) == (n > grain and n > 1)
-    assert eager_teamed.tolist() == [0] and teamed.tolist() == [1, 1]
+    assert eager_teamed.tolist() == [0] and teamed.tolist() == [1, 1, 1, 0]
 
 
 @pytest.mark.parametrize("fail_at", [0, 7])
@@ -301,28 +302,31 @@ def test_an_error_in_a_team_thread_raises_from_the_run_and_leaves_no_team_behind
     same program (it raises again) and a new one run as before."""
     if torch.get_num_threads() < 2:
         pytest.skip("one thread: no team")
-    where, after = torch.full((8,), -1), torch.full((8,), -1)
+    where, after, teamed = torch.full((8,), -1), torch.full((8,), -1), torch.full((1,), -1)
     assert (expected_chunks(8, 1, torch.get_num_threads())[fail_at] == 0) == (fail_at == 0)
     prog = native.StepProgram()
+    prog.thread_map(1, where, teamed=teamed)
     prog.thread_map(1, where, fail_at)
     prog.thread_map(1, after)
     for _ in range(2):
         with pytest.raises(RuntimeError, match=f"item {fail_at} fails, as asked"):
             prog.run()
-        assert after.tolist() == [-1] * 8  # the op after the failed one never ran
+        assert teamed.tolist() == [1] and after.tolist() == [-1] * 8  # on a team; the op after the failed one never ran
     ok = native.StepProgram()
-    ok.thread_map(1, where)
-    ok.thread_map(1, after)
-    assert ok.run() and where.tolist() == after.tolist() == expected_chunks(8, 1, torch.get_num_threads())
+    for _ in range(3):
+        ok.thread_map(1, after, teamed=teamed)
+    teamed[0] = -1
+    assert ok.run() and teamed.tolist() == [1] and after.tolist() == expected_chunks(8, 1, torch.get_num_threads())
 
 
 def test_one_thread_runs_a_program_without_a_team(native):
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        where = torch.full((8,), -1)
+        where, teamed = torch.full((8,), -1), torch.full((1,), -1)
         prog = native.StepProgram()
-        prog.thread_map(1, where)
-        assert prog.run() and where.tolist() == [0] * 8
+        for _ in range(3):
+            prog.thread_map(1, where, teamed=teamed)
+        assert prog.run() and where.tolist() == [0] * 8 and teamed.tolist() == [0]
     finally:
         torch.set_num_threads(threads)

@@ -19,8 +19,8 @@
 // since, in the order added; how many runs got past the guards, a run a stop held counting with
 // 0 ns for the ops after the stop, one whose op threw not counted); profile(False) stops and clears
 // it. Not while a run is in progress (run() releases the GIL).
-// A run of consecutive native ops (every op but the ATen ones and generated kernels) runs in one
-// OpenMP region: this thread runs the ops as the team's thread 0 and the kernels' parallel parts
+// A run of at least kTeamOps consecutive native ops (every op but the ATen ones and generated
+// kernels) runs in one OpenMP region: this thread runs the ops as the team's thread 0 and the kernels' parallel parts
 // fork to the other threads through team::parallel_for (team.h), ~0.2 µs a fork and join in place
 // of a region per kernel call. The chunks are those of the same calls outside a program.
 #include <torch/extension.h>
@@ -56,6 +56,11 @@ bool every(const Tensor& t, Pass pass) {
         if (!pass(v[i])) return false;
     return true;
 }
+
+// The fewest native ops in a row that share a team: a shorter run (between ATen ops) forks op by
+// op as outside a program, since a region for one or two ops saves nothing and costs one where
+// the ops run inline (a row's norm)
+constexpr size_t kTeamOps = 3;
 
 class StepProgram {
   public:
@@ -135,9 +140,9 @@ class StepProgram {
         const bool teams = at::get_num_threads() > 1 && !at::in_parallel_region();
         bool held = false;
         for (size_t i = 0; i <= ops_.size() && !held;) {
-            if (teams && i < ops_.size() && on_team_[i]) {
-                size_t end = i;
-                while (end < ops_.size() && on_team_[end]) ++end;
+            size_t end = i;
+            while (end < ops_.size() && on_team_[end]) ++end;
+            if (teams && end - i >= kTeamOps) {
                 held = !on_team(i, end, step);
                 i = end;
             } else {

@@ -7,7 +7,8 @@ Per decode step (the prompt's prefill step left out) it reports the medians of e
 what is left: Python in the model call (binding the inputs, any launches run from Python) and in
 the engine's step (scheduling, outputs). Then, in as many runs again with each step program
 timing its ops (StepProgram.profile), the decode program's mean time per step by op kind (the
-kernel and its parallel region: a thread's fork and join are in its op's time), from the program
+kernel and its forks and joins; entering and leaving the region of a run of ops that shares a
+thread team falls between ops, so the ops sum to a little less than the program), from the program
 that ran the most steps (a program first bound during these runs is not timed). Writes
 benchmarks/results/decode_split.json.
 

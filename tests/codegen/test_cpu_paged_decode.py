@@ -166,7 +166,8 @@ def test_attention_kernel_rows_of_verify_chunks_match_the_reference(native, dtyp
 def test_many_rows_share_work_items_and_each_row_is_what_it_is_alone(native, cache_type, q_dtype, h, hkv, d, window):
     """With rows enough for every thread, a work item covers all of a row's kv heads (32 heads on
     4 kv heads: two items of 2 kv heads each, 16 query heads at most); alone, a row's kv heads are
-    items of their own. Each row matches the reference and is bit-identical to the row run alone."""
+    items of their own. Each row matches the reference and, batch-invariant (its positions never
+    split), is bit-identical to the row run alone."""
     torch.manual_seed(2)
     nb, bs = 200, 16
     n = 8 * torch.get_num_threads() + 3
@@ -177,12 +178,57 @@ def test_many_rows_share_work_items_and_each_row_is_what_it_is_alone(native, cac
     tables = torch.stack([torch.randperm(nb)[:44] for _ in range(n)])
     q = torch.randn(n, h * d).to(q_dtype)
     out = torch.empty_like(q)
-    native.paged_decode(q, cache, tables, lens, h, window, d ** -0.5, out, 0)
+    native.paged_decode(q, cache, tables, lens, h, window, d ** -0.5, out, 0, True)
     plain = dequantize_kv_rows(cache) if cache_type == torch.int8 else cache
     want = reference(q, plain, tables, lens, h, window, d ** -0.5)
     tol = (1e-5 if q_dtype == torch.float32 else 2e-2) * float(want.abs().max())  # values up to ~100 here
     torch.testing.assert_close(out.double(), want, atol=tol, rtol=0)
     for s in range(0, n, 5):
         alone = torch.empty_like(q[s:s + 1])
-        native.paged_decode(q[s:s + 1], cache, tables[s:s + 1], lens[s:s + 1], h, window, d ** -0.5, alone, 0)
+        native.paged_decode(q[s:s + 1], cache, tables[s:s + 1], lens[s:s + 1], h, window, d ** -0.5, alone, 0, True)
         assert torch.equal(alone, out[s:s + 1]), s
+
+
+@pytest.fixture
+def four_threads():
+    """Four threads for the test (kernels split work as on a 4-core machine, whatever this one has)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(4)
+    yield 4
+    torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("cache_type,q_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
+                                                (torch.int8, torch.bfloat16), (torch.int8, torch.float32)])
+@pytest.mark.parametrize("h,hkv,d,window", [(9, 3, 64, 0), (8, 1, 128, 0), (8, 1, 128, 45), (4, 1, 256, 300),
+                                            (6, 2, 64, 600)])
+def test_few_rows_split_their_positions_across_threads_and_match_the_reference(native, four_threads, cache_type,
+                                                                              q_dtype, h, hkv, d, window):
+    """Work items that do not share out over the threads (a lone row on four threads: 1-3 kv
+    heads): each row's positions are cut into spans of whole blocks, one work item each, and the
+    thread that finishes a row's last span merges them. Rows too short to split (under 256
+    positions), spans that end mid-block, a window that starts mid-block, a peak in a late span
+    and one in an early span: every row matches the reference, alone or as a pair of rows;
+    batch-invariant (never split), it matches too."""
+    torch.manual_seed(3)
+    nb, bs = 160, 16
+    floats = torch.randn(2, nb, bs, hkv, d)
+    floats[0, 70] *= 25  # keys that dominate wherever they fall
+    floats[0, 5] *= 25
+    cache = quantize_kv_rows(floats) if cache_type == torch.int8 else floats.to(cache_type)
+    plain = dequantize_kv_rows(cache) if cache_type == torch.int8 else cache
+    lens = torch.tensor([1100, 1279, 257, 255, 17, 700, 1])
+    tables = torch.stack([torch.randperm(nb)[:80] for _ in lens])
+    tables[0, 60], tables[1, 2] = 70, 5  # a late peak, an early peak
+    q = torch.randn(len(lens), h * d).to(q_dtype)
+    want = reference(q, plain, tables, lens, h, window, d ** -0.5)
+    tol = (1e-5 if q_dtype == torch.float32 else 2e-2) * float(want.abs().max())
+    for invariant in (False, True):
+        for s in range(len(lens)):
+            alone = torch.empty_like(q[s:s + 1])
+            native.paged_decode(q[s:s + 1], cache, tables[s:s + 1], lens[s:s + 1], h, window, d ** -0.5, alone, 0,
+                                invariant)
+            torch.testing.assert_close(alone.double(), want[s:s + 1], atol=tol, rtol=0)
+        pair = torch.empty_like(q[:2])
+        native.paged_decode(q[:2], cache, tables[:2], lens[:2], h, window, d ** -0.5, pair, 0, invariant)
+        torch.testing.assert_close(pair.double(), want[:2], atol=tol, rtol=0)

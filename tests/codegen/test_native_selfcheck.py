@@ -68,7 +68,8 @@ def expected_names(m) -> set[str]:
     names = {"panel_gemm", "argmax", "sample", "spec_verify", "rope_cache[f32]", "rope_cache[bf16]",
              "rope_cache[bf16,int8 cache]",
              "paged_decode[f32]", "paged_decode[bf16,amx_rows=0]", "paged_decode[bf16,amx_rows=1,window]",
-             "paged_decode[bf16,amx_rows=2]", "paged_decode[f32,int8 cache,window]", "paged_decode[bf16,int8 cache]"}
+             "paged_decode[bf16,amx_rows=2]", "paged_decode[f32,int8 cache,window]", "paged_decode[bf16,int8 cache]",
+             "paged_decode[bf16,lone row]", "paged_decode[bf16,int8 cache,lone row]"}
     names |= {f"{op}[{t}]" for op in ("rms_norm", "add_rms_norm", "swiglu") for t in ("f32", "bf16")}
     amx = [""] + ([",amx"] if m.amx_available() else [])
     if m.bf16_gemm_available():

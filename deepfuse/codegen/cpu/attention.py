@@ -238,11 +238,11 @@ def _attention(attrs: dict) -> Kernel:
         if native is not None:  # decode and verify rows read their blocks in place
             tabs = lay.near_tables(tables)
             if lay.all_near:
-                native.paged_decode(q.contiguous(), cache, tabs, lay.near_lens, h, window, scale, out, amx_rows)
+                native.paged_decode(q.contiguous(), cache, tabs, lay.near_lens, h, window, scale, out, amx_rows, invariant)
                 return out
             out[lay.near_rows] = native.paged_decode(q[lay.near_rows], cache, tabs, lay.near_lens, h, window, scale,
                                                      torch.empty(len(lay.near_rows), q.shape[1], dtype=q.dtype),
-                                                     amx_rows)
+                                                     amx_rows, invariant)
         elif len(lay.near_rows):
             for g in lay.groups:
                 o = decode(q[g.rows], cache, tables[g.seqs], g, sinks)
@@ -281,7 +281,7 @@ def _attention(attrs: dict) -> Kernel:
             return None
         calls = [functools.partial(write_kv, cache, k, v, slots)] if writes else []
         return Bound(calls + [native_op(native, "paged_decode", q, cache, tables, seq_lens, h, window, scale, out,
-                                        amx_rows)])
+                                        amx_rows, invariant)])
 
     attention.bind = bind
     return attention

@@ -8,7 +8,8 @@ void bind_program(py::module& m);  // program.cpp: StepProgram
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("paged_decode", &paged_decode, "decode attention over the paged cache (paged_decode.cpp)", py::arg("q"),
           py::arg("cache"), py::arg("tables"), py::arg("lens"), py::arg("num_heads"), py::arg("window"),
-          py::arg("scale"), py::arg("out"), py::arg("amx_rows") = 2);
+          py::arg("scale"), py::arg("out"), py::arg("amx_rows") = 2,
+          py::arg("batch_invariant") = false);
     m.def("paged_prefill", &paged_prefill,
           "causal prefill attention over the paged cache, AMX or AVX512-BF16 (prefill_attention.cpp)", py::arg("q"),
           py::arg("cache"), py::arg("tables"), py::arg("rows"), py::arg("qlens"), py::arg("lens"), py::arg("num_heads"),

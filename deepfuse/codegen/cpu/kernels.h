@@ -9,7 +9,8 @@
 #include <tuple>
 
 torch::Tensor paged_decode(torch::Tensor q, torch::Tensor cache, torch::Tensor tables, torch::Tensor lens,
-                           int64_t num_heads, int64_t window, double scale, torch::Tensor out, int64_t amx_rows);
+                           int64_t num_heads, int64_t window, double scale, torch::Tensor out, int64_t amx_rows,
+                           bool batch_invariant);
 void paged_prefill(const torch::Tensor& q, const torch::Tensor& cache, const torch::Tensor& tables,
                    const torch::Tensor& rows, const torch::Tensor& qlens, const torch::Tensor& lens, int64_t num_heads,
                    int64_t window, double scale, torch::Tensor out, bool amx);

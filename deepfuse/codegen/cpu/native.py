@@ -186,8 +186,8 @@ def _vector_only(m) -> dict[str, Callable]:
     def paged_prefill(q, cache, tables, rows, qlens, lens, num_heads, window, scale, out, amx=True):
         return m.paged_prefill(q, cache, tables, rows, qlens, lens, num_heads, window, scale, out, False)
 
-    def paged_decode(q, cache, tables, lens, num_heads, window, scale, out, amx_rows=2):
-        return m.paged_decode(q, cache, tables, lens, num_heads, window, scale, out, 0)
+    def paged_decode(q, cache, tables, lens, num_heads, window, scale, out, amx_rows=2, batch_invariant=False):
+        return m.paged_decode(q, cache, tables, lens, num_heads, window, scale, out, 0, batch_invariant)
 
     return {"bf16_gemm": bf16_gemm, "q4_gemm": q4_gemm, "paged_prefill": paged_prefill, "paged_decode": paged_decode}
 

@@ -12,6 +12,8 @@
 //   window  0, or attend only to the last `window` positions before len
 //   out     [N, H*D]            written
 //   amx_rows bf16 runs of at least this many rows of one sequence on AMX (see below; 0: never)
+//   batch_invariant  a row's result must not depend on the rows beside it: its positions are
+//           never split across threads (see position_parts)
 //
 // Work item: (row, kv head); its H/Hkv query heads share every key and value read.
 // Scores of one block at a time, then an online softmax (running max and sum) in float.
@@ -37,9 +39,12 @@
 #include "team.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <memory>
+#include <numeric>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -232,10 +237,16 @@ constexpr int64_t kWarmLines = 32;   // lines of the next op's weights warmed pe
 // prefetches came in bursts that stalled the core once its miss buffers filled (perf: a quarter
 // of the kernel's samples on prefetch instructions); 64 sequences of 100-630 positions, int8
 // rows, two threads: 24.1 -> 20.6 ms a step for 30 layers (13.0 ms with every block in L2).
+//
+// Split (parts > 1: few items for the threads, see position_parts): each item's positions are cut
+// into `parts` spans of whole blocks, one work item each; a span leaves its heads' running max,
+// sum and unnormalised values in `partial`, and the thread that finishes a row's last span merges
+// them, span by span in order (the same bits whichever thread it is; no second fork, which costs
+// ~0.85 us on a team).
 template <typename T, typename C, int G, int DV>
 static void decode_avx512(const T* q, const C* cache, const int64_t* tables, const int64_t* lens, T* out, int64_t n,
                           const int64_t* rows, int64_t hkv, int64_t bs, int64_t nb, int64_t tb, int64_t window, float scale,
-                          int64_t kh) {
+                          int64_t kh, int64_t parts) {
     constexpr int64_t D = DV * 16, R = row_elems<C>(D);
     constexpr int kValueVecs = DV > 8 ? 8 : DV;  // value vectors per pass over a block's rows
     const int64_t h = G * hkv, groups = hkv / kh;
@@ -243,12 +254,53 @@ static void decode_avx512(const T* q, const C* cache, const int64_t* tables, con
     const int64_t stride = hkv * R;  // between a head's consecutive positions
     const int64_t run = kh * R * static_cast<int64_t>(sizeof(C));  // bytes an item reads of a row
     const int64_t pitch = stride * static_cast<int64_t>(sizeof(C));
-    auto row_of = [&](int64_t item) { return rows != nullptr ? rows[item / groups] : item / groups; };
-    auto cost = [&](int64_t item) {  // positions read, plus a constant for the rest of an item
-        const int64_t len = lens[row_of(item)];
-        return kh * (window > 0 ? std::min(len, window) : len) + 32;
+    // an item: (row, group of kv heads, span of positions); the span's positions [lo, hi)
+    auto row_of = [&](int64_t item) { return rows != nullptr ? rows[item / parts / groups] : item / parts / groups; };
+    auto span_of = [&](int64_t item, int64_t& lo, int64_t& hi) {
+        const int64_t len = lens[row_of(item)], first = window > 0 ? std::max<int64_t>(0, len - window) : 0;
+        if (parts == 1) {
+            lo = first, hi = len;
+            return;
+        }
+        const int64_t blocks = (len - 1) / bs - first / bs + 1, per = (blocks + parts - 1) / parts, part = item % parts;
+        lo = std::max(first, (first / bs + part * per) * bs);
+        hi = std::min(len, (first / bs + (part + 1) * per) * bs);
+        hi = std::max(lo, hi);
     };
-    balanced::balanced_for(n * groups, cost, [&](int64_t item, int64_t end) {
+    auto cost = [&](int64_t item) {  // positions read, plus a constant for the rest of an item
+        int64_t lo, hi;
+        span_of(item, lo, hi);
+        return kh * (hi - lo) + 32;
+    };
+    // parts > 1: per item, each head's running max and sum, then its D unnormalised sums; per
+    // (row, group), its spans done (the thread that finishes the last one merges them)
+    const int64_t heads = G * kh;
+    std::vector<float> partial(parts > 1 ? n * groups * parts * heads * (D + 2) : 0);
+    std::unique_ptr<std::atomic<int64_t>[]> spans_done(parts > 1 ? new std::atomic<int64_t>[n * groups] : nullptr);
+    for (int64_t i = 0; parts > 1 && i < n * groups; ++i) spans_done[i].store(0, std::memory_order_relaxed);
+    // the spans of (row, group) rg merged in order into out
+    auto merge = [&](int64_t rg) {
+        const int64_t s = rows != nullptr ? rows[rg / groups] : rg / groups, kv0 = rg % groups * kh;
+        const float* src = partial.data() + rg * parts * heads * (D + 2);
+        for (int64_t j = 0; j < heads; ++j) {
+            float top = -std::numeric_limits<float>::infinity();
+            for (int64_t c = 0; c < parts; ++c) top = std::max(top, src[(c * heads + j) * (D + 2)]);
+            __m512 sum[DV];
+            for (int v = 0; v < DV; ++v) sum[v] = _mm512_setzero_ps();
+            float l = 0.f;
+            for (int64_t c = 0; c < parts; ++c) {
+                const float* p = src + (c * heads + j) * (D + 2);
+                if (p[1] == 0.f) continue;  // an empty span (its max -inf)
+                const float w = std::exp(p[0] - top);
+                l += p[1] * w;
+                for (int v = 0; v < DV; ++v) sum[v] = _mm512_fmadd_ps(_mm512_loadu_ps(p + 2 + 16 * v), _mm512_set1_ps(w), sum[v]);
+            }
+            T* dst = out + s * h * D + kv0 * G * D + j * D;
+            const __m512 inv = _mm512_set1_ps(l > 0.f ? 1.f / l : 0.f);
+            for (int v = 0; v < DV; ++v) store16(dst + 16 * v, _mm512_mul_ps(sum[v], inv));
+        }
+    };
+    balanced::balanced_for(n * groups * parts, cost, [&](int64_t item, int64_t end) {
         alignas(64) float score[kMaxHeads][kSegment + 16];  // scores, then softmax weights (a short
                                                             // tile's dead lanes may spill past the segment)
         alignas(64) float acc[kMaxHeads][D];   // weighted sums of values
@@ -256,17 +308,18 @@ static void decode_avx512(const T* q, const C* cache, const int64_t* tables, con
         alignas(64) int8_t qparts[kMaxHeads][2][D];  // kVnniScores: each head's query in two int8 parts,
         float qstep[kMaxHeads][2];                   // their steps
         int32_t qsum[kMaxHeads][2];                  // and 128 * their sums
-        const int64_t heads = G * kh;
-        const int64_t s = row_of(item), kv0 = item % groups * kh, len = lens[s];
+        const int64_t s = row_of(item), kv0 = item / parts % groups * kh;
+        int64_t first, len;  // the item's positions
+        span_of(item, first, len);
         // the thread's item kItemsAhead on: its blocks are prefetched into L2 while this one
         // computes, one block of it per block of this one
         const int64_t ahead = item + kItemsAhead;
         const bool has_ahead = ahead < end;
         const int64_t ns = has_ahead ? row_of(ahead) : 0;
-        const int64_t nkv0 = ahead % groups * kh, nlen = has_ahead ? lens[ns] : 0;
-        const int64_t nfirst = window > 0 ? std::max<int64_t>(0, nlen - window) : 0;
+        const int64_t nkv0 = ahead / parts % groups * kh;
+        int64_t nfirst = 0, nlen = 0;
+        if (has_ahead) span_of(ahead, nfirst, nlen);
         const int64_t* ntable = tables + ns * tb;
-        const int64_t first = window > 0 ? std::max<int64_t>(0, len - window) : 0;
         const int64_t* table = tables + s * tb;
         // block b's counterpart in the next item (as far into it as b is into this one) to L2: its
         // keys (half 0) or values (half 1)
@@ -417,6 +470,15 @@ static void decode_avx512(const T* q, const C* cache, const int64_t* tables, con
                 p0 = p1;
             }
         }
+        if (parts > 1) {  // the span's running max, sum and sums; the last of its row's spans merges them
+            float* dst = partial.data() + item * heads * (D + 2);
+            for (int64_t j = 0; j < heads; ++j, dst += D + 2) {
+                dst[0] = m[j], dst[1] = l[j];
+                std::memcpy(dst + 2, acc[j], D * sizeof(float));
+            }
+            if (spans_done[item / parts].fetch_add(1, std::memory_order_acq_rel) == parts - 1) merge(item / parts);
+            return;
+        }
         for (int64_t j = 0; j < heads; ++j) {
             T* dst = out + s * h * D + kv0 * G * D + j * D;
             const __m512 inv = _mm512_set1_ps(l[j] > 0.f ? 1.f / l[j] : 0.f);
@@ -436,13 +498,36 @@ static int64_t heads_per_item(int64_t n, int64_t g, int64_t hkv) {
     return kh;
 }
 
+// Spans of positions per item: 1 (each item reads all of its row's positions) unless `split` and
+// the items do not share out evenly over the threads (batch 1: SmolLM2's 3 kv heads on 2 threads,
+// one thread computing two items while the other waits; one kv head: one thread for the whole
+// attention). Then as many spans as make the items a multiple of the threads, none shorter than
+// kMinSpan positions: a split costs a fork where there was none (one item) and ~0.5 us of its
+// own, so it pays from a few hundred positions (2-core Xeon, one row, 30 layers' calls, hot
+// caches: 3 kv heads 14.6 -> 12.7 us at 512 positions, 52 -> 42 at 2,048; one kv head 26.0 ->
+// 16.4 us at 2,048, and at 160 positions 2.3 -> 3.7). A row's result depends on its spans (the
+// merge rounds differently), so split is off where a request's tokens must not depend on its batch.
+constexpr int64_t kMinSpan = 128;
+static int64_t position_parts(bool split, int64_t n, int64_t items, const int64_t* lens, const int64_t* rows, int64_t window) {
+    const int64_t threads = team::threads();
+    if (!split || items >= 2 * threads || items % threads == 0) return 1;
+    int64_t longest = 0;
+    for (int64_t i = 0; i < n; ++i) {
+        const int64_t len = lens[rows != nullptr ? rows[i] : i];
+        longest = std::max(longest, window > 0 ? std::min(len, window) : len);
+    }
+    return std::max<int64_t>(1, std::min(threads / std::gcd(items, threads), longest / kMinSpan));
+}
+
 template <typename T, typename C, int DV>
 static bool decode_heads(const T* q, const C* cache, const int64_t* tables, const int64_t* lens, T* out, int64_t n,
-                         const int64_t* rows, int64_t g, int64_t hkv, int64_t bs, int64_t nb, int64_t tb, int64_t window, float scale) {
+                         const int64_t* rows, int64_t g, int64_t hkv, int64_t bs, int64_t nb, int64_t tb, int64_t window, float scale,
+                         bool split) {
     const int64_t kh = heads_per_item(n, g, hkv);
+    const int64_t parts = position_parts(split, n, n * (hkv / kh), lens, rows, window);
     switch (g) {
 #define DEEPFUSE_G(G) \
-    case G: decode_avx512<T, C, G, DV>(q, cache, tables, lens, out, n, rows, hkv, bs, nb, tb, window, scale, kh); return true;
+    case G: decode_avx512<T, C, G, DV>(q, cache, tables, lens, out, n, rows, hkv, bs, nb, tb, window, scale, kh, parts); return true;
         DEEPFUSE_G(1) DEEPFUSE_G(2) DEEPFUSE_G(3) DEEPFUSE_G(4) DEEPFUSE_G(5) DEEPFUSE_G(6) DEEPFUSE_G(7) DEEPFUSE_G(8)
 #undef DEEPFUSE_G
         default: return false;
@@ -455,11 +540,11 @@ static bool decode_heads(const T* q, const C* cache, const int64_t* tables, cons
 template <typename T, typename C>
 static bool decode_fast(const T* q, const C* cache, const int64_t* tables, const int64_t* lens, T* out, int64_t n,
                         const int64_t* rows, int64_t h, int64_t hkv, int64_t d, int64_t bs, int64_t nb, int64_t tb, int64_t window,
-                        float scale) {
+                        float scale, bool split) {
 #if defined(__AVX512F__)
-    if (d == 64) return decode_heads<T, C, 4>(q, cache, tables, lens, out, n, rows, h / hkv, hkv, bs, nb, tb, window, scale);
-    if (d == 128) return decode_heads<T, C, 8>(q, cache, tables, lens, out, n, rows, h / hkv, hkv, bs, nb, tb, window, scale);
-    if (d == 256) return decode_heads<T, C, 16>(q, cache, tables, lens, out, n, rows, h / hkv, hkv, bs, nb, tb, window, scale);
+    if (d == 64) return decode_heads<T, C, 4>(q, cache, tables, lens, out, n, rows, h / hkv, hkv, bs, nb, tb, window, scale, split);
+    if (d == 128) return decode_heads<T, C, 8>(q, cache, tables, lens, out, n, rows, h / hkv, hkv, bs, nb, tb, window, scale, split);
+    if (d == 256) return decode_heads<T, C, 16>(q, cache, tables, lens, out, n, rows, h / hkv, hkv, bs, nb, tb, window, scale, split);
 #endif
     return false;
 }
@@ -559,7 +644,7 @@ void paged_decode_amx(const c10::BFloat16* q, const c10::BFloat16* cache, const 
 template <typename T, typename C>
 static void decode(const T* q, const C* cache, const int64_t* tables, const int64_t* lens, T* out, int64_t n,
                    int64_t h, int64_t hkv, int64_t d, int64_t bs, int64_t nb, int64_t tb, int64_t window,
-                   float scale, int64_t amx_rows) {
+                   float scale, int64_t amx_rows, bool batch_invariant) {
     std::vector<int64_t> rest;  // rows left to the vector kernel (all of them when empty and not `split`)
     bool split = false;
     if constexpr (std::is_same_v<T, c10::BFloat16> && std::is_same_v<C, T>) {
@@ -581,12 +666,13 @@ static void decode(const T* q, const C* cache, const int64_t* tables, const int6
     }
     const int64_t* rows = split ? rest.data() : nullptr;
     const int64_t count = split ? static_cast<int64_t>(rest.size()) : n;
-    if (!decode_fast<T, C>(q, cache, tables, lens, out, count, rows, h, hkv, d, bs, nb, tb, window, scale))
+    if (!decode_fast<T, C>(q, cache, tables, lens, out, count, rows, h, hkv, d, bs, nb, tb, window, scale, !batch_invariant))
         decode_plain<T, C>(q, cache, tables, lens, out, count, rows, h, hkv, d, bs, nb, tb, window, scale);
 }
 
 torch::Tensor paged_decode(torch::Tensor q, torch::Tensor cache, torch::Tensor tables, torch::Tensor lens,
-                           int64_t num_heads, int64_t window, double scale, torch::Tensor out, int64_t amx_rows) {
+                           int64_t num_heads, int64_t window, double scale, torch::Tensor out, int64_t amx_rows,
+                           bool batch_invariant) {
     TORCH_CHECK(q.is_contiguous() && cache.is_contiguous() && tables.stride(1) == 1 && lens.is_contiguous() &&
                 out.is_contiguous(), "paged_decode: operands must be contiguous (tables: along a row)");
     TORCH_CHECK(cache.dim() == 5 && cache.size(0) == 2, "paged_decode: cache must be [2, NB, BS, Hkv, D]");
@@ -616,10 +702,10 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor cache, torch::Tensor t
         const float sc = static_cast<float>(scale);
         if (int8)
             decode<T, int8_t>(qp, cache.data_ptr<int8_t>(), tp, lp, op, n, num_heads, hkv, d, bs, nb, tables.stride(0),
-                              window, sc, amx_rows);
+                              window, sc, amx_rows, batch_invariant);
         else
             decode<T, T>(qp, cache.data_ptr<T>(), tp, lp, op, n, num_heads, hkv, d, bs, nb, tables.stride(0), window,
-                         sc, amx_rows);
+                         sc, amx_rows, batch_invariant);
     };
     if (q.scalar_type() == torch::kFloat32)
         run(q.data_ptr<float>());

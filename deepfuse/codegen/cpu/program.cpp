@@ -338,8 +338,8 @@ void bind_program(py::module& m) {
             p.add([=] { rope_cache(qkv, pos, cos, sin, cache, slots, heads, q, k); });
         })
         .def("paged_decode", [](P& p, Tensor q, Tensor cache, Tensor tables, Tensor lens, int64_t heads, int64_t window,
-                                double scale, Tensor out, int64_t amx_rows) {
-            p.add([=] { paged_decode(q, cache, tables, lens, heads, window, scale, out, amx_rows); });
+                                double scale, Tensor out, int64_t amx_rows, bool batch_invariant) {
+            p.add([=] { paged_decode(q, cache, tables, lens, heads, window, scale, out, amx_rows, batch_invariant); });
         })
         // ATen ops, as the Python-bound forms call them (torch's int4 GEMM for steps of a few rows)
         .def("int4_mm", [](P& p, Tensor x, Tensor w, int64_t group, Tensor scale_zero, Tensor out) {

@@ -46,8 +46,8 @@ def native_op(native, name: str, *args) -> NativeOp:
     amx = "amx" not in getattr(native, "refused", ())
     if name in ("bf16_gemm", "q4_gemm"):
         return NativeOp(call, name, *args, amx)
-    if name == "paged_decode":
-        return NativeOp(call, name, *args[:-1], args[-1] if amx else 0)
+    if name == "paged_decode":  # (..., amx_rows, batch_invariant)
+        return NativeOp(call, name, *args[:-2], args[-2] if amx else 0, args[-1])
     return NativeOp(call, name, *args)
 
 

@@ -129,10 +129,10 @@ def rope_ref(x: torch.Tensor, pos: torch.Tensor, hd: int, theta: float) -> torch
 
 # ---- checks: each returns (error, tolerance), or a list of them for several outputs ----
 
-def _decode(m, g, dtype, cache_kind, amx_rows: int, window: int):
+def _decode(m, g, dtype, cache_kind, amx_rows: int, window: int, lone: bool = False):
     from ...ir.opdefs_llm import quantize_kv_rows
 
-    h, hkv, d, bs, nb = 4, 2, 64, 16, 40
+    h, hkv, d, bs, nb = (3, 1, 64, 16, 40) if lone else (4, 2, 64, 16, 40)
     kv = torch.randn(2, nb, bs, hkv, d, generator=g)
     kv[0, 3] *= 4  # peaked softmaxes: the running max moves between blocks
     cache = quantize_kv_rows(kv) if cache_kind == "int8" else kv.to(dtype)
@@ -141,6 +141,8 @@ def _decode(m, g, dtype, cache_kind, amx_rows: int, window: int):
     lens = torch.tensor([1, 29, 30, 31, 530, 17])
     tables = torch.stack([torch.randperm(nb, generator=g)[:34] for _ in range(4)])[[0, 1, 1, 1, 2, 3]].contiguous()
     q = torch.randn(len(lens), h * d, generator=g).to(dtype)
+    if lone:  # the 530-position row alone on one kv head: one work item, its positions split over the threads
+        q, tables, lens = q[4:5], tables[4:5], lens[4:5]
     out = torch.full_like(q, float("nan"))
     m.paged_decode(q, cache, tables, lens, h, window, d ** -0.5, out, amx_rows)
     kv = plain_kv(cache)
@@ -369,6 +371,8 @@ def checks(m) -> dict[str, tuple[str, Callable]]:
                                      (F32, "int8", 2, 13, "f32,int8 cache,window"), (BF16, "int8", 2, 0, "bf16,int8 cache")):
         group = "amx" if amx and rows and dt == BF16 and kind == "float" else "core"  # AMX spans where built
         out[f"paged_decode[{t}]"] = (group, partial(_decode, dtype=dt, cache_kind=kind, amx_rows=rows, window=window))
+    for dt, kind, t in ((BF16, "float", "bf16,lone row"), (BF16, "int8", "bf16,int8 cache,lone row")):
+        out[f"paged_decode[{t}]"] = ("core", partial(_decode, dtype=dt, cache_kind=kind, amx_rows=0, window=0, lone=True))
     for on in (False, True) if amx else (False,):  # amx=True is the vector path where AMX is not built
         if m.bf16_gemm_available():
             for name, fn in (("bf16_gemm", _bf16_gemm), ("q4_gemm", _q4_gemm)):

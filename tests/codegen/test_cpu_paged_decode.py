@@ -206,10 +206,10 @@ def test_few_rows_split_their_positions_across_threads_and_match_the_reference(n
                                                                               q_dtype, h, hkv, d, window):
     """Work items that do not share out over the threads (a lone row on four threads: 1-3 kv
     heads): each row's positions are cut into spans of whole blocks, one work item each, and the
-    thread that finishes a row's last span merges them. Rows too short to split (under 256
-    positions), spans that end mid-block, a window that starts mid-block, a peak in a late span
-    and one in an early span: every row matches the reference, alone or as a pair of rows;
-    batch-invariant (never split), it matches too."""
+    thread that finishes a row's last span merges them. Rows too short to split (17 and 1
+    positions; 255 and 257 for 3 query heads of size 64 on a kv head), spans that end mid-block, a
+    window that starts mid-block, a peak in a late span and one in an early span: every row
+    matches the reference, alone or as a pair of rows; batch-invariant (never split), it matches too."""
     torch.manual_seed(3)
     nb, bs = 160, 16
     floats = torch.randn(2, nb, bs, hkv, d)

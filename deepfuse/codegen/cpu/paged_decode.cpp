@@ -501,14 +501,16 @@ static int64_t heads_per_item(int64_t n, int64_t g, int64_t hkv) {
 // Spans of positions per item: 1 (each item reads all of its row's positions) unless `split` and
 // the items do not share out evenly over the threads (batch 1: SmolLM2's 3 kv heads on 2 threads,
 // one thread computing two items while the other waits; one kv head: one thread for the whole
-// attention). Then as many spans as make the items a multiple of the threads, none shorter than
-// kMinSpan positions: a split costs a fork where there was none (one item) and ~0.5 us of its
-// own, so it pays from a few hundred positions (2-core Xeon, one row, 30 layers' calls, hot
-// caches: 3 kv heads 14.6 -> 12.7 us at 512 positions, 52 -> 42 at 2,048; one kv head 26.0 ->
-// 16.4 us at 2,048, and at 160 positions 2.3 -> 3.7). A row's result depends on its spans (the
-// merge rounds differently), so split is off where a request's tokens must not depend on its batch.
-constexpr int64_t kMinSpan = 128;
-static int64_t position_parts(bool split, int64_t n, int64_t items, const int64_t* lens, const int64_t* rows, int64_t window) {
+// attention). Then as many spans as make the items a multiple of the threads, each worth at least
+// kMinSpanWork (positions x head size x query heads per kv head): a span costs a few
+// microseconds of its own where the caches are cold, so a split pays only on enough work
+// (benchmarks/decode_attention.py, 2-core Xeon, 30 layers' calls: SmolLM2's 3 kv heads 0.91x at
+// 256 positions split in two, 1.16x at 1,024; Gemma 3 1B's one kv head 1.51x at 256).
+// A row's result depends on its spans (the merge rounds differently), so split is off where a
+// request's tokens must not depend on its batch.
+constexpr int64_t kMinSpanWork = 1 << 16;
+static int64_t position_parts(bool split, int64_t n, int64_t items, const int64_t* lens, const int64_t* rows, int64_t window,
+                              int64_t work_per_position) {
     const int64_t threads = team::threads();
     if (!split || items >= 2 * threads || items % threads == 0) return 1;
     int64_t longest = 0;
@@ -516,7 +518,7 @@ static int64_t position_parts(bool split, int64_t n, int64_t items, const int64_
         const int64_t len = lens[rows != nullptr ? rows[i] : i];
         longest = std::max(longest, window > 0 ? std::min(len, window) : len);
     }
-    return std::max<int64_t>(1, std::min(threads / std::gcd(items, threads), longest / kMinSpan));
+    return std::max<int64_t>(1, std::min(threads / std::gcd(items, threads), longest * work_per_position / kMinSpanWork));
 }
 
 template <typename T, typename C, int DV>
@@ -524,7 +526,7 @@ static bool decode_heads(const T* q, const C* cache, const int64_t* tables, cons
                          const int64_t* rows, int64_t g, int64_t hkv, int64_t bs, int64_t nb, int64_t tb, int64_t window, float scale,
                          bool split) {
     const int64_t kh = heads_per_item(n, g, hkv);
-    const int64_t parts = position_parts(split, n, n * (hkv / kh), lens, rows, window);
+    const int64_t parts = position_parts(split, n, n * (hkv / kh), lens, rows, window, DV * 16 * g);
     switch (g) {
 #define DEEPFUSE_G(G) \
     case G: decode_avx512<T, C, G, DV>(q, cache, tables, lens, out, n, rows, hkv, bs, nb, tb, window, scale, kh, parts); return true;

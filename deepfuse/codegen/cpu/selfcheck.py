@@ -132,7 +132,7 @@ def rope_ref(x: torch.Tensor, pos: torch.Tensor, hd: int, theta: float) -> torch
 def _decode(m, g, dtype, cache_kind, amx_rows: int, window: int, lone: bool = False):
     from ...ir.opdefs_llm import quantize_kv_rows
 
-    h, hkv, d, bs, nb = (3, 1, 64, 16, 40) if lone else (4, 2, 64, 16, 40)
+    h, hkv, d, bs, nb = (8, 1, 64, 16, 40) if lone else (4, 2, 64, 16, 40)
     kv = torch.randn(2, nb, bs, hkv, d, generator=g)
     kv[0, 3] *= 4  # peaked softmaxes: the running max moves between blocks
     cache = quantize_kv_rows(kv) if cache_kind == "int8" else kv.to(dtype)
@@ -141,7 +141,7 @@ def _decode(m, g, dtype, cache_kind, amx_rows: int, window: int, lone: bool = Fa
     lens = torch.tensor([1, 29, 30, 31, 530, 17])
     tables = torch.stack([torch.randperm(nb, generator=g)[:34] for _ in range(4)])[[0, 1, 1, 1, 2, 3]].contiguous()
     q = torch.randn(len(lens), h * d, generator=g).to(dtype)
-    if lone:  # the 530-position row alone on one kv head: one work item, its positions split over the threads
+    if lone:  # the 530-position row alone, 8 heads on one kv head: one work item, its positions split over the threads
         q, tables, lens = q[4:5], tables[4:5], lens[4:5]
     out = torch.full_like(q, float("nan"))
     m.paged_decode(q, cache, tables, lens, h, window, d ** -0.5, out, amx_rows)

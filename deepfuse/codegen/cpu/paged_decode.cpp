@@ -275,13 +275,14 @@ static void decode_avx512(const T* q, const C* cache, const int64_t* tables, con
     // parts > 1: per item, each head's running max and sum, then its D unnormalised sums; per
     // (row, group), its spans done (the thread that finishes the last one merges them)
     const int64_t heads = G * kh;
-    std::vector<float> partial(parts > 1 ? n * groups * parts * heads * (D + 2) : 0);
+    // (not zeroed: every span writes its own)
+    std::unique_ptr<float[]> partial(parts > 1 ? new float[n * groups * parts * heads * (D + 2)] : nullptr);
     std::unique_ptr<std::atomic<int64_t>[]> spans_done(parts > 1 ? new std::atomic<int64_t>[n * groups] : nullptr);
     for (int64_t i = 0; parts > 1 && i < n * groups; ++i) spans_done[i].store(0, std::memory_order_relaxed);
     // the spans of (row, group) rg merged in order into out
     auto merge = [&](int64_t rg) {
         const int64_t s = rows != nullptr ? rows[rg / groups] : rg / groups, kv0 = rg % groups * kh;
-        const float* src = partial.data() + rg * parts * heads * (D + 2);
+        const float* src = partial.get() + rg * parts * heads * (D + 2);
         for (int64_t j = 0; j < heads; ++j) {
             float top = -std::numeric_limits<float>::infinity();
             for (int64_t c = 0; c < parts; ++c) top = std::max(top, src[(c * heads + j) * (D + 2)]);
@@ -471,7 +472,7 @@ static void decode_avx512(const T* q, const C* cache, const int64_t* tables, con
             }
         }
         if (parts > 1) {  // the span's running max, sum and sums; the last of its row's spans merges them
-            float* dst = partial.data() + item * heads * (D + 2);
+            float* dst = partial.get() + item * heads * (D + 2);
             for (int64_t j = 0; j < heads; ++j, dst += D + 2) {
                 dst[0] = m[j], dst[1] = l[j];
                 std::memcpy(dst + 2, acc[j], D * sizeof(float));
@@ -501,13 +502,15 @@ static int64_t heads_per_item(int64_t n, int64_t g, int64_t hkv) {
 // Spans of positions per item: 1 (each item reads all of its row's positions) unless `split` and
 // the items do not share out evenly over the threads (batch 1: SmolLM2's 3 kv heads on 2 threads,
 // one thread computing two items while the other waits; one kv head: one thread for the whole
-// attention). Then as many spans as make the items a multiple of the threads, each worth at least
-// kMinSpanWork (positions x head size x query heads per kv head): a span costs a few
-// microseconds of its own where the caches are cold, so a split pays only on enough work
-// (benchmarks/decode_attention.py, 2-core Xeon, 30 layers' calls: SmolLM2's 3 kv heads 0.91x at
-// 256 positions split in two, 1.16x at 1,024; Gemma 3 1B's one kv head 1.51x at 256).
+// attention). Then up to as many spans as make the items a multiple of the threads, and no more
+// than two items a thread, while the longest row's spans are each worth kMinSpanWork (positions x
+// head size x query heads per kv head): a span costs a few microseconds of its own where the
+// caches are cold (and a fork where there was one item), so a split pays only on enough work
+// (benchmarks/results/decode_attention_xeon.json, 2-core Xeon, 30 layers' calls: SmolLM2's 3 kv
+// heads 1.17x at 1,024 positions, 1.25x at 4,096; Gemma 3 1B's one kv head 1.46x at 256; with
+// spans of at least 128 positions, SmolLM2 was 0.91x at 256: commit 5cb0334, no result file kept).
 // A row's result depends on its spans (the merge rounds differently), so split is off where a
-// request's tokens must not depend on its batch.
+// request's tokens must not depend on its batch, and for f32 rows (see decode).
 constexpr int64_t kMinSpanWork = 1 << 16;
 static int64_t position_parts(bool split, int64_t n, int64_t items, const int64_t* lens, const int64_t* rows, int64_t window,
                               int64_t work_per_position) {
@@ -518,7 +521,8 @@ static int64_t position_parts(bool split, int64_t n, int64_t items, const int64_
         const int64_t len = lens[rows != nullptr ? rows[i] : i];
         longest = std::max(longest, window > 0 ? std::min(len, window) : len);
     }
-    return std::max<int64_t>(1, std::min(threads / std::gcd(items, threads), longest * work_per_position / kMinSpanWork));
+    const int64_t even = std::min(threads / std::gcd(items, threads), (2 * threads + items - 1) / items);
+    return std::max<int64_t>(1, std::min(even, longest * work_per_position / kMinSpanWork));
 }
 
 template <typename T, typename C, int DV>
@@ -648,7 +652,7 @@ static void decode(const T* q, const C* cache, const int64_t* tables, const int6
                    int64_t h, int64_t hkv, int64_t d, int64_t bs, int64_t nb, int64_t tb, int64_t window,
                    float scale, int64_t amx_rows, bool batch_invariant) {
     std::vector<int64_t> rest;  // rows left to the vector kernel (all of them when empty and not `split`)
-    bool split = false;
+    bool on_amx = false;  // some rows went to AMX: the vector kernel takes `rest`
     if constexpr (std::is_same_v<T, c10::BFloat16> && std::is_same_v<C, T>) {
         if (amx_rows > 0 && n > 0 && amx_decode_applies(d, bs, h / hkv)) {
             std::vector<std::pair<int64_t, int64_t>> amx;
@@ -661,14 +665,17 @@ static void decode(const T* q, const C* cache, const int64_t* tables, const int6
             }
             if (!amx.empty()) {
                 paged_decode_amx(q, cache, tables, lens, out, amx, h, hkv, d, bs, nb, tb, window, scale);
-                split = true;
+                on_amx = true;
                 if (rest.empty()) return;
             }
         }
     }
-    const int64_t* rows = split ? rest.data() : nullptr;
-    const int64_t count = split ? static_cast<int64_t>(rest.size()) : n;
-    if (!decode_fast<T, C>(q, cache, tables, lens, out, count, rows, h, hkv, d, bs, nb, tb, window, scale, !batch_invariant))
+    const int64_t* rows = on_amx ? rest.data() : nullptr;
+    const int64_t count = on_amx ? static_cast<int64_t>(rest.size()) : n;
+    // positions split over the threads for bf16 rows only: an f32 build's verify rows must compute
+    // what its single-row steps compute (speculation keeps the output of decoding without drafts)
+    const bool split = !batch_invariant && std::is_same_v<T, c10::BFloat16>;
+    if (!decode_fast<T, C>(q, cache, tables, lens, out, count, rows, h, hkv, d, bs, nb, tb, window, scale, split))
         decode_plain<T, C>(q, cache, tables, lens, out, count, rows, h, hkv, d, bs, nb, tb, window, scale);
 }
 

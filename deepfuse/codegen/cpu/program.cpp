@@ -21,8 +21,8 @@
 // it. Not while a run is in progress (run() releases the GIL).
 // A run of at least kTeamOps consecutive native ops (every op but the ATen ones and generated
 // kernels) runs in one OpenMP region: this thread runs the ops as the team's thread 0 and the kernels' parallel parts
-// fork to the other threads through team::parallel_for (team.h), ~0.2 µs a fork and join in place
-// of a region per kernel call. The chunks are those of the same calls outside a program.
+// fork to the other threads through team::parallel_for (team.h) in place of a region per kernel
+// call. The chunks are those of the same calls outside a program.
 #include <torch/extension.h>
 
 #include <ATen/Parallel.h>

@@ -3,10 +3,11 @@
 // native ops, its thread 0 runs the ops one after another and its other threads wait for chunks
 // in a spin loop. An OpenMP region per kernel call (what at::parallel_for opens) took 1.3-1.9 µs
 // after a kernel's memory sweep (2-core Xeon VM; a batch-1 decode step makes ~180 such calls);
-// with teams the int4-a8 decode ran 1.14x faster (benchmarks/results/native_ab_team_xeon.json).
-// Back to back with a trivial body (the diagnostic thread_map, two items) a team's fork and join
-// and a region cost the same, ~0.85 µs: most of it is the other core fetching the job and the
-// body's captures, and the join's way back. Elsewhere it is
+// with teams the int4-a8 decode ran 1.15x faster (benchmarks/results/native_ab_team_xeon.json).
+// Back to back with a trivial body (the diagnostic thread_map, two items; a program of 200 such
+// ops against one alternating them with an ATen add, same VM, no result file) a team's fork and
+// join and a region cost the same, ~0.85 µs: most of it is the other core fetching the job and
+// the body's captures, and the join's way back. Elsewhere it is
 // at::parallel_for. Either way the chunks are at::parallel_for's (its OpenMP backend's): the same
 // items on the same thread numbers, so a kernel computes the same bits in a program and out.
 //

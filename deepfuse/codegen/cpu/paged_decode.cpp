@@ -507,7 +507,7 @@ static int64_t heads_per_item(int64_t n, int64_t g, int64_t hkv) {
 // head size x query heads per kv head): a span costs a few microseconds of its own where the
 // caches are cold (and a fork where there was one item), so a split pays only on enough work
 // (benchmarks/results/decode_attention_xeon.json, 2-core Xeon, 30 layers' calls: SmolLM2's 3 kv
-// heads 1.17x at 1,024 positions, 1.25x at 4,096; Gemma 3 1B's one kv head 1.46x at 256; with
+// heads 1.12x at 1,024 positions, 1.22x at 4,096; Gemma 3 1B's one kv head 1.56x at 256; with
 // spans of at least 128 positions, SmolLM2 was 0.91x at 256: commit 5cb0334, no result file kept).
 // A row's result depends on its spans (the merge rounds differently), so split is off where a
 // request's tokens must not depend on its batch, and for f32 rows (see decode).

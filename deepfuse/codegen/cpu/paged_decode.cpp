@@ -224,6 +224,29 @@ constexpr int64_t kItemsAhead = 1;  // the work item whose blocks go to L2 while
 constexpr int64_t kMaxHeads = 16;   // query heads one work item may cover
 constexpr int64_t kWarmLines = 32;   // lines of the next op's weights warmed per tile of scores and block of values
 
+// One row's `heads` heads from their `parts` spans, merged in order: src holds, per span and head,
+// the running max, the sum and D = 16 * DV unnormalised value sums; dst the heads' D outputs each.
+template <typename T, int DV>
+static void merge_spans(const float* src, int64_t parts, int64_t heads, T* dst) {
+    constexpr int64_t D = DV * 16;
+    for (int64_t j = 0; j < heads; ++j, dst += D) {
+        float top = -std::numeric_limits<float>::infinity();
+        for (int64_t c = 0; c < parts; ++c) top = std::max(top, src[(c * heads + j) * (D + 2)]);
+        __m512 sum[DV];
+        for (int v = 0; v < DV; ++v) sum[v] = _mm512_setzero_ps();
+        float l = 0.f;
+        for (int64_t c = 0; c < parts; ++c) {
+            const float* p = src + (c * heads + j) * (D + 2);
+            if (p[1] == 0.f) continue;  // an empty span (its max -inf)
+            const float w = std::exp(p[0] - top);
+            l += p[1] * w;
+            for (int v = 0; v < DV; ++v) sum[v] = _mm512_fmadd_ps(_mm512_loadu_ps(p + 2 + 16 * v), _mm512_set1_ps(w), sum[v]);
+        }
+        const __m512 inv = _mm512_set1_ps(l > 0.f ? 1.f / l : 0.f);
+        for (int v = 0; v < DV; ++v) store16(dst + 16 * v, _mm512_mul_ps(sum[v], inv));
+    }
+}
+
 // G query heads per kv head, DV: the head size in 16-float vectors (4, 8 or 16); a work item is one
 // row and `kh` consecutive kv heads (kh divides hkv, G * kh <= kMaxHeads). Same contract as
 // `decode`. Per segment: scores (per tile of 16 keys, each kv head in turn and each of its G
@@ -279,28 +302,6 @@ static void decode_avx512(const T* q, const C* cache, const int64_t* tables, con
     std::unique_ptr<float[]> partial(parts > 1 ? new float[n * groups * parts * heads * (D + 2)] : nullptr);
     std::unique_ptr<std::atomic<int64_t>[]> spans_done(parts > 1 ? new std::atomic<int64_t>[n * groups] : nullptr);
     for (int64_t i = 0; parts > 1 && i < n * groups; ++i) spans_done[i].store(0, std::memory_order_relaxed);
-    // the spans of (row, group) rg merged in order into out
-    auto merge = [&](int64_t rg) {
-        const int64_t s = rows != nullptr ? rows[rg / groups] : rg / groups, kv0 = rg % groups * kh;
-        const float* src = partial.get() + rg * parts * heads * (D + 2);
-        for (int64_t j = 0; j < heads; ++j) {
-            float top = -std::numeric_limits<float>::infinity();
-            for (int64_t c = 0; c < parts; ++c) top = std::max(top, src[(c * heads + j) * (D + 2)]);
-            __m512 sum[DV];
-            for (int v = 0; v < DV; ++v) sum[v] = _mm512_setzero_ps();
-            float l = 0.f;
-            for (int64_t c = 0; c < parts; ++c) {
-                const float* p = src + (c * heads + j) * (D + 2);
-                if (p[1] == 0.f) continue;  // an empty span (its max -inf)
-                const float w = std::exp(p[0] - top);
-                l += p[1] * w;
-                for (int v = 0; v < DV; ++v) sum[v] = _mm512_fmadd_ps(_mm512_loadu_ps(p + 2 + 16 * v), _mm512_set1_ps(w), sum[v]);
-            }
-            T* dst = out + s * h * D + kv0 * G * D + j * D;
-            const __m512 inv = _mm512_set1_ps(l > 0.f ? 1.f / l : 0.f);
-            for (int v = 0; v < DV; ++v) store16(dst + 16 * v, _mm512_mul_ps(sum[v], inv));
-        }
-    };
     balanced::balanced_for(n * groups * parts, cost, [&](int64_t item, int64_t end) {
         alignas(64) float score[kMaxHeads][kSegment + 16];  // scores, then softmax weights (a short
                                                             // tile's dead lanes may spill past the segment)
@@ -477,7 +478,11 @@ static void decode_avx512(const T* q, const C* cache, const int64_t* tables, con
                 dst[0] = m[j], dst[1] = l[j];
                 std::memcpy(dst + 2, acc[j], D * sizeof(float));
             }
-            if (spans_done[item / parts].fetch_add(1, std::memory_order_acq_rel) == parts - 1) merge(item / parts);
+            if (spans_done[item / parts].fetch_add(1, std::memory_order_acq_rel) == parts - 1) {
+                const int64_t first_span = item / parts * parts;
+                merge_spans<T, DV>(partial.get() + first_span * heads * (D + 2), parts, heads,
+                                   out + s * h * D + kv0 * G * D);
+            }
             return;
         }
         for (int64_t j = 0; j < heads; ++j) {

@@ -107,7 +107,7 @@ class Team {
         for (int64_t t = 0; t < size_; ++t) {
             next_[t] = Span{};
             if (s == nullptr) continue;
-            const int64_t n = s->items, step = (n + parts(n, s->grain, size_) - 1) / parts(n, s->grain, size_);
+            const int64_t n = s->items, cuts = parts(n, s->grain, size_), step = (n + cuts - 1) / cuts;
             const int64_t first = t * step;
             if (first >= n) continue;
             const int64_t from = first * s->item_bytes;

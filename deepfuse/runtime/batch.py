@@ -169,6 +169,12 @@ class StepBuffers:
                             seeds, width)
         return self._views(t, s, r, width, cache)
 
+    def write_next_decode(self, chunks: list[SeqChunk], cache: KVCache) -> bool:
+        """_next_decode, for an owner that reruns the last step's tensors (the executor's rerun):
+        True where it wrote the step into the memory the last fill's views show, False (nothing
+        written) where the step needs a whole fill."""
+        return self._next_decode(chunks, cache)
+
     def _next_decode(self, chunks: list[SeqChunk], cache: KVCache) -> bool:
         """Writes a decode step whose chunks are those of the last fill at any position their
         tables cover (same blocks, sampling and seed, one token, one sample): tokens, positions,

@@ -32,6 +32,7 @@ from ..errors import DeepfuseError
 from ..ir import DTYPES
 from ..models.cache_groups import CacheGroup, cache_groups
 from .batch import SeqChunk, StepBuffers
+from .decode_burst import burst_steps, run_burst
 from .drafting import make_drafter, set_drafts
 from .finish import take_token
 from .graphed_decode import GraphedDecode
@@ -57,6 +58,7 @@ class EngineStats:
     tokens_computed: int = 0
     tokens_generated: int = 0
     ahead_steps: int = 0  # steps launched before the step ahead of them was read (overlap.py), then read
+    burst_steps: int = 0  # decode steps run in a burst after its first (decode_burst.py)
 
 
 def sliding_blocks(cache: CacheConfig, groups: list[CacheGroup], max_num_tokens: int, max_num_seqs: int) -> int:
@@ -82,6 +84,7 @@ class StepRun(NamedTuple):
     logprobs: RowLogprobs
     hidden: torch.Tensor | None
     time: float
+    burst: list[list[int]] | None = None  # a decode burst's tokens, per scheduled request (decode_burst.py)
 
 
 class Launched(NamedTuple):
@@ -93,18 +96,26 @@ class Launched(NamedTuple):
     host: list[bool]  # each chunk's token drawn by host_sampling.py
     inputs: dict[str, torch.Tensor]
     outputs: list[torch.Tensor]
+    steps: int = 1  # decode steps it runs before its tokens are taken (decode_burst.py)
 
 
 class Engine:
     def __init__(self, model: CompiledModel, cache: CacheConfig | None = None, max_num_tokens: int = 512,
                  max_num_seqs: int = 64, spec: SpecConfig | None = None, draft_model: CompiledModel | None = None,
-                 cuda_graphs: bool | None = None, overlap: bool = False):
+                 cuda_graphs: bool | None = None, overlap: bool = False, decode_steps: int = 1):
         """cuda_graphs: run plain decode steps in padded batch buckets over static inputs
         (graphed_decode.py), captured as CUDA graphs where the model runs on a CUDA GPU. None:
         on exactly there; True elsewhere runs the same buckets without capture (the CPU tests).
         overlap: launch each plain decode step before reading the step ahead of it, its tokens
         fed on the device (overlap.py: which steps, and what runs synchronously); the same
-        outputs. Off by default on every target (docs/targets.md says why)."""
+        outputs. Off by default on every target (docs/targets.md says why).
+        decode_steps: plain decode steps run per scheduling round before the host takes their
+        tokens (decode_burst.py: which steps burst); the same outputs, tokens given out
+        decode_steps at a time. 1: every step is taken as it ends."""
+        if not isinstance(decode_steps, int) or decode_steps < 1:
+            raise DeepfuseError(f"decode_steps must be an integer >= 1, got {decode_steps!r}")
+        if decode_steps > 1 and overlap:
+            raise DeepfuseError("decode_steps > 1 and overlap are two ways of running ahead of the host: choose one")
         self.model = model
         c = model.config
         kv = model.kv_cache_type
@@ -137,6 +148,7 @@ class Engine:
         self._unreturned: list[RequestOutput] = []  # finished in a step whose on_token raised
         self.host_rows = RowBuffer()  # host_sampling.py's copy of its rows
         self.overlap = OverlapLoop(self) if overlap else None
+        self.decode_steps = decode_steps
 
     def _max_model_len(self, budget: int) -> int:
         """The longest sequence (prompt + output) a request may ask for: the model's context,
@@ -300,14 +312,16 @@ class Engine:
         finished, row = [], 0
         self._unreturned = finished  # come back from the next step() if on_token raises in this one
         sampled, drawn, lps, now = ran.sampled, ran.drawn, ran.logprobs, ran.time
-        for (req, n), chunk in zip(ran.scheduled, ran.chunks):
+        for i, ((req, n), chunk) in enumerate(zip(ran.scheduled, ran.chunks)):
             first, row = row, row + chunk.samples
             if req.finish:  # aborted by an on_token callback earlier in this step, or (overlap) before it
                 continue
             start = req.computed
-            self.stats.tokens_computed += n
             req.draft = []
-            if chunk.verify and chunk.samples > 1:
+            if ran.burst is not None:  # a decode burst: its steps' tokens, one position each
+                new = ran.burst[i]
+                end = start + len(new)
+            elif chunk.verify and chunk.samples > 1:
                 if first in drawn:  # drawn on the host: its rows up to the first draw that differs from its
                     # draft, or up to a draft that completes its grammar (then every token is a kept draft)
                     new = [drawn[r] for r in range(first, row) if r in drawn]
@@ -325,6 +339,7 @@ class Engine:
                 first = row - 1  # the chunk's last row samples its next token
                 end = start + n
                 new = [drawn.get(first, sampled[first])]
+            self.stats.tokens_computed += end - start if ran.burst is not None else n
             mid_prompt = end < len(req.tokens)  # its sample is not a real token
             if not mid_prompt:
                 if self.keep_hidden:  # the state an MTP head drafts from: the row that sampled the last new token
@@ -337,6 +352,10 @@ class Engine:
                         new = new[:j + 1]
                         break
             req.computed = end
+            if ran.burst is not None:  # the blocks its tokens filled, reserved unnamed, get their names (as
+                # one step at a time names them: positions up to its last token's, whose KV no step computed)
+                self.kv.allocate(req.kv, req.tokens, min(end, len(req.tokens) - 1))
+                self.kv.commit()
             self.stats.prompt_tokens_computed += max(0, min(end, len(req.prompt)) - start)
             self.kv.computed(req.kv, end)
             if mid_prompt:
@@ -354,7 +373,9 @@ class Engine:
         """Drafts, schedules and runs one step (None when nothing is scheduled). It changes request
         state only through the scheduler, so Scheduler.rollback undoes it."""
         step = self._launch()
-        return None if step is None else self._read(step)
+        if step is None:
+            return None
+        return self._read(step) if step.steps == 1 else run_burst(self, step)
 
     def _launch(self) -> Launched | None:
         """Drafts, schedules and launches one step, not waiting for it (None when nothing is scheduled)."""
@@ -372,11 +393,12 @@ class Engine:
             chunks.append(SeqChunk.of(req.kv, toks, req.computed, temperature=0.0 if host[-1] else float(p.temperature),
                                       top_k=p.top_k, top_p=p.top_p, seed=req.seed,
                                       samples=n if verify or every_row else 1, verify=verify))
+        steps = burst_steps(self, scheduled, chunks, host) if self.decode_steps > 1 else 1
         t0 = time.perf_counter()
         inputs, outputs = self.forward(chunks)
         if self.latency is not None:
             self.latency.observe(len(chunks), sum(len(c.tokens) for c in chunks), (time.perf_counter() - t0) * 1000)
-        return Launched(scheduled, chunks, host, inputs, outputs)
+        return Launched(scheduled, chunks, host, inputs, outputs, steps)
 
     def _read(self, step: Launched, sampled: list[int] | None = None) -> StepRun:
         """A launched step's results: its tokens (read from the device, waiting for the step, unless

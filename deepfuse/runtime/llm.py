@@ -38,7 +38,9 @@ class LLM:
     "all_to_all" (cpu; docs/distributed.md);
     cuda_graphs: decode steps as CUDA graphs of padded batch buckets (runtime/graphed_decode.py;
     None: where the model runs on a CUDA GPU; False: every step eager); overlap: launch each plain
-    decode step before reading the one ahead of it (runtime/overlap.py; off by default)."""
+    decode step before reading the one ahead of it (runtime/overlap.py; off by default);
+    decode_steps: plain decode steps run before the host takes their tokens (runtime/decode_burst.py;
+    the same outputs, streamed decode_steps tokens at a time; 1 by default; one process only)."""
 
     def __init__(self, model: str | CompiledModel = "smollm2", target: str = "cpu", dtype: str = "f32",
                  block_size: int = 16, num_blocks: int = 1024, max_num_tokens: int = 512, max_num_seqs: int = 64,
@@ -46,7 +48,7 @@ class LLM:
                  spec: SpecConfig | None = None, batch_invariant: bool = False, kv_cache_dtype: str | None = None,
                  artifact_digest: str | None = None, swa_replay_tokens: int = 0, kv_store: str | None = None,
                  kv_store_gb: float = 4.0, tensor_parallel_size: int = 1, cuda_graphs: bool | None = None,
-                 overlap: bool = False, moe_dispatch: str = "all_reduce"):
+                 overlap: bool = False, moe_dispatch: str = "all_reduce", decode_steps: int = 1):
         from ..compiler import compile
         from .loader import load
         from .loader import tensor_parallel_size as artifact_ranks
@@ -56,6 +58,8 @@ class LLM:
         if ranks > 1 and tensor_parallel_size == 1:  # a tensor-parallel artifact runs on its ranks
             tensor_parallel_size = ranks
         if tensor_parallel_size != 1:
+            if decode_steps != 1:
+                raise DeepfuseError("decode_steps > 1 runs in one process: give tensor_parallel_size=1")
             from .distributed import engine_for_llm
 
             self.model, self.engine = None, engine_for_llm(
@@ -104,7 +108,8 @@ class LLM:
         self.engine = Engine(self.model, CacheConfig(block_size, num_blocks, enable_prefix_caching,
                                                  swa_replay_tokens=swa_replay_tokens, kv_store=kv_store,
                                                  kv_store_gb=kv_store_gb),
-                             max_num_tokens, max_num_seqs, spec, draft, cuda_graphs=cuda_graphs, overlap=overlap)
+                             max_num_tokens, max_num_seqs, spec, draft, cuda_graphs=cuda_graphs, overlap=overlap,
+                             decode_steps=decode_steps)
 
     def generate(self, prompts: str | dict | list[str | dict | list[int]],
                  sampling_params: SamplingParams | list[SamplingParams] | None = None, on_token=None,

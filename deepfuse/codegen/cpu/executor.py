@@ -12,7 +12,7 @@ import torch
 
 from ...errors import DeepfuseError
 from ...ir import DTYPES
-from .bound import StepBinder, layout_key
+from .bound import BoundPrefix, StepBinder, layout_key
 from .kernels import Q4Weights, can_prepack, make_kernel, prepack_for, writes_in_place
 from .native import kernels as native_kernels
 from .out_kernels import OUT_FACTORIES
@@ -181,6 +181,7 @@ class CpuExecutor:
             self.planned.append(None)
             self.launches.append((kernel, ins, p["out"], p["free"]))
         self.binder = StepBinder() if bind_steps and use_buffers else None
+        self._again: tuple[BoundPrefix, dict[str, torch.Tensor]] | None = None  # see rerun()
 
     def _env(self, inputs: dict[str, torch.Tensor]) -> list:
         env = list(self.base)
@@ -190,6 +191,7 @@ class CpuExecutor:
 
     @torch.inference_mode()
     def __call__(self, inputs: dict[str, torch.Tensor]) -> list[torch.Tensor]:
+        self._again = None
         views = self.buffers.views_for(inputs, self.planned)
         if self.binder is None:
             return self._loop(self._env(inputs), views, 0)
@@ -202,18 +204,42 @@ class CpuExecutor:
             if not prefix.count:
                 done = 0
                 break
-            done, bound_env = prefix.run()
+            whole = prefix.count == len(self.launches)
+            done, bound_env = prefix.run(self.outputs if whole else None)
             if done >= 0:
                 break
         else:
             raise DeepfuseError("a freshly bound step failed its own guards")
-        if done and done == len(self.launches):  # the whole step ran bound
-            return [bound_env[s] for s in self.outputs]
+        if done and done == len(self.launches):  # the whole step ran bound: bound_env is its outputs
+            self._again = (prefix, inputs)
+            return bound_env
         if done:  # the first `done` launches ran (a stop may have held the rest: they run below)
             env = bound_env
             for name, s in self.inputs.items():  # this step's tensors (kernels may key caches on them)
                 env[s] = inputs[name]
         return self._loop(self._env(inputs) if env is None else env, views, done)
+
+    @torch.inference_mode()
+    def rerun(self) -> list[torch.Tensor] | None:
+        """The last call's step again over the same input tensors, whose contents the caller has
+        rewritten in place and nothing else (the same memory, shapes and strides: a decode step
+        that follows the last one, runtime/batch.py's incremental fill), where that call ran bound
+        to its end: its prepared calls, without the layout lookup. None (nothing ran) where it did
+        not, or where a guard now fails (the caller then runs the step as a new call)."""
+        again, self._again = self._again, None
+        if again is None:
+            return None
+        prefix, inputs = again
+        done, bound_env = prefix.run(self.outputs)
+        if done == -1:
+            return None
+        if done < len(self.launches):  # a stop held the rest: from Python, over fresh views of the
+            # inputs (kernels key per-step work on their inputs' identity, runtime/batch.py)
+            for name, s in self.inputs.items():
+                bound_env[s] = inputs[name].view(inputs[name].shape)
+            return self._loop(bound_env, self.buffers.views, done)
+        self._again = again
+        return bound_env
 
     def _loop(self, env: list, views: list, start: int) -> list[torch.Tensor]:
         """Runs the launches from `start` on, each from Python; returns the step's outputs."""

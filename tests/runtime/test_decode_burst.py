@@ -1,0 +1,171 @@
+"""Decode bursts (runtime/decode_burst.py) on the CPU build: each request's outputs are the one-step
+engine's (the reference: the same engine with decode_steps=1), the prefix cache names the same
+blocks with the same KV, nothing leaks, the steps after the first rerun the executor's prepared
+calls, and a fault inside a burst leaves the engine as if the burst never ran."""
+import pytest
+
+import deepfuse
+from deepfuse.codegen.cpu.executor import CpuExecutor
+from deepfuse.errors import DeepfuseError
+from deepfuse.runtime import decode_burst
+from deepfuse.runtime.engine import Engine, SamplingParams
+from deepfuse.runtime.kv_cache import CacheConfig
+from deepfuse.runtime.spec import SpecConfig
+from tests.runtime.test_interrupted_step import no_leaks
+from tests.runtime.test_overlap import EOS, PROMPTS, Letters, ending_params, outcome, same_prefix_cache
+
+
+@pytest.fixture(scope="module")
+def tiny_art(tiny_model):
+    return deepfuse.compile(tiny_model)
+
+
+def engine(art, decode_steps: int, num_blocks: int = 64, **kw) -> Engine:
+    eng = Engine(art, CacheConfig(block_size=4, num_blocks=num_blocks), decode_steps=decode_steps, **kw)
+    eng.tokenizer, eng.eos = Letters(), {EOS}
+    return eng
+
+
+@pytest.fixture
+def reruns(monkeypatch) -> list:
+    """Each executor rerun: True where it ran the prepared calls, False where it gave None."""
+    log, real = [], CpuExecutor.rerun
+
+    def rerun(self):
+        out = real(self)
+        log.append(out is not None)
+        return out
+
+    monkeypatch.setattr(CpuExecutor, "rerun", rerun)
+    return log
+
+
+@pytest.mark.parametrize("steps", [2, 5])
+def test_bursts_give_the_one_step_outputs_and_prefix_cache(tiny_art, reruns, steps):
+    """Greedy and seeded requests ending at different steps by max_tokens, a stop id, EOS and stop
+    strings (kept in the text or not): the same outputs, tokens generated and named KV."""
+    params = ending_params(tiny_art)
+    runs = {}
+    for k in (1, steps):
+        eng = engine(tiny_art, k)
+        runs[k] = eng, [outcome(o) for o in eng.generate(PROMPTS, params)]
+    (one, want), (burst, got) = runs[1], runs[steps]
+    assert got == want
+    assert {o[2] for o in want} == {"length", "stop"} and len({len(o[1]) for o in want}) >= 4
+    assert burst.stats.burst_steps > 0 and one.stats.burst_steps == 0
+    assert burst.stats.tokens_generated == one.stats.tokens_generated
+    assert any(reruns) and all(reruns)  # the steps after a burst's first ran the prepared calls again
+    no_leaks(burst)
+    same_prefix_cache(burst, one)
+
+
+def test_a_wrong_feed_is_caught(tiny_art, monkeypatch):
+    """The comparison has teeth: a burst whose later steps are fed the first step's token again
+    changes the outputs."""
+    real = decode_burst.SeqChunk.of
+
+    def first_token(kv, tokens, start, **sampling):
+        return real(kv, [0], start, **sampling)
+
+    params = [SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)] * 3
+    want = [o.outputs[0].token_ids for o in engine(tiny_art, 1).generate(PROMPTS[:3], params)]
+    monkeypatch.setattr(decode_burst.SeqChunk, "of", staticmethod(first_token))
+    got = [o.outputs[0].token_ids for o in engine(tiny_art, 4).generate(PROMPTS[:3], params)]
+    assert got != want
+
+
+def test_a_burst_is_cut_to_the_fewest_tokens_left_and_ends_when_every_request_has_stopped(tiny_art):
+    """max_tokens 6 with 4 steps a burst: the prefill step's token, then bursts of 4 and 1. A greedy
+    request that samples EOS ends its burst there (the engine computes no step past it)."""
+    eng = engine(tiny_art, 4)
+    out = eng.generate([PROMPTS[0]], [SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)])[0]
+    assert len(out.outputs[0].token_ids) == 6
+    assert (eng.stats.steps, eng.stats.burst_steps) == (3 + 3, 3)  # prefill, burst of 4 (3 after the first), 1
+    free = [o.outputs[0].token_ids for o in engine(tiny_art, 1).generate(
+        PROMPTS, [SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)] * len(PROMPTS))]
+    i, cut = next((i, toks.index(toks[j])) for i, toks in enumerate(free) for j in (3, 4, 5) if toks.index(toks[j]) > 1)
+    eng = engine(tiny_art, 8)
+    params = SamplingParams(temperature=0, max_tokens=12, stop_token_ids=[free[i][cut]], ignore_eos=True)
+    got = eng.generate([PROMPTS[i]], [params])[0]
+    assert got.outputs[0].token_ids == free[i][:cut + 1]
+    assert eng.stats.steps == 1 + cut  # the prefill step, then the burst's steps up to the stop
+
+
+@pytest.mark.parametrize("why", ["drafts", "penalty", "logprobs", "waiting request"])
+def test_steps_that_need_the_host_between_them_do_not_burst(tiny_art, why):
+    kw = {"penalty": dict(repetition_penalty=1.2), "logprobs": dict(logprobs=1)}.get(why, {})
+    spec = SpecConfig(num_draft_tokens=2, schedule="fixed") if why == "drafts" else None
+    params = [SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, **kw)] * 3
+    prompts = [[5, 6, 7, 5, 6, 7, 5], [9, 9, 9, 9], [1, 2, 3]]
+    runs = {}
+    for k in (1, 4):
+        eng = engine(tiny_art, k, spec=spec, max_num_seqs=2 if why == "waiting request" else 64)
+        runs[k] = [outcome(o) for o in eng.generate(prompts, params)], eng
+    assert runs[4][0] == runs[1][0]
+    if why == "waiting request":  # the third request waits for a slot until the first two finish
+        assert 0 < runs[4][1].stats.burst_steps < 7 + 7
+    else:
+        assert runs[4][1].stats.burst_steps == 0
+    no_leaks(runs[4][1])
+
+
+def test_a_tight_cache_runs_one_step_at_a_time(tiny_art):
+    """Blocks for a burst's positions are not at hand: the steps run one by one, the scheduler
+    preempts, and every request's tokens are those it gets alone."""
+    prompts = [[(5 * i + j) % 128 for j in range(6 + i)] for i in range(6)]
+    params = [SamplingParams(temperature=0 if i % 2 else 0.7, seed=i, max_tokens=10, ignore_eos=True) for i in range(6)]
+    eng = engine(tiny_art, 4, num_blocks=14, max_num_tokens=16)
+    got = [o.outputs[0].token_ids for o in eng.generate(prompts, params)]
+    alone = engine(tiny_art, 1)
+    assert got == [alone.generate([p], [sp])[0].outputs[0].token_ids for p, sp in zip(prompts, params)]
+    assert eng.scheduler.num_preemptions > 0 and 0 < eng.stats.burst_steps
+    no_leaks(eng)
+
+
+@pytest.mark.parametrize("at", [1, 3])
+def test_a_fault_inside_a_burst_undoes_it(tiny_art, monkeypatch, at):
+    """An exception in the burst's step `at` (after the first): step() raises, no request took a
+    token or kept a block of the burst, and the engine then gives the one-step outputs."""
+    params = [SamplingParams(temperature=0, max_tokens=9, ignore_eos=True),
+              SamplingParams(temperature=0.8, seed=4, max_tokens=7, ignore_eos=True)]
+    want = [outcome(o) for o in engine(tiny_art, 1).generate(PROMPTS[:2], params)]
+    eng = engine(tiny_art, 4)
+    rids = [eng.add_request(p, sp) for p, sp in zip(PROMPTS[:2], params)]
+    eng.step()  # the prompts
+    real, calls = eng.model.rerun, []
+
+    def rerun():
+        calls.append(1)
+        if len(calls) == at:
+            raise KeyboardInterrupt
+        return real()
+
+    monkeypatch.setattr(eng.model, "rerun", rerun)
+    before = [(list(eng.requests[r].tokens), eng.requests[r].computed, [list(t) for t in eng.requests[r].kv.tables])
+              for r in rids]
+    used = eng.kv.usage()["blocks_used"]
+    with pytest.raises(KeyboardInterrupt):
+        eng.step()
+    assert [(list(eng.requests[r].tokens), eng.requests[r].computed, [list(t) for t in eng.requests[r].kv.tables])
+            for r in rids] == before
+    assert eng.kv.usage()["blocks_used"] == used and not eng.kv.pool.pending
+    monkeypatch.undo()
+    done = {}
+    while eng.has_unfinished():
+        done.update({o.request_id: outcome(o) for o in eng.step()})
+    assert [done[r][1:] for r in rids] == [w[1:] for w in want]
+    no_leaks(eng)
+
+
+def test_decode_steps_is_checked_and_excludes_overlap(tiny_art):
+    with pytest.raises(DeepfuseError, match="decode_steps must be an integer >= 1"):
+        engine(tiny_art, 0)
+    with pytest.raises(DeepfuseError, match="choose one"):
+        engine(tiny_art, 4, overlap=True)
+
+
+def test_llm_takes_decode_steps_and_the_sharded_engine_refuses_it():
+    from deepfuse import LLM
+
+    with pytest.raises(DeepfuseError, match="decode_steps > 1 runs in one process"):
+        LLM("smollm2", tensor_parallel_size=2, decode_steps=4)

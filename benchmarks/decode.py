@@ -5,7 +5,9 @@ All load SmolLM2-135M-Instruct from the same Q4_1 GGUF: HF dequantized; "bf16+in
 the projections in 4-bit groups, which reproduce Q4_1 up to bf16 rounding; "int4-head8" is that
 build with the LM head int8 and int8 activations (as llama.cpp's Q4 files carry a Q8_0 head);
 "int4-a8" is the same int4 weights times activations quantized to int8 per row and group of 32
-(llama.cpp's Q4_1 x Q8_1 product, native AVX512-VNNI), with the same int8 head;
+(llama.cpp's Q4_1 x Q8_1 product, native AVX512-VNNI), with the same int8 head; "int4-a8 burst 8"
+is that build in an engine that runs 8 decode steps before the host takes their tokens
+(Engine(decode_steps=8), runtime/decode_burst.py: the same tokens, streamed 8 at a time);
 "int4 inv." is the bf16+int4 build compiled batch-invariant; llama.cpp (llama-cpp-python, the
 `bench` extra; skipped without it) runs the GGUF as it is. The engines run in `--runs`
 interleaved rounds (each round one run of each, then reads of the machine's read bandwidth for
@@ -41,17 +43,20 @@ SAMPLED = dict(temperature=0.8, top_k=40, top_p=0.9)  # --sampled: every engine 
 
 
 def deepfuse_runner(dtype: str, ids: list[int], n: int, model, quant: str | None = None,
-                    batch_invariant: bool = False, sampled: bool = False, native_sampler: bool = True):
+                    batch_invariant: bool = False, sampled: bool = False, native_sampler: bool = True,
+                    decode_steps: int = 1):
     """One run of a deepfuse build (compiled and warmed up here): {"prefill_tps", "decode_tps"}.
     sampled: seeded draws with SAMPLED, else greedy. native_sampler=False: this engine's steps
     run as if the self-check had refused the native sampler (the program stops before the
-    sampler, which runs the op's reference from Python), for an A/B in one run."""
+    sampler, which runs the op's reference from Python), for an A/B in one run. decode_steps: the
+    engine's (runtime/decode_burst.py: steps run before the host takes their tokens)."""
     import deepfuse
     from deepfuse.runtime.engine import Engine, SamplingParams
     from deepfuse.runtime.kv_cache import CacheConfig
 
     art = deepfuse.compile(model, dtype=dtype, quant=quant, batch_invariant=batch_invariant)
-    eng = Engine(art, CacheConfig(enable_prefix_caching=False))  # every run prefills the whole prompt
+    eng = Engine(art, CacheConfig(enable_prefix_caching=False),  # every run prefills the whole prompt
+                 decode_steps=decode_steps)
     how = dict(SAMPLED, seed=1) if sampled else dict(temperature=0)
     p = SamplingParams(max_tokens=n, ignore_eos=True, **how)
     sampler = lambda: reference_sampler(not native_sampler)  # noqa: E731
@@ -150,6 +155,8 @@ def main() -> None:
               "deepfuse bf16+int4": lambda: deepfuse_runner("bf16", ids, n, model, "int4", **sampled),
               "deepfuse int4-head8": lambda: deepfuse_runner("bf16", ids, n, model, "int4-head8", **sampled),
               "deepfuse int4-a8": lambda: deepfuse_runner("bf16", ids, n, model, "int4-a8", **sampled),
+              "deepfuse int4-a8 burst 8": lambda: deepfuse_runner("bf16", ids, n, model, "int4-a8", decode_steps=8,
+                                                                  **sampled),
               "deepfuse int4 inv.": lambda: deepfuse_runner("bf16", ids, n, model, "int4", batch_invariant=True,
                                                             **sampled),
               "llama.cpp Q4_1": lambda: llama_cpp_runner(ids, n, **sampled)}

@@ -14,8 +14,12 @@ Medians over all decode steps of all runs. Writes benchmarks/results/step_host.j
 tokens): its step still holds one model call, so on the CPU, where the call returns only once
 the step has run, the host time is not hidden; the row shows what the overlapped loop's own
 bookkeeping (the feed, token copies, undo records) costs a step.
+--decode-steps K adds the native program in an engine with Engine(decode_steps=K)
+(runtime/decode_burst.py: a step() runs up to K decode steps before the host takes their tokens,
+the steps after the first rerunning the executor's prepared calls): its rows are per decode step,
+a step() call's times divided by the program runs in it (step_host_burst.json).
 
-    python benchmarks/step_host.py [--runs 3] [--tokens 32] [--quant int4] [--overlap]
+    python benchmarks/step_host.py [--runs 3] [--tokens 32] [--quant int4] [--overlap | --decode-steps 8]
 """
 from __future__ import annotations
 
@@ -47,7 +51,8 @@ class Timer:
 
 
 def decode_steps(eng, prompts, params, model_timer: Timer, program_timer: Timer, batch: int) -> list[tuple]:
-    """(step, model call, program run) seconds of each step in which `batch` sequences decode."""
+    """(step, model call, program run) seconds of each decode step in which `batch` sequences
+    decode: a step() call's, divided by the program runs in it (a burst's steps)."""
     for ids in prompts:
         eng.add_request(ids, params)
     out = []
@@ -58,9 +63,10 @@ def decode_steps(eng, prompts, params, model_timer: Timer, program_timer: Timer,
         t = time.perf_counter()
         eng.step()
         dt = time.perf_counter() - t
-        if decoding and len(model_timer.times) == m + 1:
+        runs = len(program_timer.times) - p
+        if decoding and len(model_timer.times) == m + 1 and runs:
             prog = sum(program_timer.times[p:])
-            out.append((dt, model_timer.times[m], prog))
+            out.append((dt / runs, model_timer.times[m], prog / runs))
     return out
 
 
@@ -71,6 +77,8 @@ def main() -> None:
     ap.add_argument("--quant", default="int4")
     ap.add_argument("--batches", default="1,64")
     ap.add_argument("--overlap", action="store_true", help="also the native program with Engine(overlap=True)")
+    ap.add_argument("--decode-steps", type=int, default=1, help="K > 1: also the native program with "
+                    "Engine(decode_steps=K)")
     args = ap.parse_args()
     import deepfuse
     from deepfuse.codegen.cpu.bound import StepBinder
@@ -88,18 +96,21 @@ def main() -> None:
     results = {}
     for batch in (int(b) for b in args.batches.split(",")):
         prompts = [ids[: len(ids) - i % 7] for i in range(batch)]
-        modes = [("native program", True, False), ("python calls", False, False)]
-        modes += [("native, overlapped", True, True)] if args.overlap else []
+        # (mode, step programs, engine: its overlap and decode_steps)
+        modes = [("native program", True, (False, 1)), ("python calls", False, (False, 1))]
+        modes += [("native, overlapped", True, (True, 1))] if args.overlap else []
+        modes += [(f"native, burst {args.decode_steps}", True, (False, args.decode_steps))] \
+            if args.decode_steps > 1 else []
         engines = {}
-        for overlap in sorted({m[2] for m in modes}):
-            engines[overlap] = Engine(art, CacheConfig(enable_prefix_caching=False), max_num_seqs=max(batch, 1),
-                                      overlap=overlap)
-            engines[overlap].generate(prompts[:1], [SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)])
+        for kind in sorted({m[2] for m in modes}):
+            engines[kind] = Engine(art, CacheConfig(enable_prefix_caching=False), max_num_seqs=max(batch, 1),
+                                   overlap=kind[0], decode_steps=kind[1])
+            engines[kind].generate(prompts[:1], [SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)])
         steps = {mode: [] for mode, _, _ in modes}
         for _ in range(args.runs):
-            for mode, programs, overlap in modes:
+            for mode, programs, kind in modes:
                 art.runner.binder = StepBinder(programs=programs)
-                steps[mode] += decode_steps(engines[overlap], prompts, params, model_timer, program_timer, batch)
+                steps[mode] += decode_steps(engines[kind], prompts, params, model_timer, program_timer, batch)
         kernels = statistics.median(p for _, _, p in steps["native program"])
         row = {}
         for mode, got in steps.items():
@@ -118,8 +129,10 @@ def main() -> None:
             print(f"{batch:8s} {mode:18s} {r['steps']:5d} {r['step_ms']:8.3f} {r['model_call_ms']:9.3f} "
                   f"{r['program_ms']:10.3f} {r['host_us']:8.0f} {r['host_in_model_call_us']:16.0f}")
     meta = {"runs": args.runs, "tokens": args.tokens, "quant": args.quant, "threads": torch.get_num_threads(),
-            "overlap": args.overlap}
-    write_result("step_host_overlap.json" if args.overlap else "step_host.json", {"meta": meta, "results": results})
+            "overlap": args.overlap, "decode_steps": args.decode_steps}
+    name = "step_host_overlap.json" if args.overlap else "step_host_burst.json" if args.decode_steps > 1 \
+        else "step_host.json"
+    write_result(name, {"meta": meta, "results": results})
 
 
 if __name__ == "__main__":

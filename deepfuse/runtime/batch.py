@@ -169,11 +169,41 @@ class StepBuffers:
                             seeds, width)
         return self._views(t, s, r, width, cache)
 
-    def write_next_decode(self, chunks: list[SeqChunk], cache: KVCache) -> bool:
-        """_next_decode, for an owner that reruns the last step's tensors (the executor's rerun):
-        True where it wrote the step into the memory the last fill's views show, False (nothing
-        written) where the step needs a whole fill."""
-        return self._next_decode(chunks, cache)
+    def advance_decode(self, tokens: list[int]) -> bool:
+        """The last decode step's sequences one position on, each fed its token of `tokens`, for an
+        owner that reruns the last step's tensors (runtime/decode_burst.py, the executor's rerun):
+        writes tokens, positions, slots, seq_lens and seeds into the memory the last fill's views
+        show. False (nothing written) where the last fill was no incremental decode step of
+        len(tokens) sequences, or where a sequence's next position lies past its table."""
+        last = self._decode
+        if last is None or len(tokens) != len(last[1]):
+            return False
+        s, bs = len(tokens), last[0].block_size
+        if s <= self.ROW_WRITES:  # memoryview stores, as _write_decode_rows
+            m, width = self._rows, self.max_blocks
+            positions, tables = m["positions"], m["block_tables"]
+            if any((positions[i] + 1) // bs >= len(chunk[0]) for i, chunk in enumerate(last[1])):
+                return False
+            self._decode = None  # until the step is written
+            for i, (tok, chunk) in enumerate(zip(tokens, last[1])):
+                p = positions[i] + 1
+                m["tokens"][i], positions[i] = tok, p
+                m["slot_mapping"][i] = tables[i * width + p // bs] * bs + p % bs
+                m["seq_lens"][i] = p + 1
+                m["seeds"][i] = sample_key(chunk[4], p + 1)
+        else:
+            b = self.np
+            pos = b["positions"][:s] + 1
+            if (pos // bs >= np.array([len(chunk[0]) for chunk in last[1]])).any():
+                return False
+            self._decode = None  # until the step is written
+            b["tokens"][:s] = tokens
+            b["positions"][:s] = pos
+            b["slot_mapping"][:s] = b["block_tables"][np.arange(s), pos // bs] * bs + pos % bs
+            b["seq_lens"][:s] = pos + 1
+            b["seeds"][:s] = sample_keys(last[2], pos + 1)
+        self._decode = last
+        return True
 
     def _next_decode(self, chunks: list[SeqChunk], cache: KVCache) -> bool:
         """Writes a decode step whose chunks are those of the last fill at any position their

@@ -1,9 +1,9 @@
 """Decode bursts (Engine(decode_steps=k)): a plain decode step runs k model steps before the
 host takes any of their tokens, as vLLM's multi-step scheduling does. Each step after the first
-is fed the token the one before it sampled, its inputs rewritten in place (runtime/batch.py's
-incremental fill) and its prepared calls run again (the CPU executor's rerun), so the scheduler,
-the fill's views, the executor's layout lookup and the take run once for the k steps: at batch 1
-on a 2-core CPU they are most of a decode step's ~0.25 ms of host time.
+is fed the token the one before it sampled, its inputs advanced in place (StepBuffers.
+advance_decode) and the executor's prepared calls run again (CpuExecutor.rerun), so the
+scheduler, the fill's views, the executor's layout lookup and the take run once for the k steps:
+at batch 1 on a 2-core CPU they are most of a decode step's ~0.2 ms of host time.
 
 A step bursts when every running request decodes one natively sampled token (no drafts, no
 logprobs, no host sampling, none waiting for admission) and there are blocks for all k positions
@@ -63,11 +63,11 @@ def run_burst(eng: Engine, step: Launched) -> StepRun:
     for i in range(1, step.steps):
         if all(toks[-1] in stop for toks, stop in zip(tokens, stops)):
             break  # every request ends here
-        chunks = [SeqChunk.of(req.kv, [toks[-1]], req.computed + i, temperature=c.temperature, top_k=c.top_k,
-                              top_p=c.top_p, seed=c.seed)
-                  for (req, _), c, toks in zip(step.scheduled, step.chunks, tokens)]
-        outputs = eng.model.rerun() if eng.buffers.write_next_decode(chunks, eng.cache) else None
-        if outputs is None:
+        fed = [toks[-1] for toks in tokens]
+        outputs = eng.model.rerun() if eng.buffers.advance_decode(fed) else None
+        if outputs is None:  # a whole fill and a new model call
+            chunks = [SeqChunk.of(req.kv, [t], req.computed + i, temperature=c.temperature, top_k=c.top_k,
+                                  top_p=c.top_p, seed=c.seed) for (req, _), c, t in zip(step.scheduled, step.chunks, fed)]
             _, outputs = eng.forward(chunks)
         for toks, t in zip(tokens, outputs[1].tolist()):
             toks.append(t)

@@ -29,6 +29,7 @@ from tqdm import tqdm
 
 from ..codegen.artifact import CompiledModel
 from ..errors import DeepfuseError
+from ..inference_mode import inference_mode
 from ..ir import DTYPES
 from ..models.cache_groups import CacheGroup, cache_groups
 from .batch import SeqChunk, StepBuffers
@@ -285,7 +286,7 @@ class Engine:
 
     # ---- steps ----------------------------------------------------------------------------
 
-    @torch.inference_mode()
+    @inference_mode
     def step(self, on_token: Callable[[str, int], None] | None = None) -> list[RequestOutput]:
         """Runs one step; returns the requests that finished in it. on_token(id, token) streams
         a request's new tokens once its state is updated (a finished one has left `requests`);
@@ -493,7 +494,8 @@ class Engine:
 
         left = len(index)
         try:
-            with tqdm(total=len(index), desc="requests", unit="req", disable=not use_tqdm, leave=False) as bar:
+            with torch.inference_mode(), tqdm(total=len(index), desc="requests", unit="req", disable=not use_tqdm,
+                                              leave=False) as bar:
                 while left and self.has_unfinished():
                     for out in self.step(stream if on_token else None):
                         if out.request_id in index:  # requests added elsewhere may finish here too

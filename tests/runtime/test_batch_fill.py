@@ -153,3 +153,40 @@ def test_incremental_decode_fills_write_what_the_reference_writes(row_writes):
 def test_incremental_buffers_refuse_arrays_of_another_owner():
     with pytest.raises(ValueError, match="incremental buffers must be the fill's own"):
         StepBuffers(4, 2, 2, arrays={"tokens": np.zeros(4, dtype=np.int64)}, incremental=True)
+
+
+@pytest.mark.parametrize("sequences", [3, StepBuffers.ROW_WRITES + 4])
+def test_advance_decode_writes_the_next_decode_step_and_refuses_what_needs_a_whole_fill(sequences):
+    """advance_decode (a decode burst's later steps) against the reference fill of the same
+    sequences one position on, fed the given tokens, in the memory of the views the last fill
+    returned; up to and past a block's end (a table one block short is refused, nothing
+    written); after a step that is no plain decode step it refuses. Row-by-row stores and
+    whole-step numpy (more sequences than ROW_WRITES)."""
+    cache = KVCache(2, 1, 4, torch.float32, CacheConfig(block_size=BS, num_blocks=8))
+    buffers = StepBuffers(64, 16, 128, incremental=True)
+    rng = random.Random(sequences)
+    seqs = [dict(start=rng.randint(0, 12), temperature=rng.random(), top_k=rng.randint(0, 5), top_p=rng.random(),
+                 seed=rng.getrandbits(64)) for _ in range(sequences)]
+    for d in seqs:
+        d["blocks"] = [rng.randint(0, 40) for _ in range(d["start"] // BS + 2)]  # its end within 2 * BS steps
+    params = lambda d: (d["temperature"], d["top_k"], d["top_p"], d["seed"])  # noqa: E731
+    views = buffers.fill([SeqChunk([1], d["start"], d["blocks"], *params(d)) for d in seqs], cache)
+    for _ in range(3 * BS):
+        tokens = [rng.randint(0, 100) for _ in seqs]
+        fits = all((d["start"] + 1) // BS < len(d["blocks"]) for d in seqs)
+        before = {k: v.clone() for k, v in views.items() if isinstance(v, torch.Tensor) and k in buffers.torch}
+        assert buffers.advance_decode(tokens) == fits
+        if not fits:  # nothing written, and the next fill is a whole one
+            assert all(torch.equal(views[k], v) for k, v in before.items())
+            break
+        for d in seqs:
+            d["start"] += 1
+        want = reference([SeqChunk([t], d["start"], d["blocks"], *params(d)) for d, t in zip(seqs, tokens)],
+                         buffers.max_blocks)
+        for name, values in want.items():
+            dtype = torch.float32 if name in ("temperature", "top_p") else torch.int64
+            assert torch.equal(views[name], torch.tensor(values, dtype=dtype)), name
+    else:
+        raise AssertionError("no sequence reached the end of its table")
+    buffers.fill([SeqChunk([1, 2], 0, [5, 6], *params(seqs[0]))], cache)  # a prompt chunk
+    assert not buffers.advance_decode([7])

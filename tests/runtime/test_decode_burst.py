@@ -7,7 +7,7 @@ import pytest
 import deepfuse
 from deepfuse.codegen.cpu.executor import CpuExecutor
 from deepfuse.errors import DeepfuseError
-from deepfuse.runtime import decode_burst
+from deepfuse.runtime.batch import StepBuffers
 from deepfuse.runtime.engine import Engine, SamplingParams
 from deepfuse.runtime.kv_cache import CacheConfig
 from deepfuse.runtime.spec import SpecConfig
@@ -60,16 +60,12 @@ def test_bursts_give_the_one_step_outputs_and_prefix_cache(tiny_art, reruns, ste
 
 
 def test_a_wrong_feed_is_caught(tiny_art, monkeypatch):
-    """The comparison has teeth: a burst whose later steps are fed the first step's token again
+    """The comparison has teeth: a burst whose later steps feed each row another row's token
     changes the outputs."""
-    real = decode_burst.SeqChunk.of
-
-    def first_token(kv, tokens, start, **sampling):
-        return real(kv, [0], start, **sampling)
-
+    real = StepBuffers.advance_decode
     params = [SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)] * 3
     want = [o.outputs[0].token_ids for o in engine(tiny_art, 1).generate(PROMPTS[:3], params)]
-    monkeypatch.setattr(decode_burst.SeqChunk, "of", staticmethod(first_token))
+    monkeypatch.setattr(StepBuffers, "advance_decode", lambda self, tokens: real(self, tokens[::-1]))
     got = [o.outputs[0].token_ids for o in engine(tiny_art, 4).generate(PROMPTS[:3], params)]
     assert got != want
 

@@ -11,6 +11,7 @@ from itertools import islice
 import torch
 
 from ...errors import DeepfuseError
+from ...inference_mode import inference_mode
 from ...ir import DTYPES
 from .bound import BoundPrefix, StepBinder, layout_key
 from .kernels import Q4Weights, can_prepack, make_kernel, prepack_for, writes_in_place
@@ -189,7 +190,7 @@ class CpuExecutor:
             env[s] = inputs[name]
         return env
 
-    @torch.inference_mode()
+    @inference_mode
     def __call__(self, inputs: dict[str, torch.Tensor]) -> list[torch.Tensor]:
         self._again = None
         views = self.buffers.views_for(inputs, self.planned)
@@ -219,7 +220,7 @@ class CpuExecutor:
                 env[s] = inputs[name]
         return self._loop(self._env(inputs) if env is None else env, views, done)
 
-    @torch.inference_mode()
+    @inference_mode
     def rerun(self) -> list[torch.Tensor] | None:
         """The last call's step again over the same input tensors, whose contents the caller has
         rewritten in place and nothing else (the same memory, shapes and strides: a decode step

@@ -165,3 +165,30 @@ def test_llm_takes_decode_steps_and_the_sharded_engine_refuses_it():
 
     with pytest.raises(DeepfuseError, match="decode_steps > 1 runs in one process"):
         LLM("smollm2", tensor_parallel_size=2, decode_steps=4)
+
+
+def test_smollm2_with_its_tokenizer_eos_and_stop_strings_in_bursts(smollm2_compiled, reruns):
+    """The real SmolLM2 (f32) and tokenizer through LLM(decode_steps=4): chat prompts that end at EOS,
+    stop strings (kept in the text and not), max_tokens and a seeded request give the one-step
+    LLM's token ids, texts and finish reasons, the later steps of its bursts rerun."""
+    from deepfuse import LLM
+
+    tok = smollm2_compiled.tokenizer
+    chat = [tok.encode(f"<|im_start|>user\n{q}<|im_end|>\n<|im_start|>assistant\n")
+            for q in ("Reply with the single word hello.", "Say yes once.")]
+    prompts = chat + [tok.encode("The three primary colors are")] * 2 + [tok.encode("Once upon a time")] * 2
+    params = [SamplingParams(temperature=0, max_tokens=16)] * 2 + [
+        SamplingParams(temperature=0, max_tokens=16, stop=["color model"]),
+        SamplingParams(temperature=0, max_tokens=16, stop=["RGB"], include_stop_str_in_output=True),
+        SamplingParams(temperature=0, max_tokens=5),
+        SamplingParams(temperature=0.8, top_p=0.95, seed=3, max_tokens=9)]
+    runs = {}
+    for k in (1, 4):
+        llm = LLM(smollm2_compiled, num_blocks=64, decode_steps=k)  # a small cache: quick to make
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        runs[k] = [(c.token_ids, c.text, c.finish_reason, c.stop_reason) for c in (o.outputs[0] for o in outs)]
+        if k > 1:
+            assert llm.engine.stats.burst_steps > 0 and any(reruns) and all(reruns)
+            no_leaks(llm.engine)
+    assert runs[4] == runs[1]
+    assert [r[2:] for r in runs[4][:4]] == [("stop", None)] * 2 + [("stop", "color model"), ("stop", "RGB")]

@@ -93,6 +93,9 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--presence-penalty", type=float, default=0.0)
     g.add_argument("--frequency-penalty", type=float, default=0.0)
     g.add_argument("--min-tokens", type=int, default=0, help="no end of text before this many tokens")
+    g.add_argument("--decode-steps", type=int, default=None, metavar="K",
+                   help="decode steps run before their tokens are taken and printed (the same text, printed K "
+                        "tokens at a time; default 8 in one process, 1 with --tp)")
     _add_spec_args(g)
     v = sub.add_parser("serve", help="serve an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions)")
     _add_model_args(v)
@@ -149,7 +152,13 @@ def _generate(args: argparse.Namespace) -> None:
     from .runtime.detokenize import IncrementalText, find_stop
     from .runtime.engine import SamplingParams
 
-    llm = _build_llm(args)
+    steps = args.decode_steps
+    if steps is None:  # bursts where the engine runs in one process
+        from .runtime.loader import tensor_parallel_size
+
+        ranks = args.tp if args.tp != 1 else tensor_parallel_size(args.artifact or args.model)
+        steps = 8 if ranks == 1 else 1
+    llm = _build_llm(args, decode_steps=steps)
     tok = llm.tokenizer
     prompt = args.prompt if args.no_chat else tok.render_chat([{"role": "user", "content": args.prompt}])
     params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,

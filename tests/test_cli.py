@@ -118,6 +118,11 @@ def test_generate_from_artifact_and_prompt_too_long(capsys, artifact_dir):
     assert rc == 2 and out == "" and "exceeds the context (max_model_len 8192)" in last_line(err)
     rc, _, err = run_main(capsys, "generate", "--artifact", str(artifact_dir), "--temperature", "-1", "hi")
     assert rc == 2 and "temperature must be a finite number >= 0" in last_line(err)
+    rc, out, _ = run_main(capsys, "generate", "--artifact", str(artifact_dir), "--no-chat", "--max-tokens", "8",
+                          "--decode-steps", "1", "The three primary colors are")  # token by token: the same text
+    assert rc == 0 and out == " the primary colors of the RGB color model\n"
+    rc, _, err = run_main(capsys, "generate", "--artifact", str(artifact_dir), "--decode-steps", "0", "hi")
+    assert rc == 2 and "decode_steps must be an integer >= 1" in last_line(err)
     rc, out, err = run_main(capsys, "generate", "--artifact", str(artifact_dir), "--no-chat", "--max-tokens", "8",
                             "--speculate", "4", "The three primary colors are")
     assert rc == 0 and out == " the primary colors of the RGB color model\n" and "drafts accepted" in err

@@ -7,7 +7,9 @@ tokens a request, `--runs` times; per decode step (every sequence one token) it 
 engine's whole `step()`, the compiled model's call inside it, and the native program's run
 (kernels plus their C++ dispatch). Host time = step - program time (the program time of the
 same batch measured in native mode is used for the Python mode, whose kernels are the same).
-Medians over all decode steps of all runs. Writes benchmarks/results/step_host.json
+Medians over all decode steps of all runs (a step() call's time over the decode steps it made),
+and means (all decode time over all decode steps: a burst's first steps, slower after the prefill
+or a rebind, weigh as they do in a run). Writes benchmarks/results/step_host.json
 (step_host_overlap.json with --overlap).
 --overlap adds a third mode, the native program in an engine with Engine(overlap=True)
 (runtime/overlap.py: each step() launches the next decode step, then reads the last one's
@@ -16,8 +18,8 @@ the step has run, the host time is not hidden; the row shows what the overlapped
 bookkeeping (the feed, token copies, undo records) costs a step.
 --decode-steps K adds the native program in an engine with Engine(decode_steps=K)
 (runtime/decode_burst.py: a step() runs up to K decode steps before the host takes their tokens,
-the steps after the first rerunning the executor's prepared calls): its rows are per decode step,
-a step() call's times divided by the program runs in it (step_host_burst.json).
+the steps after the first rerunning the executor's prepared calls; step_host_burst.json): with
+a few calls a run, its means say more than its medians.
 
     python benchmarks/step_host.py [--runs 3] [--tokens 32] [--quant int4] [--overlap | --decode-steps 8]
 """
@@ -51,8 +53,8 @@ class Timer:
 
 
 def decode_steps(eng, prompts, params, model_timer: Timer, program_timer: Timer, batch: int) -> list[tuple]:
-    """(step, model call, program run) seconds of each decode step in which `batch` sequences
-    decode: a step() call's, divided by the program runs in it (a burst's steps)."""
+    """(step, model call, program runs, decode steps) of each step() call in which `batch`
+    sequences decode: seconds, and how many decode steps (program runs) it made (a burst's K)."""
     for ids in prompts:
         eng.add_request(ids, params)
     out = []
@@ -65,8 +67,7 @@ def decode_steps(eng, prompts, params, model_timer: Timer, program_timer: Timer,
         dt = time.perf_counter() - t
         runs = len(program_timer.times) - p
         if decoding and len(model_timer.times) == m + 1 and runs:
-            prog = sum(program_timer.times[p:])
-            out.append((dt / runs, model_timer.times[m], prog / runs))
+            out.append((dt, model_timer.times[m], sum(program_timer.times[p:]), runs))
     return out
 
 
@@ -111,23 +112,28 @@ def main() -> None:
             for mode, programs, kind in modes:
                 art.runner.binder = StepBinder(programs=programs)
                 steps[mode] += decode_steps(engines[kind], prompts, params, model_timer, program_timer, batch)
-        kernels = statistics.median(p for _, _, p in steps["native program"])
+        native = steps["native program"]
+        kernels = statistics.median(p / k for _, _, p, k in native)
+        kernels_mean = sum(p for _, _, p, _ in native) / sum(k for *_, k in native)
         row = {}
         for mode, got in steps.items():
-            step = statistics.median(s for s, _, _ in got)
-            call = statistics.median(c for _, c, _ in got)
-            row[mode] = {"steps": len(got), "step_ms": step * 1e3, "model_call_ms": call * 1e3,
-                         "program_ms": kernels * 1e3, "host_us": (step - kernels) * 1e6,
-                         "host_in_model_call_us": (call - kernels) * 1e6}
+            step = statistics.median(s / k for s, _, _, k in got)  # a step() call's time per decode step
+            mean = sum(s for s, *_ in got) / sum(k for *_, k in got)  # all decode time over all decode steps
+            call = statistics.median(c for _, c, _, _ in got)
+            row[mode] = {"steps": sum(k for *_, k in got), "calls": len(got), "step_ms": step * 1e3,
+                         "mean_step_ms": mean * 1e3, "model_call_ms": call * 1e3, "program_ms": kernels * 1e3,
+                         "mean_program_ms": kernels_mean * 1e3, "host_us": (step - kernels) * 1e6,
+                         "mean_host_us": (mean - kernels_mean) * 1e6, "host_in_model_call_us": (call - kernels) * 1e6}
         results[f"batch {batch}"] = row
     print(f"\nSmolLM2-135M bf16{'+' + args.quant if args.quant else ''}, decode steps, medians of all steps "
           f"of {args.runs} runs, {torch.get_num_threads()} threads")
     print(f"{'batch':8s} {'mode':18s} {'steps':>5s} {'step ms':>8s} {'model ms':>9s} {'kernels ms':>10s} "
-          f"{'host us':>8s} {'host in model us':>16s}")
+          f"{'host us':>8s} {'host in model us':>16s} {'mean step ms':>12s} {'mean host us':>12s}")
     for batch, row in results.items():
         for mode, r in row.items():
             print(f"{batch:8s} {mode:18s} {r['steps']:5d} {r['step_ms']:8.3f} {r['model_call_ms']:9.3f} "
-                  f"{r['program_ms']:10.3f} {r['host_us']:8.0f} {r['host_in_model_call_us']:16.0f}")
+                  f"{r['program_ms']:10.3f} {r['host_us']:8.0f} {r['host_in_model_call_us']:16.0f} "
+                  f"{r['mean_step_ms']:12.3f} {r['mean_host_us']:12.0f}")
     meta = {"runs": args.runs, "tokens": args.tokens, "quant": args.quant, "threads": torch.get_num_threads(),
             "overlap": args.overlap, "decode_steps": args.decode_steps}
     name = "step_host_overlap.json" if args.overlap else "step_host_burst.json" if args.decode_steps > 1 \

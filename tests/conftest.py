@@ -106,3 +106,20 @@ def pytest_terminal_summary(terminalreporter):
     terminalreporter.write_line(f"{len(skipped)} skipped:")
     for reason, n in sorted(reasons.items(), key=lambda kv: -kv[1]):
         terminalreporter.write_line(f"  {n:4d}  {reason}")
+
+
+@pytest.fixture(scope="session")
+def swa_model(tiny_dir, tmp_path_factory):
+    """The tiny model as a Mistral-style checkpoint with a sliding window of 8."""
+    import json
+    import shutil
+
+    from deepfuse.models import load_model
+
+    d = tmp_path_factory.mktemp("swa") / "ckpt"
+    shutil.copytree(tiny_dir, d)
+    cfg = json.loads((d / "config.json").read_text())
+    cfg.update(model_type="mistral", architectures=["MistralForCausalLM"], sliding_window=8)
+    (d / "config.json").write_text(json.dumps(cfg))
+    model, _ = load_model(str(d), with_tokenizer=False)
+    return model

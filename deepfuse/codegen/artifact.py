@@ -84,11 +84,12 @@ class CompiledModel:
             inputs = with_ep_rows(inputs, *self.plan["ep_rows"], self._ep_rows)
         return self.runner(inputs)
 
-    def rerun(self) -> list | None:
-        """The last call's step again over its input tensors, their contents rewritten in place
-        (the CPU executor's rerun); None where this runner cannot (nothing ran): call it afresh."""
+    def rerun(self, inputs: dict) -> list | None:
+        """The last call's step again over its inputs (that call's dict), their contents rewritten
+        in place (the CPU executor's rerun); None where this runner cannot (nothing ran): call it
+        afresh."""
         rerun = getattr(self.runner, "rerun", None)
-        return None if rerun is None or "ep_rows" in self.plan else rerun()
+        return None if rerun is None or "ep_rows" in self.plan else rerun(inputs)
 
     def save(self, directory: str) -> str:
         """Writes the artifact directory; returns its path."""

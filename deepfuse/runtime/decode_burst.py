@@ -11,16 +11,15 @@ of every one (reserved unnamed; the take names those its tokens filled). k is
 cut to the fewest tokens any request has left (max_tokens). The tokens are those of k steps run
 one by one (sampling keys depend on position only): the outputs do not change. What does: a
 request's tokens reach on_token k at a time; a request that ends inside a burst (a stop token
-or string) leaves the steps after it computed and dropped, and the burst ends early once every
-request has sampled a stop token. A fault anywhere in a burst undoes all of it (Engine.step's
-rollback), as for one step.
+or string, whichever comes first) leaves the steps after it computed and dropped, and the burst
+ends early once every request has sampled a stop token (stop strings are found at the take). A
+fault anywhere in a burst undoes all of it (Engine.step's rollback), as for one step.
 """
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
 from .batch import SeqChunk
-from .host_sampling import needs_host_sampling
 
 if TYPE_CHECKING:
     from .engine import Engine, Launched, StepRun
@@ -35,19 +34,18 @@ def burst_steps(eng: Engine, scheduled: list[tuple[Request, int]], chunks: list[
         return 1
     if len(scheduled) != len(eng.scheduler.running):
         return 1
+    # a request drawn on the host is so from its first token on (min_tokens ends as tokens come):
+    # one not drawn there now is not for the rest of the burst either
     for (req, n), chunk, drawn_on_host in zip(scheduled, chunks, host):
-        p = req.params
-        if (n != 1 or drawn_on_host or chunk.samples != 1 or req.remaining != 1 or p.logprobs is not None
+        if (n != 1 or drawn_on_host or chunk.samples != 1 or req.remaining != 1 or req.params.logprobs is not None
                 or req.needs_prompt_rows):
             return 1
-        k = min(k, p.max_tokens - len(req.generated))
-        stops = eng._stop_ids(p)
-        if any(needs_host_sampling(p, len(req.generated) + j, stops) for j in range(1, k)):
-            return 1
+        k = min(k, req.params.max_tokens - len(req.generated))
     if k < 2:
         return 1
-    for g, pool in enumerate(eng.kv.pools):  # blocks for every request's k positions
-        if sum(eng.kv.blocks_needed(req.kv, req.computed + k, g) for req, _ in scheduled) > pool.num_available():
+    for g, pool in enumerate(eng.kv.pools):  # free blocks for every request's k positions (none evicted from
+        # the prefix cache for positions a stop may leave unused)
+        if sum(eng.kv.blocks_needed(req.kv, req.computed + k, g) for req, _ in scheduled) > len(pool.free):
             return 1
     for req, _ in scheduled:
         eng.kv.reserve(req.kv, req.computed + k)
@@ -56,21 +54,25 @@ def burst_steps(eng: Engine, scheduled: list[tuple[Request, int]], chunks: list[
 
 def run_burst(eng: Engine, step: Launched) -> StepRun:
     """Runs a launched step's burst to its end -> the StepRun whose `burst` holds each scheduled
-    request's tokens in order (the first step's logits and draws, which none of its rows use)."""
-    ran = eng._read(step)
-    tokens = [[t] for t in ran.sampled]
+    request's tokens in order (the first step's logits and draws, which none of its rows use).
+    The engine's statistics count the burst's steps once it has run them all."""
+    tokens = [[t] for t in step.outputs[1].tolist()]
     stops = [eng._stop_ids(req.params) for req, _ in step.scheduled]
+    ended = [toks[0] in stop for toks, stop in zip(tokens, stops)]
+    inputs = step.inputs  # the last model call's
     for i in range(1, step.steps):
-        if all(toks[-1] in stop for toks, stop in zip(tokens, stops)):
-            break  # every request ends here
+        if all(ended):
+            break  # every request has sampled a stop token
         fed = [toks[-1] for toks in tokens]
-        outputs = eng.model.rerun() if eng.buffers.advance_decode(fed) else None
+        outputs = eng.model.rerun(inputs) if eng.buffers.advance_decode(fed) else None
         if outputs is None:  # a whole fill and a new model call
             chunks = [SeqChunk.of(req.kv, [t], req.computed + i, temperature=c.temperature, top_k=c.top_k,
                                   top_p=c.top_p, seed=c.seed) for (req, _), c, t in zip(step.scheduled, step.chunks, fed)]
-            _, outputs = eng.forward(chunks)
-        for toks, t in zip(tokens, outputs[1].tolist()):
-            toks.append(t)
+            inputs, outputs = eng.forward(chunks)
+        for j, t in enumerate(outputs[1].tolist()):
+            tokens[j].append(t)
+            ended[j] = ended[j] or t in stops[j]
+    ran = eng._read(step, [toks[0] for toks in tokens])
     eng.stats.steps += len(tokens[0]) - 1
     eng.stats.burst_steps += len(tokens[0]) - 1
     return ran._replace(burst=tokens)

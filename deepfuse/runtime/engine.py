@@ -340,7 +340,7 @@ class Engine:
                 first = row - 1  # the chunk's last row samples its next token
                 end = start + n
                 new = [drawn.get(first, sampled[first])]
-            self.stats.tokens_computed += end - start if ran.burst is not None else n
+            self.stats.tokens_computed += len(new) if ran.burst is not None else n  # (a burst's steps past a stop too)
             mid_prompt = end < len(req.tokens)  # its sample is not a real token
             if not mid_prompt:
                 if self.keep_hidden:  # the state an MTP head drafts from: the row that sampled the last new token
@@ -352,10 +352,12 @@ class Engine:
                     if req.finish:
                         new = new[:j + 1]
                         break
+            if ran.burst is not None:  # computed: the positions before its last token (one that ended inside
+                # the burst leaves the later steps' KV as a stop leaves a step's: never computed)
+                end = start + len(new)
             req.computed = end
-            if ran.burst is not None:  # the blocks its tokens filled, reserved unnamed, get their names (as
-                # one step at a time names them: positions up to its last token's, whose KV no step computed)
-                self.kv.allocate(req.kv, req.tokens, min(end, len(req.tokens) - 1))
+            if ran.burst is not None:  # the blocks its tokens filled, reserved unnamed, get their names
+                self.kv.allocate(req.kv, req.tokens, end)
                 self.kv.commit()
             self.stats.prompt_tokens_computed += max(0, min(end, len(req.prompt)) - start)
             self.kv.computed(req.kv, end)

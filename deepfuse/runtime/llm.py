@@ -57,6 +57,8 @@ class LLM:
         ranks = artifact_ranks(source) if source is not None else 1
         if ranks > 1 and tensor_parallel_size == 1:  # a tensor-parallel artifact runs on its ranks
             tensor_parallel_size = ranks
+        if not isinstance(decode_steps, int) or decode_steps < 1:
+            raise DeepfuseError(f"decode_steps must be an integer >= 1, got {decode_steps!r}")
         if tensor_parallel_size != 1:
             if decode_steps != 1:
                 raise DeepfuseError("decode_steps > 1 runs in one process: give tensor_parallel_size=1")

@@ -31,8 +31,8 @@ def reruns(monkeypatch) -> list:
     """Each executor rerun: True where it ran the prepared calls, False where it gave None."""
     log, real = [], CpuExecutor.rerun
 
-    def rerun(self):
-        out = real(self)
+    def rerun(self, inputs):
+        out = real(self, inputs)
         log.append(out is not None)
         return out
 
@@ -70,21 +70,32 @@ def test_a_wrong_feed_is_caught(tiny_art, monkeypatch):
     assert got != want
 
 
-def test_a_burst_is_cut_to_the_fewest_tokens_left_and_ends_when_every_request_has_stopped(tiny_art):
-    """max_tokens 6 with 4 steps a burst: the prefill step's token, then bursts of 4 and 1. A greedy
-    request that samples EOS ends its burst there (the engine computes no step past it)."""
+def test_a_burst_is_cut_to_the_fewest_tokens_left_and_ends_once_every_request_has_stopped(tiny_art):
+    """max_tokens 6 with 4 steps a burst: the prefill step's token, then bursts of 4 and 1. Two
+    greedy requests that sample a stop id at different steps of one burst: the burst runs until
+    the later one has stopped and no further, as many steps as one step at a time."""
     eng = engine(tiny_art, 4)
     out = eng.generate([PROMPTS[0]], [SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)])[0]
     assert len(out.outputs[0].token_ids) == 6
     assert (eng.stats.steps, eng.stats.burst_steps) == (3 + 3, 3)  # prefill, burst of 4 (3 after the first), 1
     free = [o.outputs[0].token_ids for o in engine(tiny_art, 1).generate(
         PROMPTS, [SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)] * len(PROMPTS))]
-    i, cut = next((i, toks.index(toks[j])) for i, toks in enumerate(free) for j in (3, 4, 5) if toks.index(toks[j]) > 1)
-    eng = engine(tiny_art, 8)
-    params = SamplingParams(temperature=0, max_tokens=12, stop_token_ids=[free[i][cut]], ignore_eos=True)
-    got = eng.generate([PROMPTS[i]], [params])[0]
-    assert got.outputs[0].token_ids == free[i][:cut + 1]
-    assert eng.stats.steps == 1 + cut  # the prefill step, then the burst's steps up to the stop
+    # a request and the token it stops at: the first time it samples that token, at different steps
+    cuts = {}
+    for i, toks in enumerate(free):
+        cut = next((toks.index(t) for t in toks[1:7] if toks.index(t) > 0 and toks.index(t) not in cuts), None)
+        if cut is not None:
+            cuts[cut] = i
+    (early, a), (late, b) = sorted(cuts.items())[:2]
+    params = [SamplingParams(temperature=0, max_tokens=12, stop_token_ids=[free[i][cut]], ignore_eos=True)
+              for i, cut in ((a, early), (b, late))]
+    runs = {}
+    for k in (1, 8):
+        eng = engine(tiny_art, k)
+        runs[k] = [o.outputs[0].token_ids for o in eng.generate([PROMPTS[a], PROMPTS[b]], params)], eng.stats
+    assert runs[8][0] == runs[1][0] == [free[a][:early + 1], free[b][:late + 1]]
+    assert runs[8][1].steps == runs[1][1].steps == 1 + late  # the prefill step, then steps up to the later stop
+    assert runs[8][1].burst_steps == late - 1
 
 
 @pytest.mark.parametrize("why", ["drafts", "penalty", "logprobs", "waiting request"])
@@ -130,11 +141,11 @@ def test_a_fault_inside_a_burst_undoes_it(tiny_art, monkeypatch, at):
     eng.step()  # the prompts
     real, calls = eng.model.rerun, []
 
-    def rerun():
+    def rerun(inputs):
         calls.append(1)
         if len(calls) == at:
             raise KeyboardInterrupt
-        return real()
+        return real(inputs)
 
     monkeypatch.setattr(eng.model, "rerun", rerun)
     before = [(list(eng.requests[r].tokens), eng.requests[r].computed, [list(t) for t in eng.requests[r].kv.tables])
@@ -145,12 +156,54 @@ def test_a_fault_inside_a_burst_undoes_it(tiny_art, monkeypatch, at):
     assert [(list(eng.requests[r].tokens), eng.requests[r].computed, [list(t) for t in eng.requests[r].kv.tables])
             for r in rids] == before
     assert eng.kv.usage()["blocks_used"] == used and not eng.kv.pool.pending
+    assert (eng.stats.steps, eng.stats.burst_steps) == (1, 0)  # the prompts' step alone
     monkeypatch.undo()
     done = {}
     while eng.has_unfinished():
         done.update({o.request_id: outcome(o) for o in eng.step()})
     assert [done[r][1:] for r in rids] == [w[1:] for w in want]
     no_leaks(eng)
+
+
+def test_steps_the_executor_cannot_rerun_run_as_new_calls(tiny_art, monkeypatch):
+    """Where the executor gives None for a rerun (its last call did not run bound to its end, or a
+    guard fails) and where the buffers cannot advance (graphed buckets, cuda_graphs=True: each
+    step a padded bucket), a burst's later steps run as new model calls: the same tokens."""
+    params = [SamplingParams(temperature=0, max_tokens=9, ignore_eos=True),
+              SamplingParams(temperature=0.8, seed=4, max_tokens=7, ignore_eos=True)]
+    want = [outcome(o)[1:] for o in engine(tiny_art, 1).generate(PROMPTS[:2], params)]
+    calls = []
+    real = CpuExecutor.__call__
+    monkeypatch.setattr(CpuExecutor, "__call__", lambda self, inputs: calls.append(1) or real(self, inputs))
+    monkeypatch.setattr(CpuExecutor, "rerun", lambda self, inputs: None)
+    eng = engine(tiny_art, 4)
+    assert [outcome(o)[1:] for o in eng.generate(PROMPTS[:2], params)] == want
+    assert eng.stats.burst_steps > 0 and len(calls) == eng.stats.steps
+    monkeypatch.undo()
+    eng = engine(tiny_art, 4, cuda_graphs=True)
+    assert [outcome(o)[1:] for o in eng.generate(PROMPTS[:2], params)] == want
+    assert eng.stats.burst_steps > 0
+    no_leaks(eng)
+
+
+def test_a_sliding_window_model_keeps_the_one_step_prefix_cache(swa_model):
+    """Mistral-style window 8, blocks of 4: a request that ends inside a burst another request
+    keeps going hands its blocks back named as one step at a time does (the window policy runs
+    on the positions it computed up to its last token, not on the burst's)."""
+    art = deepfuse.compile(swa_model)
+    prompts = [list(range(3, 23)), list(range(40, 52))]
+    plain = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    free = [o.outputs[0].token_ids for o in engine(art, 1).generate(prompts, [plain] * 2)]
+    cut = next(i for i in range(8, 14) if free[0].index(free[0][i]) == i)  # past the prompt's blocks: named ones
+    params = [SamplingParams(temperature=0, max_tokens=20, stop_token_ids=[free[0][cut]], ignore_eos=True), plain]
+    runs = {}
+    for k in (1, 16):
+        eng = engine(art, k)
+        runs[k] = [o.outputs[0].token_ids for o in eng.generate(prompts, params)], eng
+    assert runs[16][0] == runs[1][0] == [free[0][:cut + 1], free[1]]
+    assert runs[16][1].stats.burst_steps > 0
+    no_leaks(runs[16][1])
+    same_prefix_cache(runs[16][1], runs[1][1])
 
 
 def test_decode_steps_is_checked_and_excludes_overlap(tiny_art):

@@ -426,23 +426,6 @@ def test_prompts_of_the_wrong_type_fail_alone(tiny_art):
         assert str(o.error).startswith("prompt must be token ids") and want in str(o.error), o.error
 
 
-@pytest.fixture(scope="module")
-def swa_model(tiny_dir, tmp_path_factory):
-    """The tiny model as a Mistral-style checkpoint with a sliding window of 8."""
-    import json
-    import shutil
-
-    from deepfuse.models import load_model
-
-    d = tmp_path_factory.mktemp("swa") / "ckpt"
-    shutil.copytree(tiny_dir, d)
-    cfg = json.loads((d / "config.json").read_text())
-    cfg.update(model_type="mistral", architectures=["MistralForCausalLM"], sliding_window=8)
-    (d / "config.json").write_text(json.dumps(cfg))
-    model, _ = load_model(str(d), with_tokenizer=False)
-    return model
-
-
 def test_sliding_window_policy_releases_blocks_and_keeps_outputs(swa_model):
     """Mistral-style window 8, block size 4: at most 3-4 blocks per sequence stay held."""
     from tests.helpers import eager_step, greedy_with

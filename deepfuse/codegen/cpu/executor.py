@@ -221,14 +221,15 @@ class CpuExecutor:
         return self._loop(self._env(inputs) if env is None else env, views, done)
 
     @inference_mode
-    def rerun(self) -> list[torch.Tensor] | None:
-        """The last call's step again over the same input tensors, whose contents the caller has
-        rewritten in place and nothing else (the same memory, shapes and strides: a decode step
-        that follows the last one, runtime/batch.py's incremental fill), where that call ran bound
-        to its end: its prepared calls, without the layout lookup. None (nothing ran) where it did
-        not, or where a guard now fails (the caller then runs the step as a new call)."""
+    def rerun(self, inputs: dict[str, torch.Tensor]) -> list[torch.Tensor] | None:
+        """The last call's step again over its inputs (`inputs`: that call's, the same dict),
+        whose contents the caller has rewritten in place and nothing else (the same memory, shapes
+        and strides: a decode step that follows the last one, runtime/batch.py's advance_decode),
+        where that call ran bound to its end: its prepared calls, without the layout lookup. None
+        (nothing ran) where it did not, where `inputs` are another call's, or where a guard now
+        fails (the caller then runs the step as a new call)."""
         again, self._again = self._again, None
-        if again is None:
+        if again is None or again[1] is not inputs:
             return None
         prefix, inputs = again
         done, bound_env = prefix.run(self.outputs)

@@ -330,33 +330,3 @@ def test_one_thread_runs_a_program_without_a_team(native):
         assert prog.run() and where.tolist() == [0] * 8 and teamed.tolist() == [0]
     finally:
         torch.set_num_threads(threads)
-
-
-@pytest.mark.parametrize("table", ["good", "wild ids"])
-def test_a_team_prefetches_attentions_keys_and_values_without_changing_or_breaking_it(native, table):
-    """A team program whose third op is decode attention: thread 0 prefetches the op's cache blocks
-    before the first op (program.cpp, prefetch_kv). With a good table the attention output is the
-    kernel's own, bit for bit; with block ids far outside the cache (and negative) the prefetch
-    faults nothing and the op's own check raises, after the ops before it ran on the team."""
-    if torch.get_num_threads() < 2:
-        pytest.skip("one thread: no team")
-    torch.manual_seed(0)
-    h, hkv, d, bs, nb = 4, 2, 64, 16, 8
-    q = torch.randn(1, h * d, dtype=torch.bfloat16)
-    cache = torch.randn(2, nb, bs, hkv, d, dtype=torch.bfloat16)
-    tables = torch.tensor([[3, 1, 6, 0]] if table == "good" else [[3, 1 << 40, -5, 0]])
-    lens = torch.tensor([50])
-    want = torch.empty(1, h * d, dtype=torch.bfloat16)
-    out = torch.zeros(1, h * d, dtype=torch.bfloat16)
-    where, teamed = torch.full((8,), -1), torch.full((1,), -1)
-    prog = native.StepProgram()
-    prog.thread_map(1, where, teamed=teamed)
-    prog.thread_map(1, where)
-    prog.paged_decode(q, cache, tables, lens, h, 0, 0.125, out, 2, True)
-    if table == "good":
-        native.paged_decode(q, cache, tables, lens, h, 0, 0.125, want, 2, True)
-        assert prog.run() and torch.equal(out, want)
-    else:
-        with pytest.raises(RuntimeError, match="block id outside the cache"):
-            prog.run()
-    assert teamed.tolist() == [1]

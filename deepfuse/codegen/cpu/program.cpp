@@ -23,16 +23,11 @@
 // kernels) runs in one OpenMP region: this thread runs the ops as the team's thread 0 and the kernels' parallel parts
 // fork to the other threads through team::parallel_for (team.h) in place of a region per kernel
 // call. The chunks are those of the same calls outside a program.
-// On a team, thread 0 also prefetches into L2, before op i, the cached keys and values a decode
-// attention op at i + kKvAhead will read (its rows' blocks, where they come to at most kKvWarmBytes:
-// batch-1 and short steps), so that they arrive while the q/k/v projection between streams.
 #include <torch/extension.h>
 
 #include <ATen/Parallel.h>
 
-#include <algorithm>
 #include <chrono>
-#include <cstdint>
 #include <functional>
 #include <memory>
 #include <optional>
@@ -67,45 +62,6 @@ bool every(const Tensor& t, Pass pass) {
 // the ops run inline (a row's norm)
 constexpr size_t kTeamOps = 3;
 
-// Decode attention's keys and values, prefetched by the team's thread 0 this many ops ahead: before
-// the q/k/v projection (the op between is RoPE and the cache write, too short to cover the reads).
-// After a step's weights have swept the caches a layer's attention waited on them: 2-core Xeon,
-// SmolLM2 int4-a8 at batch 1, its 30 calls 0.33 ms a step with the prefetch against 0.39-0.44
-// without, the projection before them 0.01-0.02 ms slower (program timers, alternating runs)
-constexpr size_t kKvAhead = 2;
-constexpr int64_t kKvWarmBytes = 512 << 10;  // the most an op's prefetch reads (of a 1-2 MB L2)
-
-// Prefetches into L2 every block of `cache` ([2, NB, BS, ...]: keys, then values) the rows of
-// `tables` ([N, B]) read up to their `lens` (from len - window where window > 0), whole blocks of
-// every kv head; nothing where that comes to more than kKvWarmBytes. Addresses as integers (the
-// op's own checks of the table come later; a prefetch never faults).
-void prefetch_kv(const Tensor& cache, const Tensor& tables, const Tensor& lens, int64_t window) {
-    const int64_t n = tables.size(0), width = tables.size(1), tb = tables.stride(0), bs = cache.size(2);
-    const int64_t block_bytes = cache.stride(1) * cache.element_size(), half = cache.stride(0) * cache.element_size();
-    const int64_t* t = tables.data_ptr<int64_t>();
-    const int64_t* l = lens.data_ptr<int64_t>();
-    auto blocks = [&](int64_t s) {  // row s's first block and its end
-        const int64_t len = std::min(l[s], width * bs), first = window > 0 ? std::max<int64_t>(0, len - window) : 0;
-        return std::pair<int64_t, int64_t>{first / bs, (len + bs - 1) / bs};
-    };
-    int64_t total = 0;
-    for (int64_t s = 0; s < n; ++s) {
-        const auto [b0, b1] = blocks(s);
-        total += std::max<int64_t>(0, b1 - b0) * 2 * block_bytes;
-    }
-    if (total > kKvWarmBytes) return;
-    const uintptr_t base = reinterpret_cast<uintptr_t>(cache.data_ptr());
-    for (int64_t s = 0; s < n; ++s) {
-        const auto [b0, b1] = blocks(s);
-        for (int64_t b = b0; b < b1; ++b)
-            for (int64_t h = 0; h < 2; ++h) {
-                const uintptr_t at = base + h * half + t[s * tb + b] * block_bytes;
-                for (int64_t off = 0; off < block_bytes; off += 64)
-                    _mm_prefetch(reinterpret_cast<const char*>(at + off), _MM_HINT_T1);
-            }
-    }
-}
-
 class StepProgram {
   public:
     // on_team: the op's kernels fork through team::parallel_for (ours), so a run of such ops
@@ -115,18 +71,7 @@ class StepProgram {
         ops_.push_back(std::move(op));
         on_team_.push_back(on_team);
         streams_.emplace_back();
-        kv_reads_.emplace_back();
         if (profile_) op_ns_.push_back(0);
-    }
-
-    // the op last added is decode attention over this cache: a team prefetches what it reads
-    // kKvAhead ops before it (prefetch_kv)
-    void reads_kv(const Tensor& cache, const Tensor& tables, const Tensor& lens, int64_t window) {
-        TORCH_CHECK(!kv_reads_.empty(), "StepProgram.reads_kv: no op yet");
-        if (cache.dim() == 5 && cache.is_contiguous() && tables.dim() == 2 && tables.stride(1) == 1 &&
-            tables.scalar_type() == torch::kInt64 && lens.scalar_type() == torch::kInt64 && lens.is_contiguous() &&
-            lens.numel() == tables.size(0))
-            kv_reads_.back() = [=] { prefetch_kv(cache, tables, lens, window); };
     }
 
     // the op last added streams `weights` in `items` work items of `item_bytes` (the last one
@@ -244,7 +189,6 @@ class StepProgram {
                 try {
                     for (size_t i = from; i < to && passed; ++i) {
                         crew.warm_next(i + 1 < to && streams_[i + 1] ? &*streams_[i + 1] : nullptr);
-                        if (i + kKvAhead < to && kv_reads_[i + kKvAhead]) kv_reads_[i + kKvAhead]();
                         passed = step(i);
                     }
                 } catch (...) {
@@ -270,7 +214,6 @@ class StepProgram {
     std::vector<std::function<void()>> ops_;
     std::vector<bool> on_team_;  // by op: see add
     std::vector<std::optional<team::Stream>> streams_;  // by op: see streams
-    std::vector<std::function<void()>> kv_reads_;        // by op: see reads_kv
     std::vector<std::pair<Tensor, int64_t>> guards_;
     std::vector<std::pair<size_t, std::function<bool()>>> stops_;  // (the op it stands before, its check)
     std::vector<std::pair<std::vector<int64_t>, at::ScalarType>> specs_;
@@ -397,7 +340,6 @@ void bind_program(py::module& m) {
         .def("paged_decode", [](P& p, Tensor q, Tensor cache, Tensor tables, Tensor lens, int64_t heads, int64_t window,
                                 double scale, Tensor out, int64_t amx_rows, bool batch_invariant) {
             p.add([=] { paged_decode(q, cache, tables, lens, heads, window, scale, out, amx_rows, batch_invariant); });
-            p.reads_kv(cache, tables, lens, window);
         })
         // ATen ops, as the Python-bound forms call them (torch's int4 GEMM for steps of a few rows)
         .def("int4_mm", [](P& p, Tensor x, Tensor w, int64_t group, Tensor scale_zero, Tensor out) {

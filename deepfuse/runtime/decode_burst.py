@@ -6,9 +6,9 @@ scheduler, the fill's views, the executor's layout lookup and the take run once 
 at batch 1 on a 2-core CPU they are most of a decode step's ~0.2 ms of host time.
 
 A step bursts when every running request decodes one natively sampled token (no drafts, no
-logprobs, no host sampling, none waiting for admission) and there are blocks for all k positions
-of every one (reserved unnamed; the take names those its tokens filled). k is
-cut to the fewest tokens any request has left (max_tokens). The tokens are those of k steps run
+logprobs, no host sampling, none waiting for admission) and there are free blocks for all k
+positions of every one (none evicted from the prefix cache; reserved unnamed, the take names
+those its tokens filled). k is cut to the fewest tokens any request has left (max_tokens). The tokens are those of k steps run
 one by one (sampling keys depend on position only): the outputs do not change. What does: a
 request's tokens reach on_token k at a time; a request that ends inside a burst (a stop token
 or string, whichever comes first) leaves the steps after it computed and dropped, and the burst

@@ -178,32 +178,12 @@ class StepBuffers:
         last = self._decode
         if last is None or len(tokens) != len(last[1]):
             return False
-        s, bs = len(tokens), last[0].block_size
-        if s <= self.ROW_WRITES:  # memoryview stores, as _write_decode_rows
-            m, width = self._rows, self.max_blocks
-            positions, tables = m["positions"], m["block_tables"]
-            if any((positions[i] + 1) // bs >= len(chunk[0]) for i, chunk in enumerate(last[1])):
-                return False
-            self._decode = None  # until the step is written
-            for i, (tok, chunk) in enumerate(zip(tokens, last[1])):
-                p = positions[i] + 1
-                m["tokens"][i], positions[i] = tok, p
-                m["slot_mapping"][i] = tables[i * width + p // bs] * bs + p % bs
-                m["seq_lens"][i] = p + 1
-                m["seeds"][i] = sample_key(chunk[4], p + 1)
+        s = len(tokens)
+        if s <= self.ROW_WRITES:
+            positions = [p + 1 for p in self._rows["positions"][:s]]
         else:
-            b = self.np
-            pos = b["positions"][:s] + 1
-            if (pos // bs >= np.array([len(chunk[0]) for chunk in last[1]])).any():
-                return False
-            self._decode = None  # until the step is written
-            b["tokens"][:s] = tokens
-            b["positions"][:s] = pos
-            b["slot_mapping"][:s] = b["block_tables"][np.arange(s), pos // bs] * bs + pos % bs
-            b["seq_lens"][:s] = pos + 1
-            b["seeds"][:s] = sample_keys(last[2], pos + 1)
-        self._decode = last
-        return True
+            positions = self.np["positions"][:s] + 1
+        return self._write_decode(tokens, positions, last)
 
     def _next_decode(self, chunks: list[SeqChunk], cache: KVCache) -> bool:
         """Writes a decode step whose chunks are those of the last fill at any position their
@@ -213,40 +193,48 @@ class StepBuffers:
         last = self._decode
         if last is None or last[0] is not cache or len(cache.groups) != 1 or len(chunks) != len(last[1]):
             return False
-        bs = cache.block_size
         for c, (blocks, temperature, top_k, top_p, seed) in zip(chunks, last[1]):
-            if (len(c.tokens) != 1 or c.samples != 1 or c.replay_end or not 0 <= c.start // bs < len(blocks)
-                    or c.temperature != temperature or c.top_k != top_k or c.top_p != top_p or c.seed != seed
-                    or c.blocks != blocks):
+            if (len(c.tokens) != 1 or c.samples != 1 or c.replay_end or c.temperature != temperature
+                    or c.top_k != top_k or c.top_p != top_p or c.seed != seed or c.blocks != blocks):
                 return False
-        self._decode = None  # until the step is written (an interrupted one leaves the next a whole fill)
         s = len(chunks)
+        tokens = [c.tokens[0] for c in chunks]
         if s <= self.ROW_WRITES:
-            self._write_decode_rows(chunks, bs)
-            self._decode = last
-            return True
-        b = self.np
-        pos = np.fromiter((c.start for c in chunks), dtype=np.int64, count=s)
-        b["tokens"][:s] = [c.tokens[0] for c in chunks]
-        b["positions"][:s] = pos
-        b["slot_mapping"][:s] = b["block_tables"][np.arange(s), pos // bs] * bs + pos % bs
-        b["seq_lens"][:s] = pos + 1
-        b["seeds"][:s] = sample_keys(last[2], pos + 1)
+            positions = [c.start for c in chunks]
+        else:
+            positions = np.fromiter((c.start for c in chunks), dtype=np.int64, count=s)
+        return self._write_decode(tokens, positions, last)
+
+    def _write_decode(self, tokens: list[int], positions, last: tuple) -> bool:
+        """Writes a decode step of the last fill's sequences (`last`: its tables, sampling and
+        seeds), sequence i fed tokens[i] at positions[i]: tokens, positions, slots, seq_lens and
+        seeds. Up to ROW_WRITES sequences row by row (positions: a list), numpy beyond (positions:
+        int64[S]). False (nothing written) where a position lies outside its sequence's table."""
+        s, bs = len(tokens), last[0].block_size
+        if s <= self.ROW_WRITES:
+            if any(not 0 <= p // bs < len(chunk[0]) for p, chunk in zip(positions, last[1])):
+                return False
+            self._decode = None  # until the step is written (an interrupted one leaves the next a whole fill)
+            m, width = self._rows, self.max_blocks
+            tables = m["block_tables"]
+            for i, (tok, p, chunk) in enumerate(zip(tokens, positions, last[1])):
+                m["tokens"][i], m["positions"][i] = tok, p
+                m["slot_mapping"][i] = tables[i * width + p // bs] * bs + p % bs
+                m["seq_lens"][i] = p + 1
+                m["seeds"][i] = sample_key(chunk[4], p + 1)
+        else:
+            block = positions // bs
+            if ((block < 0) | (block >= np.array([len(chunk[0]) for chunk in last[1]]))).any():
+                return False
+            self._decode = None  # until the step is written
+            b = self.np
+            b["tokens"][:s] = tokens
+            b["positions"][:s] = positions
+            b["slot_mapping"][:s] = b["block_tables"][np.arange(s), block] * bs + positions % bs
+            b["seq_lens"][:s] = positions + 1
+            b["seeds"][:s] = sample_keys(last[2], positions + 1)
         self._decode = last
         return True
-
-    def _write_decode_rows(self, chunks: list[SeqChunk], bs: int) -> None:
-        """_next_decode's writes, one sequence at a time (the tables are the last fill's)."""
-        m, width = self._rows, self.max_blocks
-        tokens, positions, slots, seq_lens, seeds, tables = (
-            m["tokens"], m["positions"], m["slot_mapping"], m["seq_lens"], m["seeds"], m["block_tables"])
-        for i, c in enumerate(chunks):
-            p = c.start
-            tokens[i] = c.tokens[0]
-            positions[i] = p
-            slots[i] = tables[i * width + p // bs] * bs + p % bs
-            seq_lens[i] = p + 1
-            seeds[i] = sample_key(c.seed, p + 1)
 
     def _views(self, t: int, s: int, r: int, width: int, cache: KVCache) -> dict[str, torch.Tensor]:
         """The step's inputs as fresh views of the buffers (kernels key per-step work on the

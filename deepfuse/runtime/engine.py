@@ -323,16 +323,7 @@ class Engine:
                 new = ran.burst[i]
                 end = start + len(new)
             elif chunk.verify and chunk.samples > 1:
-                if first in drawn:  # drawn on the host: its rows up to the first draw that differs from its
-                    # draft, or up to a draft that completes its grammar (then every token is a kept draft)
-                    new = [drawn[r] for r in range(first, row) if r in drawn]
-                    accepted = len(new) - (new != chunk.tokens[1:1 + len(new)])
-                else:  # the step verified the drafts (spec_verify): its tokens are -1 after the first rejection
-                    new = [t for t in sampled[first:row] if t >= 0]
-                    accepted = len(new) - 1
-                req.spec.add(chunk.samples - 1, accepted)
-                self.spec_stats.add(chunk.samples - 1, accepted)
-                self.drafter.observe(req, chunk.samples - 1, accepted)
+                new, accepted = self._verified(ran, req, chunk, first, row)
                 end = start + 1 + accepted
             else:
                 if req.needs_prompt_rows:
@@ -371,6 +362,21 @@ class Engine:
                 on_token(req.request_id, tok)
         self._unreturned = []
         return finished
+
+    def _verified(self, ran: StepRun, req: Request, chunk: SeqChunk, first: int, row: int) -> tuple[list[int], int]:
+        """A verify chunk's new tokens (rows first .. row-1 of the step) and how many of its drafts
+        were accepted; counts the acceptance for the request, the engine and the drafter."""
+        if first in ran.drawn:  # drawn on the host: its rows up to the first draw that differs from its
+            # draft, or up to a draft that completes its grammar (then every token is a kept draft)
+            new = [ran.drawn[r] for r in range(first, row) if r in ran.drawn]
+            accepted = len(new) - (new != chunk.tokens[1:1 + len(new)])
+        else:  # the step verified the drafts (spec_verify): its tokens are -1 after the first rejection
+            new = [t for t in ran.sampled[first:row] if t >= 0]
+            accepted = len(new) - 1
+        req.spec.add(chunk.samples - 1, accepted)
+        self.spec_stats.add(chunk.samples - 1, accepted)
+        self.drafter.observe(req, chunk.samples - 1, accepted)
+        return new, accepted
 
     def _run_step(self) -> StepRun | None:
         """Drafts, schedules and runs one step (None when nothing is scheduled). It changes request

@@ -12,7 +12,16 @@ from deepfuse.runtime.engine import Engine, SamplingParams
 from deepfuse.runtime.kv_cache import CacheConfig
 from deepfuse.runtime.spec import SpecConfig
 from tests.runtime.test_interrupted_step import no_leaks
-from tests.runtime.test_overlap import EOS, PROMPTS, Letters, ending_params, outcome, same_prefix_cache
+from tests.runtime.test_overlap import (
+    EOS,
+    PROMPTS,
+    Letters,
+    ending_params,
+    llm_outcomes,
+    outcome,
+    same_prefix_cache,
+    smollm2_ending_requests,
+)
 
 
 @pytest.fixture(scope="module")
@@ -226,20 +235,11 @@ def test_smollm2_with_its_tokenizer_eos_and_stop_strings_in_bursts(smollm2_compi
     LLM's token ids, texts and finish reasons, the later steps of its bursts rerun."""
     from deepfuse import LLM
 
-    tok = smollm2_compiled.tokenizer
-    chat = [tok.encode(f"<|im_start|>user\n{q}<|im_end|>\n<|im_start|>assistant\n")
-            for q in ("Reply with the single word hello.", "Say yes once.")]
-    prompts = chat + [tok.encode("The three primary colors are")] * 2 + [tok.encode("Once upon a time")] * 2
-    params = [SamplingParams(temperature=0, max_tokens=16)] * 2 + [
-        SamplingParams(temperature=0, max_tokens=16, stop=["color model"]),
-        SamplingParams(temperature=0, max_tokens=16, stop=["RGB"], include_stop_str_in_output=True),
-        SamplingParams(temperature=0, max_tokens=5),
-        SamplingParams(temperature=0.8, top_p=0.95, seed=3, max_tokens=9)]
+    prompts, params = smollm2_ending_requests(smollm2_compiled.tokenizer)
     runs = {}
     for k in (1, 4):
         llm = LLM(smollm2_compiled, num_blocks=64, decode_steps=k)  # a small cache: quick to make
-        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-        runs[k] = [(c.token_ids, c.text, c.finish_reason, c.stop_reason) for c in (o.outputs[0] for o in outs)]
+        runs[k] = llm_outcomes(llm, prompts, params)
         if k > 1:
             assert llm.engine.stats.burst_steps > 0 and any(reruns) and all(reruns)
             no_leaks(llm.engine)

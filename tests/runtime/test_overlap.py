@@ -227,13 +227,9 @@ def test_llm_takes_overlap_and_the_sharded_engine_refuses_it():
         LLM("smollm2", tensor_parallel_size=2, overlap=True)
 
 
-def test_smollm2_with_its_tokenizer_eos_and_stop_strings_overlapped(smollm2_compiled):
-    """The real SmolLM2 (f32) and tokenizer through LLM(overlap=True): chat prompts that end at EOS,
-    a stop string (kept in the text and not), max_tokens and a seeded request give the
-    synchronous LLM's token ids, texts and finish reasons, with the decode steps launched ahead."""
-    from deepfuse import LLM
-
-    tok = smollm2_compiled.tokenizer
+def smollm2_ending_requests(tok) -> tuple[list[list[int]], list[SamplingParams]]:
+    """Six SmolLM2 requests that end each way: two chat prompts at EOS (after 5 and 13 greedy
+    tokens), stop strings kept in the text and not, max_tokens, and a seeded sampled one."""
     chat = [tok.encode(f"<|im_start|>user\n{q}<|im_end|>\n<|im_start|>assistant\n")
             for q in ("Reply with the single word hello.", "Say yes once.")]
     prompts = chat + [tok.encode("The three primary colors are")] * 2 + [tok.encode("Once upon a time")] * 2
@@ -242,11 +238,26 @@ def test_smollm2_with_its_tokenizer_eos_and_stop_strings_overlapped(smollm2_comp
         SamplingParams(temperature=0, max_tokens=16, stop=["RGB"], include_stop_str_in_output=True),
         SamplingParams(temperature=0, max_tokens=5),
         SamplingParams(temperature=0.8, top_p=0.95, seed=3, max_tokens=9)]
+    return prompts, params
+
+
+def llm_outcomes(llm, prompts: list[list[int]], params: list[SamplingParams]) -> list[tuple]:
+    """Each request's (token ids, text, finish reason, stop reason) from llm.generate."""
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return [(c.token_ids, c.text, c.finish_reason, c.stop_reason) for c in (o.outputs[0] for o in outs)]
+
+
+def test_smollm2_with_its_tokenizer_eos_and_stop_strings_overlapped(smollm2_compiled):
+    """The real SmolLM2 (f32) and tokenizer through LLM(overlap=True): chat prompts that end at EOS,
+    a stop string (kept in the text and not), max_tokens and a seeded request give the
+    synchronous LLM's token ids, texts and finish reasons, with the decode steps launched ahead."""
+    from deepfuse import LLM
+
+    prompts, params = smollm2_ending_requests(smollm2_compiled.tokenizer)
     runs = {}
     for overlap in (False, True):
         llm = LLM(smollm2_compiled, num_blocks=64, overlap=overlap)  # a small cache: quick to make
-        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-        runs[overlap] = [(c.token_ids, c.text, c.finish_reason, c.stop_reason) for c in (o.outputs[0] for o in outs)]
+        runs[overlap] = llm_outcomes(llm, prompts, params)
         if overlap:
             assert llm.engine.stats.ahead_steps > 0
             no_leaks(llm.engine)

@@ -25,8 +25,8 @@
 // (a block's rows are then read front to back), a row and one kv head otherwise (batch 1).
 // The thread's next work item is prefetched into L2 while this one computes, a block of it per
 // block of this one: a step's time is mostly waiting on memory (the cache is far larger than
-// L3); see decode_avx512 for the measurements. In a step program each thread also warms its shares
-// of the next two ops' weights (team::warm, kWarmLines per tile and block): the kernel computes more
+// L3); see decode_avx512 for the measurements. In a step program each thread also warms its share
+// of the next op's weights (team::warm, kWarmLines per tile and block): the kernel computes more
 // than it reads, so those loads overlap its arithmetic.
 // bf16 rows in runs of at least `amx_rows` rows of one sequence (a verify chunk's, a prompt
 // chunk's) go to the AMX path (decode_amx.cpp), which reads each key and value once for all of
@@ -222,7 +222,7 @@ constexpr int64_t kSegment = 512;  // positions whose scores are held at once
 constexpr int64_t kAhead = 2;      // blocks prefetched ahead within an item
 constexpr int64_t kItemsAhead = 1;  // the work item whose blocks go to L2 while this one computes
 constexpr int64_t kMaxHeads = 16;   // query heads one work item may cover
-constexpr int64_t kWarmLines = 64;   // lines of the next ops' weights warmed per tile of scores and block of values
+constexpr int64_t kWarmLines = 32;   // lines of the next op's weights warmed per tile of scores and block of values
 
 // One row's `heads` heads from their `parts` spans, merged in order: src holds, per span and head,
 // the running max, the sum and D = 16 * DV unnormalised value sums; dst the heads' D outputs each.
@@ -417,7 +417,7 @@ static void decode_avx512(const T* q, const C* cache, const int64_t* tables, con
                         _mm512_storeu_ps(&score[kk * G + j][p0 - s0], sc);  // dead lanes: overwritten or never read
                     }
                 }
-                team::warm(kWarmLines);  // in a program: this thread's shares of the next ops' weights
+                team::warm(kWarmLines);  // in a program: this thread's share of the next op's weights
                 p0 += cnt;
             }
             const int64_t cnt = s1 - s0;

@@ -188,7 +188,7 @@ class StepProgram {
                 team::Lead lead(crew, omp_get_num_threads());
                 try {
                     for (size_t i = from; i < to && passed; ++i) {
-                        crew.warm_next(stream(i + 1, to), stream(i + 2, to));
+                        crew.warm_next(i + 1 < to && streams_[i + 1] ? &*streams_[i + 1] : nullptr);
                         passed = step(i);
                     }
                 } catch (...) {
@@ -200,10 +200,6 @@ class StepProgram {
         }
         if (error) std::rethrow_exception(error);
         return passed;
-    }
-
-    const team::Stream* stream(size_t i, size_t to) const {  // op i's weights, if it is in this team's run
-        return i < to && streams_[i] ? &*streams_[i] : nullptr;
     }
 
     void finish_profile(const std::vector<int64_t>& took) {  // the run's times, once it ended without throwing

@@ -14,12 +14,11 @@
 //   team::parallel_for(begin, end, grain, f)   f(chunk_begin, chunk_end) on each thread's chunk
 //   team::threads()                            the threads a parallel_for splits over
 //
-// A team's threads also warm the next ops' weights: the program names, before an op, the bytes
-// the two ops after it stream (Team::warm_next), and each thread pulls its own share of them (what
-// its chunks of those ops will read), the next op's first, toward its L2 while it waits for work
-// or for the others, and where a kernel that computes more than it reads calls team::warm() in
-// its loops (decode attention). A share warmed as the op after next carries on, not from its
-// start, once that op is the next.
+// A team's threads also warm the next op's weights: the program names, before an op, the bytes
+// the op after it streams (Team::warm_next), and each thread pulls its own share of them (what
+// its chunk of that op will read) toward its L2 while it waits for work or for the others, and
+// where a kernel that computes more than it reads calls team::warm() in its loops (decode
+// attention).
 //
 //   team::Team crew(omp_get_max_threads());   // one region's, shared by its threads
 //   #pragma omp parallel
@@ -52,29 +51,18 @@ struct Span {
     uintptr_t at = 0, end = 0;
 };
 
-constexpr int kAhead = 2;  // the ops whose weights a thread warms: the next, then the one after
-
-// The calling thread's shares of the next ops' weights not yet warmed (the next op's first), and
-// the warm_next call they came from
-struct Shares {
-    Span op[kAhead];
-};
-inline thread_local Shares warming;
+// The calling thread's share of the next op's weights not yet warmed, and the warm_next call it
+// came from
+inline thread_local Span warming;
 inline thread_local uint64_t warming_from = 0;
 
-// Prefetches up to `lines` more cache lines of the calling thread's shares into L2; false when
+// Prefetches up to `lines` more cache lines of the calling thread's share into L2; false when
 // none was left
 inline bool warm(int64_t lines) {
-    Shares& w = warming;
-    int k = 0;
-    while (w.op[k].at >= w.op[k].end)
-        if (++k == kAhead) return false;
-    for (int64_t i = 0; i < lines; ++i) {
-        _mm_prefetch(reinterpret_cast<const char*>(w.op[k].at), _MM_HINT_T1);
-        w.op[k].at += 64;
-        while (w.op[k].at >= w.op[k].end)
-            if (++k == kAhead) return true;
-    }
+    Span& w = warming;
+    if (w.at >= w.end) return false;
+    for (int64_t i = 0; i < lines && w.at < w.end; ++i, w.at += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(w.at), _MM_HINT_T1);
     return true;
 }
 
@@ -111,12 +99,22 @@ class Team {
     void open(int64_t size) noexcept { size_ = std::min<int64_t>(size, static_cast<int64_t>(next_.size())); }
     int64_t size() const { return size_; }
 
-    // thread 0, between jobs: each thread's shares of what the next two ops stream (nullptr:
-    // none), which its following jobs warm
-    void warm_next(const Stream* next, const Stream* after) {
+    // thread 0, between jobs: each thread's share of what the next op streams (nullptr: none),
+    // which its following jobs warm
+    void warm_next(const Stream* s) {
         static std::atomic<uint64_t> calls{0};  // tells a thread's later jobs of the same op from a new op's
         warm_from_ = calls.fetch_add(1, std::memory_order_relaxed) + 1;
-        for (int64_t t = 0; t < size_; ++t) next_[t] = Shares{{share(next, t), share(after, t)}};
+        for (int64_t t = 0; t < size_; ++t) {
+            next_[t] = Span{};
+            if (s == nullptr) continue;
+            const int64_t n = s->items, cuts = parts(n, s->grain, size_), step = (n + cuts - 1) / cuts;
+            const int64_t first = t * step;
+            if (first >= n) continue;
+            const int64_t from = first * s->item_bytes;
+            const int64_t to = std::min({s->bytes, (first + step) * s->item_bytes, from + kWarmBytes});
+            const uintptr_t base = reinterpret_cast<uintptr_t>(s->base);
+            next_[t] = Span{base + from, base + to};
+        }
     }
 
     // thread 0: [begin, end) in at::parallel_for's chunks, its own here, the others' on their
@@ -151,7 +149,7 @@ class Team {
             for (int64_t spins = 0; (e = epoch_.load(std::memory_order_acquire)) == seen;) idle(spins);
             seen = e;
             if (closed_) {
-                warming = Shares{};
+                warming = Span{};
                 return;
             }
             work(tid);
@@ -166,24 +164,9 @@ class Team {
     }
 
   private:
-    // thread t's share of what `s` streams (empty for none), at most kWarmBytes
-    Span share(const Stream* s, int64_t t) const {
-        if (s == nullptr) return Span{};
-        const int64_t n = s->items, cuts = parts(n, s->grain, size_), step = (n + cuts - 1) / cuts;
-        const int64_t first = t * step;
-        if (first >= n) return Span{};
-        const int64_t from = first * s->item_bytes;
-        const int64_t to = std::min({s->bytes, (first + step) * s->item_bytes, from + kWarmBytes});
-        const uintptr_t base = reinterpret_cast<uintptr_t>(s->base);
-        return Span{base + from, base + to};
-    }
-
     void work(int64_t tid) {
-        if (warming_from != warm_from_) {  // the first job of an op: its thread's shares of the next ops' weights
-            Shares fresh = tid < static_cast<int64_t>(next_.size()) ? next_[tid] : Shares{};
-            const Span was = warming.op[1];  // the op after next's share, as far as it was warmed
-            if (fresh.op[0].end == was.end && fresh.op[0].at < was.at) fresh.op[0].at = was.at;
-            warming = fresh;
+        if (warming_from != warm_from_) {  // the first job of an op: its thread's share of the next op's weights
+            warming = tid < static_cast<int64_t>(next_.size()) ? next_[tid] : Span{};
             warming_from = warm_from_;
         }
         const int64_t b = begin_ + tid * step_;
@@ -206,7 +189,7 @@ class Team {
     alignas(64) bool running_ = false;  // thread 0 is in its chunk (a nested call runs inline)
     std::atomic<bool> failed_{false};
     std::exception_ptr error_;
-    std::vector<Shares> next_;  // by thread (capacity): its shares of the next ops' weights
+    std::vector<Span> next_;  // by thread (capacity): its share of the next op's weights
 };
 
 // The team the calling thread leads, if any
@@ -221,7 +204,7 @@ class Lead {
     }
     ~Lead() {
         led = outer_;
-        warming = Shares{};
+        warming = Span{};
         crew_.close();
     }
     Lead(const Lead&) = delete;

@@ -516,7 +516,7 @@ static int64_t heads_per_item(int64_t n, int64_t g, int64_t hkv) {
 // spans of at least 128 positions, SmolLM2 was 0.91x at 256: commit 5cb0334, no result file kept).
 // A row's result depends on its spans (the merge rounds differently), so split is off where a
 // request's tokens must not depend on its batch, and for f32 rows (see decode).
-constexpr int64_t kMinSpanWork = 1 << 12;
+constexpr int64_t kMinSpanWork = 1 << 16;
 static int64_t position_parts(bool split, int64_t n, int64_t items, const int64_t* lens, const int64_t* rows, int64_t window,
                               int64_t work_per_position) {
     const int64_t threads = team::threads();

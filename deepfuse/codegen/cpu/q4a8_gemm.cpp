@@ -48,7 +48,6 @@ namespace {
 constexpr int64_t kCols = 16, kGroup = 32, kBlock = 320;  // columns per panel, k per group, bytes per block
 constexpr int kRows = 4;                                   // rows per micro-tile
 constexpr int64_t kPrefetchGroups = 2;                     // decode tiles: blocks prefetched this many groups ahead
-constexpr int64_t kWarmPerGroup = 8;                       // decode tiles: lines of the next op's weights warmed per group
 constexpr int64_t kChunkBytes = 256 << 10;                 // weight bytes swept per row block
 
 #if DEEPFUSE_Q4A8
@@ -80,7 +79,7 @@ static inline __m512i broadcast4(const int8_t* p) {
 // R rows, `cols` valid columns from the first panel's first.
 template <typename T, int R, int P>
 void micro(const int8_t* q, int64_t ldq, const float* d, const float* s, int64_t groups, const uint8_t* w,
-           int64_t stride, T* y, int64_t ldy, int64_t cols, team::Span& ahead) {
+           int64_t stride, T* y, int64_t ldy, int64_t cols) {
     __m512 f[R][P];
     for (int r = 0; r < R; ++r)
         for (int p = 0; p < P; ++p) f[r][p] = _mm512_setzero_ps();
@@ -93,9 +92,6 @@ void micro(const int8_t* q, int64_t ldq, const float* d, const float* s, int64_t
                     const uintptr_t at = reinterpret_cast<uintptr_t>(w) + p * stride + (g + kPrefetchGroups) * kBlock + line;
                     _mm_prefetch(reinterpret_cast<const char*>(at), _MM_HINT_T0);
                 }
-        if constexpr (R <= 2)  // in a step program: this thread's share of the next op's weights, toward L2
-            for (int64_t i = 0; i < kWarmPerGroup && ahead.at < ahead.end; ++i, ahead.at += 64)
-                _mm_prefetch(reinterpret_cast<const char*>(ahead.at), _MM_HINT_T1);
         __m512i a[R][P];
         for (int r = 0; r < R; ++r)
             for (int p = 0; p < P; ++p) a[r][p] = _mm512_setzero_si512();
@@ -142,7 +138,7 @@ void micro(const int8_t* q, int64_t ldq, const float* d, const float* s, int64_t
 
 template <typename T>
 using MicroFn = void (*)(const int8_t*, int64_t, const float*, const float*, int64_t, const uint8_t*, int64_t, T*,
-                         int64_t, int64_t, team::Span&);
+                         int64_t, int64_t);
 
 // The widest micro-tile for `rows` rows (1..kRows) that `left` (>= 1) panels fill: its function,
 // and its width in panels. One row reads 8 panels at once: each panel is its own run of memory,
@@ -195,7 +191,6 @@ void gemm(Row row, int64_t m, int64_t k, const uint8_t* blocks, int64_t nb, int6
         for (int64_t r = 0; r < m; ++r)
             quantize_row(row(r, buf.data(), p0 == 0), k, qa.q.data() + r * k, qa.d.data() + r * groups,
                          qa.s.data() + r * groups);
-        team::Span& ahead = team::warming;  // the thread's share of the next op's weights (empty outside a program)
         const int64_t b0 = 2 * p0, b1 = std::min(nb, 2 * p1);
         for (int64_t c0 = b0; c0 < b1; c0 += chunk) {  // a chunk of panels stays in L2 across the row blocks
             const int64_t c1 = std::min(b1, c0 + chunk);
@@ -205,7 +200,7 @@ void gemm(Row row, int64_t m, int64_t k, const uint8_t* blocks, int64_t nb, int6
                     const auto [fn, w] = widest<T>(rows, c1 - b);
                     width = w;
                     fn(qa.q.data() + m0 * k, k, qa.d.data() + m0 * groups, qa.s.data() + m0 * groups, groups,
-                       blocks + b * stride, stride, y + m0 * ldy + b * kCols, ldy, n - b * kCols, ahead);
+                       blocks + b * stride, stride, y + m0 * ldy + b * kCols, ldy, n - b * kCols);
                 }
             }
         }

@@ -59,7 +59,7 @@ def test_attention_rows_do_not_depend_on_chunking_or_company(native, dtype, d, w
 
 
 def test_int4_projection_rows_do_not_depend_on_the_row_count(native):
-    from deepfuse.codegen.cpu.kernels import Q4Weights, q4_linear
+    from deepfuse.codegen.cpu.packed_weights import Q4Weights, q4_linear
 
     if not native.bf16_gemm_available():
         pytest.skip("neither AMX nor AVX512-BF16 on this machine: bf16 batch invariance is refused here")

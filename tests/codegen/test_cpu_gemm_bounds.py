@@ -103,7 +103,7 @@ def test_q4a8_gemm_writes_only_its_out(native, form, dtypes):
 def test_bf16_gemms_write_only_their_out(native, amx):
     if not native.bf16_gemm_available():
         pytest.skip("neither AMX nor AVX512-BF16 on this CPU")
-    from deepfuse.codegen.cpu.kernels import pack_q4_vnni
+    from deepfuse.codegen.cpu.packed_weights import pack_q4_vnni
 
     k = 96
     for rows, n in [*CASES, (37, 40), (37, 136)]:  # 37: a whole 32-row block of AMX tiles and a ragged one

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from deepfuse.codegen.cpu.kernels import PanelWeight, packed_linear, prepack_linear_weight
+from deepfuse.codegen.cpu.packed_weights import PanelWeight, packed_linear, prepack_linear_weight
 
 
 @pytest.mark.parametrize("n,k", [(50, 37), (48, 64), (16, 1), (1, 8), (200, 96)])
@@ -122,7 +122,7 @@ def int4_weight(n: int, k: int):
 def test_int4_gemm_is_the_dense_gemm_of_the_dequantized_weight(bf16, use_amx, m, n, k):
     """q4_gemm dequantizes to exactly the dense copy's bf16 values (q * scale + min, rounded
     twice as torch does), so its result is the dense bf16 GEMM's, bit for bit, on either path."""
-    from deepfuse.codegen.cpu.kernels import pack_q4_vnni
+    from deepfuse.codegen.cpu.packed_weights import pack_q4_vnni
     from deepfuse.ir.opdefs_quant import dequantize_q4
 
     torch.manual_seed(m)
@@ -137,7 +137,7 @@ def test_int4_gemm_is_the_dense_gemm_of_the_dequantized_weight(bf16, use_amx, m,
 
 
 def test_int4_gemm_refuses_mismatched_operands(bf16):
-    from deepfuse.codegen.cpu.kernels import pack_q4_vnni
+    from deepfuse.codegen.cpu.packed_weights import pack_q4_vnni
 
     nibbles, scales, mins = pack_q4_vnni(*int4_weight(40, 64))
     with pytest.raises(RuntimeError, match="pack_q4_vnni"):
@@ -151,7 +151,7 @@ def test_int4_gemm_refuses_mismatched_operands(bf16):
 def test_int4_projection_keeps_no_dense_copy(bf16):
     """bf16 int4 weights run in the native int4 GEMM above torch's int4 GEMM's rows, with no
     dense bf16 copy in memory; the result equals the dense path's."""
-    from deepfuse.codegen.cpu.kernels import Q4Panels, Q4Weights, q4_linear
+    from deepfuse.codegen.cpu.packed_weights import Q4Panels, Q4Weights, q4_linear
     from deepfuse.ir.opdefs_quant import dequantize_q4
 
     packed, scales, mins = int4_weight(48, 64)

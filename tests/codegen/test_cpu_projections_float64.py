@@ -28,8 +28,9 @@ import numpy as np
 import pytest
 import torch
 
-from deepfuse.codegen.cpu.kernels import PanelWeight, Q4Weights, make_kernel, prepack_for, writes_in_place
+from deepfuse.codegen.cpu.kernels import make_kernel, prepack_for
 from deepfuse.codegen.cpu.out_kernels import OUT_FACTORIES
+from deepfuse.codegen.cpu.packed_weights import PanelWeight, Q4Weights, writes_in_place
 
 U = {torch.float32: 2.0 ** -24, torch.bfloat16: 2.0 ** -8}
 F32_U = 2.0 ** -24

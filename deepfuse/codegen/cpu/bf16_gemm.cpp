@@ -7,7 +7,7 @@
 //   bf16_gemm(x [M, K], panels, N, out, amx) -> y [M, N] = x @ w^T in bf16, f32 accumulation (into out
 //       when given); amx false: the vector path even where AMX is available (tests run both)
 //   q4_gemm(x [M, K], nibbles, scales, mins, N, out, amx) -> the same over an int4 weight (groups of 32
-//       along K, w = q * scale + min) packed by kernels.pack_q4_vnni: nibbles u8 [N/16, K/32, 256] (a
+//       along K, w = q * scale + min) packed by packed_weights.pack_q4_vnni: nibbles u8 [N/16, K/32, 256] (a
 //       tile's 16 x 32 values in VNNI order, two a byte), scales and mins f32 [N/16, K/32, 16]. Panels
 //       are dequantized to bf16 (the dense copy's values exactly) once per call, a ~512 KB chunk at
 //       a time into a per-thread buffer that every 32-row block then reads: memory traffic is a

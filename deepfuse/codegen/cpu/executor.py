@@ -14,9 +14,10 @@ from ...errors import DeepfuseError
 from ...inference_mode import inference_mode
 from ...ir import DTYPES
 from .bound import BoundPrefix, StepBinder, layout_key
-from .kernels import Q4Weights, can_prepack, make_kernel, prepack_for, writes_in_place
+from .kernels import make_kernel, prepack_for
 from .native import kernels as native_kernels
 from .out_kernels import OUT_FACTORIES
+from .packed_weights import Q4Weights, can_prepack, writes_in_place
 
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
 
@@ -121,7 +122,7 @@ class CpuExecutor:
     """plan: see plan.py; weights: the final graph's params by name. prepack: pack
     projection weights once at load (f32: the native kernel's panels; bf16: VNNI panels for
     the native kernel (AMX or AVX512-BF16), else oneDNN's blocked layout, as for f16; int4 weights: torch's
-    int4 layout plus a dense copy, see kernels.Q4Weights).
+    int4 layout plus a dense copy, see packed_weights.Q4Weights).
     use_buffers: launches whose op has an out-kernel (out_kernels.py) and whose outputs all
     have a planned buffer write into the step buffers instead of allocating.
     A plan with "batch_invariant" runs one kernel per op for every batch shape (see

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from .kernels import PanelWeight, Q4Panels, Q4Weights
 from .native import kernels as native_kernels
+from .packed_weights import PanelWeight, Q4Panels, Q4Weights
 from .program import NativeOp, aten_op, native_op
 from .row_kernels import NORM_DTYPES
 

@@ -21,7 +21,8 @@ from . import native_binds
 from . import q4a8_kernels as q4a8
 from .bound import Bound, bind_as_is
 from .generated_build import make_generated
-from .kernels import FACTORIES, Kernel, PanelWeight, Q4Weights, factory, q4_linear
+from .kernels import FACTORIES, Kernel, factory
+from .packed_weights import PanelWeight, Q4Weights, q4_linear
 from .program import aten_op
 from .q4a8_kernels import native_linear as native_q4a8
 from .q4a8_kernels import q4a8_linear
@@ -68,8 +69,8 @@ def native_bind(native: Callable[..., Callable[[], object] | None], *tail) -> Ca
 
 
 def mm_into(x: torch.Tensor, w: torch.Tensor | PanelWeight | Q4Weights, out: torch.Tensor) -> None:
-    """out[T,N] = x[T,K] @ w[N,K]^T; w dense f32, native panels (kernels.PanelWeight) or int4
-    (kernels.Q4Weights)."""
+    """out[T,N] = x[T,K] @ w[N,K]^T; w dense f32, native panels (packed_weights.PanelWeight) or int4
+    (packed_weights.Q4Weights)."""
     if isinstance(w, Q4Weights):
         q4_linear(x, w, out)
     elif isinstance(w, PanelWeight):

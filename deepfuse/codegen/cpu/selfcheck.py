@@ -188,7 +188,7 @@ def _bf16_gemm(m, g, amx: bool):
 
 def _q4_gemm(m, g, amx: bool):
     from ...ir.opdefs_quant import dequantize_q4
-    from .kernels import pack_q4_vnni
+    from .packed_weights import pack_q4_vnni
 
     n, k = 40, 96
     packed = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=g)

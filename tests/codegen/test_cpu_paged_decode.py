@@ -110,7 +110,7 @@ def test_cpu_step_is_the_same_with_and_without_the_native_kernel(native, tiny_mo
     with the native kernels (decode attention, f32 panel GEMMs) and with the torch ops they
     replace."""
     import deepfuse
-    from deepfuse.codegen.cpu import attention, kernels, row_kernels
+    from deepfuse.codegen.cpu import attention, packed_weights, row_kernels
     from deepfuse.runtime.engine import Engine, SamplingParams
 
     art = deepfuse.compile(tiny_model)
@@ -118,7 +118,7 @@ def test_cpu_step_is_the_same_with_and_without_the_native_kernel(native, tiny_mo
     params = [SamplingParams(temperature=0, max_tokens=12, logprobs=2)] * 3
     with_native = Engine(art).generate(prompts, params)
     monkeypatch.setattr(attention, "native_kernels", lambda: None)
-    monkeypatch.setattr(kernels, "native_kernels", lambda: None)
+    monkeypatch.setattr(packed_weights, "native_kernels", lambda: None)  # the panel GEMMs'
     monkeypatch.setattr(row_kernels, "native_kernels", lambda: None)  # the norms'
     plain = Engine(deepfuse.compile(tiny_model)).generate(prompts, params)
     assert [o.outputs[0].token_ids for o in with_native] == [o.outputs[0].token_ids for o in plain]

@@ -313,13 +313,14 @@ class Engine:
         finished, row = [], 0
         self._unreturned = finished  # come back from the next step() if on_token raises in this one
         sampled, drawn, lps, now = ran.sampled, ran.drawn, ran.logprobs, ran.time
+        burst = ran.burst is not None  # a decode burst: each request's steps' tokens, one position each
         for i, ((req, n), chunk) in enumerate(zip(ran.scheduled, ran.chunks)):
             first, row = row, row + chunk.samples
             if req.finish:  # aborted by an on_token callback earlier in this step, or (overlap) before it
                 continue
             start = req.computed
             req.draft = []
-            if ran.burst is not None:  # a decode burst: its steps' tokens, one position each
+            if burst:
                 new = ran.burst[i]
                 end = start + len(new)
             elif chunk.verify and chunk.samples > 1:
@@ -331,7 +332,7 @@ class Engine:
                 first = row - 1  # the chunk's last row samples its next token
                 end = start + n
                 new = [drawn.get(first, sampled[first])]
-            self.stats.tokens_computed += len(new) if ran.burst is not None else n  # (a burst's steps past a stop too)
+            self.stats.tokens_computed += len(new) if burst else n  # (a burst's steps past a stop too)
             mid_prompt = end < len(req.tokens)  # its sample is not a real token
             if not mid_prompt:
                 if self.keep_hidden:  # the state an MTP head drafts from: the row that sampled the last new token
@@ -343,13 +344,15 @@ class Engine:
                     if req.finish:
                         new = new[:j + 1]
                         break
-            if ran.burst is not None:  # computed: the positions before its last token (one that ended inside
-                # the burst leaves the later steps' KV as a stop leaves a step's: never computed)
+            if burst:  # computed: the positions before its last token (one that ended inside the burst
+                # leaves the later steps' KV as a stop leaves a step's: never computed); the blocks its
+                # tokens filled, reserved unnamed, get their names
                 end = start + len(new)
-            req.computed = end
-            if ran.burst is not None:  # the blocks its tokens filled, reserved unnamed, get their names
+                req.computed = end
                 self.kv.allocate(req.kv, req.tokens, end)
                 self.kv.commit()
+            else:
+                req.computed = end
             self.stats.prompt_tokens_computed += max(0, min(end, len(req.prompt)) - start)
             self.kv.computed(req.kv, end)
             if mid_prompt:

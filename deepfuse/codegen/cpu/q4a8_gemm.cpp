@@ -92,23 +92,39 @@ void micro(const int8_t* q, int64_t ldq, const float* d, const float* s, int64_t
                     const uintptr_t at = reinterpret_cast<uintptr_t>(w) + p * stride + (g + kPrefetchGroups) * kBlock + line;
                     _mm_prefetch(reinterpret_cast<const char*>(at), _MM_HINT_T0);
                 }
-        // a: the low nibbles' dots; b: the high nibbles' dots from the bytes masked to 0xF0 (16 x the
-        // nibble, at most 240: still an unsigned byte), so 16 x their dot, exactly (no shift per load)
-        __m512i a[R][P], b[R][P];
-        for (int r = 0; r < R; ++r)
-            for (int p = 0; p < P; ++p) a[r][p] = b[r][p] = _mm512_setzero_si512();
+        // a: the nibbles' dots. A lone row (decode) dots its high nibbles from the bytes masked to
+        // 0xF0 (16 x the nibble, at most 240: still an unsigned byte) into sums of their own, b, 16 x
+        // their dot exactly, divided once per group: no shift per load. Wider tiles share each
+        // unpacked vector across their rows, so the shift is paid once for all of them, and the
+        // extra sums would not fit the registers.
+        __m512i a[R][P], b[P];
+        for (int p = 0; p < P; ++p) {
+            b[p] = _mm512_setzero_si512();
+            for (int r = 0; r < R; ++r) a[r][p] = _mm512_setzero_si512();
+        }
         for (int v = 0; v < 4; ++v) {
-            __m512i xl[R], xh[R];
-            for (int r = 0; r < R; ++r) {
-                const int8_t* qr = q + r * ldq + g * kGroup + 4 * v;
-                xl[r] = broadcast4(qr), xh[r] = broadcast4(qr + 16);
-            }
-            for (int p = 0; p < P; ++p) {
-                const __m512i nib = _mm512_loadu_si512(w + p * stride + g * kBlock + 64 * v);
-                const __m512i lo = _mm512_and_si512(nib, low), hi16 = _mm512_and_si512(nib, high);
+            if constexpr (R == 1) {
+                const int8_t* qr = q + g * kGroup + 4 * v;
+                const __m512i xl = broadcast4(qr), xh = broadcast4(qr + 16);
+                for (int p = 0; p < P; ++p) {
+                    const __m512i nib = _mm512_loadu_si512(w + p * stride + g * kBlock + 64 * v);
+                    a[0][p] = _mm512_dpbusd_epi32(a[0][p], _mm512_and_si512(nib, low), xl);
+                    b[p] = _mm512_dpbusd_epi32(b[p], _mm512_and_si512(nib, high), xh);
+                }
+            } else {
+                __m512i lo[P], hi[P];
+                for (int p = 0; p < P; ++p) {
+                    const __m512i nib = _mm512_loadu_si512(w + p * stride + g * kBlock + 64 * v);
+                    lo[p] = _mm512_and_si512(nib, low);
+                    hi[p] = _mm512_and_si512(_mm512_srli_epi16(nib, 4), low);
+                }
                 for (int r = 0; r < R; ++r) {
-                    a[r][p] = _mm512_dpbusd_epi32(a[r][p], lo, xl[r]);
-                    b[r][p] = _mm512_dpbusd_epi32(b[r][p], hi16, xh[r]);
+                    const int8_t* qr = q + r * ldq + g * kGroup + 4 * v;
+                    const __m512i xl = broadcast4(qr), xh = broadcast4(qr + 16);
+                    for (int p = 0; p < P; ++p) {
+                        a[r][p] = _mm512_dpbusd_epi32(a[r][p], lo[p], xl);
+                        a[r][p] = _mm512_dpbusd_epi32(a[r][p], hi[p], xh);
+                    }
                 }
             }
         }
@@ -118,7 +134,8 @@ void micro(const int8_t* q, int64_t ldq, const float* d, const float* s, int64_t
             const __m512 min = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 288)));
             for (int r = 0; r < R; ++r) {
                 const __m512 sd = _mm512_mul_ps(scale, _mm512_set1_ps(d[r * groups + g]));
-                const __m512i dot = _mm512_add_epi32(a[r][p], _mm512_srai_epi32(b[r][p], 4));  // b / 16: exact
+                __m512i dot = a[r][p];
+                if constexpr (R == 1) dot = _mm512_add_epi32(dot, _mm512_srai_epi32(b[p], 4));  // b / 16: exact
                 f[r][p] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), sd, f[r][p]);
                 f[r][p] = _mm512_fmadd_ps(min, _mm512_set1_ps(s[r * groups + g]), f[r][p]);
             }

@@ -222,7 +222,7 @@ constexpr int64_t kSegment = 512;  // positions whose scores are held at once
 constexpr int64_t kAhead = 2;      // blocks prefetched ahead within an item
 constexpr int64_t kItemsAhead = 1;  // the work item whose blocks go to L2 while this one computes
 constexpr int64_t kMaxHeads = 16;   // query heads one work item may cover
-constexpr int64_t kWarmLines = 16;   // lines of the next op's weights warmed per tile of scores and block of values
+constexpr int64_t kWarmLines = 32;   // lines of the next op's weights warmed per tile of scores and block of values
 
 // One row's `heads` heads from their `parts` spans, merged in order: src holds, per span and head,
 // the running max, the sum and D = 16 * DV unnormalised value sums; dst the heads' D outputs each.

@@ -222,6 +222,37 @@ def test_an_op_that_raises_mid_run_leaves_the_program_runnable(native):
     assert status == 0 and torch.equal(got, x[[2, 0]])
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.int64])
+def test_a_programs_row_gathers_copy_the_rows_index_select_picks(native, dtype):
+    """index_select and index_select_to in a program (a native row copy for a contiguous table
+    and int64 ids; ATen's otherwise) give torch.index_select's rows: repeated ids, a table of
+    more than two dims, and a strided table."""
+    torch.manual_seed(0)
+    table = (torch.randn(50, 3, 4) * 100).to(dtype)
+    ids = torch.tensor([7, 0, 49, 7, 12])
+    strided = table[::2]  # not contiguous: ATen's index_select
+    prog = native.StepProgram()
+    into, into_strided = torch.empty(5, 3, 4, dtype=dtype), torch.empty(5, 3, 4, dtype=dtype)
+    prog.index_select(table, ids, into)
+    prog.index_select(strided, ids % 25, into_strided)
+    slot = prog.output([5, 3, 4], dtype)
+    prog.index_select_to(table, ids, slot)
+    status, (got,) = prog.run_step()
+    assert status == 0
+    assert torch.equal(into, torch.index_select(table, 0, ids)) and torch.equal(got, into)
+    assert torch.equal(into_strided, torch.index_select(strided, 0, ids % 25))
+
+
+@pytest.mark.parametrize("bad", [50, -1])
+def test_a_row_gather_refuses_an_id_outside_the_table_before_copying_any(native, bad):
+    table, out = torch.arange(100.0).view(50, 2), torch.full((3, 2), -5.0)
+    prog = native.StepProgram()
+    prog.index_select(table, torch.tensor([1, 2, bad]), out)
+    with pytest.raises(RuntimeError, match=f"index {bad} is out of range for 50 rows"):
+        prog.run()
+    assert torch.equal(out, torch.full((3, 2), -5.0))  # the good rows before it were not copied either
+
+
 def test_a_profiled_program_times_each_op_in_order(native):
     """profile(True): each op's nanoseconds over the runs since (the big add, ~2,000x the work of
     the small index_select, takes longer, whichever order they stand in); Segments names them in
@@ -287,7 +318,7 @@ def test_a_programs_native_ops_fork_to_its_team_as_at_parallel_for_splits(native
     copied, teamed = torch.empty(n, dtype=torch.int64), torch.full((4,), -1)
     for k in range(3):  # a run of three: one team
         prog.thread_map(grain, maps[k], teamed=teamed[k:k + 1])
-    prog.index_select(maps[0], torch.arange(n), copied)  # ATen: outside any team
+    prog.add(maps[0], torch.zeros(n, dtype=torch.int64), copied)  # ATen: outside any team
     prog.thread_map(grain, maps[3], teamed=teamed[3:])  # a run of one: no team
     assert prog.run()
     assert all(m.tolist() == want for m in maps) and eager.tolist() == copied.tolist() == want

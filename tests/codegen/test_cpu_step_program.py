@@ -225,22 +225,25 @@ def test_an_op_that_raises_mid_run_leaves_the_program_runnable(native):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.int64])
 def test_a_programs_row_gathers_copy_the_rows_index_select_picks(native, dtype):
     """index_select and index_select_to in a program (a native row copy for a contiguous table
-    and int64 ids; ATen's otherwise) give torch.index_select's rows: repeated ids, a table of
-    more than two dims, and a strided table."""
+    and out and int64 ids; ATen's otherwise) give torch.index_select's rows: repeated ids, a table
+    of more than two dims, a strided table, a strided out."""
     torch.manual_seed(0)
     table = (torch.randn(50, 3, 4) * 100).to(dtype)
     ids = torch.tensor([7, 0, 49, 7, 12])
     strided = table[::2]  # not contiguous: ATen's index_select
     prog = native.StepProgram()
     into, into_strided = torch.empty(5, 3, 4, dtype=dtype), torch.empty(5, 3, 4, dtype=dtype)
+    strided_out = torch.zeros(5, 3, 8, dtype=dtype)[..., ::2]  # ATen's too
     prog.index_select(table, ids, into)
     prog.index_select(strided, ids % 25, into_strided)
+    prog.index_select(table, ids, strided_out)
     slot = prog.output([5, 3, 4], dtype)
     prog.index_select_to(table, ids, slot)
     status, (got,) = prog.run_step()
     assert status == 0
     assert torch.equal(into, torch.index_select(table, 0, ids)) and torch.equal(got, into)
     assert torch.equal(into_strided, torch.index_select(strided, 0, ids % 25))
+    assert torch.equal(strided_out, into)
 
 
 @pytest.mark.parametrize("bad", [50, -1])
@@ -251,6 +254,19 @@ def test_a_row_gather_refuses_an_id_outside_the_table_before_copying_any(native,
     with pytest.raises(RuntimeError, match=f"index {bad} is out of range for 50 rows"):
         prog.run()
     assert torch.equal(out, torch.full((3, 2), -5.0))  # the good rows before it were not copied either
+    prog = native.StepProgram()  # into a slot: the same native copy
+    prog.index_select_to(table, torch.tensor([0, bad]), prog.output([2, 2], torch.float32))
+    with pytest.raises(RuntimeError, match=f"index {bad} is out of range for 50 rows"):
+        prog.run_step()
+
+
+def test_a_row_gather_into_its_own_table_is_refused(native):
+    table = torch.arange(20.0).view(10, 2)
+    prog = native.StepProgram()
+    prog.index_select(table, torch.tensor([5, 6]), table[:2])
+    with pytest.raises(RuntimeError, match="out overlaps the table"):
+        prog.run()
+    assert torch.equal(table, torch.arange(20.0).view(10, 2))
 
 
 def test_a_profiled_program_times_each_op_in_order(native):

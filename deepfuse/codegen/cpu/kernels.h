@@ -48,8 +48,9 @@ torch::Tensor swiglu(const torch::Tensor& x, std::optional<torch::Tensor> out);
 void rope_cache(const torch::Tensor& qkv, const torch::Tensor& pos, const torch::Tensor& cos, const torch::Tensor& sin,
                 torch::Tensor cache, const torch::Tensor& slots, int64_t num_heads, torch::Tensor q_out,
                 torch::Tensor k_out);
-bool gathers_rows(const torch::Tensor& table, const torch::Tensor& ids, at::ScalarType out_dtype);
-void gather_rows(const torch::Tensor& table, const torch::Tensor& ids, const torch::Tensor& out);
+bool selects_rows(const torch::Tensor& table, const torch::Tensor& ids, at::ScalarType out_dtype,
+                  at::IntArrayRef out_sizes);
+void select_rows(const torch::Tensor& table, const torch::Tensor& ids, const torch::Tensor& out);
 torch::Tensor argmax(const torch::Tensor& x, std::optional<torch::Tensor> out);
 int64_t argmax_row(const float* x, int64_t v);  // one row of argmax (sample.cpp's greedy rows)
 bool sample_available();

@@ -98,6 +98,7 @@ class StepProgram {
         TORCH_CHECK(sizes.vec() == specs_[k].first, "StepProgram: slot ", k, " is ", at::IntArrayRef(specs_[k].first), ", not ", sizes);
     }
     at::ScalarType slot_dtype(int64_t k) const { return specs_[k].second; }
+    at::IntArrayRef slot_sizes(int64_t k) const { return specs_[k].first; }
     void release_slots() { slots_->clear(); }  // the run's outputs are the caller's now
 
     // the run holds here unless every value of t (int64) is below limit
@@ -350,12 +351,12 @@ void bind_program(py::module& m) {
         .def("mm", [](P& p, Tensor x, Tensor w, Tensor out) {
             p.add([=]() mutable { at::mm_out(out, x, w.t()); }, false);
         })
-        // rows of a table: a native row copy where the tensors allow (gathers_rows), else ATen's.
+        // rows of a table: a native row copy where the tensors allow (selects_rows), else ATen's.
         // After a step's weights have streamed through the caches ATen's call took ~36 us to the
         // native one's ~14 (2-core Xeon, a one-op program after a 128 MB read; no result file)
         .def("index_select", [](P& p, Tensor table, Tensor ids, Tensor out) {
-            if (gathers_rows(table, ids, out.scalar_type()))
-                p.add([=] { gather_rows(table, ids, out); });
+            if (selects_rows(table, ids, out.scalar_type(), out.sizes()) && out.is_contiguous())
+                p.add([=] { select_rows(table, ids, out); });
             else
                 p.add([=]() mutable { at::index_select_out(out, table, 0, ids); }, false);
         })
@@ -363,8 +364,8 @@ void bind_program(py::module& m) {
         // ops into an output slot (a tensor of this run)
         .def("index_select_to", [](P& p, Tensor table, Tensor ids, int64_t to) {
             p.check_slot(to);
-            if (gathers_rows(table, ids, p.slot_dtype(to)))
-                p.add([=, s = p.slots()] { gather_rows(table, ids, (*s)[to]); });
+            if (selects_rows(table, ids, p.slot_dtype(to), p.slot_sizes(to)))  // a slot: a fresh contiguous tensor
+                p.add([=, s = p.slots()] { select_rows(table, ids, (*s)[to]); });
             else
                 p.add([=, s = p.slots()] { at::index_select_out((*s)[to], table, 0, ids); }, false);
         })

@@ -7,9 +7,9 @@
 //       slots; q_out and k_out get the rotated rows (f32 / bf16 rows; cos and sin f32; sin
 //       sign-folded: [-sin | sin], so rotate_half(x) * sin == swap_halves(x) * sin_folded); an int8
 //       cache [2, NB, BS, Hkv, hd + 4] gets each head's row quantized (quantize_kv_row)
-//   gather_rows(table [V, ...], ids [T] int64, out [T, ...])   out[t] = table[ids[t]] (index_select on
-//       dim 0), a row copy each, every id checked before any is copied; table and out contiguous
-//       and of one dtype (gathers_rows says whether a call may come here)
+//   select_rows(table [V, ...], ids [T] int64, out [T, ...])   out[t] = table[ids[t]] (index_select on
+//       dim 0), a row copy each, every id checked before any is copied; table and out contiguous,
+//       of one dtype, apart in memory (selects_rows says whether an out of this dtype and shape may)
 //   argmax(x [T, V] f32, out)                -> [T] int64 (into out if given), the first index of each row's largest
 //       value, a NaN counting as -inf (the sample op's greedy rule: torch.argmax of nan_to_num(x, nan=-inf))
 //
@@ -25,6 +25,7 @@
 #include <cstring>
 #include <limits>
 #include <type_traits>
+#include <vector>
 
 #include "row_ops.h"
 
@@ -215,24 +216,30 @@ void rope_cache(const torch::Tensor& qkv, const torch::Tensor& pos, const torch:
         run(qkv.data_ptr<c10::BFloat16>());
 }
 
-bool gathers_rows(const torch::Tensor& table, const torch::Tensor& ids, at::ScalarType out_dtype) {
-    return table.dim() >= 1 && table.is_contiguous() && ids.dim() == 1 && ids.scalar_type() == torch::kInt64 &&
-           ids.is_contiguous() && out_dtype == table.scalar_type();
+bool selects_rows(const torch::Tensor& table, const torch::Tensor& ids, at::ScalarType out_dtype,
+                  at::IntArrayRef out_sizes) {
+    if (table.dim() < 1 || !table.is_contiguous() || ids.dim() != 1 || ids.scalar_type() != torch::kInt64 ||
+        !ids.is_contiguous() || out_dtype != table.scalar_type())
+        return false;
+    std::vector<int64_t> want = table.sizes().vec();
+    want[0] = ids.numel();
+    return out_sizes == at::IntArrayRef(want);
 }
 
-void gather_rows(const torch::Tensor& table, const torch::Tensor& ids, const torch::Tensor& out) {
-    TORCH_CHECK(gathers_rows(table, ids, out.scalar_type()),
-                "gather_rows: a contiguous table, contiguous int64 ids [T] and an out of the table's dtype");
+void select_rows(const torch::Tensor& table, const torch::Tensor& ids, const torch::Tensor& out) {
+    TORCH_CHECK(selects_rows(table, ids, out.scalar_type(), out.sizes()) && out.is_contiguous(),
+                "select_rows: a contiguous table, contiguous int64 ids [T] and a contiguous out [T, ...] of the "
+                "table's dtype and row shape");
     const int64_t t = ids.numel(), v = table.size(0);
-    TORCH_CHECK(out.is_contiguous() && out.dim() == table.dim() && out.size(0) == t &&
-                    out.sizes().slice(1) == table.sizes().slice(1),
-                "gather_rows: out must be a contiguous [T, ...] with the table's row shape");
+    const char* src = static_cast<const char*>(table.data_ptr());
+    char* dst = static_cast<char*>(out.data_ptr());
+    const auto at = [](const void* p) { return reinterpret_cast<uintptr_t>(p); };
+    TORCH_CHECK(out.nbytes() == 0 || at(dst) + out.nbytes() <= at(src) || at(src) + table.nbytes() <= at(dst),
+                "select_rows: out overlaps the table");
     const int64_t* id = ids.data_ptr<int64_t>();
     for (int64_t i = 0; i < t; ++i)
         TORCH_CHECK(id[i] >= 0 && id[i] < v, "index_select: index ", id[i], " is out of range for ", v, " rows");
     const int64_t row = v > 0 ? table.nbytes() / v : 0;
-    const char* src = static_cast<const char*>(table.data_ptr());
-    char* dst = static_cast<char*>(out.data_ptr());
     for (int64_t i = 0; i < t; ++i) std::memcpy(dst + i * row, src + id[i] * row, row);
 }
 

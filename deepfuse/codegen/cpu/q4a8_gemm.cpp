@@ -163,12 +163,21 @@ using MicroFn = void (*)(const int8_t*, int64_t, const float*, const float*, int
 // and its width in panels. One row reads 8 panels at once: each panel is its own run of memory,
 // and 8 runs in flight kept a batch-1 decode's small GEMVs near the read bandwidth where 2
 // reached about two thirds of it (a standalone sweep of SmolLM2's 120 projections, 2-core Zen 4
-// VM). More rows share each panel's loads, so fewer panels fit the registers.
+// VM). More rows share each panel's loads, so fewer panels fit the registers. A lone row's last
+// 9-15 panels go as two tiles of 5-8 and its last 4-7 as one, so a thread's share does not end on
+// a tile of 2 runs (SmolLM2's q/k/v: 30 panels a thread, 8 + 8 + 7 + 7 instead of 8 + 8 + 8 + 4 + 2).
 template <typename T>
 std::pair<MicroFn<T>, int64_t> widest(int64_t rows, int64_t left) {
     using Tile = std::pair<MicroFn<T>, int64_t>;
-    if (rows == 1 && left >= 8) return Tile{micro<T, 1, 8>, 8};
-    if (rows == 1 && left >= 4) return Tile{micro<T, 1, 4>, 4};
+    if (rows == 1 && left >= 4) {
+        switch (left >= 16 || left == 8 ? 8 : left > 8 ? (left + 1) / 2 : left) {
+            case 4: return Tile{micro<T, 1, 4>, 4};
+            case 5: return Tile{micro<T, 1, 5>, 5};
+            case 6: return Tile{micro<T, 1, 6>, 6};
+            case 7: return Tile{micro<T, 1, 7>, 7};
+            default: return Tile{micro<T, 1, 8>, 8};
+        }
+    }
     if (rows == 2 && left >= 4) return Tile{micro<T, 2, 4>, 4};
     if (left >= 2) {
         constexpr MicroFn<T> two[kRows] = {micro<T, 1, 2>, micro<T, 2, 2>, micro<T, 3, 2>, micro<T, 4, 2>};

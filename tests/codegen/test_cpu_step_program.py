@@ -246,6 +246,21 @@ def test_a_programs_row_gathers_copy_the_rows_index_select_picks(native, dtype):
     assert torch.equal(strided_out, into)
 
 
+def test_a_prompts_row_gather_split_over_the_threads_copies_every_row(native):
+    """A prompt's embedding rows (700 rows of 576 bf16, over 64 KB: chunks on every thread) into a
+    tensor and into a slot: each row is table[id], none skipped or doubled at a chunk's edge."""
+    g = torch.Generator().manual_seed(3)
+    table = torch.randn(4096, 576, generator=g).bfloat16()
+    ids = torch.randint(0, 4096, (700,), generator=g)
+    prog = native.StepProgram()
+    into = torch.zeros(700, 576, dtype=torch.bfloat16)
+    prog.index_select(table, ids, into)
+    prog.index_select_to(table, ids, prog.output([700, 576], torch.bfloat16))
+    status, (got,) = prog.run_step()
+    assert status == 0
+    assert torch.equal(into, torch.index_select(table, 0, ids)) and torch.equal(got, into)
+
+
 @pytest.mark.parametrize("bad", [50, -1])
 def test_a_row_gather_refuses_an_id_outside_the_table_before_copying_any(native, bad):
     table, out = torch.arange(100.0).view(50, 2), torch.full((3, 2), -5.0)

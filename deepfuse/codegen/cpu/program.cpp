@@ -244,6 +244,23 @@ void q4a8_streams(StepProgram& p, const Tensor& blocks) {
         p.streams(blocks, 2 * blocks.size(1) * blocks.size(2), (blocks.size(0) + 1) / 2, 1);
 }
 
+// out = table's rows at ids, into the tensor out() gives at run time (an out bound now, or a slot
+// of the run) of this dtype, shape and contiguity: a native row copy where the tensors allow
+// (selects_rows), else ATen's index_select. After a step's weights have streamed through the
+// caches ATen's call took ~36 us to the native one's ~14 (2-core Xeon, a one-op program after a
+// 128 MB read; no result file).
+template <typename Out>
+void add_select_rows(StepProgram& p, const Tensor& table, const Tensor& ids, at::ScalarType dtype,
+                     at::IntArrayRef sizes, bool contiguous, Out out) {
+    if (contiguous && selects_rows(table, ids, dtype, sizes))
+        p.add([=] { select_rows(table, ids, out()); });
+    else
+        p.add([=] {
+            Tensor o = out();
+            at::index_select_out(o, table, 0, ids);
+        }, false);
+}
+
 // Which thread runs each item of team::parallel_for(0, n, grain) (where: int64 [n], each item's
 // at::get_thread_num()); the item fail_at raises where it runs; teamed (int64 [1], if given) gets 1
 // when the call led a program's team, else 0. A diagnostic of the split (the same in a program,
@@ -351,23 +368,14 @@ void bind_program(py::module& m) {
         .def("mm", [](P& p, Tensor x, Tensor w, Tensor out) {
             p.add([=]() mutable { at::mm_out(out, x, w.t()); }, false);
         })
-        // rows of a table: a native row copy where the tensors allow (selects_rows), else ATen's.
-        // After a step's weights have streamed through the caches ATen's call took ~36 us to the
-        // native one's ~14 (2-core Xeon, a one-op program after a 128 MB read; no result file)
         .def("index_select", [](P& p, Tensor table, Tensor ids, Tensor out) {
-            if (selects_rows(table, ids, out.scalar_type(), out.sizes()) && out.is_contiguous())
-                p.add([=] { select_rows(table, ids, out); });
-            else
-                p.add([=]() mutable { at::index_select_out(out, table, 0, ids); }, false);
+            add_select_rows(p, table, ids, out.scalar_type(), out.sizes(), out.is_contiguous(), [out] { return out; });
         })
         .def("add", [](P& p, Tensor a, Tensor b, Tensor out) { p.add([=]() mutable { at::add_out(out, a, b); }, false); })
         // ops into an output slot (a tensor of this run)
         .def("index_select_to", [](P& p, Tensor table, Tensor ids, int64_t to) {
-            p.check_slot(to);
-            if (selects_rows(table, ids, p.slot_dtype(to), p.slot_sizes(to)))  // a slot: a fresh contiguous tensor
-                p.add([=, s = p.slots()] { select_rows(table, ids, (*s)[to]); });
-            else
-                p.add([=, s = p.slots()] { at::index_select_out((*s)[to], table, 0, ids); }, false);
+            p.check_slot(to);  // a slot: a fresh contiguous tensor
+            add_select_rows(p, table, ids, p.slot_dtype(to), p.slot_sizes(to), true, [s = p.slots(), to] { return (*s)[to]; });
         })
         .def("i8_gemm_to", [](P& p, Tensor x, Tensor panels, Tensor scale, int64_t n, int64_t group, int64_t to) {
             p.check_slot(to);

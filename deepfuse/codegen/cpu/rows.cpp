@@ -8,8 +8,9 @@
 //       sign-folded: [-sin | sin], so rotate_half(x) * sin == swap_halves(x) * sin_folded); an int8
 //       cache [2, NB, BS, Hkv, hd + 4] gets each head's row quantized (quantize_kv_row)
 //   select_rows(table [V, ...], ids [T] int64, out [T, ...])   out[t] = table[ids[t]] (index_select on
-//       dim 0), a row copy each, every id checked before any is copied; table and out contiguous,
-//       of one dtype, apart in memory (selects_rows says whether an out of this dtype and shape may)
+//       dim 0), a row copy each (over the threads from 64 KB of rows on), every id checked before any
+//       is copied; table and out contiguous, of one dtype, apart in memory (selects_rows says
+//       whether an out of this dtype and shape may; it allocates nothing, so the run checks again)
 //   argmax(x [T, V] f32, out)                -> [T] int64 (into out if given), the first index of each row's largest
 //       value, a NaN counting as -inf (the sample op's greedy rule: torch.argmax of nan_to_num(x, nan=-inf))
 //
@@ -219,11 +220,12 @@ void rope_cache(const torch::Tensor& qkv, const torch::Tensor& pos, const torch:
 bool selects_rows(const torch::Tensor& table, const torch::Tensor& ids, at::ScalarType out_dtype,
                   at::IntArrayRef out_sizes) {
     if (table.dim() < 1 || !table.is_contiguous() || ids.dim() != 1 || ids.scalar_type() != torch::kInt64 ||
-        !ids.is_contiguous() || out_dtype != table.scalar_type())
+        !ids.is_contiguous() || out_dtype != table.scalar_type() || static_cast<int64_t>(out_sizes.size()) != table.dim() ||
+        out_sizes[0] != ids.numel())
         return false;
-    std::vector<int64_t> want = table.sizes().vec();
-    want[0] = ids.numel();
-    return out_sizes == at::IntArrayRef(want);
+    for (int64_t d = 1; d < table.dim(); ++d)
+        if (out_sizes[d] != table.size(d)) return false;
+    return true;
 }
 
 void select_rows(const torch::Tensor& table, const torch::Tensor& ids, const torch::Tensor& out) {
@@ -240,7 +242,11 @@ void select_rows(const torch::Tensor& table, const torch::Tensor& ids, const tor
     for (int64_t i = 0; i < t; ++i)
         TORCH_CHECK(id[i] >= 0 && id[i] < v, "index_select: index ", id[i], " is out of range for ", v, " rows");
     const int64_t row = v > 0 ? table.nbytes() / v : 0;
-    for (int64_t i = 0; i < t; ++i) std::memcpy(dst + i * row, src + id[i] * row, row);
+    // a prompt's rows over the threads (at least kCopyChunk bytes a chunk); a decode step's inline
+    constexpr int64_t kCopyChunk = 64 << 10;
+    team::parallel_for(0, t, std::max<int64_t>(1, kCopyChunk / std::max<int64_t>(row, 1)), [&](int64_t b, int64_t e) {
+        for (int64_t i = b; i < e; ++i) std::memcpy(dst + i * row, src + id[i] * row, row);
+    });
 }
 
 torch::Tensor argmax(const torch::Tensor& x, std::optional<torch::Tensor> out) {

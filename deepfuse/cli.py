@@ -120,6 +120,9 @@ def _parser() -> argparse.ArgumentParser:
                    "request to the replica caching the longest prefix of it (default), or to each in turn")
     v.add_argument("--swa-replay-tokens", type=int, default=0, help="bounded replay for models that mix sliding-window "
                    "and full-attention layers (0: off; docs/hybrid-attention.md)")
+    v.add_argument("--decode-steps", type=int, default=1, metavar="K",
+                   help="decode steps run before their tokens are taken (the same text, streamed K tokens at a time; "
+                        "a step bursts only while no request waits to be admitted; default 1)")
     t = sub.add_parser("train-drafter", help="train an MTP draft head on the model's own outputs (CPU, minutes)")
     _add_model_args(t)
     t.add_argument("-o", "--output", required=True, help="the head file to write (.safetensors)")
@@ -378,7 +381,7 @@ def _serve(args: argparse.Namespace) -> None:
     except ImportError as e:
         raise DeepfuseError(f"`deepfuse serve` needs the server packages ({e.name} is missing): "
                             "pip install -e '.[serve]'") from None
-    for name in ("port", "num_blocks", "max_num_seqs", "max_num_tokens", "max_request_bytes", "replicas"):
+    for name in ("port", "num_blocks", "max_num_seqs", "max_num_tokens", "max_request_bytes", "replicas", "decode_steps"):
         if getattr(args, name) < 1:
             raise DeepfuseError(f"--{name.replace('_', '-')} must be >= 1")
     if args.kv_store is None and args.kv_store_gb != 4.0:
@@ -387,7 +390,7 @@ def _serve(args: argparse.Namespace) -> None:
         raise DeepfuseError("--kv-store with --replicas: the replicas would share one disk store; give one or the other")
     kwargs = _llm_kwargs(args, num_blocks=args.num_blocks, max_num_seqs=args.max_num_seqs,
                          max_num_tokens=args.max_num_tokens, kv_store=args.kv_store, kv_store_gb=args.kv_store_gb,
-                         swa_replay_tokens=args.swa_replay_tokens)
+                         swa_replay_tokens=args.swa_replay_tokens, decode_steps=args.decode_steps)
     if args.replicas > 1:
         from .runtime.replicas import Replicas
 

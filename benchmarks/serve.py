@@ -18,7 +18,7 @@ benchmarks/results/serve.json (--result names another file there). Bounded: --re
 --timeout seconds per phase.
 
     python benchmarks/serve.py [--requests 512] [--concurrency 64] [--disconnect 0.2] [--tokens 64] [--rounds 3]
-        [--client raw] [--result serve.json]
+        [--client raw] [--decode-steps 1] [--result serve.json]
 """
 from __future__ import annotations
 
@@ -159,6 +159,8 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--timeout", type=float, default=1200, help="seconds per phase at most")
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--decode-steps", type=int, default=1, help="decode bursts, served and offline alike (serve "
+                    "--decode-steps, LLM(decode_steps=...))")
     ap.add_argument("--result", default="serve.json", help="the file under benchmarks/results/ to write")
     ap.add_argument("--client", default="raw", choices=["raw", "openai"],
                     help="raw: a minimal HTTP client (little CPU); openai: the official AsyncOpenAI")
@@ -173,7 +175,8 @@ def main() -> None:
     rounds = [make_prompts(tok, args.requests, seed=2 + r) for r in range(args.rounds)]
     from deepfuse import LLM, SamplingParams
 
-    llm = LLM("smollm2", dtype="bf16", quant="int4", num_blocks=4096, max_num_seqs=64, max_num_tokens=1024)
+    llm = LLM("smollm2", dtype="bf16", quant="int4", num_blocks=4096, max_num_seqs=64, max_num_tokens=1024,
+              decode_steps=args.decode_steps)
     llm.generate(make_prompts(tok, 4, seed=3), SamplingParams(max_tokens=4), use_tqdm=False)
 
     def run_offline(prompts: list[list[int]]) -> dict:
@@ -183,7 +186,8 @@ def main() -> None:
         return summary(time.perf_counter() - t, [o.metrics.ttft_s for o in outs], [o.metrics.tpot_s for o in outs],
                        sum(len(o.outputs[0].token_ids) for o in outs))
 
-    engine = ["--num-blocks", "4096", "--max-num-seqs", "64", "--max-num-tokens", "1024"]
+    engine = ["--num-blocks", "4096", "--max-num-seqs", "64", "--max-num-tokens", "1024", "--decode-steps",
+              str(args.decode_steps)]
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     server = subprocess.Popen([sys.executable, "-m", "deepfuse.cli", "serve", "--port", str(port), *BUILD, *engine],
@@ -240,16 +244,17 @@ def main() -> None:
         print(f"{name:10s} {r['output_tps']:9.1f} {r['ttft_p50_s']:8.2f}s {r['ttft_p99_s']:8.2f}s "
               f"{1000 * r['tpot_p50_s']:7.1f}ms {1000 * r['tpot_p99_s']:7.1f}ms")
     print(f"served / offline tok/s: {statistics.median(ratios):.2f}x (rounds {', '.join(f'{x:.2f}' for x in ratios)})")
-    write_result(args.result, {"requests": args.requests, "concurrency": args.concurrency, "disconnect": args.disconnect,
-                                "tokens": args.tokens, "rounds": args.rounds, "build": BUILD,
-                                "throughput_lost_or_malformed": len(bad_tp),
-                                "load": {"left": left, "lost_or_malformed": len(bad),
-                                         "running_after": m["deepfuse_num_requests_running"],
-                                         "kv_usage_after": m["deepfuse_kv_cache_usage_perc"],
-                                         "ttft_p50_s": pct(ttft_load, 0.5), "ttft_p99_s": pct(ttft_load, 0.99)},
-                                "served": med["served"], "offline": med["offline"], "served_runs": served,
-                                "offline_runs": offline, "served_vs_offline": statistics.median(ratios),
-                                "served_vs_offline_rounds": ratios})
+    write_result(args.result, {"decode_steps": args.decode_steps, "requests": args.requests,
+                               "concurrency": args.concurrency, "disconnect": args.disconnect,
+                               "tokens": args.tokens, "rounds": args.rounds, "build": BUILD,
+                               "throughput_lost_or_malformed": len(bad_tp),
+                               "load": {"left": left, "lost_or_malformed": len(bad),
+                                        "running_after": m["deepfuse_num_requests_running"],
+                                        "kv_usage_after": m["deepfuse_kv_cache_usage_perc"],
+                                        "ttft_p50_s": pct(ttft_load, 0.5), "ttft_p99_s": pct(ttft_load, 0.99)},
+                               "served": med["served"], "offline": med["offline"], "served_runs": served,
+                               "offline_runs": offline, "served_vs_offline": statistics.median(ratios),
+                               "served_vs_offline_rounds": ratios})
 
 
 if __name__ == "__main__":

@@ -396,9 +396,9 @@ def _serve(args: argparse.Namespace) -> None:
 
         llm = Replicas(args.replicas, routing=args.routing, **kwargs)
     else:
-        from .runtime.llm import LLM
+        from .runtime.async_llm import AsyncLLM
 
-        llm = LLM(**kwargs)
+        llm = AsyncLLM(kwargs.pop("model", "smollm2"), **kwargs)  # its LLM built on its engine thread
     name = args.served_model_name or (os.path.basename(os.path.normpath(args.artifact)) if args.artifact else args.model)
     serve(llm, name, host=args.host, port=args.port, api_key=args.api_key, max_body_bytes=args.max_request_bytes)
 

@@ -2,7 +2,7 @@
 coroutines (any number, any time) send it requests and aborts through a queue and get their
 outputs back through asyncio queues.
 
-    llm = AsyncLLM(LLM("smollm2"))
+    llm = AsyncLLM("smollm2", dtype="bf16")  # the LLM built on the engine thread (see below)
     async for out in llm.generate("Hi", SamplingParams(max_tokens=8), "req-1"):
         print(out.outputs[0].text)            # cumulative, as vLLM's; out.finished on the last
     await llm.abort("req-1")                  # from any coroutine; its blocks are freed
@@ -12,6 +12,15 @@ Every Engine call happens on the engine thread (the Engine is not thread-safe); 
 read only `stats()`, a snapshot the engine thread publishes after each step. A prompt's n
 completions are n engine requests ("<id>#<j>", seeded as Engine.generate seeds them), added
 together so the later ones read the prompt's blocks from the prefix cache.
+
+Given an LLM's arguments, AsyncLLM builds it on the engine thread, so that every OpenMP parallel
+region of the process starts from that one thread. Given an LLM built on another thread (one that
+ran parallel torch ops, as compiling does), the process holds two OpenMP thread pools on the
+same cores, and each region then costs tens of microseconds where it costs ~5 from the process's
+one pool: on the 2-core Xeon the bf16+int4 build (ATen's int4 GEMM, a region per projection)
+decoded 59.2 tok/s at batch 1 so, against 153.2 built and run on the main thread and 150.8 built
+and run on one other thread; int4-a8, whose step opens few regions, 359.7, 363.4 and 365.6
+(benchmarks/engine_thread.py, engine_thread_xeon.json).
 """
 from __future__ import annotations
 
@@ -23,6 +32,8 @@ import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field, replace
+
+import torch
 
 from ..errors import DeepfuseError
 from .detokenize import IncrementalText
@@ -87,14 +98,6 @@ class AsyncLLM:
 
     def __init__(self, llm: LLM | object = "smollm2", on_finish: Callable[[RequestOutput], None] | None = None,
                  **llm_kwargs):
-        self.llm = llm if isinstance(llm, LLM) else LLM(llm, **llm_kwargs)
-        if not isinstance(self.llm.engine, Engine):
-            kind = type(self.llm.engine).__name__
-            self.llm.engine.close()
-            raise DeepfuseError(f"AsyncLLM (and `deepfuse serve`) runs one in-process engine, not a {kind} "
-                                "(tensor-parallel ranks); serve a one-process model or artifact")
-        self.engine: Engine = self.llm.engine
-        self.tokenizer = self.llm.tokenizer
         self.on_finish = on_finish
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, _Stream] = {}  # engine thread only
@@ -102,8 +105,35 @@ class AsyncLLM:
         self._stats = EngineStats()
         self._history: deque[tuple[float, int]] = deque()  # (time, tokens generated) at each publish
         self._errored: BaseException | None = None
-        self._thread = threading.Thread(target=self._loop, name="deepfuse-engine", daemon=True)
+        self.built_on_engine_thread = not isinstance(llm, LLM)
+        built: list[LLM | BaseException] = [llm] if isinstance(llm, LLM) else []
+        ready = threading.Event()
+
+        def run() -> None:
+            torch.set_num_threads(torch.get_num_threads())  # the process's setting for this thread's regions too
+            if not built:  # the LLM built here: this thread starts every parallel region
+                try:
+                    built.append(LLM(llm, **llm_kwargs))
+                except BaseException as e:  # noqa: BLE001 - raised again on the caller's thread below
+                    built.append(e)
+            if isinstance(built[0], LLM) and isinstance(built[0].engine, Engine):
+                self.llm, self.engine, self.tokenizer = built[0], built[0].engine, built[0].tokenizer
+                ready.set()
+                self._loop()
+            else:
+                ready.set()
+
+        self.engine: Engine
+        self._thread = threading.Thread(target=run, name="deepfuse-engine", daemon=True)
         self._thread.start()
+        ready.wait()
+        if isinstance(built[0], BaseException):
+            raise built[0]
+        if not isinstance(built[0].engine, Engine):
+            kind = type(built[0].engine).__name__
+            built[0].engine.close()
+            raise DeepfuseError(f"AsyncLLM (and `deepfuse serve`) runs one in-process engine, not a {kind} "
+                                "(tensor-parallel ranks); serve a one-process model or artifact")
 
     # ---- coroutine side -------------------------------------------------------------------
 

@@ -19,7 +19,6 @@ import torch
 
 from ..errors import DeepfuseError
 from .async_llm import AsyncLLM, EngineFailure
-from .llm import LLM
 from .request import SamplingParams
 
 
@@ -34,7 +33,7 @@ class ReplicaWorker:
         self.llm: AsyncLLM | None = None
         self.error: str | None = None
         try:
-            self.llm = AsyncLLM(LLM(**llm_kwargs), on_finish=self._finished)
+            self.llm = AsyncLLM(llm_kwargs.pop("model", "smollm2"), on_finish=self._finished, **llm_kwargs)
         except DeepfuseError as e:
             self.error = str(e)
         except Exception as e:  # noqa: BLE001  (a bug: its name and traceback go to the caller)

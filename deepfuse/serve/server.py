@@ -9,10 +9,11 @@ from ..runtime.replicas import Replicas
 from .app import build_app
 
 
-def serve(llm: LLM | Replicas, model_name: str, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
-          max_body_bytes: int = 1 << 20) -> None:
-    """Serves llm (an LLM, run by an AsyncLLM here, or engine Replicas) on host:port (loopback by
-    default) until interrupted; then stops the engine(s)."""
+def serve(llm: AsyncLLM | LLM | Replicas, model_name: str, host: str = "127.0.0.1", port: int = 8000,
+          api_key: str | None = None, max_body_bytes: int = 1 << 20) -> None:
+    """Serves llm (an AsyncLLM; an LLM, run by an AsyncLLM here; or engine Replicas) on host:port
+    (loopback by default) until interrupted; then stops the engine(s). `deepfuse serve` gives an
+    AsyncLLM that built its LLM on its engine thread (runtime/async_llm.py: why)."""
     import uvicorn
 
     served = AsyncLLM(llm) if isinstance(llm, LLM) else llm

@@ -175,3 +175,33 @@ def test_served_decode_bursts_stream_the_one_step_tokens_several_at_a_time(smoll
         assert settle(served).blocks_used == 0
     finally:
         served.shutdown()
+
+
+def test_an_llm_given_by_its_arguments_is_built_on_the_engine_thread(smollm2_compiled, monkeypatch):
+    """AsyncLLM(model, **kwargs) builds the LLM on the thread that then runs its steps (one
+    OpenMP thread pool in the process, see runtime/async_llm.py), and it serves; a model that
+    cannot be built raises on the caller's thread."""
+    import threading
+
+    import deepfuse.runtime.async_llm as async_llm
+
+    built_on = []
+
+    class Recording(async_llm.LLM):
+        def __init__(self, *args, **kwargs):
+            built_on.append(threading.get_ident())
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(async_llm, "LLM", Recording)
+    served = AsyncLLM(smollm2_compiled, num_blocks=64)
+    try:
+        assert built_on == [served._thread.ident] and built_on[0] != threading.get_ident()
+
+        async def main():
+            return await collect(served, "The sky is", GREEDY, "t0")
+
+        assert asyncio.run(main())[-1].finished
+    finally:
+        served.shutdown()
+    with pytest.raises(DeepfuseError, match="unknown model 'nope'"):
+        AsyncLLM("nope")

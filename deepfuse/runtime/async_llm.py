@@ -105,17 +105,16 @@ class AsyncLLM:
         self._stats = EngineStats()
         self._history: deque[tuple[float, int]] = deque()  # (time, tokens generated) at each publish
         self._errored: BaseException | None = None
-        self.built_on_engine_thread = not isinstance(llm, LLM)
         built: list[LLM | BaseException] = [llm] if isinstance(llm, LLM) else []
         ready = threading.Event()
 
         def run() -> None:
-            torch.set_num_threads(torch.get_num_threads())  # the process's setting for this thread's regions too
-            if not built:  # the LLM built here: this thread starts every parallel region
-                try:
+            try:
+                torch.set_num_threads(torch.get_num_threads())  # the process's setting for this thread's regions
+                if not built:  # the LLM built here: this thread starts every parallel region
                     built.append(LLM(llm, **llm_kwargs))
-                except BaseException as e:  # noqa: BLE001 - raised again on the caller's thread below
-                    built.append(e)
+            except BaseException as e:  # noqa: BLE001 - raised again on the caller's thread below
+                built[:] = [e]
             if isinstance(built[0], LLM) and isinstance(built[0].engine, Engine):
                 self.llm, self.engine, self.tokenizer = built[0], built[0].engine, built[0].tokenizer
                 ready.set()
@@ -126,7 +125,11 @@ class AsyncLLM:
         self.engine: Engine
         self._thread = threading.Thread(target=run, name="deepfuse-engine", daemon=True)
         self._thread.start()
-        ready.wait()
+        try:
+            ready.wait()
+        except BaseException:  # Ctrl-C while the LLM builds: the thread stops once it has built it
+            self._commands.put(("stop", None))
+            raise
         if isinstance(built[0], BaseException):
             raise built[0]
         if not isinstance(built[0].engine, Engine):

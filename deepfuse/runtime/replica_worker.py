@@ -33,7 +33,8 @@ class ReplicaWorker:
         self.llm: AsyncLLM | None = None
         self.error: str | None = None
         try:
-            self.llm = AsyncLLM(llm_kwargs.pop("model", "smollm2"), on_finish=self._finished, **llm_kwargs)
+            kwargs = dict(llm_kwargs)
+            self.llm = AsyncLLM(kwargs.pop("model", "smollm2"), on_finish=self._finished, **kwargs)
         except DeepfuseError as e:
             self.error = str(e)
         except Exception as e:  # noqa: BLE001  (a bug: its name and traceback go to the caller)

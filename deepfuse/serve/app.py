@@ -1,6 +1,6 @@
 """The OpenAI-compatible HTTP app (Starlette) over an AsyncLLM.
 
-    app = build_app(AsyncLLM(LLM("smollm2")), "smollm2", api_key=None)
+    app = build_app(AsyncLLM("smollm2"), "smollm2", api_key=None)
     POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health, GET /metrics
 
 Every error is OpenAI's body {"error": {"message", "type", "param", "code"}}: 400 for malformed

@@ -203,5 +203,11 @@ def test_an_llm_given_by_its_arguments_is_built_on_the_engine_thread(smollm2_com
         assert asyncio.run(main())[-1].finished
     finally:
         served.shutdown()
+    engines = lambda: sum(t.name == "deepfuse-engine" and t.is_alive() for t in threading.enumerate())  # noqa: E731
+    before = engines()
     with pytest.raises(DeepfuseError, match="unknown model 'nope'"):
         AsyncLLM("nope")
+    end = time.time() + 5
+    while engines() > before and time.time() < end:  # the failed build's thread ends
+        time.sleep(0.01)
+    assert engines() == before

@@ -26,23 +26,17 @@ import argparse
 import asyncio
 import json
 import random
-import socket
 import statistics
 import subprocess
 import sys
 import time
 import urllib.request
 
+from llama_server import free_port
 from results_file import write_result
 from throughput import make_prompts, pct, summary
 
 BUILD = ["--dtype", "bf16", "--quant", "int4"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def metrics(url: str) -> dict[str, float]:

@@ -1,7 +1,8 @@
 """Where a batch-1 decode step's time goes: timers around the engine's step, the compiled
-model's call, the native step program (every layer; for a build with a W8A8 head, the head and
-the sampling tail too), the W8A8 LM head where it runs from Python, and the input fill,
-for the int4-a8 build of SmolLM2 (decode.py's prompt and engine), in one process.
+model's call (or its rerun of the last call's prepared calls), the native step program (every
+layer; for a build with a W8A8 head, the head and the sampling tail too), the W8A8 LM head where
+it runs from Python, and the input fill (or refill), for the int4-a8 build of SmolLM2 (decode.py's
+prompt and engine), in one process.
 
 Per decode step (the prompt's prefill step left out) it reports the medians of each part and
 what is left: Python in the model call (binding the inputs, any launches run from Python) and in
@@ -66,9 +67,11 @@ def main() -> None:
     times: dict[str, list[float]] = defaultdict(list)
     timed(engine.Engine, "step", "step", times)
     timed(artifact.CompiledModel, "__call__", "model call", times)
+    timed(artifact.CompiledModel, "rerun", "model call", times)  # a decode step after one of the same sequences
     timed(program.Segments, "run", "native program", times)
     timed(w8a8_kernels, "w8a8_logits", "LM head from Python (W8A8)", times)
     timed(batch.StepBuffers, "fill", "input fill", times)
+    timed(batch.StepBuffers, "refill", "input fill", times)
 
     model, tok = load_model("smollm2")
     ids = tok.encode(PROMPT)

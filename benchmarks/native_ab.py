@@ -1,7 +1,9 @@
-"""A/B of the native CPU kernels: this checkout's build against the kernels' sources at an earlier
-commit, in alternating processes on the same machine. Only the native sources differ
-(deepfuse/codegen/cpu/*.cpp and *.h at --base, built as their own extension module); the Python
-is this checkout's for both, so --base must be a commit whose kernels this Python can call.
+"""A/B of the CPU build: this checkout against an earlier commit, in alternating processes on the
+same machine. By default only the native sources differ (deepfuse/codegen/cpu/*.cpp and *.h at
+--base, built as their own extension module; the Python is this checkout's for both, so --base
+must be a commit whose kernels this Python can call). With --python the base side runs the whole
+deepfuse package of --base (its Python and its native sources, built as that package builds them):
+for a change to the Python around the kernels.
 
 Each process loads SmolLM2 and its Q4_1 GGUF, compiles a bf16 build (--quant: int4-a8 by
 default), warms it up and then
@@ -10,7 +12,7 @@ in as many runs again with each step program timing its ops (StepProgram.profile
 program's mean ms per step by op. Rounds alternate which side runs first; the table shows medians
 over the rounds and the per-round ratios go to benchmarks/results/<--result>.
 
-    python benchmarks/native_ab.py --base cbe7833 [--quant int4] [--rounds 5] [--runs 3] [--result native_ab.json]
+    python benchmarks/native_ab.py --base cbe7833 [--python] [--quant int4] [--rounds 5] [--runs 3] [--result native_ab.json]
 """
 from __future__ import annotations
 
@@ -48,6 +50,29 @@ def base_sources(commit: str) -> str:
                     f.write(data)
         open(os.path.join(where, "complete"), "w").close()
     return where
+
+
+def base_package(commit: str) -> str:
+    """The deepfuse package at commit, in a directory of its own (made once): the directory to put
+    first on sys.path."""
+    sha = subprocess.run(["git", "rev-parse", "--short=12", commit], cwd=ROOT, capture_output=True, text=True,
+                         check=True).stdout.strip()
+    where = os.path.join(os.path.expanduser("~"), ".cache", "deepfuse", "ab", f"package_{sha}")
+    if not os.path.exists(os.path.join(where, "complete")):
+        os.makedirs(where, exist_ok=True)
+        archive = subprocess.run(["git", "archive", sha, "deepfuse"], cwd=ROOT, capture_output=True, check=True).stdout
+        subprocess.run(["tar", "-x", "-C", where], input=archive, check=True)
+        open(os.path.join(where, "complete"), "w").close()
+    return where
+
+
+def use_package(where: str) -> None:
+    """Makes `import deepfuse` take the package in `where` (before this checkout's)."""
+    sys.path.insert(0, where)
+    import deepfuse
+
+    if not os.path.abspath(deepfuse.__file__).startswith(os.path.abspath(where) + os.sep):
+        raise SystemExit(f"deepfuse came from {deepfuse.__file__}, not from {where}")
 
 
 def use_sources(where: str) -> None:
@@ -99,13 +124,15 @@ def measure(quant: str, new_tokens: int, runs: int) -> dict:
 
 
 def child(a) -> None:
-    if a.child != "tree":
+    if a.child.startswith("package:"):
+        use_package(a.child[len("package:"):])
+    elif a.child != "tree":
         use_sources(a.child)
     print("RESULT " + json.dumps(measure(a.quant, a.new_tokens, a.runs)), flush=True)
 
 
 def parent(a) -> None:
-    base = base_sources(a.base)
+    base = "package:" + base_package(a.base) if a.python else base_sources(a.base)
     sides = {a.base: base, "this checkout": "tree"}
     got: dict[str, list[dict]] = {side: [] for side in sides}
     for r in range(a.rounds):
@@ -135,7 +162,7 @@ def parent(a) -> None:
     for n in new["ops_ms_median"]:
         print(f"  {n:28s} {old['ops_ms_median'].get(n, 0.0):12.3f} {new['ops_ms_median'][n]:14.3f}")
     print(f"  per-round tok/s ratio (this checkout / base): {', '.join(f'{x:.3f}' for x in ratios)}")
-    path = write_result(a.result, {"config": {"base": a.base, "rounds": a.rounds, "runs": a.runs,
+    path = write_result(a.result, {"config": {"base": a.base, "python": a.python, "rounds": a.rounds, "runs": a.runs,
                                               "new_tokens": a.new_tokens, "quant": a.quant},
                                    "sides": summary, "tps_ratio_rounds": ratios,
                                    "tps_ratio_median": statistics.median(ratios)})
@@ -145,12 +172,14 @@ def parent(a) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--base", help="the commit whose native sources to compare against")
+    ap.add_argument("--python", action="store_true", help="the base side runs the base commit's whole package")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--quant", default="int4-a8", help="the build's quant: int4-a8, int4 (bf16+int4), int4-head8, ...")
     ap.add_argument("--result", default="native_ab.json", help="the file under benchmarks/results/ to write")
-    ap.add_argument("--child", help=argparse.SUPPRESS)  # a measuring process: "tree" or a sources directory
+    ap.add_argument("--child", help=argparse.SUPPRESS)  # a measuring process: "tree", a sources directory or
+    # "package:" and a package's directory
     a = ap.parse_args()
     if a.child:
         child(a)

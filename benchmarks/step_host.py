@@ -4,7 +4,8 @@ Python (`StepBinder(programs=False)`, as before step programs), in one process, 
 
 For batch 1 and batch 64 (SmolLM2-135M, bf16 + int4 by default), each mode decodes `--tokens`
 tokens a request, `--runs` times; per decode step (every sequence one token) it records the
-engine's whole `step()`, the compiled model's call inside it, and the native program's run
+engine's whole `step()`, the compiled model's call inside it (or its rerun of the last call's
+prepared calls, for a decode step after one of the same sequences: Engine.forward), and the native program's run
 (kernels plus their C++ dispatch). Host time = step - program time (the program time of the
 same batch measured in native mode is used for the Python mode, whose kernels are the same).
 Medians over all decode steps of all runs (a step() call's time over the decode steps it made),
@@ -36,12 +37,15 @@ PROMPT = "Write a short story about a lighthouse keeper who finds a message in a
 
 
 class Timer:
-    """Records the wall time of each call of obj.name (patched on its class) into self.times."""
+    """Records the wall time of each call of cls.name, for each of names (patched on the class),
+    into self.times."""
 
-    def __init__(self, cls, name: str):
+    def __init__(self, cls, *names: str):
         self.times: list[float] = []
-        real = getattr(cls, name)
+        for name in names:
+            setattr(cls, name, self._timed(getattr(cls, name)))
 
+    def _timed(self, real):
         def timed(*args, **kw):
             t = time.perf_counter()
             try:
@@ -49,11 +53,11 @@ class Timer:
             finally:
                 self.times.append(time.perf_counter() - t)
 
-        setattr(cls, name, timed)
+        return timed
 
 
 def decode_steps(eng, prompts, params, model_timer: Timer, program_timer: Timer, batch: int) -> list[tuple]:
-    """(step, model call, program runs, decode steps) of each step() call in which `batch`
+    """(step, model calls, program runs, decode steps) of each step() call in which `batch`
     sequences decode: seconds, and how many decode steps (program runs) it made (a burst's K)."""
     for ids in prompts:
         eng.add_request(ids, params)
@@ -66,8 +70,8 @@ def decode_steps(eng, prompts, params, model_timer: Timer, program_timer: Timer,
         eng.step()
         dt = time.perf_counter() - t
         runs = len(program_timer.times) - p
-        if decoding and len(model_timer.times) == m + 1 and runs:
-            out.append((dt, model_timer.times[m], sum(program_timer.times[p:]), runs))
+        if decoding and len(model_timer.times) > m and runs:
+            out.append((dt, sum(model_timer.times[m:]), sum(program_timer.times[p:]), runs))
     return out
 
 
@@ -91,7 +95,7 @@ def main() -> None:
 
     model, tok = load_model("smollm2")
     art = deepfuse.compile(model, dtype="bf16", quant=args.quant or None)
-    model_timer, program_timer = Timer(CpuExecutor, "__call__"), Timer(Segments, "run")
+    model_timer, program_timer = Timer(CpuExecutor, "__call__", "rerun"), Timer(Segments, "run")
     ids = tok.encode(PROMPT)
     params = SamplingParams(temperature=0, max_tokens=args.tokens, ignore_eos=True)
     results = {}
@@ -119,7 +123,7 @@ def main() -> None:
         for mode, got in steps.items():
             step = statistics.median(s / k for s, _, _, k in got)  # a step() call's time per decode step
             mean = sum(s for s, *_ in got) / sum(k for *_, k in got)  # all decode time over all decode steps
-            call = statistics.median(c for _, c, _, _ in got)
+            call = statistics.median(c / k for _, c, _, k in got)  # the model calls' time per decode step
             row[mode] = {"steps": sum(k for *_, k in got), "calls": len(got), "step_ms": step * 1e3,
                          "mean_step_ms": mean * 1e3, "model_call_ms": call * 1e3, "program_ms": kernels * 1e3,
                          "mean_program_ms": kernels_mean * 1e3, "host_us": (step - kernels) * 1e6,

@@ -100,6 +100,7 @@ class StepBuffers:
         # the last fill's decode step: (cache, per chunk (blocks, temperature, top_k, top_p, seed),
         # seeds uint64[S], table width); None when it was no plain decode step
         self._decode: tuple | None = None
+        self._last: dict[str, torch.Tensor] | None = None  # the last fill's inputs, while they show a decode step
         self.incremental = incremental
         self._kv_names: list[str] = []  # "kv_cache.{i}" for each layer of the last cache filled
         self._rows = {k: memoryview(self.np[k].reshape(-1)) for k in  # flat views of the fill's own buffers
@@ -110,8 +111,9 @@ class StepBuffers:
         step of 64 sequences took ~0.7 ms chunk by chunk) and returns the inputs as views. A
         decode step that follows one of the same sequences writes only what moved (_next_decode)."""
         if self._next_decode(chunks, cache):
-            return self._views(len(chunks), len(chunks), len(chunks), self._decode[3], cache)
-        self._decode = None  # until this fill has written its whole step
+            self._last = self._views(len(chunks), len(chunks), len(chunks), self._decode[3], cache)
+            return self._last
+        self._decode = self._last = None  # until this fill has written its whole step
         b, bs, s = self.np, cache.block_size, len(chunks)
         lens, widths, ks, starts, top_k = np.array(
             [(len(c.tokens), len(c.blocks), c.samples, c.start, c.top_k) for c in chunks], dtype=np.int64).reshape(s, 5).T
@@ -167,7 +169,19 @@ class StepBuffers:
         if self.incremental and t == s == r and len(cache.groups) == 1 and not replay_end.any():  # decode
             self._decode = (cache, [(list(c.blocks), c.temperature, c.top_k, c.top_p, c.seed) for c in chunks],
                             seeds, width)
-        return self._views(t, s, r, width, cache)
+        self._last = self._views(t, s, r, width, cache)
+        return self._last
+
+    def refill(self, chunks: list[SeqChunk], cache: KVCache) -> dict[str, torch.Tensor] | None:
+        """A decode step of the last fill's sequences (as fill's incremental case: same blocks,
+        sampling and seeds, one token each) written into the memory of the last fill's inputs,
+        and those inputs returned: the same dict and tensors, for an owner that reruns the last
+        step's prepared calls over them (the engine's one-step decode, CpuExecutor.rerun), which
+        fresh views would make it look up again. None (nothing written) for any other step; a
+        caller that then cannot rerun fills afresh (fill writes the same step, in fresh views)."""
+        if self._last is None or not self._next_decode(chunks, cache):
+            return None
+        return self._last
 
     def advance_decode(self, tokens: list[int]) -> bool:
         """The last decode step's sequences one position on, each fed its token of `tokens`, for an

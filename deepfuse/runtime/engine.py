@@ -433,6 +433,11 @@ class Engine:
         ids, in place of the chunks' (an overlapped step's, fed from the last step's outputs)."""
         if self.graphed is not None and self.graphed.fits(chunks):
             return self.graphed(chunks, tokens)
+        again = self.buffers.refill(chunks, self.cache) if tokens is None else None
+        if again is not None:  # a decode step after one of the same sequences: the last call's prepared
+            outputs = self.model.rerun(again)  # calls over its inputs, rewritten (no views, no layout lookup)
+            if outputs is not None:
+                return again, outputs
         inputs = self.buffers.fill(chunks, self.cache)
         if tokens is not None and inputs["tokens"].device == tokens.device:
             inputs["tokens"].copy_(tokens)

@@ -25,23 +25,33 @@ class Interrupt(BaseException):
 
 
 class FailingModel:
-    """Wraps a CompiledModel; its call raises on the first step for which when(inputs) holds
-    (once): before running anything, or with after=True once the step has written its KV.
+    """Wraps a CompiledModel; its call (or its rerun of the last call) raises on the first step
+    for which when(inputs) holds (once): before running anything, or with after=True once the
+    step has written its KV. fired: False, then "call" or "rerun".
     Everything else is the model's."""
 
-    def __init__(self, model, when, error=Interrupt, after=False):
+    def __init__(self, model, when, error=Interrupt, after=False, paths=("call", "rerun")):
         self.model, self.when, self.error, self.after, self.fired = model, when, error, after, False
+        self.paths = paths  # where it may fire: the model's call, its rerun of the last call (or both)
 
     def __getattr__(self, name):
         return getattr(self.model, name)
 
     def __call__(self, inputs):
-        if not self.fired and self.when(inputs):
-            self.fired = True
-            if self.after:
-                self.model(inputs)
+        return self._run(self.model, inputs)
+
+    def rerun(self, inputs):
+        """The engine's one-step decode reruns the last call's prepared calls: faults go there too."""
+        return self._run(self.model.rerun, inputs, "rerun")
+
+    def _run(self, call, inputs, how="call"):
+        if not self.fired and how in self.paths and self.when(inputs):
+            out = call(inputs) if self.after else None
+            if how == "rerun" and self.after and out is None:
+                return None  # nothing ran: the engine calls the model afresh (the fault comes there)
+            self.fired = how
             raise self.error("injected fault")
-        return self.model(inputs)
+        return call(inputs)
 
 
 def engine(art, **kw):

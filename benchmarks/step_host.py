@@ -21,8 +21,11 @@ bookkeeping (the feed, token copies, undo records) costs a step.
 (runtime/decode_burst.py: a step() runs up to K decode steps before the host takes their tokens,
 the steps after the first rerunning the executor's prepared calls; step_host_burst.json): with
 a few calls a run, its means say more than its medians.
+--fresh-calls adds the native program in an engine whose decode steps are each a new model call
+(the fill's fresh views and the executor's layout lookup, instead of StepBuffers.refill and
+CpuExecutor.rerun; step_host_fresh_calls.json): what the one-step engine's rerun saves.
 
-    python benchmarks/step_host.py [--runs 3] [--tokens 32] [--quant int4] [--overlap | --decode-steps 8]
+    python benchmarks/step_host.py [--runs 3] [--tokens 32] [--quant int4] [--overlap | --decode-steps 8 | --fresh-calls]
 """
 from __future__ import annotations
 
@@ -82,6 +85,8 @@ def main() -> None:
     ap.add_argument("--quant", default="int4")
     ap.add_argument("--batches", default="1,64")
     ap.add_argument("--overlap", action="store_true", help="also the native program with Engine(overlap=True)")
+    ap.add_argument("--fresh-calls", action="store_true", help="also the native program with every decode step "
+                    "a new model call (no rerun of the last step's prepared calls)")
     ap.add_argument("--decode-steps", type=int, default=1, help="K > 1: also the native program with "
                     "Engine(decode_steps=K)")
     args = ap.parse_args()
@@ -101,15 +106,18 @@ def main() -> None:
     results = {}
     for batch in (int(b) for b in args.batches.split(",")):
         prompts = [ids[: len(ids) - i % 7] for i in range(batch)]
-        # (mode, step programs, engine: its overlap and decode_steps)
-        modes = [("native program", True, (False, 1)), ("python calls", False, (False, 1))]
-        modes += [("native, overlapped", True, (True, 1))] if args.overlap else []
-        modes += [(f"native, burst {args.decode_steps}", True, (False, args.decode_steps))] \
+        # (mode, step programs, engine: its overlap, decode_steps and whether a decode step reruns the last)
+        modes = [("native program", True, (False, 1, True)), ("python calls", False, (False, 1, True))]
+        modes += [("native, fresh calls", True, (False, 1, False))] if args.fresh_calls else []
+        modes += [("native, overlapped", True, (True, 1, True))] if args.overlap else []
+        modes += [(f"native, burst {args.decode_steps}", True, (False, args.decode_steps, True))] \
             if args.decode_steps > 1 else []
         engines = {}
         for kind in sorted({m[2] for m in modes}):
             engines[kind] = Engine(art, CacheConfig(enable_prefix_caching=False), max_num_seqs=max(batch, 1),
                                    overlap=kind[0], decode_steps=kind[1])
+            if not kind[2]:  # every decode step a new model call (fill's fresh views, the layout lookup)
+                engines[kind].buffers.refill = lambda chunks, cache: None
             engines[kind].generate(prompts[:1], [SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)])
         steps = {mode: [] for mode, _, _ in modes}
         for _ in range(args.runs):
@@ -139,9 +147,9 @@ def main() -> None:
                   f"{r['program_ms']:10.3f} {r['host_us']:8.0f} {r['host_in_model_call_us']:16.0f} "
                   f"{r['mean_step_ms']:12.3f} {r['mean_host_us']:12.0f}")
     meta = {"runs": args.runs, "tokens": args.tokens, "quant": args.quant, "threads": torch.get_num_threads(),
-            "overlap": args.overlap, "decode_steps": args.decode_steps}
+            "overlap": args.overlap, "decode_steps": args.decode_steps, "fresh_calls": args.fresh_calls}
     name = "step_host_overlap.json" if args.overlap else "step_host_burst.json" if args.decode_steps > 1 \
-        else "step_host.json"
+        else "step_host_fresh_calls.json" if args.fresh_calls else "step_host.json"
     write_result(name, {"meta": meta, "results": results})
 
 

@@ -65,9 +65,19 @@ class StepShapes:
         return getattr(self.model, name)
 
     def __call__(self, inputs):
+        self._record(inputs)
+        return self.model(inputs)
+
+    def rerun(self, inputs):
+        """A decode step rerunning the last step's calls (Engine.forward) is a step too."""
+        out = self.model.rerun(inputs)
+        if out is not None:
+            self._record(inputs)
+        return out
+
+    def _record(self, inputs):
         q = inputs["query_lens"]
         self.shapes.append((int((q > 0).sum()), int(q.sum())))
-        return self.model(inputs)
 
 
 def run(art, batch: list[list[int]], tokens: int, spec, draft=None, max_num_seqs: int = 64, grid=None

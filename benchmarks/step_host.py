@@ -7,7 +7,8 @@ tokens a request, `--runs` times; per decode step (every sequence one token) it 
 engine's whole `step()`, the compiled model's call inside it (or its rerun of the last call's
 prepared calls, for a decode step after one of the same sequences: Engine.forward), and the native program's run
 (kernels plus their C++ dispatch). Host time = step - program time (the program time of the
-same batch measured in native mode is used for the Python mode, whose kernels are the same).
+same batch measured in native mode is used for the Python mode, whose kernels are the same; each
+mode's own program time, and the host time less it, are reported beside).
 Medians over all decode steps of all runs (a step() call's time over the decode steps it made),
 and means (all decode time over all decode steps: a burst's first steps, slower after the prefill
 or a rebind, weigh as they do in a run). Writes benchmarks/results/step_host.json
@@ -132,7 +133,10 @@ def main() -> None:
             step = statistics.median(s / k for s, _, _, k in got)  # a step() call's time per decode step
             mean = sum(s for s, *_ in got) / sum(k for *_, k in got)  # all decode time over all decode steps
             call = statistics.median(c / k for _, c, _, k in got)  # the model calls' time per decode step
-            row[mode] = {"steps": sum(k for *_, k in got), "calls": len(got), "step_ms": step * 1e3,
+            own = statistics.median(p / k for _, _, p, k in got)  # this mode's own program runs (its kernels
+            # where it runs a native program; its calls from Python in the Python mode)
+            row[mode] = {"own_program_ms": own * 1e3, "host_us_own_program": (step - own) * 1e6,
+                         "steps": sum(k for *_, k in got), "calls": len(got), "step_ms": step * 1e3,
                          "mean_step_ms": mean * 1e3, "model_call_ms": call * 1e3, "program_ms": kernels * 1e3,
                          "mean_program_ms": kernels_mean * 1e3, "host_us": (step - kernels) * 1e6,
                          "mean_host_us": (mean - kernels_mean) * 1e6, "host_in_model_call_us": (call - kernels) * 1e6}
@@ -140,12 +144,14 @@ def main() -> None:
     print(f"\nSmolLM2-135M bf16{'+' + args.quant if args.quant else ''}, decode steps, medians of all steps "
           f"of {args.runs} runs, {torch.get_num_threads()} threads")
     print(f"{'batch':8s} {'mode':18s} {'steps':>5s} {'step ms':>8s} {'model ms':>9s} {'kernels ms':>10s} "
-          f"{'host us':>8s} {'host in model us':>16s} {'mean step ms':>12s} {'mean host us':>12s}")
+          f"{'host us':>8s} {'host in model us':>16s} {'mean step ms':>12s} {'mean host us':>12s} "
+          f"{'own program ms':>14s} {'host us (own)':>13s}")
     for batch, row in results.items():
         for mode, r in row.items():
             print(f"{batch:8s} {mode:18s} {r['steps']:5d} {r['step_ms']:8.3f} {r['model_call_ms']:9.3f} "
                   f"{r['program_ms']:10.3f} {r['host_us']:8.0f} {r['host_in_model_call_us']:16.0f} "
-                  f"{r['mean_step_ms']:12.3f} {r['mean_host_us']:12.0f}")
+                  f"{r['mean_step_ms']:12.3f} {r['mean_host_us']:12.0f} {r['own_program_ms']:14.3f} "
+                  f"{r['host_us_own_program']:13.0f}")
     meta = {"runs": args.runs, "tokens": args.tokens, "quant": args.quant, "threads": torch.get_num_threads(),
             "overlap": args.overlap, "decode_steps": args.decode_steps, "fresh_calls": args.fresh_calls}
     name = "step_host_overlap.json" if args.overlap else "step_host_burst.json" if args.decode_steps > 1 \

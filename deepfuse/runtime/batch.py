@@ -100,7 +100,8 @@ class StepBuffers:
         # the last fill's decode step: (cache, per chunk (blocks, temperature, top_k, top_p, seed),
         # seeds uint64[S], table width); None when it was no plain decode step
         self._decode: tuple | None = None
-        self._last: dict[str, torch.Tensor] | None = None  # the last fill's inputs, while they show a decode step
+        self._last: dict[str, torch.Tensor] | None = None  # the last fill's inputs (refill: a decode step's only)
+        self._last_shape: tuple | None = None  # (t, s, r, width, cache) of the last fill
         self.incremental = incremental
         self._kv_names: list[str] = []  # "kv_cache.{i}" for each layer of the last cache filled
         self._rows = {k: memoryview(self.np[k].reshape(-1)) for k in  # flat views of the fill's own buffers
@@ -173,14 +174,20 @@ class StepBuffers:
         return self._last
 
     def refill(self, chunks: list[SeqChunk], cache: KVCache) -> dict[str, torch.Tensor] | None:
-        """A decode step of the last fill's sequences (as fill's incremental case: same blocks,
-        sampling and seeds, one token each) written into the memory of the last fill's inputs,
-        and those inputs returned: the same dict and tensors, for an owner that reruns the last
-        step's prepared calls over them (the engine's one-step decode, CpuExecutor.rerun), which
-        fresh views would make it look up again. None (nothing written) for any other step; a
-        caller that then cannot rerun fills afresh (fill writes the same step, in fresh views)."""
+        """A decode step of the last fill's sequences (as fill's incremental case: the same cache,
+        one cache group, the same blocks, sampling and seeds, one token each, no replay) written
+        into the memory of the last fill's inputs, and those inputs returned: the same dict and
+        tensors, for an owner that reruns the last step's prepared calls over them (the engine's
+        one-step decode, CpuExecutor.rerun), which fresh views would make it look up again. None
+        (nothing written) for any other step. A caller that then cannot rerun takes fresh_views()."""
         if self._last is None or not self._next_decode(chunks, cache):
             return None
+        return self._last
+
+    def fresh_views(self) -> dict[str, torch.Tensor]:
+        """New views of the step the last fill or refill wrote (the same memory), as fill returns
+        them (kernels key per-step work on their inputs' identity); they become the last fill's."""
+        self._last = self._views(*self._last_shape)
         return self._last
 
     def advance_decode(self, tokens: list[int]) -> bool:
@@ -254,6 +261,7 @@ class StepBuffers:
         """The step's inputs as fresh views of the buffers (kernels key per-step work on the
         identity of their input tensors: RopeTables.per_step, attention's layouts), and the
         cache's layers."""
+        self._last_shape = (t, s, r, width, cache)
         v = self.torch
         inputs = {k: v[k][:t] for k in ("tokens", "positions", "slot_mapping")}
         inputs["block_tables"] = v["block_tables"][:s, :width]

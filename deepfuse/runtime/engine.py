@@ -438,7 +438,9 @@ class Engine:
             outputs = self.model.rerun(again)  # calls over its inputs, rewritten (no views, no layout lookup)
             if outputs is not None:
                 return again, outputs
-        inputs = self.buffers.fill(chunks, self.cache)
+            inputs = self.buffers.fresh_views()  # not rerun (nothing ran): the step is written, call afresh
+        else:
+            inputs = self.buffers.fill(chunks, self.cache)
         if tokens is not None and inputs["tokens"].device == tokens.device:
             inputs["tokens"].copy_(tokens)
         elif tokens is not None:  # a GPU's eager step: the runner takes an input already there as it is

@@ -190,3 +190,31 @@ def test_advance_decode_writes_the_next_decode_step_and_refuses_what_needs_a_who
         raise AssertionError("no sequence reached the end of its table")
     buffers.fill([SeqChunk([1, 2], 0, [5, 6], *params(seqs[0]))], cache)  # a prompt chunk
     assert not buffers.advance_decode([7])
+
+
+def test_refill_rewrites_the_last_decode_steps_inputs_and_refuses_any_other_step():
+    """refill (the one-step engine's rerun) against the reference fill of the same sequences one
+    position on: the same dict and tensors as the last fill, their contents the reference's;
+    None (nothing written) after a prompt chunk, for other sampling or another table; then
+    fresh_views gives new tensors over the same memory."""
+    cache = KVCache(2, 1, 4, torch.float32, CacheConfig(block_size=BS, num_blocks=8))
+    buffers = StepBuffers(64, 16, 128, incremental=True)
+    chunk = lambda start, token=1, seed=9, blocks=(4, 7, 2): SeqChunk([token], start, list(blocks), 0.7, 3, 0.9, seed)  # noqa: E731
+    views = buffers.fill([chunk(5), chunk(2, seed=3)], cache)
+    again = buffers.refill([chunk(6, 11), chunk(3, 12, seed=3)], cache)
+    assert again is views
+    want = reference([chunk(6, 11), chunk(3, 12, seed=3)], buffers.max_blocks)
+    for name, values in want.items():
+        dtype = torch.float32 if name in ("temperature", "top_p") else torch.int64
+        assert torch.equal(again[name], torch.tensor(values, dtype=dtype)), name
+    fresh = buffers.fresh_views()
+    assert fresh is not views and all(fresh[k] is not views[k] and torch.equal(fresh[k], views[k]) for k in want)
+    assert fresh["tokens"].data_ptr() == views["tokens"].data_ptr()
+    before = {k: v.clone() for k, v in fresh.items() if k in want}
+    for other in ([chunk(7, 11), chunk(4, 12, seed=4)],  # another seed
+                  [chunk(7, 11), chunk(4, 12, seed=3, blocks=(4, 7, 5))],  # another table
+                  [chunk(7, 11)]):  # fewer sequences
+        assert buffers.refill(other, cache) is None
+        assert all(torch.equal(fresh[k], v) for k, v in before.items())
+    buffers.fill([SeqChunk([1, 2], 0, [5, 6], 0.7, 3, 0.9, 9)], cache)  # a prompt chunk
+    assert buffers.refill([chunk(2)], cache) is None

@@ -56,7 +56,7 @@ def deepfuse_runner(dtype: str, ids: list[int], n: int, model, quant: str | None
 
     art = deepfuse.compile(model, dtype=dtype, quant=quant, batch_invariant=batch_invariant)
     eng = Engine(art, CacheConfig(enable_prefix_caching=False),  # every run prefills the whole prompt
-                 decode_steps=decode_steps)
+                 **({"decode_steps": decode_steps} if decode_steps > 1 else {}))  # (native_ab --python: older engines)
     how = dict(SAMPLED, seed=1) if sampled else dict(temperature=0)
     p = SamplingParams(max_tokens=n, ignore_eos=True, **how)
     sampler = lambda: reference_sampler(not native_sampler)  # noqa: E731

@@ -47,8 +47,19 @@ namespace {
 
 constexpr int64_t kCols = 16, kGroup = 32, kBlock = 320;  // columns per panel, k per group, bytes per block
 constexpr int kRows = 4;                                   // rows per micro-tile
-constexpr int64_t kPrefetchGroups = 2;                     // decode tiles: blocks prefetched this many groups ahead
 constexpr int64_t kChunkBytes = 256 << 10;                 // weight bytes swept per row block
+
+// How many groups ahead decode tiles (1-2 rows) prefetch each panel's block: 2 on Intel CPUs, where
+// it made 120 SmolLM2 projections + the int8 head as one program 2-4% faster (2-core Sapphire
+// Rapids VM); 0 elsewhere: on AMD Zen 4, whose hardware prefetchers already stream the panels, the
+// prefetches made the q4a8 ops ~14% slower and batch-1 decode ~6% (docs/performance.md).
+int64_t decode_prefetch_groups() {
+    static const int64_t groups = [] {
+        __builtin_cpu_init();
+        return __builtin_cpu_is("intel") ? int64_t{2} : int64_t{0};
+    }();
+    return groups;
+}
 
 #if DEEPFUSE_Q4A8
 // x[K] -> q [K] s8, d [K/32] and s [K/32] f32 (see the file's comment)
@@ -79,17 +90,17 @@ static inline __m512i broadcast4(const int8_t* p) {
 // R rows, `cols` valid columns from the first panel's first.
 template <typename T, int R, int P>
 void micro(const int8_t* q, int64_t ldq, const float* d, const float* s, int64_t groups, const uint8_t* w,
-           int64_t stride, T* y, int64_t ldy, int64_t cols) {
+           int64_t stride, T* y, int64_t ldy, int64_t cols, int64_t ahead) {
     __m512 f[R][P];
     for (int r = 0; r < R; ++r)
         for (int p = 0; p < P; ++p) f[r][p] = _mm512_setzero_ps();
     const __m512i low = _mm512_set1_epi8(0x0F), high = _mm512_set1_epi8(static_cast<char>(0xF0));
     for (int64_t g = 0; g < groups; ++g) {
-        if constexpr (R <= 2 && kPrefetchGroups > 0)  // decode rows: each panel's block kPrefetchGroups on; past a
-            for (int p = 0; p < P; ++p)                 // panel's end, the next panel's first blocks (for the tile's
-                for (int line = 0; line < kBlock; line += 64) {  // last panel, the next tile's), or past the weights
+        if constexpr (R <= 2)  // decode rows: each panel's block `ahead` groups on; past a panel's end, the
+            for (int p = 0; p < P && ahead > 0; ++p)  // next panel's first blocks (for the tile's last panel,
+                for (int line = 0; line < kBlock; line += 64) {  // the next tile's), or past the weights
                     // the address as an integer: it may lie past the weights (a prefetch never faults)
-                    const uintptr_t at = reinterpret_cast<uintptr_t>(w) + p * stride + (g + kPrefetchGroups) * kBlock + line;
+                    const uintptr_t at = reinterpret_cast<uintptr_t>(w) + p * stride + (g + ahead) * kBlock + line;
                     _mm_prefetch(reinterpret_cast<const char*>(at), _MM_HINT_T0);
                 }
         // a: the nibbles' dots. A lone row (decode) dots its high nibbles from the bytes masked to
@@ -157,7 +168,7 @@ void micro(const int8_t* q, int64_t ldq, const float* d, const float* s, int64_t
 
 template <typename T>
 using MicroFn = void (*)(const int8_t*, int64_t, const float*, const float*, int64_t, const uint8_t*, int64_t, T*,
-                         int64_t, int64_t);
+                         int64_t, int64_t, int64_t);
 
 // The widest micro-tile for `rows` rows (1..kRows) that `left` (>= 1) panels fill: its function,
 // and its width in panels. One row reads 8 panels at once: each panel is its own run of memory,
@@ -208,7 +219,7 @@ Quantized& quantized(int64_t m, int64_t k) {
 // writes the norm's sum).
 template <typename X, typename T, typename Row>
 void gemm(Row row, int64_t m, int64_t k, const uint8_t* blocks, int64_t nb, int64_t n, T* y, int64_t ldy) {
-    const int64_t groups = k / kGroup, stride = groups * kBlock;
+    const int64_t groups = k / kGroup, stride = groups * kBlock, ahead = decode_prefetch_groups();
     const int64_t pairs = (nb + 1) / 2;
     // panels per sweep: a chunk stays in L2 across the row blocks (one block: the thread's panels)
     const int64_t chunk = m <= kRows ? nb : std::max<int64_t>(1, kChunkBytes / (2 * stride)) * 2;
@@ -228,7 +239,7 @@ void gemm(Row row, int64_t m, int64_t k, const uint8_t* blocks, int64_t nb, int6
                     const auto [fn, w] = widest<T>(rows, c1 - b);
                     width = w;
                     fn(qa.q.data() + m0 * k, k, qa.d.data() + m0 * groups, qa.s.data() + m0 * groups, groups,
-                       blocks + b * stride, stride, y + m0 * ldy + b * kCols, ldy, n - b * kCols);
+                       blocks + b * stride, stride, y + m0 * ldy + b * kCols, ldy, n - b * kCols, ahead);
                 }
             }
         }

@@ -112,8 +112,7 @@ class StepBuffers:
         step of 64 sequences took ~0.7 ms chunk by chunk) and returns the inputs as views. A
         decode step that follows one of the same sequences writes only what moved (_next_decode)."""
         if self._next_decode(chunks, cache):
-            self._last = self._views(len(chunks), len(chunks), len(chunks), self._decode[3], cache)
-            return self._last
+            return self._views(len(chunks), len(chunks), len(chunks), self._decode[3], cache)
         self._decode = self._last = None  # until this fill has written its whole step
         b, bs, s = self.np, cache.block_size, len(chunks)
         lens, widths, ks, starts, top_k = np.array(
@@ -170,8 +169,7 @@ class StepBuffers:
         if self.incremental and t == s == r and len(cache.groups) == 1 and not replay_end.any():  # decode
             self._decode = (cache, [(list(c.blocks), c.temperature, c.top_k, c.top_p, c.seed) for c in chunks],
                             seeds, width)
-        self._last = self._views(t, s, r, width, cache)
-        return self._last
+        return self._views(t, s, r, width, cache)
 
     def refill(self, chunks: list[SeqChunk], cache: KVCache) -> dict[str, torch.Tensor] | None:
         """A decode step of the last fill's sequences (as fill's incremental case: the same cache,
@@ -187,8 +185,7 @@ class StepBuffers:
     def fresh_views(self) -> dict[str, torch.Tensor]:
         """New views of the step the last fill or refill wrote (the same memory), as fill returns
         them (kernels key per-step work on their inputs' identity); they become the last fill's."""
-        self._last = self._views(*self._last_shape)
-        return self._last
+        return self._views(*self._last_shape)
 
     def advance_decode(self, tokens: list[int]) -> bool:
         """The last decode step's sequences one position on, each fed its token of `tokens`, for an
@@ -260,7 +257,7 @@ class StepBuffers:
     def _views(self, t: int, s: int, r: int, width: int, cache: KVCache) -> dict[str, torch.Tensor]:
         """The step's inputs as fresh views of the buffers (kernels key per-step work on the
         identity of their input tensors: RopeTables.per_step, attention's layouts), and the
-        cache's layers."""
+        cache's layers; they become the last fill's (refill, fresh_views)."""
         self._last_shape = (t, s, r, width, cache)
         v = self.torch
         inputs = {k: v[k][:t] for k in ("tokens", "positions", "slot_mapping")}
@@ -274,6 +271,7 @@ class StepBuffers:
         if len(self._kv_names) != len(cache.layers):
             self._kv_names = [f"kv_cache.{i}" for i in range(len(cache.layers))]
         inputs.update(zip(self._kv_names, cache.layers))
+        self._last = inputs
         return inputs
 
     def _fill_sliding(self, chunks: list[SeqChunk], pos: np.ndarray, seq: np.ndarray, ends: np.ndarray, width: int,

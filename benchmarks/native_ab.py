@@ -9,10 +9,14 @@ Each process loads SmolLM2 and its Q4_1 GGUF, compiles a bf16 build (--quant: in
 default), warms it up and then
 measures batch-1 decode tok/s (decode.py's runner, --new-tokens, median of --runs runs) and,
 in as many runs again with each step program timing its ops (StepProgram.profile), the decode
-program's mean ms per step by op. Rounds alternate which side runs first; the table shows medians
+program's mean ms per step by op. With --workload throughput it measures instead the throughput
+benchmark's workload (throughput.py's run_deepfuse: 64 requests, 128 output tokens each, a new
+build each run; --kv-cache-dtype int8 for its int8 KV cache) in output tok/s, without op times.
+Rounds alternate which side runs first; the table shows medians
 over the rounds and the per-round ratios go to benchmarks/results/<--result>.
 
     python benchmarks/native_ab.py --base cbe7833 [--python] [--quant int4] [--rounds 5] [--runs 3] [--result native_ab.json]
+    python benchmarks/native_ab.py --base f256449 --python --workload throughput --quant w8a8 --kv-cache-dtype int8
 """
 from __future__ import annotations
 
@@ -113,7 +117,7 @@ def measure(quant: str, new_tokens: int, runs: int) -> dict:
     run()
     tps = [run()["decode_tps"] for _ in range(runs)]
     if not all(hasattr(s, "profile") for s in segments):  # (--python: a package from before op timing)
-        return {"decode_tps": tps, "ops_ms": {}}
+        return {"tps": tps, "ops_ms": {}}
     for s in segments:
         s.profile(True)
     for _ in range(runs):
@@ -122,7 +126,21 @@ def measure(quant: str, new_tokens: int, runs: int) -> dict:
     ops: dict[str, float] = defaultdict(float)
     for name, sec in by_op:
         ops[name] += sec * 1e3
-    return {"decode_tps": tps, "ops_ms": dict(ops)}
+    return {"tps": tps, "ops_ms": dict(ops)}
+
+
+def measure_throughput(quant: str, kv_cache_dtype: str | None, runs: int) -> dict:
+    """One process's figures: the throughput workload's output tok/s per run (no op times: a step's
+    program differs with its batch)."""
+    from throughput import make_prompts, run_deepfuse
+
+    from deepfuse.models import load_model
+
+    model, tok = load_model("smollm2")
+    prompts, warmup = make_prompts(tok, 64), make_prompts(tok, 2, seed=1)
+    tps = [run_deepfuse(model, prompts, warmup, "bf16", quant, kv_cache_dtype=kv_cache_dtype)["output_tps"]
+           for _ in range(runs)]
+    return {"tps": tps, "ops_ms": {}}
 
 
 def child(a) -> None:
@@ -130,42 +148,53 @@ def child(a) -> None:
         use_package(a.child[len("package:"):])
     elif a.child != "tree":
         use_sources(a.child)
-    print("RESULT " + json.dumps(measure(a.quant, a.new_tokens, a.runs)), flush=True)
+    figures = (measure_throughput(a.quant, a.kv_cache_dtype, a.runs) if a.workload == "throughput"
+               else measure(a.quant, a.new_tokens, a.runs))
+    print("RESULT " + json.dumps(figures), flush=True)
 
 
 def parent(a) -> None:
     base = "package:" + base_package(a.base) if a.python else base_sources(a.base)
     sides = {a.base: base, "this checkout": "tree"}
+    what = "output" if a.workload == "throughput" else "decode"
     got: dict[str, list[dict]] = {side: [] for side in sides}
     for r in range(a.rounds):
         for side, spec in list(sides.items())[::1 if r % 2 == 0 else -1]:  # each side first in every other round
             out = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", spec, "--runs", str(a.runs),
-                                  "--new-tokens", str(a.new_tokens), "--quant", a.quant], capture_output=True, text=True)
+                                  "--new-tokens", str(a.new_tokens), "--quant", a.quant, "--workload", a.workload,
+                                  *(["--kv-cache-dtype", a.kv_cache_dtype] if a.kv_cache_dtype else [])],
+                                 capture_output=True, text=True)
             line = next((ln for ln in out.stdout.splitlines() if ln.startswith("RESULT ")), None)
             if line is None:
                 raise SystemExit(f"the {side} process failed:\n{out.stderr[-3000:]}")
             got[side].append(json.loads(line[len("RESULT "):]))
-            print(f"round {r + 1} {side:14s} decode {statistics.median(got[side][-1]['decode_tps']):6.1f} tok/s, "
-                  f"program {sum(got[side][-1]['ops_ms'].values()):.3f} ms", flush=True)
+            ops_ms = got[side][-1]["ops_ms"]
+            print(f"round {r + 1} {side:14s} {what} {statistics.median(got[side][-1]['tps']):6.1f} tok/s"
+                  + (f", program {sum(ops_ms.values()):.3f} ms" if ops_ms else ""), flush=True)
     summary = {}
     for side, rounds in got.items():
-        tps = [statistics.median(x["decode_tps"]) for x in rounds]
+        tps = [statistics.median(x["tps"]) for x in rounds]
         names = list(rounds[0]["ops_ms"])
-        summary[side] = {"decode_tps_median": statistics.median(tps), "decode_tps_rounds": tps,
+        summary[side] = {f"{what}_tps_median": statistics.median(tps), f"{what}_tps_rounds": tps,
                          "program_ms_median": statistics.median(sum(x["ops_ms"].values()) for x in rounds),
                          "ops_ms_median": {n: statistics.median(x["ops_ms"].get(n, 0.0) for x in rounds) for n in names}}
     old, new = summary[a.base], summary["this checkout"]
-    ratios = [n / o for n, o in zip(new["decode_tps_rounds"], old["decode_tps_rounds"])]
-    print(f"\nbf16 + {a.quant} batch-1 decode, medians over {a.rounds} rounds (the op times: each op's own, as the"
-          " program times it; entering and leaving a team's region falls between them, so compare the tok/s):")
+    ratios = [n / o for n, o in zip(new[f"{what}_tps_rounds"], old[f"{what}_tps_rounds"])]
+    kv = f", {a.kv_cache_dtype} KV" if a.kv_cache_dtype else ""
+    print(f"\nbf16 + {a.quant}{kv} {'throughput workload' if a.workload == 'throughput' else 'batch-1 decode'}, "
+          f"medians over {a.rounds} rounds" + (" (the op times: each op's own, as the program times it; entering and"
+                                               " leaving a team's region falls between them, so compare the tok/s):"
+                                               if new["ops_ms_median"] else ":"))
     print(f"  {'':28s} {a.base:>12s} {'this checkout':>14s}")
-    print(f"  {'decode tok/s':28s} {old['decode_tps_median']:12.1f} {new['decode_tps_median']:14.1f}")
-    print(f"  {'decode program ms':28s} {old['program_ms_median']:12.3f} {new['program_ms_median']:14.3f}")
+    print(f"  {what + ' tok/s':28s} {old[what + '_tps_median']:12.1f} {new[what + '_tps_median']:14.1f}")
+    if new["ops_ms_median"]:
+        print(f"  {'decode program ms':28s} {old['program_ms_median']:12.3f} {new['program_ms_median']:14.3f}")
     for n in new["ops_ms_median"]:
         print(f"  {n:28s} {old['ops_ms_median'].get(n, 0.0):12.3f} {new['ops_ms_median'][n]:14.3f}")
     print(f"  per-round tok/s ratio (this checkout / base): {', '.join(f'{x:.3f}' for x in ratios)}")
     path = write_result(a.result, {"config": {"base": a.base, "python": a.python, "rounds": a.rounds, "runs": a.runs,
-                                              "new_tokens": a.new_tokens, "quant": a.quant},
+                                              "new_tokens": a.new_tokens, "quant": a.quant,
+                                              "workload": a.workload, "kv_cache_dtype": a.kv_cache_dtype},
                                    "sides": summary, "tps_ratio_rounds": ratios,
                                    "tps_ratio_median": statistics.median(ratios)})
     print("wrote", path)
@@ -179,6 +208,9 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--quant", default="int4-a8", help="the build's quant: int4-a8, int4 (bf16+int4), int4-head8, ...")
+    ap.add_argument("--workload", choices=("decode", "throughput"), default="decode",
+                    help="batch-1 decode (decode.py's runner), or throughput.py's 64-request workload")
+    ap.add_argument("--kv-cache-dtype", help="the build's KV cache dtype (int8); the throughput workload only")
     ap.add_argument("--result", default="native_ab.json", help="the file under benchmarks/results/ to write")
     ap.add_argument("--child", help=argparse.SUPPRESS)  # a measuring process: "tree", a sources directory or
     # "package:" and a package's directory

@@ -55,12 +55,15 @@ constexpr int kRows = 6;       // rows per micro-tile
 constexpr int kPanels = 2;     // panels per micro-tile
 constexpr int kWide = 8;       // panels per micro-tile of a lone row (two rows: 4), as in q4a8_gemm.cpp
 constexpr int64_t kChunkBytes = 128 << 10;
-// decode tiles: lines prefetched ahead in each panel (SmolLM2's int8 LM head at one row on two
-// threads, each call after 66 MB of other reads, 2-core Xeon, medians of 40: 0.58-0.63 ms against
-// 0.64-0.69 with the hardware's prefetching alone; a standalone sweep, no result file)
-constexpr int64_t kPrefetchLines = 16;
 
 #if DEEPFUSE_I8_DOT
+// How many lines ahead decode tiles (1-2 rows) prefetch each panel: 16 on Intel CPUs (SmolLM2's
+// int8 LM head at one row on two threads, each call after 66 MB of other reads, 2-core Xeon,
+// medians of 40: 0.58-0.63 ms against 0.64-0.69 with the hardware's prefetching alone; a
+// standalone sweep, no result file); 0 elsewhere: on AMD Zen 4 the head took 0.95 ms a step with
+// them and 0.88 without (docs/performance.md).
+int64_t decode_prefetch_lines() { return intel_cpu() ? 16 : 0; }
+
 // One row x[K] (f32 or bf16) quantized per group: q [K] s8, d [K/group] f32, and *offset the
 // row's sum over groups of d * 128 * sum(q) (what vpdpbusd's unsigned weight bytes add).
 template <typename T>
@@ -88,7 +91,7 @@ void quantize_row(const T* x, int64_t k, int64_t group, int8_t* q, float* d, flo
 // apart) into y's R rows, `cols` valid columns from the first panel's first.
 template <typename T, int R, int P>
 void micro(const int8_t* q, int64_t ldq, const float* d, const float* offset, int64_t groups, int64_t group,
-           const uint8_t* w, int64_t k, const float* scale, T* y, int64_t ldy, int64_t cols) {
+           const uint8_t* w, int64_t k, const float* scale, T* y, int64_t ldy, int64_t cols, int64_t ahead) {
     __m512 f[R][P];
     for (int r = 0; r < R; ++r)
         for (int p = 0; p < P; ++p) f[r][p] = _mm512_setzero_ps();
@@ -98,9 +101,10 @@ void micro(const int8_t* q, int64_t ldq, const float* d, const float* offset, in
         for (int r = 0; r < R; ++r)
             for (int p = 0; p < P; ++p) a[r][p] = _mm512_setzero_si512();
         for (int64_t j = g * group / 4; j < (g + 1) * group / 4; ++j) {
-            if constexpr (R <= 2)  // decode rows: each panel's line kPrefetchLines on (past a panel's end, the
-                for (int p = 0; p < P; ++p) {  // next panel's first lines, or past the weights: a prefetch never faults)
-                    const uintptr_t at = reinterpret_cast<uintptr_t>(w) + p * panel + (j + kPrefetchLines) * 64;
+            if constexpr (R <= 2)  // decode rows: each panel's line `ahead` on (past a panel's end, the next
+                for (int p = 0; p < P && ahead > 0; ++p) {  // panel's first lines, or past the weights: a
+                    // prefetch never faults)
+                    const uintptr_t at = reinterpret_cast<uintptr_t>(w) + p * panel + (j + ahead) * 64;
                     _mm_prefetch(reinterpret_cast<const char*>(at), _MM_HINT_T0);
                 }
             __m512i wv[P];
@@ -132,7 +136,7 @@ void micro(const int8_t* q, int64_t ldq, const float* d, const float* offset, in
 
 template <typename T>
 using MicroFn = void (*)(const int8_t*, int64_t, const float*, const float*, int64_t, int64_t, const uint8_t*,
-                         int64_t, const float*, T*, int64_t, int64_t);
+                         int64_t, const float*, T*, int64_t, int64_t, int64_t);
 
 // micro<T, rows, P> for rows 1..kRows. A switch, not a table: GCC 12 at -O3 -march=sapphirerapids
 // read a two-level constexpr table of variable templates (kMicro<T>[P - 1][R - 1]) wrongly in
@@ -174,7 +178,7 @@ Quantized& quantized(int64_t m, int64_t k, int64_t groups) {
 template <typename X, typename T, typename Row>
 void gemm(Row row, int64_t m, int64_t k, const uint8_t* panels, int64_t nb, int64_t n, const float* scale,
           int64_t group, T* y, int64_t ldy) {
-    const int64_t groups = k / group;
+    const int64_t groups = k / group, ahead = decode_prefetch_lines();
     Quantized& qa = quantized(m, k, groups);
     int8_t* q = qa.q.data();
     float* d = qa.d.data();
@@ -214,7 +218,7 @@ void gemm(Row row, int64_t m, int64_t k, const uint8_t* panels, int64_t nb, int6
                     fn = np == 1 ? micro_rows<T, 1>(rows) : micro_rows<T, 2>(rows);
                 }
                 fn(q + m0 * k, k, d + m0 * groups, offset + m0, groups, group, panels + b * k * kCols, k,
-                   scale + b * kCols, y + m0 * ldy + b * kCols, ldy, n - b * kCols);
+                   scale + b * kCols, y + m0 * ldy + b * kCols, ldy, n - b * kCols, ahead);
             }
         }
     });

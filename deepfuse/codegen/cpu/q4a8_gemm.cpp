@@ -49,19 +49,13 @@ constexpr int64_t kCols = 16, kGroup = 32, kBlock = 320;  // columns per panel, 
 constexpr int kRows = 4;                                   // rows per micro-tile
 constexpr int64_t kChunkBytes = 256 << 10;                 // weight bytes swept per row block
 
+#if DEEPFUSE_Q4A8
 // How many groups ahead decode tiles (1-2 rows) prefetch each panel's block: 2 on Intel CPUs, where
 // it made 120 SmolLM2 projections + the int8 head as one program 2-4% faster (2-core Sapphire
 // Rapids VM); 0 elsewhere: on AMD Zen 4, whose hardware prefetchers already stream the panels, the
 // prefetches made the q4a8 ops ~14% slower and batch-1 decode ~6% (docs/performance.md).
-int64_t decode_prefetch_groups() {
-    static const int64_t groups = [] {
-        __builtin_cpu_init();
-        return __builtin_cpu_is("intel") ? int64_t{2} : int64_t{0};
-    }();
-    return groups;
-}
+int64_t decode_prefetch_groups() { return intel_cpu() ? 2 : 0; }
 
-#if DEEPFUSE_Q4A8
 // x[K] -> q [K] s8, d [K/32] and s [K/32] f32 (see the file's comment)
 template <typename T>
 void quantize_row(const T* x, int64_t k, int8_t* q, float* d, float* s) {

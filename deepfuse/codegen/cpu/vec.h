@@ -8,6 +8,17 @@
 
 #include <c10/util/BFloat16.h>
 
+// Whether this is an Intel CPU: the decode GEMV tiles' software prefetches were measured faster
+// there (2-core Sapphire Rapids VM) and slower on AMD Zen 4, whose hardware prefetchers already
+// stream the weight panels (q4a8_gemm.cpp, i8_gemm.cpp; docs/performance.md)
+static inline bool intel_cpu() {
+    static const bool intel = [] {
+        __builtin_cpu_init();
+        return __builtin_cpu_is("intel") != 0;
+    }();
+    return intel;
+}
+
 static inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 
 static inline __m512 load16(const c10::BFloat16* p) {  // 16 bf16 -> f32 (exact: the high half of each)

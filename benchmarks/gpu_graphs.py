@@ -145,6 +145,19 @@ def main() -> None:
         decode_run(engines[name], 2, 2, seed=99)  # untimed: first launches
     captured = sorted(engines["graphed"].graphed.graphs)
     results, ok = {}, True
+    device = "cpu (Triton interpreter, dry run)" if dry else torch.cuda.get_device_name()
+
+    def save(**more) -> None:
+        """The figures so far (complete: false until the last batch and the sync check are in), so a
+        run stopped by its time limit still leaves what it measured."""
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        with open(args.out, "w") as f:
+            json.dump({"device": device, "torch": torch.__version__, "target": target, "dtype": dtype,
+                       "kernel_source": art.runner.kernel_source, "captured_buckets": captured,
+                       "engine_build_s": build_s, "unsized_kernels_dropped": dropped, "batches": results,
+                       "complete": False, **more}, f, indent=1)
+
+    save()
     for n in batches:
         runs = {name: decode_run(eng, n, steps, seed=n) for name, eng in engines.items()}
         (eager_t, eager_tok), (graph_t, graph_tok), (over_t, over_tok), (un_t, un_tok), (inv_t, _) = \
@@ -162,17 +175,13 @@ def main() -> None:
               f"without the decode sizing {u_ms:8.2f} ms graphed (sizing {u_ms / g_ms:.2f}x, tokens "
               f"{'equal' if un_tok == graph_tok else 'differ'}); batch-invariant build {i_ms:8.2f} ms graphed "
               f"({i_ms / g_ms:.2f}x the sized)", flush=True)
+        save()
     ok &= engines["overlapped"].stats.ahead_steps > 0
     syncs = sync_check({k: engines[k] for k in ("eager", "graphed")}, not dry)
     ok &= all(v == "ok" for v in syncs.values()) if "skipped" not in syncs else True
-    device = "cpu (Triton interpreter, dry run)" if dry else torch.cuda.get_device_name()
     print(f"{device}, {target} {dtype}, {model.config.num_layers} layers; graphs captured for {captured or 'none'} "
           f"(engine built in {build_s['graphed']:.1f} s with them, {build_s['eager']:.1f} s without); sync check: {syncs}")
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump({"device": device, "torch": torch.__version__, "target": target, "dtype": dtype,
-                   "kernel_source": art.runner.kernel_source, "captured_buckets": captured, "engine_build_s": build_s,
-                   "unsized_kernels_dropped": dropped, "batches": results, "sync_check": syncs, "ok": ok}, f, indent=1)
+    save(complete=True, sync_check=syncs, ok=ok)
     if not ok:
         sys.exit("gpu_graphs: the graphed or overlapped steps' tokens differ from the eager ones, no step went "
                  "ahead, or a step waited for the GPU")

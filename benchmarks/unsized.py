@@ -1,7 +1,8 @@
 """The sm90/sm100 decode kernels as they were before they were sized for their shapes, for the
 GPU benchmarks' A/B: every GEMM runs its one template kernel at any row count (no swapped,
-split-K decode kernel and reduce), and attention runs the one-pass paged kernel for every
-sequence (no split-KV kernels). Only a comparison point: the engine never builds this.
+split-K decode kernel and reduce; fused_moe's GEMMs their 64- or 128-row blocks), and
+attention runs the one-pass paged kernel for every sequence (no split-KV kernels). Only a
+comparison point: the engine never builds this.
 
     with one_pass_attention():      # while the plan (or artifact) is built
         art = deepfuse.compile(model, target=..., dtype=...)
@@ -26,9 +27,10 @@ def one_pass_attention():
 
 def sizing_kernel(spec: dict) -> bool:
     """A kernel that only the sizing added: split-K decode GEMMs and their reduces, split-KV
-    attention and its reduce (splitk.py, split_kv.py name them so)."""
+    attention and its reduce, fused_moe's set of 16-row blocks (splitk.py, split_kv.py, emit.py
+    name them so)."""
     name = spec["name"]
-    return name.startswith("reduce_") or name.endswith("_decode") or name.endswith("_split")
+    return name.startswith("reduce_") or name.endswith(("_decode", "_split", "_small"))
 
 
 def strip_sizing(runner) -> int:

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from deepfuse.codegen.triton import build_plan
-from deepfuse.codegen.triton.runner import TritonRunner, bind, grid_of
+from deepfuse.codegen.triton.runner import TritonRunner, bind, grid_of, launched
+from deepfuse.codegen.triton.tiles import DECODE_ROWS
 from deepfuse.frontend import Spec, trace
 from deepfuse.frontend.tracer import apply
 from deepfuse.ir import interpret
@@ -65,19 +66,26 @@ def reference_layout(ids: torch.Tensor, n_experts: int, block: int, total: int):
 
 
 def run_route_align(g, ins: dict):
-    """Runs only the launch's first two kernels (route, align) -> its scratch tensors."""
+    """Runs only the first two kernels (route, align) of the set the step launches -> that set's
+    seven scratch tensors, the route's constexprs and the GEMMs' BM."""
     r = TritonRunner(build_plan(g, "interpret"), g.weights)
     (p, kernels, _), = r.launches
-    names = [spec["name"] for spec, _ in kernels]
-    assert names[0].endswith("_route") and names[1].endswith("_align") and len(names) == 5
+    assert len(kernels) == 10  # two sets of five: up to DECODE_ROWS tokens, and more
     env = list(r.base)
     for name, s in r.plan["inputs"].items():
         env[s] = ins[name]
     step = [env[i] for i in p["in"]]
+    kernels = [(spec, fn) for spec, fn in kernels if launched(spec, step)]
+    names = [spec["name"] for spec, _ in kernels]
+    small = ins["x"].shape[0] <= DECODE_ROWS
+    assert len(names) == 5 and all(n.endswith("_small") == small for n in names), names
+    assert names[0].removesuffix("_small").endswith("_route") and names[1].removesuffix("_small").endswith("_align")
     tmps = r._scratch(p, kernels[:2], step)
     for spec, fn in kernels[:2]:
         r._launch(spec, fn, grid_of(spec, step, [], tmps), [bind(f, step, [], tmps) for f in spec["args"]])
-    return tmps, kernels[0][0]["constexprs"], kernels[2][0]["constexprs"]["BM"]
+    first = 0 if small else 7  # each set's scratch of its own
+    assert all(t is None for t in tmps[7 - first:14 - first])
+    return tmps[first:first + 7], kernels[0][0]["constexprs"], kernels[2][0]["constexprs"]["BM"]
 
 
 @pytest.mark.parametrize("tokens", [1, 5, 37, 130])
@@ -99,9 +107,28 @@ def test_route_and_align_kernels_match_the_reference(kind, tokens):
     assert rows.shape[0] >= tokens * kt and rows.shape[0] % block == 0
 
 
+@pytest.mark.parametrize("tokens", [37, 130])  # the decode set (16-row blocks) and the other
 @pytest.mark.parametrize("kind", list(ROUTINGS))
-def test_fused_moe_launch_matches_the_interpreter(kind):
-    g, ins, _, _ = case(kind, 37, seed=1)
+def test_fused_moe_launch_matches_the_interpreter(kind, tokens):
+    g, ins, _, _ = case(kind, tokens, seed=1)
     got = TritonRunner(build_plan(g, "interpret"), g.weights)({"x": ins["x"].clone()})
     want = interpret(g, {"x": ins["x"].clone()})
     torch.testing.assert_close(got[0], want[0], rtol=1e-4, atol=1e-4)
+
+
+def test_the_decode_set_takes_its_own_tiles_and_invariant_builds_one_set():
+    g, _, _, _ = case("mixtral", 8)
+    (p,) = build_plan(g, "sm90")["launches"]
+    base = p["kernels"][-1]["name"]  # the other set's combine: the launch's name
+    by_name = {k["name"].removeprefix(base).lstrip("_") or "combine": k for k in p["kernels"]}
+    assert list(by_name) == ["route_small", "align_small", "up_small", "down_small", "small",
+                             "route", "align", "up", "down", "combine"]
+    assert by_name["up_small"]["constexprs"]["BM"] == by_name["align_small"]["constexprs"]["BLOCK"] == 16
+    assert by_name["up"]["constexprs"]["BM"] == by_name["align"]["constexprs"]["BLOCK"] == 64
+    assert by_name["up_small"]["when"] == ["le", ["shape", 0, 0], DECODE_ROWS]
+    assert by_name["up"]["when"] == ["gt", ["shape", 0, 0], DECODE_ROWS]
+    assert ["tmp", 7] in by_name["up"]["args"] and ["tmp", 0] in by_name["up_small"]["args"]
+    assert len(p["tmps"]) == 14
+    (inv,) = build_plan(g, "sm90", batch_invariant=True)["launches"]  # one form at every token count
+    assert len(inv["kernels"]) == 5 and not any("when" in k or k["name"].endswith("_small") for k in inv["kernels"])
+    assert len(inv["tmps"]) == 7

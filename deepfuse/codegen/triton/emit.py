@@ -10,7 +10,8 @@ compiles its `source` for sm90/sm100. Argument forms:
 Grid entries: an int, an argument form above, or ["cdiv", form, block].
 `when`: [op, form, form] (op: le, gt, ne): the runner launches the kernel only when it holds for
 the step's shapes (GEMMs: the decode tiles up to DECODE_ROWS rows, splitk.py; attention: the
-one-pass kernel unless every sequence has one query, split_kv.py). `scratch` (emit-time only):
+one-pass kernel unless every sequence has one query, split_kv.py; fused_moe: its 16-row-block
+set up to DECODE_ROWS tokens). `scratch` (emit-time only):
 the kernel's scratch tensors, which build_plan collects into the launch's `tmps` in kernel
 order, each with a symbolic `shape` or `dims` of forms.
 `requires`: [input, axis, n, what]: the kernel was built for input.shape[axis] == n (or <= n
@@ -175,32 +176,62 @@ def emit_qkv_attention(node: Node, name: str, arch: str, invariant: bool = False
     return [rope_spec, att_spec, *split]
 
 
-def emit_fused_moe(node: Node, name: str, arch: str) -> list[dict]:
-    """Five kernels: routing and the sort by expert into scratch (moe_align.py), the grouped
-    gate/up GEMM with SwiGLU, the grouped down GEMM scaled by the routing weight, and the
-    per-token combine."""
+def emit_fused_moe(node: Node, name: str, arch: str, invariant: bool = False) -> list[dict]:
+    """Two sets of five kernels, the step's token count choosing one (`when`): up to DECODE_ROWS
+    tokens the `moe_decode` tiles (blocks of 16 rows: a decode step gives each expert a few
+    pairs, which a 64- or 128-row block would mostly pad; named ..._small), else the `gemm`
+    tiles. Each set: routing and the sort by expert into its own scratch (moe_align.py; the
+    small set's tmps 0-6, the other's 7-13), the grouped gate/up GEMM with SwiGLU, the grouped
+    down GEMM scaled by the routing weight, and the per-token combine.
+    invariant: the `gemm` set at every token count (a row's sums in one order whatever its step)."""
+    large = _moe_set(node, name, "", tiles_for(arch, "gemm", node), tiles_for(arch, "row", node))
+    if invariant:
+        return large
+    small = _moe_set(node, name, "_small", tiles_for(arch, "moe_decode", node), tiles_for(arch, "row", node))
+    tokens = ["shape", 0, 0]
+    for spec in small:
+        spec["when"] = ["le", tokens, DECODE_ROWS]
+    for spec in large:
+        spec["when"] = ["gt", tokens, DECODE_ROWS]
+    return small + [_with_tmps_from(spec, 7) for spec in large]
+
+
+def _moe_set(node: Node, name: str, suffix: str, tiles: dict, row_tiles: dict) -> list[dict]:
+    """One set of fused_moe's five kernels with `tiles`' BM/BN/BK, its kernel names ending in
+    `suffix` (the combine's: name + suffix), its scratch tmps 0-6."""
     x, w13 = node.inputs[0].type, node.inputs[2].type
     d, i = x.shape[1], w13.shape[1] // 2
     kt = node.attrs["top_k"] + node.attrs.get("num_shared", 0)
-    tiles = tiles_for(arch, "gemm", node)
     consts = {k: tiles[k] for k in ("BM", "BN", "BK")}
     dt = PTR[x.dtype]
     pairs = ["tmp_shape", 2, 0]  # T * KT (the sentinel row id)
     blocks = ["cdiv", ["tmp_shape", 0, 0], consts["BM"]]
-    up = _spec(name + "_up", _source(name + "_up", T.MOE_UP, MOE_ROWS=T.MOE_ROWS, KT=kt, I=i, D=d),
+    up_name, down_name = f"{name}_up{suffix}", f"{name}_down{suffix}"
+    up = _spec(up_name, _source(up_name, T.MOE_UP, MOE_ROWS=T.MOE_ROWS, KT=kt, I=i, D=d),
                [("x_ptr", dt, ["in", 0]), ("w13_ptr", dt, ["in", 2]), ("rows_ptr", "*i32", ["tmp", 0]),
                 ("block_expert_ptr", "*i32", ["tmp", 1]), ("h_ptr", dt, ["tmp", 4]), ("M", "i32", pairs)],
                consts, [blocks, ["cdiv", ["const", i], consts["BN"]], 1], tiles)
-    down = _spec(name + "_down", _source(name + "_down", T.MOE_DOWN, MOE_ROWS=T.MOE_ROWS, I=i, D=d),
+    down = _spec(down_name, _source(down_name, T.MOE_DOWN, MOE_ROWS=T.MOE_ROWS, I=i, D=d),
                  [("h_ptr", dt, ["tmp", 4]), ("w2_ptr", dt, ["in", 3]), ("rows_ptr", "*i32", ["tmp", 0]),
                   ("block_expert_ptr", "*i32", ["tmp", 1]), ("weights_ptr", "*fp32", ["tmp", 3]),
                   ("ys_ptr", dt, ["tmp", 5]), ("M", "i32", pairs)],
                  consts, [blocks, ["cdiv", ["const", d], consts["BN"]], 1], tiles)
-    combine = _spec(name, _source(name, T.MOE_COMBINE, KT=kt, D=d),
+    combine = _spec(name + suffix, _source(name + suffix, T.MOE_COMBINE, KT=kt, D=d),
                     [("ys_ptr", dt, ["tmp", 5]), ("pos_ptr", "*i32", ["tmp", 2]), ("y_ptr", dt, ["out", 0])],
-                    {"BD": pow2(d)}, [["shape", 0, 0], 1, 1], tiles_for(arch, "row", node))
-    return [*emit_route_align(node, name, consts["BM"], _source, _spec, lambda kind, i: _ptr(node, kind, i),
-                                tiles_for(arch, "row", node)), up, down, combine]
+                    {"BD": pow2(d)}, [["shape", 0, 0], 1, 1], row_tiles)
+    return [*emit_route_align(node, name, suffix, consts["BM"], _source, _spec, lambda kind, i: _ptr(node, kind, i),
+                                row_tiles), up, down, combine]
+
+
+def _with_tmps_from(spec: dict, first: int) -> dict:
+    """spec with its scratch references (["tmp", j], ["tmp_shape", j, axis], in its arguments and
+    grid) moved to tmps first + j: a second set of kernels with scratch of its own in one launch."""
+    def moved(form):
+        if isinstance(form, list) and form and form[0] in ("tmp", "tmp_shape"):
+            return [form[0], form[1] + first, *form[2:]]
+        return [moved(f) for f in form] if isinstance(form, list) else form
+
+    return {**spec, "args": moved(spec["args"]), "grid": moved(spec["grid"])}
 
 
 def emit_sample(node: Node, name: str, arch: str) -> list[dict]:
@@ -237,7 +268,8 @@ EMITTERS = {
 EPILOGUE_HOSTS = ("linear", "linear_q4", "rms_norm_linear", "swiglu_linear")  # emit_gemm's, one output
 EMITTERS["with_epilogue"] = lambda node, name, arch, **kw: emit_with_epilogue(node, name, arch, **kw)
 # emitters that take invariant=True (one kernel form per op at every batch shape); the others' kernels are already
-INVARIANT_AWARE = frozenset(op for op, f in EMITTERS.items() if f is emit_gemm) | {"qkv_attention", "with_epilogue"}
+INVARIANT_AWARE = frozenset(op for op, f in EMITTERS.items() if f is emit_gemm) | {"qkv_attention", "with_epilogue",
+                                                                                   "fused_moe"}
 
 
 def emittable(node: Node) -> bool:

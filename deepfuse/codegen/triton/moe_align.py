@@ -117,9 +117,11 @@ def $NAME(ids_ptr, rows_ptr, block_expert_ptr, pos_ptr, NP, TOTAL, BP: tl.conste
 """
 
 
-def emit_route_align(node: Node, name: str, block: int, source, spec, ptr, row_tiles: dict) -> list[dict]:
-    """The route and align specs of a fused_moe node whose GEMMs take `block` rows per program
-    (ptr(kind, i): the pointer type of the node's input or output i, as emit.py passes it).
+def emit_route_align(node: Node, name: str, suffix: str, block: int, source, spec, ptr,
+                     row_tiles: dict) -> list[dict]:
+    """The route and align specs (named name_route / name_align, then `suffix`) of a fused_moe
+    node whose GEMMs take `block` rows per program (ptr(kind, i): the pointer type of the node's
+    input or output i, as emit.py passes it).
     The route spec declares the launch's scratch in the order the MoE kernels address it:
     tmp 0 rows, 1 block_expert, 2 pos_of, 3 weights, 4 h [P, I], 5 ys [P, D], 6 ids."""
     x, router, w13 = (node.inputs[i].type for i in (0, 1, 2))
@@ -130,7 +132,7 @@ def emit_route_align(node: Node, name: str, block: int, source, spec, ptr, row_t
     kt = k + shared
     groups = "" if r["n_group"] <= 1 else GROUPS.replace("$EG", str(e // r["n_group"])).replace(
         "$GP", str(pow2(r["n_group"]))).replace("$G", str(r["n_group"])).replace("$TOPK_GROUP", str(r["topk_group"]))
-    route_src = source(name + "_route", ROUTE, E=e, EP=max(16, pow2(e)), D=d, K=k, KP=pow2(kt), KT=kt,
+    route_src = source(f"{name}_route{suffix}", ROUTE, E=e, EP=max(16, pow2(e)), D=d, K=k, KP=pow2(kt), KT=kt,
                        SHARED=shared, SCORES=SOFTMAX if r["scoring"] == "softmax" else SIGMOID,
                        BIAS=" + tl.load(bias_ptr + re, mask=e_ok, other=0.0).to(tl.float32)[None, :]" if bias else "",
                        BIAS_PARAM="bias_ptr," if bias else "", GROUPS=groups,
@@ -141,7 +143,7 @@ def emit_route_align(node: Node, name: str, block: int, source, spec, ptr, row_t
         params.append(("bias_ptr", ptr("in", 4), ["in", 4]))
     params += [("ids_ptr", "*i32", ["tmp", 6]), ("weights_ptr", "*fp32", ["tmp", 3]), ("T", "i32", ["shape", 0, 0])]
     bt = 16  # tl.dot's least M
-    route = spec(name + "_route", route_src, params, {"BT": bt, "BD": 64}, [["cdiv", ["shape", 0, 0], bt], 1, 1],
+    route = spec(f"{name}_route{suffix}", route_src, params, {"BT": bt, "BD": 64}, [["cdiv", ["shape", 0, 0], bt], 1, 1],
                  row_tiles)
     n_pairs = ["mul", ["shape", 0, 0], kt]
     blocks = ["cdiv", ["add", n_pairs, ["mul", ["min", ne, n_pairs], block - 1]], block]
@@ -150,8 +152,8 @@ def emit_route_align(node: Node, name: str, block: int, source, spec, ptr, row_t
                         {"dims": [n_pairs], "dtype": "i32"}, {"dims": [n_pairs], "dtype": "f32"},
                         {"dims": [total, i], "dtype": x.dtype}, {"dims": [total, d], "dtype": x.dtype},
                         {"dims": [n_pairs], "dtype": "i32"}]
-    align_src = source(name + "_align", ALIGN, EP=max(16, pow2(ne)), NE=ne)
-    align = spec(name + "_align", align_src,
+    align_src = source(f"{name}_align{suffix}", ALIGN, EP=max(16, pow2(ne)), NE=ne)
+    align = spec(f"{name}_align{suffix}", align_src,
                  [("ids_ptr", "*i32", ["tmp", 6]), ("rows_ptr", "*i32", ["tmp", 0]),
                   ("block_expert_ptr", "*i32", ["tmp", 1]), ("pos_ptr", "*i32", ["tmp", 2]),
                   ("NP", "i32", ["tmp_shape", 2, 0]), ("TOTAL", "i32", ["tmp_shape", 0, 0])],

@@ -8,7 +8,10 @@ By M bucket: a GEMM of at most DECODE_ROWS rows (the decode buckets 1, 2, 4, 8, 
 takes `gemm_decode` (splitk.py: operands swapped, so the weight's rows fill the MMA's M side
 and the step's rows its N side, plus a fixed split of K); larger ones `gemm`. Every decode
 bucket gets the same tiles and split, so a row's sums are formed in the same order at any M
-<= DECODE_ROWS. `attention_decode` is split_kv.py's: `rows` per q tile, `keys` per key tile.
+<= DECODE_ROWS. fused_moe's grouped GEMMs take `moe_decode` up to DECODE_ROWS tokens: blocks of
+16 (token, expert) rows, tl.dot's least M (an mma.sync tile: wgmma and tcgen05 want 64 or
+128 rows), since a decode step gives each expert a few rows. `attention_decode` is
+split_kv.py's: `rows` per q tile, `keys` per key tile.
 SMS: the streaming multiprocessors the split sizes aim to fill (H100/H200: 132, B200: 148;
 the interpreter's 8 only makes the tests split).
 """
@@ -21,15 +24,18 @@ from ...ir import Node
 TILES: dict[str, dict[str, dict]] = {
     "sm90": {"gemm": {"BM": 64, "BN": 128, "BK": 64, "num_warps": 4, "num_stages": 3},
              "gemm_decode": {"BM": 64, "BN": 64, "BK": 32, "num_warps": 4, "num_stages": 3},
+             "moe_decode": {"BM": 16, "BN": 64, "BK": 64, "num_warps": 4, "num_stages": 3},
              "attention_decode": {"rows": 64, "keys": 64, "num_warps": 4, "num_stages": 2},
              "attention": {"rows": 64, "block_size": 16, "num_warps": 4, "num_stages": 2},
              "row": {"num_warps": 4, "num_stages": 1}},
     "sm100": {"gemm": {"BM": 128, "BN": 128, "BK": 64, "num_warps": 4, "num_stages": 3},
               "gemm_decode": {"BM": 64, "BN": 64, "BK": 32, "num_warps": 4, "num_stages": 3},
+              "moe_decode": {"BM": 16, "BN": 64, "BK": 64, "num_warps": 4, "num_stages": 3},
               "attention_decode": {"rows": 128, "keys": 64, "num_warps": 8, "num_stages": 2},
               "attention": {"rows": 128, "block_size": 16, "num_warps": 8, "num_stages": 2},
               "row": {"num_warps": 4, "num_stages": 1}},
     "interpret": {"gemm": {"BM": 16, "BN": 32, "BK": 32}, "gemm_decode": {"BM": 16, "BN": 32, "BK": 32},
+                  "moe_decode": {"BM": 16, "BN": 16, "BK": 32},
                   "attention": {"rows": 16, "block_size": 16}, "attention_decode": {"rows": 16, "keys": 64}, "row": {}},
 }
 def pow2(n: int) -> int:

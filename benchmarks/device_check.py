@@ -272,7 +272,7 @@ def main() -> None:
     dtype = "f32" if dry else "bf16"
     tdt = torch.float32 if dry else torch.bfloat16
     result = {"device": "cpu (Triton interpreter, dry run)" if dry else torch.cuda.get_device_name(),
-              "torch": torch.__version__, "dtype": dtype, "kernels": []}
+              "torch": torch.__version__, "dtype": dtype, "kernels": [], "complete": False}
     import triton
 
     result["triton"] = triton.__version__
@@ -313,6 +313,7 @@ def main() -> None:
     bad = [r for r in result["kernels"] if r["max_rel_err"] > (1e-4 if dry else 3e-2)]
     result["ok"] = not bad and not result["errors"] and result["end_to_end"]["equal"] \
         and result["end_to_end"].get("engine", {}).get("equal", False)
+    result["complete"] = True
     save()
     print(f"{'model':8s} {'step':24s} {'op':20s} {'rel err':>9s} {'triton us':>10s} {'torch us':>9s} "
           f"{'x torch':>8s} {'%HBM':>6s} {'%TC':>6s} {'unsized us':>10s}")

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Every GPU check in one call, on a machine with a GPU; each step has its own limit, 480 s in
 # all (give the call 600, which leaves time for the machine's start within a 15-minute lease;
-# a step stopped by its limit keeps what it wrote: device_check.py and gpu_graphs.py save
-# after each stage, marked complete: false until their end):
+# --dry-run's limits are 570 s, the interpreter being slower); a step stopped by its limit keeps
+# what it wrote: each script saves after every stage, marked complete: false until its end:
 # device_check.sh (each kernel against torch, with and without the decode sizing; the artifact
 # end to end), gpu_graphs.py (decode step time at 1/16/64 sequences: eager, CUDA graphs,
 # overlapped, graphs without the decode sizing; it fails where the graphed tokens differ or a
@@ -56,13 +56,15 @@ run() {  # a title, then the command
   shift
   "$@" 2>&1 | stamp || rc=1
 }
-run "device check" timeout 170 env PYTHON="$PY" benchmarks/device_check.sh --out "$out/device_check.json" "${dry[@]}"
-run "cuda graphs" timeout 140 "$PY" benchmarks/gpu_graphs.py --out "$out/gpu_graphs.json" "${dry[@]}"
+limits=(170 140 100 70)
+[ ${#dry[@]} -gt 0 ] && limits=(200 150 130 90)
+run "device check" timeout "${limits[0]}" env PYTHON="$PY" benchmarks/device_check.sh --out "$out/device_check.json" "${dry[@]}"
+run "cuda graphs" timeout "${limits[1]}" "$PY" benchmarks/gpu_graphs.py --out "$out/gpu_graphs.json" "${dry[@]}"
 profile=(--profile)
 [ ${#dry[@]} -gt 0 ] && profile=()
-run "throughput" timeout 100 "$PY" benchmarks/gpu_throughput.py --runs 2 "${profile[@]}" \
+run "throughput" timeout "${limits[2]}" "$PY" benchmarks/gpu_throughput.py --runs 2 "${profile[@]}" \
   --out "$out/gpu_throughput.json" "${dry[@]}"
-run "kernel times" timeout 70 "$PY" benchmarks/gpu_kernel_times.py --out "$out/gpu_kernel_times.json" "${dry[@]}"
+run "kernel times" timeout "${limits[3]}" "$PY" benchmarks/gpu_kernel_times.py --out "$out/gpu_kernel_times.json" "${dry[@]}"
 [ -n "$dmon" ] && kill "$dmon"
 echo "== done, exit $rc" | stamp
 exit $rc

@@ -101,7 +101,13 @@ def main() -> None:
     if dry:
         steps = {"decode x2 at 20": (0, 2, 20), "prefill 20": (20, 0, 0)}
     result = {"device": "cpu (dry run)" if dry else torch.cuda.get_device_name(), "layers": model.config.num_layers,
-              "cubin_runner": art.runner.kernel_source, "steps": {}}
+              "cubin_runner": art.runner.kernel_source, "steps": {}, "complete": False}
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+
+    def save() -> None:  # after every step: a run stopped by its time limit still leaves what it timed
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+
     columns = ("in_step_us", "same_op_us", "alone_us", "cubin_in_step_us", "cubin_alone_us")
     for name, (prefill, decodes, pos) in steps.items():
         inputs = step(model.config, tdt, device, prefill, decodes, pos)
@@ -129,6 +135,7 @@ def main() -> None:
                     lambda runner=runner, p=p, kernels=kernels, ins=ins: runner._run(p, kernels, ins),
                     warmup=10, rep=50) * 1000
         result["steps"][name] = rows
+        save()
         print(f"\n{name}: µs per launch{' (dry run: not timed)' if dry else ''}; JIT build, then the artifact's "
               f"{art.runner.kernel_source}")
         print(f"{'op + kernels':40s} {'per step':>8s} {'in step':>9s} {'same op':>9s} {'alone':>9s} "
@@ -136,9 +143,8 @@ def main() -> None:
         for key, r in rows.items():
             cells = " ".join(f"{r[c]:9.1f}" if c in r else f"{'-':>9s}" for c in columns)
             print(f"{key:40s} {r['launches_per_step']:8d} {cells}")
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=1)
+    result["complete"] = True
+    save()
 
 
 if __name__ == "__main__":

@@ -149,13 +149,25 @@ def main() -> None:
                f"deepfuse {target} overlap": lambda: run_deepfuse(art, prompts, out_tokens, overlap=True),
                f"HF {dtype} batched": lambda: hf_generate(hf, prompts, out_tokens)}
     runs: dict[str, list[dict]] = {name: [] for name in engines}
+    device = "cpu (Triton interpreter, dry run)" if dry else torch.cuda.get_device_name()
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+
+    def save(**more) -> None:
+        """The runs so far (complete: false until the medians are in): a run stopped by its time
+        limit still leaves what it measured."""
+        with open(args.out, "w") as f:
+            json.dump({"device": device, "torch": torch.__version__, "target": target, "dtype": dtype,
+                       "kernel_source": art.runner.kernel_source, "compile_s": compile_s,
+                       "prompt_tokens": [len(p) for p in prompts], "output_tokens": out_tokens, "runs": runs,
+                       "complete": False, **more}, f, indent=1)
+
     for round_ in range(1 if dry else args.runs):
         for name, fn in engines.items():
             runs[name].append(fn())
             print(f"round {round_ + 1}, {name}: {runs[name][-1]['output_tps']:.1f} output tok/s", flush=True)
+            save()
     results = {name: {"runs": rs, **{k: statistics.median(r[k] for r in rs) for k in rs[0]}} for name, rs in runs.items()}
     ours, _, peer = results.values()
-    device = "cpu (Triton interpreter, dry run)" if dry else torch.cuda.get_device_name()
     shape = "a toy" if dry else "SmolLM2-135M"
     print(f"\n{device}, {shape} shape ({model.config.num_layers} layers, random weights), {requests} requests, "
           f"prompts {min(map(len, prompts))}-{max(map(len, prompts))} tokens, {out_tokens} output tokens each, "
@@ -168,12 +180,7 @@ def main() -> None:
               f"{r['output_tps'] / peer['output_tps']:6.2f}x")
     print("per round vs HF: " + ", ".join(f"{a['output_tps'] / b['output_tps']:.2f}x"
                                           for a, b in zip(ours["runs"], peer["runs"])))
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump({"device": device, "torch": torch.__version__, "target": target, "dtype": dtype,
-                   "kernel_source": art.runner.kernel_source, "compile_s": compile_s,
-                   "prompt_tokens": [len(p) for p in prompts], "output_tokens": out_tokens, "results": results}, f,
-                  indent=1)
+    save(complete=True, results=results)
 
     if args.profile and not dry:
         profile(art, prompts, args.out.removesuffix(".json") + "_profile.txt")

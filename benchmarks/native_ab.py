@@ -175,25 +175,28 @@ def parent(a) -> None:
     for side, rounds in got.items():
         tps = [statistics.median(x["tps"]) for x in rounds]
         names = list(rounds[0]["ops_ms"])
-        summary[side] = {f"{what}_tps_median": statistics.median(tps), f"{what}_tps_rounds": tps,
-                         "program_ms_median": statistics.median(sum(x["ops_ms"].values()) for x in rounds),
-                         "ops_ms_median": {n: statistics.median(x["ops_ms"].get(n, 0.0) for x in rounds) for n in names}}
+        summary[side] = {f"{what}_tps_median": statistics.median(tps), f"{what}_tps_rounds": tps}
+        if names:  # (the throughput workload has no op times)
+            summary[side] |= {"program_ms_median": statistics.median(sum(x["ops_ms"].values()) for x in rounds),
+                              "ops_ms_median": {n: statistics.median(x["ops_ms"].get(n, 0.0) for x in rounds)
+                                                for n in names}}
     old, new = summary[a.base], summary["this checkout"]
     ratios = [n / o for n, o in zip(new[f"{what}_tps_rounds"], old[f"{what}_tps_rounds"])]
     kv = f", {a.kv_cache_dtype} KV" if a.kv_cache_dtype else ""
     print(f"\nbf16 + {a.quant}{kv} {'throughput workload' if a.workload == 'throughput' else 'batch-1 decode'}, "
           f"medians over {a.rounds} rounds" + (" (the op times: each op's own, as the program times it; entering and"
                                                " leaving a team's region falls between them, so compare the tok/s):"
-                                               if new["ops_ms_median"] else ":"))
+                                               if "ops_ms_median" in new else ":"))
     print(f"  {'':28s} {a.base:>12s} {'this checkout':>14s}")
     print(f"  {what + ' tok/s':28s} {old[what + '_tps_median']:12.1f} {new[what + '_tps_median']:14.1f}")
-    if new["ops_ms_median"]:
+    if "ops_ms_median" in new:
         print(f"  {'decode program ms':28s} {old['program_ms_median']:12.3f} {new['program_ms_median']:14.3f}")
-    for n in new["ops_ms_median"]:
+    for n in new.get("ops_ms_median", {}):
         print(f"  {n:28s} {old['ops_ms_median'].get(n, 0.0):12.3f} {new['ops_ms_median'][n]:14.3f}")
     print(f"  per-round tok/s ratio (this checkout / base): {', '.join(f'{x:.3f}' for x in ratios)}")
+    new_tokens = a.new_tokens if a.workload == "decode" else 128  # (throughput.py's OUT_TOKENS a request)
     path = write_result(a.result, {"config": {"base": a.base, "python": a.python, "rounds": a.rounds, "runs": a.runs,
-                                              "new_tokens": a.new_tokens, "quant": a.quant,
+                                              "new_tokens": new_tokens, "quant": a.quant,
                                               "workload": a.workload, "kv_cache_dtype": a.kv_cache_dtype},
                                    "sides": summary, "tps_ratio_rounds": ratios,
                                    "tps_ratio_median": statistics.median(ratios)})
@@ -206,7 +209,7 @@ def main() -> None:
     ap.add_argument("--python", action="store_true", help="the base side runs the base commit's whole package")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--runs", type=int, default=3)
-    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--new-tokens", type=int, default=128, help="decode workload only (throughput: 128 a request)")
     ap.add_argument("--quant", default="int4-a8", help="the build's quant: int4-a8, int4 (bf16+int4), int4-head8, ...")
     ap.add_argument("--workload", choices=("decode", "throughput"), default="decode",
                     help="batch-1 decode (decode.py's runner), or throughput.py's 64-request workload")
@@ -215,6 +218,8 @@ def main() -> None:
     ap.add_argument("--child", help=argparse.SUPPRESS)  # a measuring process: "tree", a sources directory or
     # "package:" and a package's directory
     a = ap.parse_args()
+    if a.kv_cache_dtype and a.workload != "throughput":
+        ap.error("--kv-cache-dtype is for --workload throughput (the decode runner builds a bf16 cache)")
     if a.child:
         child(a)
     elif not a.base:

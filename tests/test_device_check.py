@@ -14,7 +14,8 @@ def test_device_check_dry_run_writes_its_json(tmp_path):
                        capture_output=True, text=True, timeout=400)
     assert r.returncode == 0, r.stderr[-2000:]
     result = json.loads(out.read_text())
-    assert result["ok"] and result["end_to_end"]["equal"] and result["end_to_end"]["kernel_source"] == "interpret"
+    assert result["ok"] and result["complete"] and result["end_to_end"]["equal"]
+    assert result["end_to_end"]["kernel_source"] == "interpret"
     ops = {(k["model"], k["op"]) for k in result["kernels"]}
     assert ("smollm2", "qkv_attention") in ops and ("mixtral", "fused_moe") in ops
     assert all(k["max_rel_err"] < 1e-4 for k in result["kernels"])
@@ -40,7 +41,7 @@ def test_gpu_throughput_dry_run_writes_both_engines(tmp_path):
                         str(out)], capture_output=True, text=True, timeout=400, env={**os.environ, "TRITON_INTERPRET": "1"})
     assert r.returncode == 0, r.stderr[-2000:]
     result = json.loads(out.read_text())
-    assert result["kernel_source"] == "interpret" and \
+    assert result["kernel_source"] == "interpret" and result["complete"] and \
         set(result["results"]) == {"deepfuse sm90 f32", "deepfuse sm90 overlap", "HF f32 batched"}
     assert all(e["output_tokens"] == 4 * 8 and e["output_tps"] > 0 for e in result["results"].values())
 
@@ -51,7 +52,9 @@ def test_gpu_kernel_times_dry_run_lists_every_launch_kind(tmp_path):
     r = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "gpu_kernel_times.py"), "--dry-run", "--out",
                         str(out)], capture_output=True, text=True, timeout=400, env={**os.environ, "TRITON_INTERPRET": "1"})
     assert r.returncode == 0, r.stderr[-2000:]
-    steps = json.loads(out.read_text())["steps"]
+    result = json.loads(out.read_text())
+    steps = result["steps"]
+    assert result["complete"] and len(steps) == 2
     for rows in steps.values():
         ops = {key.split()[0] for key in rows}
         assert {"qkv_attention", "add_rms_norm_linear", "swiglu_linear", "logits", "sample"} <= ops
@@ -67,7 +70,7 @@ def test_gpu_graphs_dry_run_compares_the_padded_buckets_with_eager_steps(tmp_pat
                         str(out)], capture_output=True, text=True, timeout=400, env={**os.environ, "TRITON_INTERPRET": "1"})
     assert r.returncode == 0, r.stderr[-2000:]
     result = json.loads(out.read_text())
-    assert result["ok"] and result["captured_buckets"] == [] and "skipped" in result["sync_check"]
+    assert result["ok"] and result["complete"] and result["captured_buckets"] == [] and "skipped" in result["sync_check"]
     assert {n: (b["bucket"], b["tokens_equal"], b["decode_steps"]) for n, b in result["batches"].items()} == \
         {"1": (1, True, 3), "3": (4, True, 3)}
     assert all(b["overlapped_ms"] > 0 and b["unsized_graphed_ms"] > 0 and b["invariant_graphed_ms"] > 0

@@ -88,7 +88,7 @@ def run_route_align(g, ins: dict):
     return tmps[first:first + 7], kernels[0][0]["constexprs"], kernels[2][0]["constexprs"]["BM"]
 
 
-@pytest.mark.parametrize("tokens", [1, 5, 37, 130])
+@pytest.mark.parametrize("tokens", [1, 5, 37, 64, 65, 130])  # DECODE_ROWS = 64: the last of one set, the first of the other
 @pytest.mark.parametrize("kind", list(ROUTINGS))
 def test_route_and_align_kernels_match_the_reference(kind, tokens):
     g, ins, attrs, (x, router, *bias) = case(kind, tokens)
@@ -107,7 +107,7 @@ def test_route_and_align_kernels_match_the_reference(kind, tokens):
     assert rows.shape[0] >= tokens * kt and rows.shape[0] % block == 0
 
 
-@pytest.mark.parametrize("tokens", [37, 130])  # the decode set (16-row blocks) and the other
+@pytest.mark.parametrize("tokens", [37, 64, 65, 130])  # the decode set (16-row blocks) up to 64, the other
 @pytest.mark.parametrize("kind", list(ROUTINGS))
 def test_fused_moe_launch_matches_the_interpreter(kind, tokens):
     g, ins, _, _ = case(kind, tokens, seed=1)
@@ -116,19 +116,21 @@ def test_fused_moe_launch_matches_the_interpreter(kind, tokens):
     torch.testing.assert_close(got[0], want[0], rtol=1e-4, atol=1e-4)
 
 
-def test_the_decode_set_takes_its_own_tiles_and_invariant_builds_one_set():
+@pytest.mark.parametrize("arch", ["sm90", "sm100"])
+def test_the_decode_set_takes_its_own_tiles_and_invariant_builds_one_set(arch):
     g, _, _, _ = case("mixtral", 8)
-    (p,) = build_plan(g, "sm90")["launches"]
+    (p,) = build_plan(g, arch)["launches"]
     base = p["kernels"][-1]["name"]  # the other set's combine: the launch's name
     by_name = {k["name"].removeprefix(base).lstrip("_") or "combine": k for k in p["kernels"]}
     assert list(by_name) == ["route_small", "align_small", "up_small", "down_small", "small",
                              "route", "align", "up", "down", "combine"]
-    assert by_name["up_small"]["constexprs"]["BM"] == by_name["align_small"]["constexprs"]["BLOCK"] == 16
-    assert by_name["up"]["constexprs"]["BM"] == by_name["align"]["constexprs"]["BLOCK"] == 64
+    for suffix, block in (("_small", 16), ("", {"sm90": 64, "sm100": 128}[arch])):  # the sort pads to the GEMMs' BM
+        assert by_name["up" + suffix]["constexprs"]["BM"] == by_name["down" + suffix]["constexprs"]["BM"] == \
+            by_name["align" + suffix]["constexprs"]["BLOCK"] == block
     assert by_name["up_small"]["when"] == ["le", ["shape", 0, 0], DECODE_ROWS]
     assert by_name["up"]["when"] == ["gt", ["shape", 0, 0], DECODE_ROWS]
     assert ["tmp", 7] in by_name["up"]["args"] and ["tmp", 0] in by_name["up_small"]["args"]
     assert len(p["tmps"]) == 14
-    (inv,) = build_plan(g, "sm90", batch_invariant=True)["launches"]  # one form at every token count
+    (inv,) = build_plan(g, arch, batch_invariant=True)["launches"]  # one form at every token count
     assert len(inv["kernels"]) == 5 and not any("when" in k or k["name"].endswith("_small") for k in inv["kernels"])
     assert len(inv["tmps"]) == 7

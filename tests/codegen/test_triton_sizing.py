@@ -109,6 +109,7 @@ def test_decode_gemms_and_attention_fill_the_sms_at_64_sequences(sizing):
             # the step's shape alone chose them: the one-pass attention and prefill GEMMs did not launch
             assert not [x for x in rows if x["op"] in sizing["gemm_ops"] + ["qkv_attention"]
                         and not new_kernel(x["kernel"]) and not x["kernel"].endswith("_rope")]
+            assert not [x for x in rows if x["op"] == "fused_moe" and not x["kernel"].endswith("_small")]
             moe = [x for x in rows if moe_part(x["kernel"]) in ("up", "down")]
             assert len(moe) == (2 if kind == "mixtral" else 0), (arch, kind, moe)
             for x in moe:  # 128 (token, expert) pairs in blocks of 16 (some only padding, which return at once)

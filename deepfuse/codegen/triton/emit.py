@@ -224,14 +224,16 @@ def _moe_set(node: Node, name: str, suffix: str, tiles: dict, row_tiles: dict) -
 
 
 def _with_tmps_from(spec: dict, first: int) -> dict:
-    """spec with its scratch references (["tmp", j], ["tmp_shape", j, axis], in its arguments and
-    grid) moved to tmps first + j: a second set of kernels with scratch of its own in one launch."""
+    """spec with its scratch references (["tmp", j], ["tmp_shape", j, axis], in any of its forms:
+    arguments, grid, when, requires) moved to tmps first + j: a second set of kernels with scratch
+    of its own in one launch."""
     def moved(form):
         if isinstance(form, list) and form and form[0] in ("tmp", "tmp_shape"):
             return [form[0], form[1] + first, *form[2:]]
         return [moved(f) for f in form] if isinstance(form, list) else form
 
-    return {**spec, "args": moved(spec["args"]), "grid": moved(spec["grid"])}
+    return {k: v if k in ("name", "source", "signature", "constexprs", "scratch") else moved(v)
+            for k, v in spec.items()}
 
 
 def emit_sample(node: Node, name: str, arch: str) -> list[dict]:

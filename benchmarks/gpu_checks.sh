@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Every GPU check in one call, on a machine with a GPU; each step has its own limit, 480 s in
-# all (give the call 600, which leaves time for the machine's start within a 15-minute lease;
-# --dry-run's limits are 570 s, the interpreter being slower); a step stopped by its limit keeps
-# what it wrote: each script saves after every stage, marked complete: false until its end:
+# all (give the call 600; --dry-run's limits are 570 s, the interpreter being slower); a step
+# stopped by its limit keeps what it wrote: each script saves after every stage, marked
+# complete: false until its end:
 # device_check.sh (each kernel against torch, with and without the decode sizing; the artifact
 # end to end), gpu_graphs.py (decode step time at 1/16/64 sequences: eager, CUDA graphs,
 # overlapped, graphs without the decode sizing; it fails where the graphed tokens differ or a

@@ -184,16 +184,18 @@ def emit_fused_moe(node: Node, name: str, arch: str, invariant: bool = False) ->
     small set's tmps 0-6, the other's 7-13), the grouped gate/up GEMM with SwiGLU, the grouped
     down GEMM scaled by the routing weight, and the per-token combine.
     invariant: the `gemm` set at every token count (a row's sums in one order whatever its step)."""
-    large = _moe_set(node, name, "", tiles_for(arch, "gemm", node), tiles_for(arch, "row", node))
+    row_tiles = tiles_for(arch, "row", node)
+    large = _moe_set(node, name, "", tiles_for(arch, "gemm", node), row_tiles)
     if invariant:
         return large
-    small = _moe_set(node, name, "_small", tiles_for(arch, "moe_decode", node), tiles_for(arch, "row", node))
+    small = _moe_set(node, name, "_small", tiles_for(arch, "moe_decode", node), row_tiles)
     tokens = ["shape", 0, 0]
     for spec in small:
         spec["when"] = ["le", tokens, DECODE_ROWS]
     for spec in large:
         spec["when"] = ["gt", tokens, DECODE_ROWS]
-    return small + [_with_tmps_from(spec, 7) for spec in large]
+    first = sum(len(spec.get("scratch", [])) for spec in small)  # the other set's scratch follows the small set's
+    return small + [_with_tmps_from(spec, first) for spec in large]
 
 
 def _moe_set(node: Node, name: str, suffix: str, tiles: dict, row_tiles: dict) -> list[dict]:
